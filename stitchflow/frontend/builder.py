@@ -1,0 +1,125 @@
+"""GraphBuilder: accumulates inputs, parameters and equations while an FX graph is lowered."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Callable, Sequence
+
+import torch
+
+from ..ir.errors import ShapeError
+from ..ir.expr import Expr, Read
+from ..ir.graph import Graph, Node, Tag
+from ..ir.index import Var
+from ..ir.types import Format, TensorType, dense_type
+from .values import TensorValue, identity
+
+OUT_NAMES = "ijlmnopq"
+RED_NAMES = "kruvwxyz"
+
+BodyFn = Callable[[list[Var], list[Var], dict], Expr]
+
+
+def loop_vars(rank: int, names: str, taken: Sequence[str] = ()) -> list[Var]:
+    pool = [n for n in names if n not in taken] + [f"{names[0]}{k}" for k in range(rank)]
+    return [Var(pool[d]) for d in range(rank)]
+
+
+class GraphBuilder:
+    def __init__(self):
+        self.inputs: list[str] = []
+        self.params: list[str] = []
+        self.param_values: dict[str, torch.Tensor] = {}
+        self.nodes: list[Node] = []
+        self.types: dict[str, TensorType] = {}
+        self._counter = itertools.count()
+        self._tags = itertools.count(1)
+        self.origin = ""
+        self.group = ""
+
+    # names ------------------------------------------------------------------
+    def fresh(self, hint: str) -> str:
+        hint = "".join(ch if ch.isalnum() else "_" for ch in hint).strip("_") or "t"
+        name = hint
+        while name in self.types:
+            name = f"{hint}_{next(self._counter)}"
+        return name
+
+    def new_tag(self, kind: str) -> Tag:
+        return Tag(kind, next(self._tags))
+
+    # declarations -----------------------------------------------------------
+    def add_input(self, hint: str, ttype: TensorType) -> TensorValue:
+        name = self.fresh(hint)
+        self.inputs.append(name)
+        self.types[name] = ttype
+        return identity(name, ttype.shape, ttype.dtype)
+
+    def add_param(self, hint: str, value: torch.Tensor, fmt: Format | None = None) -> TensorValue:
+        name = self.fresh(hint)
+        self.params.append(name)
+        self.param_values[name] = value
+        ttype = dense_type(value.shape, value.dtype)
+        if fmt is not None:
+            ttype = TensorType(ttype.shape, ttype.dtype, fmt)
+        self.types[name] = ttype
+        return identity(name, ttype.shape, ttype.dtype)
+
+    # equations --------------------------------------------------------------
+    def emit(
+        self,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        body: BodyFn,
+        *,
+        reduce: str | None = None,
+        red_shape: Sequence[int] = (),
+        tag: Tag | None = None,
+        hint: str = "t",
+        fmt: Format | None = None,
+    ) -> TensorValue:
+        """Add `out[out_vars] (reduce)= body(out_vars, red_vars, ranges)` and return its value."""
+        shape = tuple(int(s) for s in shape)
+        out_vars = loop_vars(len(shape), OUT_NAMES)
+        red_vars = loop_vars(len(red_shape), RED_NAMES, [v.name for v in out_vars])
+        dims = tuple((v.name, n) for v, n in zip(out_vars, shape)) + tuple(
+            (v.name, int(n)) for v, n in zip(red_vars, red_shape)
+        )
+        ranges = dict(dims)
+        expr = body(out_vars, red_vars, ranges)
+        name = self.fresh(hint)
+        node = Node(name, tuple(out_vars), expr, dims, reduce, tag, self.origin, self.group)
+        self.nodes.append(node)
+        self.types[name] = TensorType(shape, dtype, fmt) if fmt else dense_type(shape, dtype)
+        return identity(name, shape, dtype)
+
+    def scatter(self, out_shape, dtype, loop_shape, body: BodyFn, index_fn, *, hint="scatter") -> TensorValue:
+        """out[index_fn(vars)] += body(vars) over a loop of `loop_shape` (vars are all loop vars)."""
+        loop = loop_vars(len(loop_shape), OUT_NAMES)
+        dims = tuple((v.name, int(n)) for v, n in zip(loop, loop_shape))
+        ranges = dict(dims)
+        name = self.fresh(hint)
+        node = Node(name, tuple(index_fn(loop, ranges)), body(loop, [], ranges), dims, "sum", None, self.origin, self.group)
+        if not node.is_scatter:
+            raise ShapeError("scatter without an indirect output index")
+        self.nodes.append(node)
+        self.types[name] = dense_type(out_shape, dtype)
+        return identity(name, tuple(out_shape), dtype)
+
+    def materialize(self, v: TensorValue, hint: str = "copy") -> TensorValue:
+        """A node that copies a view into a tensor of its own (for outputs and opaque uses)."""
+        if v.is_identity:
+            return v
+        return self.emit(v.shape, v.dtype, lambda o, r, rg: v.read(o, rg), hint=hint)
+
+    def read(self, v: TensorValue, exprs, ranges) -> Read:
+        return v.read(exprs, ranges)
+
+    def finish(self, outputs: Sequence[str]) -> Graph:
+        return Graph(
+            tuple(self.inputs),
+            tuple(self.params),
+            tuple(self.nodes),
+            tuple(outputs),
+            tuple(self.types.items()),
+        ).validate()

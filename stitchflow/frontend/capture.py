@@ -1,0 +1,205 @@
+"""Capture: FX graphs (symbolic tracing, Dynamo, torch.export) -> stitchflow IR.
+
+The driver walks the FX graph once, runs every node eagerly on the example inputs (which gives
+shapes and dtypes, and works for sparse tensors where Dynamo and export do not), and hands
+each call to its lowering. Calls whose arguments do not depend on the graph's tensors are
+folded to constants. Anything without a lowering raises UnsupportedOpError naming the op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from ..ir.errors import ShapeError, StitchflowError, UnsupportedOpError
+from ..ir.graph import Graph
+from ..ir.types import Format, TensorType, format_of_tensor, parse_format
+from . import ops_elementwise, ops_linalg, ops_reduce, ops_shape  # noqa: F401  (register lowerings)
+from .builder import GraphBuilder
+from .registry import LOWERINGS, LowerCtx, describe_target, key_of
+from .values import TensorValue
+
+
+@dataclass
+class Captured:
+    """A lowered graph, the constant tensors it holds, and how to rebuild the output pytree."""
+
+    graph: Graph
+    param_values: dict[str, torch.Tensor]
+    out_spec: Any
+    input_names: tuple[str, ...]
+    example_outputs: Any = None
+    notes: list[str] = field(default_factory=list)
+
+
+class FullTracer(fx.Tracer):
+    """Symbolic tracer that inlines every submodule, so only functional ops reach the IR while
+    each node still records the module stack (used for per-layer fusion)."""
+
+    def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
+        return False
+
+
+def symbolic_trace(model: torch.nn.Module | Any) -> fx.GraphModule:
+    root = model if isinstance(model, torch.nn.Module) else _FnModule(model)
+    tracer = FullTracer()
+    graph = tracer.trace(root)
+    return fx.GraphModule(tracer.root, graph, type(root).__name__)
+
+
+class _FnModule(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+def top_level_group(node: fx.Node) -> str:
+    """The first submodule on the node's module stack ("" for top-level code)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    for path, *_ in stack.values():
+        path = str(path)
+        for prefix in ("L['self'].", "L['self']", "L['fn'].", "self."):
+            path = path.removeprefix(prefix)
+        path = path.replace("_modules['", "").replace("']", "").replace("['", ".")
+        head = path.split(".")[0] if path else ""
+        if head:
+            return head
+    return ""
+
+
+def _format_for(spec, tensor: torch.Tensor) -> Format:
+    if spec is None:
+        return format_of_tensor(tensor)
+    block = None
+    if tensor.layout in (torch.sparse_bsr, torch.sparse_bsc):
+        block = tuple(tensor.values().shape[-2:])
+    return parse_format(spec, tensor.dim(), block)
+
+
+def capture(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    input_formats: Mapping[Any, str | Format] | None = None,
+    param_formats: Mapping[str, str | Format] | None = None,
+) -> Captured:
+    """Lower `gm` to IR. `input_formats` maps input positions or names to format names
+    (e.g. {0: "dcsr"}); `param_formats` maps parameter paths (e.g. "layer1.weight") likewise."""
+    input_formats = dict(input_formats or {})
+    param_formats = dict(param_formats or {})
+    b = GraphBuilder()
+    env: dict[fx.Node, Any] = {}
+    real: dict[fx.Node, Any] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(example_inputs):
+        raise ShapeError(f"the model takes {len(placeholders)} inputs, {len(example_inputs)} were given")
+    names = []
+    unknown = set(input_formats) - set(range(len(placeholders))) - {p.target for p in placeholders}
+    if unknown:
+        raise StitchflowError(f"input_formats names unknown inputs {sorted(map(str, unknown))}")
+    for pos, (ph, value) in enumerate(zip(placeholders, example_inputs)):
+        real[ph] = value
+        names.append(ph.target)
+        if isinstance(value, torch.Tensor):
+            spec = input_formats.get(pos, input_formats.get(ph.target))
+            ttype = TensorType(tuple(value.shape), value.dtype, _format_for(spec, value))
+            env[ph] = b.add_input(ph.target, ttype)
+        else:
+            env[ph] = value
+    used_params = set()
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        b.origin, b.group = node.name, top_level_group(node)
+        if node.op == "get_attr":
+            value = _fetch_attr(gm, node.target)
+            real[node] = value
+            if isinstance(value, torch.Tensor):
+                spec = param_formats.get(node.target)
+                env[node] = b.add_param(node.target, value, _format_for(spec, value) if spec else None)
+                used_params.add(node.target)
+            else:
+                env[node] = value
+            continue
+        env[node], real[node] = _lower_call(gm, node, b, env, real)
+    unused = set(param_formats) - used_params
+    if unused:
+        raise StitchflowError(f"param_formats names parameters the model does not use: {sorted(unused)}")
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    return _finish(b, out_node, env, real, tuple(names))
+
+
+def _fetch_attr(gm: fx.GraphModule, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj.detach() if isinstance(obj, torch.Tensor) else obj
+
+
+def _lower_call(gm, node: fx.Node, b: GraphBuilder, env, real):
+    args = tree_map(lambda a: env[a] if isinstance(a, fx.Node) else a, (node.args, node.kwargs))
+    real_args, real_kwargs = tree_map(lambda a: real[a] if isinstance(a, fx.Node) else a, (node.args, node.kwargs))
+    out = _run_eager(gm, node, real_args, real_kwargs)
+    depends = any(isinstance(leaf, TensorValue) for leaf in tree_flatten(args)[0])
+    if not depends:  # no graph tensor flows in: fold to a constant
+        return (b.add_param("const", out) if isinstance(out, torch.Tensor) else out), out
+    if node.op == "call_module":
+        raise UnsupportedOpError(f"module {node.target}", "leaf modules are not traced into", node.name)
+    key = key_of(node)
+    fn = LOWERINGS.get(key)
+    if fn is None:
+        raise UnsupportedOpError(describe_target(node), "no lowering to the IR", node.name)
+    ctx = LowerCtx(b, node, out)
+    try:
+        value = fn(ctx, *args[0], **args[1])
+    except StitchflowError:
+        raise
+    except (TypeError, ValueError, IndexError) as err:
+        raise UnsupportedOpError(describe_target(node), f"these arguments are not supported ({err})", node.name) from err
+    _check_shape(node, value, out)
+    return value, out
+
+
+def _run_eager(gm, node: fx.Node, args, kwargs):
+    if node.op == "call_function":
+        return node.target(*args, **kwargs)
+    if node.op == "call_method":
+        self_obj, *rest = args
+        return getattr(self_obj, node.target)(*rest, **kwargs)
+    if node.op == "call_module":
+        return gm.get_submodule(node.target)(*args, **kwargs)
+    raise StitchflowError(f"unexpected FX node kind {node.op}")
+
+
+def _check_shape(node, value, out):
+    if isinstance(value, TensorValue) and isinstance(out, torch.Tensor) and tuple(out.shape) != value.shape:
+        raise ShapeError(f"lowering of {node.name} gave shape {value.shape}, torch gives {tuple(out.shape)}")
+
+
+def _finish(b: GraphBuilder, out_node: fx.Node, env, real, names) -> Captured:
+    result = tree_map(lambda a: env[a] if isinstance(a, fx.Node) else a, out_node.args[0])
+    example = tree_map(lambda a: real[a] if isinstance(a, fx.Node) else a, out_node.args[0])
+    leaves, spec = tree_flatten(result)
+    outputs = []
+    b.origin, b.group = "output", ""
+    for leaf in leaves:
+        if isinstance(leaf, TensorValue):
+            outputs.append(b.materialize(leaf, hint="out").base)
+        elif leaf is None or isinstance(leaf, (int, float, bool)):
+            outputs.append(leaf)
+        else:
+            raise UnsupportedOpError("output", f"an output of type {type(leaf).__name__}")
+    graph = b.finish([o for o in outputs if isinstance(o, str)])
+    return Captured(graph, dict(b.param_values), (spec, outputs), names, example)
+
+
+def rebuild_outputs(captured: Captured, env: Mapping[str, torch.Tensor]):
+    spec, outputs = captured.out_spec
+    return tree_unflatten([env[o] if isinstance(o, str) else o for o in outputs], spec)

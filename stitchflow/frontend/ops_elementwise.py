@@ -1,0 +1,178 @@
+"""Lowerings of elementwise ops: arithmetic, activations, comparisons, selects and casts."""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+import torch.nn.functional as F
+
+from ..ir.errors import UnsupportedOpError
+from ..ir.expr import Cast, Const, call
+from .registry import LowerCtx, lowering, operand, upcast
+from .values import TensorValue
+
+aten = torch.ops.aten
+
+
+def elementwise(ctx: LowerCtx, fn, *operands, tag=None, hint=None, upcast_reads=False):
+    """One node out[o] = fn(*reads) over the broadcast shape of the eager result."""
+    shape, dtype = ctx.shape, ctx.dtype
+
+    def body(o, r, rg):
+        args = [operand(x, o, shape, rg) for x in operands]
+        if upcast_reads:
+            args = [upcast(a, x) for a, x in zip(args, operands)]
+        return fn(*args)
+
+    tag = ctx.builder.new_tag(tag) if isinstance(tag, str) else tag
+    return ctx.builder.emit(shape, dtype, body, tag=tag, hint=hint or ctx.hint)
+
+
+def _binary(op):
+    def lower(ctx, a, b, *, alpha=1, out=None):
+        if alpha != 1:
+            return elementwise(ctx, lambda x, y: call(op, x, call("mul", y, Const(alpha))), a, b)
+        return elementwise(ctx, lambda x, y: call(op, x, y), a, b)
+
+    return lower
+
+
+def _reverse(op):
+    def lower(ctx, a, b, *, alpha=1):
+        return elementwise(ctx, lambda x, y: call(op, y, call("mul", x, Const(alpha)) if alpha != 1 else x), a, b)
+
+    return lower
+
+
+lowering(operator.add, operator.iadd, torch.add, "method:add", "method:__add__", "aten.add")(_binary("add"))
+lowering(operator.sub, operator.isub, torch.sub, torch.subtract, "method:sub", "aten.sub")(_binary("sub"))
+lowering(operator.mul, operator.imul, torch.mul, torch.multiply, "method:mul", "aten.mul")(_binary("mul"))
+lowering(operator.truediv, operator.itruediv, torch.div, torch.true_divide, "method:div", "aten.div")(_binary("div"))
+lowering(torch.rsub, "aten.rsub")(_reverse("sub"))
+lowering(torch.maximum, "method:maximum", "aten.maximum")(_binary("max"))
+lowering(torch.minimum, "method:minimum", "aten.minimum")(_binary("min"))
+lowering(operator.pow, torch.pow, "method:pow", "aten.pow")(_binary("pow"))
+for _name, _ops in {
+    "lt": (operator.lt, torch.lt, "method:lt", "aten.lt"),
+    "le": (operator.le, torch.le, "method:le", "aten.le"),
+    "gt": (operator.gt, torch.gt, "method:gt", "aten.gt"),
+    "ge": (operator.ge, torch.ge, "method:ge", "aten.ge"),
+    "eq": (operator.eq, torch.eq, "method:eq", "aten.eq"),
+    "ne": (operator.ne, torch.ne, "method:ne", "aten.ne"),
+    "and": (operator.and_, torch.logical_and, "method:logical_and", "aten.logical_and"),
+    "or": (operator.or_, torch.logical_or, "method:logical_or", "aten.logical_or"),
+}.items():
+    lowering(*_ops)(_binary(_name))
+
+
+def _unary(op, upcast_reads=True):
+    def lower(ctx, x, *args, **kwargs):
+        return elementwise(ctx, lambda a: call(op, a), x, upcast_reads=upcast_reads)
+
+    return lower
+
+
+for _op, _keys in {
+    "neg": (operator.neg, torch.neg, "method:neg", "aten.neg"),
+    "abs": (torch.abs, "method:abs", "aten.abs"),
+    "exp": (torch.exp, "method:exp", "aten.exp"),
+    "log": (torch.log, "method:log", "aten.log"),
+    "sqrt": (torch.sqrt, "method:sqrt", "aten.sqrt"),
+    "rsqrt": (torch.rsqrt, "method:rsqrt", "aten.rsqrt"),
+    "recip": (torch.reciprocal, "method:reciprocal", "aten.reciprocal"),
+    "tanh": (torch.tanh, F.tanh, "method:tanh", "aten.tanh"),
+    "sigmoid": (torch.sigmoid, F.sigmoid, "method:sigmoid", "aten.sigmoid"),
+    "erf": (torch.erf, torch.special.erf, "method:erf", "aten.erf"),
+    "not": (torch.logical_not, operator.invert, "method:logical_not", "aten.logical_not"),
+}.items():
+    lowering(*_keys)(_unary(_op))
+
+
+@lowering(torch.relu, F.relu, "method:relu", "aten.relu")
+def lower_relu(ctx, x, inplace=False):
+    return elementwise(ctx, lambda a: call("relu", a), x)
+
+
+@lowering(F.gelu, "method:gelu", "aten.gelu")
+def lower_gelu(ctx, x, approximate="none"):
+    def gelu(a):
+        if approximate == "tanh":
+            inner = call("mul", Const(math.sqrt(2 / math.pi)), call("add", a, call("mul", Const(0.044715), call("pow", a, Const(3)))))
+            return call("mul", call("mul", Const(0.5), a), call("add", Const(1.0), call("tanh", inner)))
+        return call("mul", call("mul", Const(0.5), a), call("add", Const(1.0), call("erf", call("mul", a, Const(1 / math.sqrt(2))))))
+
+    return elementwise(ctx, gelu, x, tag="gelu", upcast_reads=True)
+
+
+@lowering(F.silu, "method:silu", "aten.silu")
+def lower_silu(ctx, x, inplace=False):
+    return elementwise(ctx, lambda a: call("mul", a, call("sigmoid", a)), x, tag="silu", upcast_reads=True)
+
+
+@lowering(torch.clamp, torch.clip, "method:clamp", "method:clip", "aten.clamp", "aten.clip")
+def lower_clamp(ctx, x, min=None, max=None):
+    def body(a):
+        if min is not None:
+            a = call("max", a, Const(min))
+        if max is not None:
+            a = call("min", a, Const(max))
+        return a
+
+    return elementwise(ctx, body, x)
+
+
+@lowering(torch.clamp_min, "method:clamp_min", "aten.clamp_min")
+def lower_clamp_min(ctx, x, min):
+    return elementwise(ctx, lambda a, m: call("max", a, m), x, min)
+
+
+@lowering(torch.where, "method:where", "aten.where")
+def lower_where(ctx, cond, a=None, b=None):
+    if a is None:
+        raise UnsupportedOpError("where", "the one-argument form has a data-dependent shape", ctx.hint)
+    return elementwise(ctx, lambda c, x, y: call("where", c, x, y), cond, a, b)
+
+
+@lowering(torch.masked_fill, "method:masked_fill", "method:masked_fill_", "aten.masked_fill")
+def lower_masked_fill(ctx, x, mask, value):
+    return elementwise(ctx, lambda a, m, v: call("where", m, v, a), x, mask, value)
+
+
+@lowering(F.dropout, torch.dropout, "aten.dropout", "method:dropout")
+def lower_dropout(ctx, x, p=0.5, training=True, inplace=False, **_):
+    if training and p > 0:
+        raise UnsupportedOpError("dropout", "dropout in training mode is random; call model.eval()", ctx.hint)
+    return x
+
+
+def _identity(ctx, x, *args, **kwargs):
+    return x
+
+
+lowering(
+    "method:contiguous", "method:clone", "method:detach", "method:cpu", "method:cuda", torch.clone,
+    "aten.clone", "aten.contiguous", "aten.alias", "aten.detach", "aten.lift_fresh_copy",
+)(_identity)
+
+
+def cast(ctx, x, dtype: torch.dtype):
+    if not isinstance(x, TensorValue) or x.dtype == dtype:
+        return x
+    return elementwise(ctx, lambda a: Cast(dtype, a), x)
+
+
+@lowering("method:to", "aten._to_copy", "aten.to")
+def lower_to(ctx, x, *args, **kwargs):
+    return cast(ctx, x, ctx.dtype)
+
+
+@lowering(
+    "method:float", "method:double", "method:half", "method:bfloat16", "method:type_as",
+    "method:type", "aten.type_as", "aten._assert_tensor_metadata",
+)
+def lower_cast_methods(ctx, x, *args, **kwargs):
+    if not isinstance(ctx.out, torch.Tensor):
+        return None
+    return cast(ctx, x, ctx.dtype)

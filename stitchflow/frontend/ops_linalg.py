@@ -1,0 +1,124 @@
+"""Lowerings of contractions: matmul in all its spellings, linear, einsum, sparse mm."""
+
+from __future__ import annotations
+
+import operator
+import re
+
+import torch
+import torch.nn.functional as F
+
+from ..ir.errors import ShapeError, UnsupportedOpError
+from ..ir.expr import Const, call
+from . import values as V
+from .ops_elementwise import elementwise
+from .registry import LowerCtx, lowering
+from .values import TensorValue
+
+aten = torch.ops.aten
+
+
+def _batched_read(v: TensorValue, batch_vars, batch_shape, tail, rg):
+    """Read v[batch..., *tail] with v's batch dims broadcast against `batch_shape`."""
+    nb = v.rank - len(tail)
+    offset = len(batch_shape) - nb
+    exprs = []
+    for d in range(nb):
+        exprs.append(batch_vars[d + offset] if v.shape[d] == batch_shape[d + offset] else V.Lit(0) if v.shape[d] == 1 else None)
+        if exprs[-1] is None:
+            raise ShapeError(f"batch dims of {v.shape} do not broadcast to {tuple(batch_shape)}")
+    return v.read(exprs + list(tail), rg)
+
+
+def contract(ctx: LowerCtx, a: TensorValue, b: TensorValue, tag=None):
+    """torch.matmul semantics: 1-D operands are promoted and the added dim removed again."""
+    if not isinstance(a, TensorValue) or not isinstance(b, TensorValue):
+        raise UnsupportedOpError("matmul", "both operands must be tensors", ctx.hint)
+    if a.rank == 0 or b.rank == 0:
+        raise ShapeError("matmul of a 0-d tensor")
+    a2 = V.unsqueeze(a, 0) if a.rank == 1 else a
+    b2 = V.unsqueeze(b, 1) if b.rank == 1 else b
+    if a2.shape[-1] != b2.shape[-2]:
+        raise ShapeError(f"matmul: inner dims differ, {a.shape} @ {b.shape}")
+    batch = list(torch.broadcast_shapes(a2.shape[:-2], b2.shape[:-2]))
+    out_shape = batch + [a2.shape[-2], b2.shape[-1]]
+    k = a2.shape[-1]
+    nbatch = len(batch)
+
+    def body(o, r, rg):
+        bv = o[:nbatch]
+        i, j = o[nbatch], o[nbatch + 1]
+        left = _batched_read(a2, bv, batch, [i, r[0]], rg)
+        right = _batched_read(b2, bv, batch, [r[0], j], rg)
+        return call("mul", left, right)
+
+    tag = ctx.builder.new_tag(tag) if isinstance(tag, str) else tag
+    out = ctx.builder.emit(out_shape, ctx.dtype, body, reduce="sum", red_shape=[k], tag=tag, hint=ctx.hint)
+    if a.rank == 1:
+        out = V.select(out, -2, 0)
+    if b.rank == 1:
+        out = V.select(out, -1, 0)
+    return out
+
+
+@lowering(operator.matmul, torch.matmul, torch.mm, torch.bmm, torch.sparse.mm, "method:matmul", "method:mm",
+          "method:bmm", "aten.mm", "aten.bmm", "aten.matmul", "method:__matmul__", torch.spmm, "aten._sparse_mm")
+def lower_matmul(ctx, a, b, *args, **kwargs):
+    return contract(ctx, a, b)
+
+
+@lowering(F.linear, "aten.linear")
+def lower_linear(ctx, x, weight, bias=None):
+    tag = ctx.builder.new_tag("linear")
+    y = contract(ctx, x, V.transpose(weight, 0, 1) if weight.rank == 2 else weight, tag=tag)
+    if bias is None:
+        return y
+    return elementwise(ctx, lambda p, q: call("add", p, q), y, bias, tag=tag, hint=f"{ctx.hint}_bias")
+
+
+@lowering(torch.addmm, "aten.addmm", "method:addmm")
+def lower_addmm(ctx, bias, a, b, *, beta=1, alpha=1):
+    tag = ctx.builder.new_tag("linear")
+    y = contract(ctx, a, b, tag=tag)
+
+    def body(p, q):
+        p = call("mul", p, Const(alpha)) if alpha != 1 else p
+        q = call("mul", q, Const(beta)) if beta != 1 else q
+        return call("add", p, q)
+
+    return elementwise(ctx, body, y, bias, tag=tag, hint=f"{ctx.hint}_bias")
+
+
+@lowering(torch.einsum, "aten.einsum")
+def lower_einsum(ctx: LowerCtx, equation: str, *operands):
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = tuple(operands[0])
+    eq = equation.replace(" ", "")
+    if "..." in eq:
+        raise UnsupportedOpError("einsum", "ellipsis in the equation", ctx.hint)
+    lhs, _, rhs = eq.partition("->")
+    specs = lhs.split(",")
+    if len(specs) != len(operands):
+        raise ShapeError(f"einsum {equation!r} names {len(specs)} operands, got {len(operands)}")
+    if not rhs and "->" not in eq:
+        rhs = "".join(sorted(ch for ch in set(lhs) - {","} if lhs.count(ch) == 1))
+    extent = {}
+    for spec, t in zip(specs, operands):
+        if len(spec) != t.rank:
+            raise ShapeError(f"einsum operand {spec!r} has rank {t.rank}")
+        for ch, n in zip(spec, t.shape):
+            if extent.setdefault(ch, n) != n and n != 1:
+                raise ShapeError(f"einsum index {ch} has sizes {extent[ch]} and {n}")
+    reduced = [ch for ch in dict.fromkeys(re.sub(",", "", lhs)) if ch not in rhs]
+
+    def body(o, r, rg):
+        var = {ch: v for ch, v in zip(rhs, o)} | {ch: v for ch, v in zip(reduced, r)}
+        reads = [t.read([var[ch] if t.shape[d] == extent[ch] else V.Lit(0) for d, ch in enumerate(spec)], rg)
+                 for spec, t in zip(specs, operands)]
+        expr = reads[0]
+        for rd in reads[1:]:
+            expr = call("mul", expr, rd)
+        return expr
+
+    return ctx.builder.emit(ctx.shape, ctx.dtype, body, reduce="sum" if reduced else None,
+                            red_shape=[extent[ch] for ch in reduced], hint=ctx.hint)

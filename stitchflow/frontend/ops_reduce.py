@@ -1,0 +1,248 @@
+"""Lowerings of reductions and of the composite ops built from them (softmax, norms), and of
+scatter-adds (how torch_geometric aggregates messages)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..ir.errors import UnsupportedOpError
+from ..ir.expr import Cast, Const, call
+from ..ir.graph import Tag
+from ..ir.index import Gather
+from . import values as V
+from .registry import LowerCtx, compute_dtype, lowering, operand, upcast
+from .values import TensorValue
+
+
+def _dims(dim, rank) -> list[int]:
+    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+        return list(range(rank))
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    return sorted({V.norm_dim(d, rank) for d in dims})
+
+
+def reduce(ctx: LowerCtx, x: TensorValue, dims, kind: str, *, keepdim=False, scale=None, dtype=None,
+           pre=None, tag: Tag | None = None, hint=None) -> TensorValue:
+    """out = kind_{dims} pre(x) * scale; kept dims become size-1 output dims when keepdim."""
+    dims = _dims(dims, x.rank)
+    out_shape = [1 if d in dims else n for d, n in enumerate(x.shape) if keepdim or d not in dims]
+    red_shape = [x.shape[d] for d in dims]
+    dtype = dtype or x.dtype
+
+    def body(o, r, rg):
+        exprs, oi, ri = [], 0, 0
+        for d in range(x.rank):
+            if d in dims:
+                exprs.append(r[ri])
+                ri += 1
+                oi += keepdim
+            else:
+                exprs.append(o[oi])
+                oi += 1
+        e = upcast(x.read(exprs, rg), x)
+        e = pre(e, o) if pre else e
+        return call("mul", e, Const(scale)) if scale is not None else e
+
+    return ctx.builder.emit(out_shape, dtype, body, reduce=kind, red_shape=red_shape, tag=tag, hint=hint or ctx.hint)
+
+
+@lowering(torch.sum, "method:sum", "aten.sum")
+def lower_sum(ctx, x, dim=None, keepdim=False, *, dtype=None):
+    return reduce(ctx, x, dim, "sum", keepdim=keepdim, dtype=ctx.dtype)
+
+
+@lowering(torch.mean, "method:mean", "aten.mean")
+def lower_mean(ctx, x, dim=None, keepdim=False, *, dtype=None):
+    count = math.prod(x.shape[d] for d in _dims(dim, x.rank))
+    return reduce(ctx, x, dim, "sum", keepdim=keepdim, scale=1.0 / count, dtype=ctx.dtype)
+
+
+@lowering(torch.amax, "method:amax", "aten.amax")
+def lower_amax(ctx, x, dim=(), keepdim=False):
+    return reduce(ctx, x, dim, "max", keepdim=keepdim, dtype=ctx.dtype)
+
+
+@lowering(torch.max, "method:max", "aten.max")
+def lower_max(ctx, x, dim=None, keepdim=False):
+    if isinstance(dim, TensorValue):
+        return _binary_max(ctx, x, dim)
+    if dim is not None:
+        raise UnsupportedOpError("max(dim)", "returns indices too; use amax", ctx.hint)
+    return reduce(ctx, x, None, "max", dtype=ctx.dtype)
+
+
+def _binary_max(ctx, a, b):
+    from .ops_elementwise import elementwise
+
+    return elementwise(ctx, lambda p, q: call("max", p, q), a, b)
+
+
+def _reduced_read(v: TensorValue, o, dim):
+    """Read a keepdim-less row statistic `v` at the output point `o` without the reduced `dim`."""
+    return lambda rg: v.read([o[d] for d in range(len(o)) if d != dim], rg)
+
+
+def softmax_parts(ctx: LowerCtx, x: TensorValue, dim: int, tag: Tag):
+    """M = max_d x; E = exp(x - M); Z = sum_d E (float32 for half inputs)."""
+    dim = V.norm_dim(dim, x.rank)
+    acc = compute_dtype(x.dtype)
+    m = reduce(ctx, x, [dim], "max", dtype=acc, tag=tag, hint=f"{ctx.hint}_max")
+    b = ctx.builder
+
+    def exp_body(o, r, rg):
+        xs = upcast(x.read(o, rg), x)
+        return call("exp", call("sub", xs, _reduced_read(m, o, dim)(rg)))
+
+    e = b.emit(x.shape, acc, exp_body, tag=tag, hint=f"{ctx.hint}_exp")
+    z = reduce(ctx, e, [dim], "sum", dtype=acc, tag=tag, hint=f"{ctx.hint}_sum")
+    return dim, m, e, z
+
+
+@lowering(torch.softmax, F.softmax, "method:softmax", "aten.softmax", "aten._softmax")
+def lower_softmax(ctx, x, dim=None, *args, **kwargs):
+    tag = ctx.builder.new_tag("softmax")
+    dim, _, e, z = softmax_parts(ctx, x, dim, tag)
+    return ctx.builder.emit(
+        x.shape, ctx.dtype, lambda o, r, rg: call("div", e.read(o, rg), _reduced_read(z, o, dim)(rg)), tag=tag, hint=ctx.hint
+    )
+
+
+@lowering(torch.log_softmax, F.log_softmax, "method:log_softmax", "aten.log_softmax", "aten._log_softmax")
+def lower_log_softmax(ctx, x, dim=None, *args, **kwargs):
+    tag = ctx.builder.new_tag("log_softmax")
+    dim, m, _, z = softmax_parts(ctx, x, dim, tag)
+
+    def body(o, r, rg):
+        shifted = call("sub", upcast(x.read(o, rg), x), _reduced_read(m, o, dim)(rg))
+        return call("sub", shifted, call("log", _reduced_read(z, o, dim)(rg)))
+
+    return ctx.builder.emit(x.shape, ctx.dtype, body, tag=tag, hint=ctx.hint)
+
+
+def _norm_dims(x: TensorValue, normalized_shape) -> list[int]:
+    n = len(normalized_shape) if isinstance(normalized_shape, (list, tuple, torch.Size)) else 1
+    return list(range(x.rank - n, x.rank))
+
+
+def _affine(e, o, dims, weight, bias, rg):
+    """e * weight[trailing dims] + bias[trailing dims]."""
+    tail = [o[d] for d in dims]
+    if weight is not None:
+        e = call("mul", e, upcast(weight.read(tail, rg), weight) if isinstance(weight, TensorValue) else Const(weight))
+    if bias is not None:
+        e = call("add", e, upcast(bias.read(tail, rg), bias) if isinstance(bias, TensorValue) else Const(bias))
+    return e
+
+
+def _row_read(v: TensorValue, o, dims, rg):
+    return v.read([o[d] for d in range(len(o)) if d not in dims], rg)
+
+
+def layer_norm(ctx, x, normalized_shape, weight=None, bias=None, eps=1e-5):
+    """mean, centred x, variance, then (x - mean) * rsqrt(var + eps) * w + b; stats in float32."""
+    tag = ctx.builder.new_tag("layernorm")
+    dims = _norm_dims(x, normalized_shape)
+    count = math.prod(x.shape[d] for d in dims)
+    acc = compute_dtype(x.dtype)
+    mean = reduce(ctx, x, dims, "sum", scale=1.0 / count, dtype=acc, tag=tag, hint=f"{ctx.hint}_mean")
+    b = ctx.builder
+    xc = b.emit(x.shape, acc, lambda o, r, rg: call("sub", upcast(x.read(o, rg), x), _row_read(mean, o, dims, rg)),
+                tag=tag, hint=f"{ctx.hint}_centered")
+    var = reduce(ctx, xc, dims, "sum", scale=1.0 / count, pre=lambda e, o: call("mul", e, e), dtype=acc, tag=tag,
+                 hint=f"{ctx.hint}_var")
+
+    def body(o, r, rg):
+        e = call("mul", xc.read(o, rg), call("rsqrt", call("add", _row_read(var, o, dims, rg), Const(eps))))
+        return _affine(e, o, dims, weight, bias, rg)
+
+    out = b.emit(x.shape, x.dtype, body, tag=tag, hint=ctx.hint)
+    return out, mean, var
+
+
+@lowering(F.layer_norm, "aten.layer_norm")
+def lower_layer_norm(ctx, x, normalized_shape, weight=None, bias=None, eps=1e-5, *args):
+    return layer_norm(ctx, x, normalized_shape, weight, bias, eps)[0]
+
+
+@lowering("aten.native_layer_norm")
+def lower_native_layer_norm(ctx, x, normalized_shape, weight, bias, eps):
+    out, mean, var = layer_norm(ctx, x, normalized_shape, weight, bias, eps)
+    return out, mean, var
+
+
+@lowering(getattr(F, "rms_norm", None), "aten.rms_norm")
+def lower_rms_norm(ctx, x, normalized_shape, weight=None, eps=None):
+    tag = ctx.builder.new_tag("rmsnorm")
+    dims = _norm_dims(x, normalized_shape)
+    count = math.prod(x.shape[d] for d in dims)
+    acc = compute_dtype(x.dtype)
+    eps = torch.finfo(acc).eps if eps is None else eps
+    ms = reduce(ctx, x, dims, "sum", scale=1.0 / count, pre=lambda e, o: call("mul", e, e), dtype=acc, tag=tag,
+                hint=f"{ctx.hint}_ms")
+
+    def body(o, r, rg):
+        e = call("mul", upcast(x.read(o, rg), x), call("rsqrt", call("add", _row_read(ms, o, dims, rg), Const(eps))))
+        return _affine(e, o, dims, weight, None, rg)
+
+    return ctx.builder.emit(x.shape, ctx.dtype, body, tag=tag, hint=ctx.hint)
+
+
+# ---------------------------------------------------------------- scatter-adds
+
+def _is_zero_constant(ctx, v: TensorValue) -> bool:
+    value = ctx.builder.param_values.get(v.base)
+    return value is not None and v.is_identity and not bool(value.any())
+
+
+def _scatter_add(ctx, base: TensorValue, out_index_of, src, loop_shape):
+    """base + scatter; the scatter node accumulates src over the loop at out_index_of(loop)."""
+    b = ctx.builder
+    acc = compute_dtype(ctx.dtype)
+    scattered = b.scatter(ctx.shape, acc, loop_shape, lambda o, r, rg: operand(src, o, loop_shape, rg),
+                          lambda o, rg: out_index_of(o, rg), hint=f"{ctx.hint}_scatter")
+    if _is_zero_constant(ctx, base):
+        if acc == ctx.dtype:
+            return scattered
+        return b.emit(ctx.shape, ctx.dtype, lambda o, r, rg: Cast(ctx.dtype, scattered.read(o, rg)), hint=ctx.hint)
+    return b.emit(ctx.shape, ctx.dtype, lambda o, r, rg: call("add", base.read(o, rg), scattered.read(o, rg)),
+                  hint=ctx.hint)
+
+
+@lowering(torch.scatter_add, "method:scatter_add", "method:scatter_add_", "aten.scatter_add", "aten.scatter_add_")
+def lower_scatter_add(ctx, base, dim, index, src):
+    dim = V.norm_dim(dim, base.rank)
+    if not isinstance(index, TensorValue):
+        index = ctx.builder.add_param("index", index)
+
+    def out_index(o, rg):
+        acc = index.access(o, rg)
+        return [Gather(acc.tensor, acc.indices) if d == dim else o[d] for d in range(base.rank)]
+
+    return _scatter_add(ctx, base, out_index, src, list(index.shape))
+
+
+@lowering(torch.index_add, "method:index_add", "method:index_add_", "aten.index_add", "aten.index_add_")
+def lower_index_add(ctx, base, dim, index, source, *, alpha=1):
+    if alpha != 1:
+        raise UnsupportedOpError("index_add", "alpha other than 1", ctx.hint)
+    dim = V.norm_dim(dim, base.rank)
+    if not isinstance(index, TensorValue):
+        index = ctx.builder.add_param("index", index)
+
+    def out_index(o, rg):
+        acc = index.access([o[dim]], rg)
+        return [Gather(acc.tensor, acc.indices) if d == dim else o[d] for d in range(base.rank)]
+
+    return _scatter_add(ctx, base, out_index, source, list(source.shape))
+
+
+@lowering("method:scatter_reduce", "method:scatter_reduce_", torch.scatter_reduce, "aten.scatter_reduce")
+def lower_scatter_reduce(ctx, base, dim, index, src, reduce, *, include_self=True):
+    if reduce != "sum":
+        raise UnsupportedOpError("scatter_reduce", f"reduce={reduce!r} (only 'sum')", ctx.hint)
+    if not include_self and not _is_zero_constant(ctx, base):
+        raise UnsupportedOpError("scatter_reduce", "include_self=False over a non-zero base", ctx.hint)
+    return lower_scatter_add(ctx, base, dim, index, src)

@@ -1,0 +1,217 @@
+"""Lowerings of view, indexing, concatenation and creation ops: index arithmetic, no copies."""
+
+from __future__ import annotations
+
+import builtins
+import operator
+
+import torch
+
+from ..ir.errors import ShapeError, UnsupportedOpError
+from ..ir.expr import Const, IndexValue, call
+from ..ir.index import add
+from . import values as V
+from .registry import LowerCtx, lowering
+from .values import TensorValue
+
+
+def _shape_args(args) -> list[int]:
+    if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)):
+        args = args[0]
+    return [int(a) for a in args]
+
+
+@lowering("method:view", "method:reshape", torch.reshape, "aten.view", "aten.reshape", "aten._unsafe_view")
+def lower_view(ctx: LowerCtx, x: TensorValue, *shape):
+    if len(shape) == 1 and isinstance(shape[0], torch.dtype):
+        raise UnsupportedOpError("view(dtype)", "reinterpreting bits is not an index map", ctx.hint)
+    return V.reshape(x, _shape_args(shape))
+
+
+@lowering(torch.flatten, "method:flatten", "aten.flatten")
+def lower_flatten(ctx, x, start_dim=0, end_dim=-1):
+    return V.reshape(x, ctx.shape)
+
+
+@lowering("method:unflatten", torch.unflatten, "aten.unflatten")
+def lower_unflatten(ctx, x, dim, sizes):
+    return V.reshape(x, ctx.shape)
+
+
+@lowering("method:view_as", "method:reshape_as")
+def lower_view_as(ctx, x, other):
+    return V.reshape(x, ctx.shape)
+
+
+@lowering(torch.permute, "method:permute", "aten.permute")
+def lower_permute(ctx, x, *dims):
+    return V.permute(x, _shape_args(dims))
+
+
+@lowering(torch.transpose, "method:transpose", "aten.transpose", torch.swapaxes, "method:swapaxes")
+def lower_transpose(ctx, x, dim0, dim1):
+    return V.transpose(x, dim0, dim1)
+
+
+@lowering(torch.t, "method:t", "aten.t", "aten.numpy_T")
+def lower_t(ctx, x):
+    return x if x.rank < 2 else V.transpose(x, 0, 1)
+
+
+@lowering(torch.unsqueeze, "method:unsqueeze", "aten.unsqueeze")
+def lower_unsqueeze(ctx, x, dim):
+    return V.unsqueeze(x, dim)
+
+
+@lowering(torch.squeeze, "method:squeeze", "aten.squeeze")
+def lower_squeeze(ctx, x, dim=None):
+    return V.reshape(x, ctx.shape)
+
+
+@lowering("method:expand", "aten.expand", torch.broadcast_to, "method:broadcast_to")
+def lower_expand(ctx, x, *shape, implicit=False):
+    return V.expand(x, _shape_args(shape))
+
+
+@lowering("method:expand_as")
+def lower_expand_as(ctx, x, other):
+    return V.expand(x, ctx.shape)
+
+
+@lowering(torch.narrow, "method:narrow", "aten.narrow")
+def lower_narrow(ctx, x, dim, start, length):
+    return V.slice_dim(x, dim, start, start + length, 1)
+
+
+@lowering("aten.slice")
+def lower_aten_slice(ctx, x, dim=0, start=None, end=None, step=1):
+    return V.slice_dim(x, dim, start, end, step)
+
+
+@lowering(torch.select, "method:select", "aten.select")
+def lower_select(ctx, x, dim, index):
+    return V.select(x, dim, index)
+
+
+@lowering(torch.index_select, "method:index_select", "aten.index_select")
+def lower_index_select(ctx, x, dim, index):
+    return V.gather_dim(x, dim, _index_value(ctx, index))
+
+
+@lowering(torch.chunk, "method:chunk", torch.split, "method:split", "aten.split", "aten.chunk", "aten.split_with_sizes")
+def lower_split(ctx, x, sizes_or_chunks, dim=0):
+    dim = V.norm_dim(dim, x.rank)
+    pieces, start = [], 0
+    for out in ctx.out:
+        n = out.shape[dim]
+        pieces.append(V.slice_dim(x, dim, start, start + n, 1))
+        start += n
+    return tuple(pieces)
+
+
+@lowering(torch.unbind, "method:unbind", "aten.unbind")
+def lower_unbind(ctx, x, dim=0):
+    return tuple(V.select(x, dim, k) for k in range(x.shape[V.norm_dim(dim, x.rank)]))
+
+
+def _index_value(ctx, index) -> TensorValue:
+    if isinstance(index, TensorValue):
+        if index.dtype == torch.bool:
+            raise UnsupportedOpError("boolean-mask indexing", "the result's shape depends on the data", ctx.hint)
+        return index
+    if isinstance(index, torch.Tensor):
+        return ctx.builder.add_param("index", index)
+    raise UnsupportedOpError("indexing", f"index of type {type(index).__name__}", ctx.hint)
+
+
+@lowering(operator.getitem, "method:__getitem__")
+def lower_getitem(ctx, x, key):
+    if isinstance(x, (tuple, list)):
+        return x[key]
+    if not isinstance(x, TensorValue):
+        return operator.getitem(x, key)
+    keys = list(key) if isinstance(key, tuple) else [key]
+    if builtins.sum(k is Ellipsis for k in keys) > 1:
+        raise ShapeError("an index may hold only one ellipsis")
+    if Ellipsis in keys:
+        used = builtins.sum(k is not None and k is not Ellipsis for k in keys)
+        e = keys.index(Ellipsis)
+        keys[e : e + 1] = [slice(None)] * (x.rank - used)
+    tensor_keys = [k for k in keys if isinstance(k, (TensorValue, torch.Tensor))]
+    if len(tensor_keys) > 1:
+        raise UnsupportedOpError("indexing", "more than one index tensor", ctx.hint)
+    dim, v = 0, x
+    for k in keys:
+        if k is None:
+            v = V.unsqueeze(v, dim)
+            dim += 1
+        elif isinstance(k, int):
+            v = V.select(v, dim, k)
+        elif isinstance(k, slice):
+            v = V.slice_dim(v, dim, k.start, k.stop, k.step)
+            dim += 1
+        else:
+            idx = _index_value(ctx, k)
+            v = V.gather_dim(v, dim, idx)
+            dim += idx.rank
+    if tuple(v.shape) != ctx.shape:
+        raise ShapeError(f"indexing gave shape {v.shape}, torch gives {ctx.shape}")
+    return v
+
+
+@lowering(torch.cat, torch.concat, torch.concatenate, "aten.cat")
+def lower_cat(ctx: LowerCtx, tensors, dim=0):
+    """out[.., c, ..] = where(c < n0, t0[.., c, ..], where(c < n0+n1, t1[.., c-n0, ..], ...))."""
+    parts = [t for t in tensors if not (isinstance(t, TensorValue) and t.rank == 1 and t.shape[0] == 0)]
+    dim = V.norm_dim(dim, len(ctx.shape))
+    shape, dtype = ctx.shape, ctx.dtype
+
+    def body(o, r, rg):
+        expr, offsets, start = None, [], 0
+        for t in parts:
+            offsets.append(start)
+            start += t.shape[dim]
+        for t, off in reversed(list(zip(parts, offsets))):
+            exprs = list(o)
+            exprs[dim] = add(o[dim], -off)
+            read = t.read(exprs, rg)
+            if expr is None:
+                expr = read
+            else:
+                cond = call("lt", IndexValue(o[dim]), Const(off + t.shape[dim]))
+                expr = call("where", cond, read, expr)
+        return expr
+
+    return ctx.builder.emit(shape, dtype, body, hint=ctx.hint, tag=ctx.builder.new_tag("cat"))
+
+
+@lowering(
+    "method:new_zeros", "method:new_ones", "method:new_full", "method:new_empty", torch.zeros_like,
+    torch.ones_like, torch.full_like, torch.empty_like, "aten.zeros_like", "aten.ones_like", "aten.full_like",
+    "aten.new_zeros", "aten.new_ones", "aten.new_full", "aten.new_empty", "aten.empty_like",
+)
+def lower_new_constant(ctx, x, *args, **kwargs):
+    """Creation ops whose value does not depend on the data: captured as constants."""
+    out = ctx.out
+    if "empty" in str(ctx.node.target):
+        out = torch.zeros_like(out)
+    return ctx.builder.add_param("const", out)
+
+
+def lower_metadata(ctx, *args, **kwargs):
+    """size(), shape, dim(), dtype...: answered from the example input (shapes are static)."""
+    return ctx.out
+
+
+lowering("method:size", "method:dim", "method:numel", "method:stride", builtins.getattr, "aten.sym_size")(lower_metadata)
+
+
+@lowering(builtins.getattr)
+def lower_getattr(ctx, x, name):
+    if name in ("T", "mT") and isinstance(x, TensorValue):
+        return V.transpose(x, -2, -1) if name == "mT" or x.rank == 2 else V.permute(x, list(reversed(range(x.rank))))
+    if isinstance(ctx.out, torch.Tensor):
+        raise UnsupportedOpError(f"attribute .{name}", "returns a tensor that is not a view", ctx.hint)
+    return ctx.out
+
+

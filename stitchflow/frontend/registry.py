@@ -1,0 +1,95 @@
+"""The lowering table: FX call targets -> functions that build IR from their arguments.
+
+Keys are torch-level callables (torch.relu, F.linear, operator.add), method names
+("method:view") and ATen op packets ("aten.addmm") so that graphs from symbolic tracing,
+from Dynamo and from torch.export all lower through the same functions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from ..ir.expr import Cast, Const, Expr
+from .builder import GraphBuilder
+from .values import TensorValue
+
+Lowering = Callable[..., Any]
+LOWERINGS: dict[Any, Lowering] = {}
+
+
+def lowering(*keys):
+    def register(fn: Lowering) -> Lowering:
+        for key in keys:
+            LOWERINGS[key] = fn
+        return fn
+
+    return register
+
+
+def key_of(node: fx.Node):
+    if node.op == "call_method":
+        return f"method:{node.target}"
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return f"aten.{target.overloadpacket.__name__}"
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return f"aten.{target.__name__}"
+    return target
+
+
+def describe_target(node: fx.Node) -> str:
+    target = node.target
+    if node.op == "call_method":
+        return f"Tensor.{target}"
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return str(target)
+    module = getattr(target, "__module__", "") or ""
+    return f"{module}.{getattr(target, '__name__', repr(target))}".lstrip(".")
+
+
+@dataclass
+class LowerCtx:
+    """What a lowering sees: the builder, the FX node, and the eager result (shape, dtype)."""
+
+    builder: GraphBuilder
+    node: fx.Node
+    out: Any
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.out.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.out.dtype
+
+    @property
+    def hint(self) -> str:
+        return self.node.name
+
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Composite ops compute in float32 when their storage is half precision, as eager kernels do."""
+    return torch.float32 if dtype in LOW_PRECISION else dtype
+
+
+def upcast(e: Expr, value) -> Expr:
+    if isinstance(value, TensorValue) and value.dtype in LOW_PRECISION:
+        return Cast(torch.float32, e)
+    return e
+
+
+def operand(x, out_vars, shape, ranges) -> Expr:
+    """A broadcast read of a tensor value, or a constant for a Python scalar."""
+    if isinstance(x, TensorValue):
+        return x.read_broadcast(out_vars, shape, ranges)
+    if isinstance(x, torch.Tensor):
+        return Const(x.item())
+    return Const(x)

@@ -1,0 +1,217 @@
+"""Reference interpreter: one loop over the graph, each equation evaluated with torch.
+
+It defines what the IR means. Contractions of plain accesses go through einsum (or a sparse
+matrix product when one operand is a sparse matrix), everything else through broadcasting:
+each access becomes a tensor laid out over the node's loop variables, the body is evaluated
+elementwise, and the reduction variables are reduced away. Large iteration spaces are chunked
+along the first output variable so that memory stays bounded.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, MutableMapping
+
+import torch
+
+from .errors import StitchflowError
+from .expr import Access, Call, Cast, Const, Expr, IndexValue, OPS, Read
+from .graph import Graph, Node
+from .index import Var, evaluate
+from .types import TensorType
+
+CHUNK_ELEMENTS = 1 << 25  # bound on one chunk's iteration space
+
+
+def run_graph(graph: Graph, env: MutableMapping[str, torch.Tensor], nodes=None) -> MutableMapping[str, torch.Tensor]:
+    """Evaluate `nodes` (default: all) in order, adding their outputs to `env`."""
+    for node in nodes if nodes is not None else graph.nodes:
+        env[node.name] = eval_node(node, env, graph.type_of[node.name])
+    return env
+
+
+def eval_node(node: Node, env: Mapping[str, torch.Tensor], out_type: TensorType) -> torch.Tensor:
+    result = _try_contraction(node, env, out_type)
+    if result is None:
+        result = _eval_broadcast(node, env, out_type)
+    return result
+
+
+# ---------------------------------------------------------------- contractions
+
+def _product_factors(e: Expr) -> list[Expr] | None:
+    if isinstance(e, Call) and e.op == "mul":
+        left, right = _product_factors(e.args[0]), _product_factors(e.args[1])
+        return None if left is None or right is None else left + right
+    if isinstance(e, (Read, Const)):
+        return [e]
+    return None
+
+
+def _try_contraction(node: Node, env, out_type: TensorType) -> torch.Tensor | None:
+    if node.reduce != "sum" or node.is_scatter or not node.reduce_vars:
+        return None
+    factors = _product_factors(node.body)
+    if factors is None:
+        return None
+    accesses = [f.access for f in factors if isinstance(f, Read)]
+    if len(accesses) < 2 or not all(a.is_plain for a in accesses):
+        return None
+    scalar = 1.0
+    for f in factors:
+        if isinstance(f, Const):
+            scalar *= f.value
+    operands = [env[a.tensor] for a in accesses]
+    sparse = [i for i, t in enumerate(operands) if t.layout != torch.strided]
+    if len(accesses) == 2 and len(sparse) == 1:
+        out = _sparse_matmul(accesses, operands, sparse[0], node)
+        if out is not None:
+            return _finish(out * scalar if scalar != 1.0 else out, out_type)
+    letters = _letters(node)
+    spec = ",".join("".join(letters[i.name] for i in a.indices) for a in accesses)
+    spec += "->" + "".join(letters[v] for v in node.out_vars)
+    dense = [t.to_dense() if t.layout != torch.strided else t for t in operands]
+    dtype = torch.promote_types(out_type.dtype, torch.float32) if out_type.dtype.is_floating_point else out_type.dtype
+    out = torch.einsum(spec, *(t.to(dtype) for t in dense))
+    return _finish(out * scalar if scalar != 1.0 else out, out_type)
+
+
+def _sparse_matmul(accesses, operands, which: int, node: Node) -> torch.Tensor | None:
+    """out[i,j] = sum_k S[i,k] * D[k,j] (in any operand order) as torch.sparse.mm."""
+    s_acc, d_acc = accesses[which], accesses[1 - which]
+    if len(s_acc.indices) != 2 or len(d_acc.indices) != 2 or len(node.reduce_vars) != 1:
+        return None
+    k = node.reduce_vars[0]
+    s_idx = [i.name for i in s_acc.indices]
+    d_idx = [i.name for i in d_acc.indices]
+    if k not in s_idx or k not in d_idx:
+        return None
+    s, d = operands[which], operands[1 - which]
+    i = s_idx[1 - s_idx.index(k)]
+    j = d_idx[1 - d_idx.index(k)]
+    if s_idx.index(k) == 0:
+        s = s.t()
+    if d_idx.index(k) == 1:
+        d = d.t()
+    s = s.to_sparse_csr() if s.layout not in (torch.sparse_csr, torch.sparse_coo) else s
+    out = torch.sparse.mm(s, d.to(s.dtype).contiguous()).to_dense() if s.layout == torch.sparse_coo else s @ d.to(s.dtype)
+    if out.layout != torch.strided:
+        out = out.to_dense()
+    return out if node.out_vars == (i, j) else out.t()
+
+
+def _letters(node: Node) -> dict[str, str]:
+    alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    return {v: alphabet[n] for n, (v, _) in enumerate(node.dims)}
+
+
+def _finish(out: torch.Tensor, out_type: TensorType) -> torch.Tensor:
+    return out.to(out_type.dtype).contiguous()
+
+
+# ---------------------------------------------------------------- general broadcasting path
+
+def _eval_broadcast(node: Node, env, out_type: TensorType) -> torch.Tensor:
+    loop = list(node.out_vars) + list(node.reduce_vars)
+    if node.is_scatter:
+        loop = [v for v, _ in node.dims]
+    extents = node.extents
+    total = 1
+    for v in loop:
+        total *= extents[v]
+    first = loop[0] if loop else None
+    if node.is_scatter or first is None or total <= CHUNK_ELEMENTS or first not in node.out_vars:
+        return _eval_range(node, env, out_type, loop, {})
+    step = max(1, CHUNK_ELEMENTS * extents[first] // total)
+    parts = [
+        _eval_range(node, env, out_type, loop, {first: (lo, min(lo + step, extents[first]))})
+        for lo in range(0, extents[first], step)
+    ]
+    return torch.cat(parts, dim=node.out_vars.index(first))
+
+
+def _eval_range(node: Node, env, out_type: TensorType, loop: list[str], limits: dict) -> torch.Tensor:
+    """Evaluate the node over `loop` variables, restricted to `limits[var] = (lo, hi)`."""
+    rank = len(loop)
+    ranges = {v: limits.get(v, (0, node.extents[v])) for v in loop}
+    grid = {}
+    for axis, v in enumerate(loop):
+        shape = [1] * rank
+        shape[axis] = ranges[v][1] - ranges[v][0]
+        grid[v] = torch.arange(*ranges[v], dtype=torch.int64).view(shape)
+    dense_env = _DenseView(env)
+    value = _eval_expr(node.body, loop, grid, ranges, dense_env)
+    if not isinstance(value, torch.Tensor):
+        value = torch.tensor(value)
+    full = [ranges[v][1] - ranges[v][0] for v in loop]
+    value = value.expand(full) if value.dim() == rank else value.reshape([1] * rank).expand(full)
+    if node.is_scatter:
+        return _scatter(node, value, grid, dense_env, out_type)
+    n_out = len(node.out_vars)
+    red_axes = tuple(range(n_out, rank))
+    if red_axes:
+        acc = torch.promote_types(value.dtype, torch.float32) if value.dtype.is_floating_point else value.dtype
+        if node.reduce == "sum":
+            value = value.to(acc).sum(dim=red_axes)
+        elif node.reduce == "max":
+            value = value.amax(dim=red_axes)
+        else:
+            raise StitchflowError(f"node {node.name} has loop variables {node.reduce_vars} but no reduction")
+    return value.to(out_type.dtype).contiguous()
+
+
+def _scatter(node: Node, value, grid, env, out_type: TensorType) -> torch.Tensor:
+    if node.reduce != "sum":
+        raise StitchflowError(f"node {node.name}: only sum-accumulating scatters are supported")
+    idx = tuple(evaluate(i, grid, env).expand(value.shape) for i in node.index)
+    acc = torch.promote_types(out_type.dtype, torch.float32) if out_type.dtype.is_floating_point else out_type.dtype
+    out = torch.zeros(out_type.shape, dtype=acc)
+    out.index_put_(idx, value.to(acc), accumulate=True)
+    return out.to(out_type.dtype)
+
+
+class _DenseView(dict):
+    """The environment with sparse tensors densified on first use (reference semantics)."""
+
+    def __init__(self, env):
+        super().__init__()
+        self._env = env
+
+    def __missing__(self, key):
+        t = self._env[key]
+        t = t.to_dense() if t.layout != torch.strided else t
+        self[key] = t
+        return t
+
+
+def _eval_expr(e: Expr, loop, grid, ranges, env):
+    if isinstance(e, Const):
+        return e.value
+    if isinstance(e, Read):
+        return _load(e.access, loop, grid, ranges, env)
+    if isinstance(e, IndexValue):
+        return evaluate(e.index, grid, env)
+    if isinstance(e, Cast):
+        v = _eval_expr(e.arg, loop, grid, ranges, env)
+        return v.to(e.dtype) if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=e.dtype)
+    args = [_eval_expr(a, loop, grid, ranges, env) for a in e.args]
+    return OPS[e.op].fn(*args)
+
+
+def _load(access: Access, loop, grid, ranges, env) -> torch.Tensor:
+    t = env[access.tensor]
+    if access.is_plain and len(access.indices) == t.dim():
+        names = [i.name for i in access.indices]
+        for d, v in enumerate(names):
+            lo, hi = ranges[v]
+            if (lo, hi) != (0, t.shape[d]):
+                t = t.narrow(d, lo, hi - lo)
+        order = sorted(range(len(names)), key=lambda d: loop.index(names[d]))
+        t = t.permute(order)
+        shape = [1] * len(loop)
+        for d in order:
+            shape[loop.index(names[d])] = t.shape[order.index(d)]
+        return t.reshape(shape) if t.dim() else t
+    # Reads outside the tensor are clamped: the IR allows them only under a `where` that
+    # discards them (concatenation), as a masked load would.
+    idx = tuple(evaluate(i, grid, env).clamp(0, size - 1) for i, size in zip(access.indices, t.shape))
+    return t[idx] if idx else t

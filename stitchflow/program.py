@@ -1,0 +1,111 @@
+"""`stitchflow.compile`: capture a model, choose fusion regions, compile them for a target.
+
+    prog = stitchflow.compile(model, (A, X), target="reference", fusion="partial")
+    y = prog(A, X)            # runs the regions
+    prog.regions              # the fusion regions
+    print(prog.explain())     # why each pair of neighbouring ops is or is not fused
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from .frontend.capture import Captured, capture, rebuild_outputs, symbolic_trace
+from .ir.errors import ShapeError, StitchflowError
+from .ir.graph import Graph, Region
+from .planner.regions import regions_for
+from .targets import get_target
+
+log = logging.getLogger("stitchflow")
+
+
+class Program:
+    def __init__(self, captured: Captured, regions: Sequence[Region], target: str, fusion):
+        self.captured = captured
+        self.regions = tuple(regions)
+        self.target_name = target
+        self.fusion = fusion
+        self.target = get_target(target)
+        self.regions_executed = 0  # counts region runs: proof that calls go through our code
+        refusals = [(r, self.target.check_region(self.graph, r)) for r in self.regions]
+        bad = [(r, why) for r, why in refusals if why]
+        if bad:
+            r, why = bad[0]
+            raise StitchflowError(f"target {target!r} cannot run region {r.name}: {why}")
+        self._compiled = [self.target.compile_region(self.graph, r, captured.param_values) for r in self.regions]
+
+    @property
+    def graph(self) -> Graph:
+        return self.captured.graph
+
+    def __call__(self, *inputs):
+        graph = self.graph
+        if len(inputs) != len(self.captured.input_names):
+            raise ShapeError(f"the program takes {len(self.captured.input_names)} inputs, got {len(inputs)}")
+        env: dict[str, Any] = dict(self.captured.param_values)
+        tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+        for name, value in zip(graph.inputs, tensors):
+            expected = graph.type_of[name]
+            if tuple(value.shape) != expected.shape or value.dtype != expected.dtype:
+                raise ShapeError(
+                    f"input {name}: expected {expected}, got {str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+                )
+            env[name] = value
+        for run in self._compiled:
+            run(env)
+            self.regions_executed += 1
+        return rebuild_outputs(self.captured, env)
+
+    def explain(self) -> str:
+        from .planner.explain import explain_program
+
+        return explain_program(self)
+
+    def __repr__(self) -> str:
+        return f"<stitchflow.Program target={self.target_name} fusion={self.fusion} regions={len(self.regions)}>"
+
+
+def _split_formats(model, formats: Mapping | None):
+    """User formats: int positions and input names go to inputs, parameter paths to parameters;
+    a model may declare default parameter formats in a `param_formats` attribute."""
+    params = set(dict(model.named_parameters()).keys()) | set(dict(model.named_buffers()).keys()) if isinstance(
+        model, torch.nn.Module) else set()
+    param_formats = dict(getattr(model, "param_formats", {}) or {})
+    input_formats = {}
+    for key, value in (formats or {}).items():
+        if isinstance(key, str) and key in params:
+            param_formats[key] = value
+        else:
+            input_formats[key] = value
+    return input_formats, param_formats
+
+
+def capture_model(model, example_inputs: Sequence[Any], formats: Mapping | None = None) -> Captured:
+    """Trace with FX symbolic tracing (works with sparse inputs); if the model cannot be traced
+    symbolically (data-dependent control flow), fall back to torch.export for dense inputs."""
+    input_formats, param_formats = _split_formats(model, formats)
+    try:
+        gm = symbolic_trace(model)
+    except Exception as err:  # tracing raises many kinds of errors; say which and try export
+        if any(isinstance(x, torch.Tensor) and x.layout != torch.strided for x in example_inputs):
+            raise StitchflowError(f"cannot trace the model symbolically ({err}); sparse inputs need a traceable model") from err
+        log.info("symbolic tracing failed (%s); trying torch.export", err)
+        gm = torch.export.export(model, tuple(example_inputs)).module()
+        param_formats = {k: v for k, v in param_formats.items() if hasattr(gm, k.split(".")[0])}
+    return capture(gm, example_inputs, input_formats=input_formats, param_formats=param_formats)
+
+
+def compile(model_or_fn, example_inputs: Sequence[Any], *, target: str = "reference", fusion="unfused",
+            formats: Mapping | None = None) -> Program:
+    """Capture `model_or_fn` on `example_inputs` and compile it for `target`.
+
+    fusion: "unfused" | "partial" | "full" | "auto" | a list of regions (each a list of node,
+    torch-op or submodule names). formats: {input position or name, or parameter path: format
+    name} such as {0: "dcsr"} or {"layer1.weight": "dcsr"}; see stitchflow.ir.types.FORMAT_NAMES.
+    """
+    captured = capture_model(model_or_fn, example_inputs, formats)
+    regions = regions_for(captured.graph, fusion)
+    return Program(captured, regions, target, fusion)
