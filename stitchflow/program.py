@@ -23,8 +23,9 @@ log = logging.getLogger("stitchflow")
 
 
 class Program:
-    def __init__(self, captured: Captured, regions: Sequence[Region], target: str, fusion):
+    def __init__(self, captured: Captured, regions: Sequence[Region], target: str, fusion, options=None):
         self.captured = captured
+        self.options = dict(options or {})
         self.regions = tuple(regions)
         self.target_name = target
         self.fusion = fusion
@@ -35,7 +36,7 @@ class Program:
         if bad:
             r, why = bad[0]
             raise StitchflowError(f"target {target!r} cannot run region {r.name}: {why}")
-        self._compiled = [self.target.compile_region(self.graph, r, captured.param_values) for r in self.regions]
+        self._compiled = [self.target.compile_region(self.graph, r, captured.param_values, self.options) for r in self.regions]
 
     @property
     def graph(self) -> Graph:
@@ -99,7 +100,7 @@ def capture_model(model, example_inputs: Sequence[Any], formats: Mapping | None 
 
 
 def compile(model_or_fn, example_inputs: Sequence[Any], *, target: str = "reference", fusion="unfused",
-            formats: Mapping | None = None) -> Program:
+            formats: Mapping | None = None, options: Mapping | None = None) -> Program:
     """Capture `model_or_fn` on `example_inputs` and compile it for `target`.
 
     fusion: "unfused" | "partial" | "full" | "auto" | a list of regions (each a list of node,
@@ -108,4 +109,4 @@ def compile(model_or_fn, example_inputs: Sequence[Any], *, target: str = "refere
     """
     captured = capture_model(model_or_fn, example_inputs, formats)
     regions = regions_for(captured.graph, fusion)
-    return Program(captured, regions, target, fusion)
+    return Program(captured, regions, target, fusion, options)
