@@ -15,6 +15,7 @@ Convention (chosen because it reproduces those densities; see ``expected_density
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -59,7 +60,10 @@ class BlockMask:
         crow[1:] = torch.cumsum(self.layout.sum(1), 0)
         col = self.layout.nonzero()[:, 1].contiguous()
         values = torch.ones(col.numel(), self.block, self.block, dtype=dtype)
-        return torch.sparse_bsr_tensor(crow, col, values, (self.seq_len, self.seq_len))
+        with warnings.catch_warnings():  # torch's "sparse BSR is in beta" notice
+            warnings.filterwarnings("ignore", message=".*Sparse BSR tensor support.*")
+            return torch.sparse_bsr_tensor(crow, col, values, (self.seq_len, self.seq_len),
+                                           check_invariants=False)
 
     def causal(self) -> "BlockMask":
         """Block-lower-triangular part (the token-level triangle is the model's business)."""

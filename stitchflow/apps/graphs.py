@@ -63,7 +63,8 @@ class GraphData:
         n = self.num_nodes
         if layout == "coo":
             vals = torch.ones(self.num_edges(), dtype=dtype)
-            return torch.sparse_coo_tensor(self.edge_index, vals, (n, n), is_coalesced=True)
+            return torch.sparse_coo_tensor(self.edge_index, vals, (n, n), is_coalesced=True,
+                                           check_invariants=False)
         if layout == "csr":
             return self._csr(n, dtype)
         if layout == "csc":
@@ -83,7 +84,10 @@ class GraphData:
         crow = torch.zeros(n + 1, dtype=torch.int64)
         crow[1:] = torch.cumsum(torch.bincount(self.edge_index[0], minlength=n), 0)
         vals = torch.ones(self.num_edges(), dtype=dtype)
-        return torch.sparse_csr_tensor(crow, self.edge_index[1].clone(), vals, (n, n))
+        with warnings.catch_warnings():  # torch's "sparse CSR is in beta" notice, every call
+            warnings.filterwarnings("ignore", message=".*Sparse CSR tensor support.*")
+            return torch.sparse_csr_tensor(crow, self.edge_index[1].clone(), vals, (n, n),
+                                           check_invariants=False)
 
     def _bsr(self, block, dtype: torch.dtype, pad: bool) -> torch.Tensor:
         if block is None:
@@ -95,7 +99,8 @@ class GraphData:
             raise ValueError(f"{n} nodes are not divisible by block {(bh, bw)}; pass pad=True "
                              f"for a zero-padded ({rows}, {cols}) adjacency")
         vals = torch.ones(self.num_edges(), dtype=dtype)
-        coo = torch.sparse_coo_tensor(self.edge_index, vals, (rows, cols), is_coalesced=True)
+        coo = torch.sparse_coo_tensor(self.edge_index, vals, (rows, cols), is_coalesced=True,
+                                      check_invariants=False)
         return coo.to_sparse_csr().to_sparse_bsr((bh, bw))
 
 

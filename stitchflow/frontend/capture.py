@@ -21,6 +21,11 @@ from ..ir.types import Format, TensorType, format_of_tensor, parse_format
 from . import ops_elementwise, ops_linalg, ops_reduce, ops_shape  # noqa: F401  (register lowerings)
 from .builder import GraphBuilder
 from .registry import LOWERINGS, LowerCtx, describe_target, key_of
+
+# In-place methods lower like their functional forms; capture rebinds the mutated value.
+for _key, _fn in list(LOWERINGS.items()):
+    if isinstance(_key, str) and _key.startswith("method:") and not _key.endswith("_"):
+        LOWERINGS.setdefault(_key + "_", _fn)
 from .values import TensorValue
 
 
@@ -146,7 +151,14 @@ def _fetch_attr(gm: fx.GraphModule, target: str):
 def _lower_call(gm, node: fx.Node, b: GraphBuilder, env, real):
     args = tree_map(lambda a: env[a] if isinstance(a, fx.Node) else a, (node.args, node.kwargs))
     real_args, real_kwargs = tree_map(lambda a: real[a] if isinstance(a, fx.Node) else a, (node.args, node.kwargs))
+    inplace = _is_inplace(node)
+    if inplace and isinstance(node.args[0], fx.Node):
+        if node.args[0].op in ("placeholder", "get_attr") and isinstance(args[0][0], TensorValue):
+            raise UnsupportedOpError(describe_target(node), "it mutates an input of the graph in place", node.name)
+        real_args = (real_args[0].clone(), *real_args[1:])  # keep the value other nodes saw intact
     out = _run_eager(gm, node, real_args, real_kwargs)
+    if inplace and isinstance(node.args[0], fx.Node):
+        real[node.args[0]] = out  # later uses of the mutated tensor see the new value
     depends = any(isinstance(leaf, TensorValue) for leaf in tree_flatten(args)[0])
     if not depends:  # no graph tensor flows in: fold to a constant
         return (b.add_param("const", out) if isinstance(out, torch.Tensor) else out), out
@@ -164,7 +176,14 @@ def _lower_call(gm, node: fx.Node, b: GraphBuilder, env, real):
     except (TypeError, ValueError, IndexError) as err:
         raise UnsupportedOpError(describe_target(node), f"these arguments are not supported ({err})", node.name) from err
     _check_shape(node, value, out)
+    if inplace and isinstance(node.args[0], fx.Node):
+        env[node.args[0]] = value
     return value, out
+
+
+def _is_inplace(node: fx.Node) -> bool:
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
 
 
 def _run_eager(gm, node: fx.Node, args, kwargs):

@@ -215,3 +215,16 @@ def lower_getattr(ctx, x, name):
     return ctx.out
 
 
+
+
+@lowering("method:repeat", "aten.repeat")
+def lower_repeat(ctx, x, *sizes):
+    """out[.., c, ..] = x[.., c % n, ..]: tiling as index arithmetic."""
+    sizes = _shape_args(sizes)
+    v = x
+    for _ in range(len(sizes) - x.rank):
+        v = V.unsqueeze(v, 0)
+    ranges = {f"_{d}": n for d, n in enumerate(ctx.shape)}
+    old = [V.mod(V.placeholder(d), v.shape[d], ranges) for d in range(v.rank)]
+    return v.remap(ctx.shape, old)
+

@@ -15,7 +15,7 @@ import torch
 
 from ..ir.errors import ShapeError
 from ..ir.expr import Access, Read
-from ..ir.index import Gather, IndexExpr, Lit, Var, add, floordiv, mod, scale, substitute
+from ..ir.index import Gather, IndexExpr, Lit, Var, add, floordiv, mod, scale, substitute  # noqa: F401
 
 
 def placeholder(d: int) -> Var:

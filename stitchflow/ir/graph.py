@@ -94,7 +94,7 @@ class Node:
     def __str__(self) -> str:
         lhs = f"{self.name}[{','.join(map(str, self.index))}]"
         op = "+=" if self.is_scatter else "="
-        red = f"{self.reduce}_{','.join(self.reduce_vars)} " if self.reduce and self.reduce_vars else ""
+        red = f"{self.reduce}_{','.join(self.reduce_vars)} " if self.reduce and self.reduce_vars and not self.is_scatter else ""
         notes = [str(self.tag)] if self.tag else []
         if self.group:
             notes.append(f"@{self.group}")

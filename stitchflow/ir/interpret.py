@@ -199,7 +199,8 @@ def _eval_expr(e: Expr, loop, grid, ranges, env):
 
 def _load(access: Access, loop, grid, ranges, env) -> torch.Tensor:
     t = env[access.tensor]
-    if access.is_plain and len(access.indices) == t.dim():
+    in_bounds = all(ranges[i.name][1] <= n for i, n in zip(access.indices, t.shape)) if access.is_plain else False
+    if in_bounds and len(access.indices) == t.dim():
         names = [i.name for i in access.indices]
         for d, v in enumerate(names):
             lo, hi = ranges[v]
