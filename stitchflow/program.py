@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any, Mapping, Sequence
 
@@ -84,17 +85,44 @@ def _split_formats(model, formats: Mapping | None):
     return input_formats, param_formats
 
 
+def _traceable(fn, n_inputs: int):
+    """FX traces modules and Python functions; wrap builtins, partials and functions with extra
+    defaulted parameters (F.silu's `inplace`) in a function of `n_inputs` named parameters."""
+    if isinstance(fn, torch.nn.Module):
+        return fn
+    if inspect.isfunction(fn):
+        params = inspect.signature(fn).parameters.values()
+        plain = all(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+        if plain and len(params) == n_inputs:
+            return fn
+    params = ", ".join(f"x{i}" for i in range(n_inputs))
+    scope = {"fn": fn}
+    exec(f"def call({params}):\n    return fn({params})", scope)
+    return scope["call"]
+
+
+class _AsModule(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
 def capture_model(model, example_inputs: Sequence[Any], formats: Mapping | None = None) -> Captured:
     """Trace with FX symbolic tracing (works with sparse inputs); if the model cannot be traced
     symbolically (data-dependent control flow), fall back to torch.export for dense inputs."""
     input_formats, param_formats = _split_formats(model, formats)
+    model = _traceable(model, len(example_inputs))
     try:
         gm = symbolic_trace(model)
     except Exception as err:  # tracing raises many kinds of errors; say which and try export
         if any(isinstance(x, torch.Tensor) and x.layout != torch.strided for x in example_inputs):
             raise StitchflowError(f"cannot trace the model symbolically ({err}); sparse inputs need a traceable model") from err
         log.info("symbolic tracing failed (%s); trying torch.export", err)
-        gm = torch.export.export(model, tuple(example_inputs)).module()
+        module = model if isinstance(model, torch.nn.Module) else _AsModule(model)
+        gm = torch.export.export(module, tuple(example_inputs)).module()
         param_formats = {k: v for k, v in param_formats.items() if hasattr(gm, k.split(".")[0])}
     return capture(gm, example_inputs, input_formats=input_formats, param_formats=param_formats)
 

@@ -91,19 +91,29 @@ def _build_gpt3(size: str = "small", dataset: str | None = None, block: int | No
     return model.eval(), (x,)
 
 
+def padding_mask(batch: int, seq: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An additive (B, 1, 1, S) key-padding mask: the last quarter of the keys of every odd
+    batch element is padding (-inf), so masked and unmasked rows both occur."""
+    mask = torch.zeros(batch, 1, 1, seq, dtype=dtype)
+    mask[1::2, ..., seq - seq // 4:] = float("-inf")
+    return mask
+
+
 def _build_block(presets: dict[str, dict[str, int]], factory: Callable[..., nn.Module],
-                 default: str, app: str) -> Callable[..., Built]:
-    """Dense-block builder: batch 2 at "small", batch 1 at "default" or a named preset."""
+                 default: str, app: str, masked: bool = False) -> Callable[..., Built]:
+    """Dense-block builder: batch 2 at "small", batch 1 at "default" or a named preset.
+    ``masked`` builds the block with an additive attention mask and passes one as input 2."""
 
     def build(size: str = "small", dataset: str | None = None, block: int | None = None,
               seed: int = 0, dtype: torch.dtype = torch.float32) -> Built:
         _check_size(size, ("default", *presets), app)
         name = default if size == "default" else size
-        model = factory(name, seed=seed, dtype=dtype)
+        model = factory(name, seed=seed, dtype=dtype, **({"use_mask": True} if masked else {}))
         batch = 2 if name == "small" else 1
         cfg = presets[name]
         x = torch.randn(batch, cfg["seq"], cfg["width"], generator=_inputs_gen(seed)).to(dtype)
-        return model.eval(), (x,)
+        extra = (padding_mask(batch, cfg["seq"], dtype),) if masked else ()
+        return model.eval(), (x, *extra)
 
     return build
 
@@ -117,8 +127,9 @@ APPS: dict[str, AppSpec] = {spec.name: spec for spec in (
             _build_sae, ("small", "default", *SAE_PRESETS)),
     AppSpec("gpt3-bigbird", "GPT-3-small decoders with BigBird block-sparse attention",
             _build_gpt3, ("small", "decoder", "default")),
-    AppSpec("bert", "BERT post-LN encoder block (dense softmax attention, GELU FFN)",
-            _build_block(BERT_PRESETS, bert_preset, "bert-base", "bert"),
+    AppSpec("bert", "BERT post-LN encoder block: softmax attention with an additive padding "
+            "mask (input 2), GELU FFN", _build_block(BERT_PRESETS, bert_preset, "bert-base",
+                                                     "bert", masked=True),
             ("small", "default", *[k for k in BERT_PRESETS if k != "small"])),
     AppSpec("llama", "Llama decoder block: RMSNorm, rotary, GQA causal attention, SwiGLU",
             _build_block(LLAMA_PRESETS, llama_preset, "llama3-8b", "llama"),

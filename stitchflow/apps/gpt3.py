@@ -140,7 +140,8 @@ class GPT3(nn.Module):
         try:
             cfg = dict(GPT3_PRESETS[name])
         except KeyError:
-            raise KeyError(f"unknown GPT-3 preset {name!r}; known: {', '.join(GPT3_PRESETS)}") from None
+            known = ", ".join(GPT3_PRESETS)
+            raise KeyError(f"unknown GPT-3 preset {name!r}; known: {known}") from None
         cfg.update(overrides)
         return cls(seed=seed, dtype=dtype, **cfg)
 

@@ -193,13 +193,15 @@ def _pad_rows(rows: np.ndarray, at: np.ndarray, length: int) -> np.ndarray:
 
 def synthetic_powerlaw(num_nodes: int, num_edges: int, num_features: int = 128, seed: int = 0,
                        exponent: float = 2.5, name: str = "synthetic-powerlaw") -> GraphData:
-    """A Chung–Lu graph: ``num_nodes`` nodes, ``num_edges`` undirected edges, degree tail ~ k^-exponent.
+    """A Chung–Lu graph: ``num_nodes`` nodes, ``num_edges`` undirected edges, P(k) ~ k^-exponent.
 
     Endpoints are drawn independently with probability proportional to a Zipf weight, so the
     expected degrees follow the power law; duplicate pairs and self loops are discarded and
     topped up in rounds until the exact edge count is reached (a surplus is dropped at random).
     Node ids are shuffled so that hubs are not all at the front, as in real data sets.
     """
+    if exponent <= 1.0:
+        raise ValueError(f"the power-law exponent must exceed 1, got {exponent}")
     if num_edges > num_nodes * (num_nodes - 1) // 2:
         raise ValueError(f"{num_edges} edges do not fit in a simple graph of {num_nodes} nodes")
     rng = np.random.default_rng(seed)

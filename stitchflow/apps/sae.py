@@ -65,7 +65,8 @@ class SparseAutoencoder(nn.Module):
         try:
             in_features, hidden = SAE_PRESETS[name]
         except KeyError:
-            raise KeyError(f"unknown SAE preset {name!r}; known: {', '.join(SAE_PRESETS)}") from None
+            known = ", ".join(SAE_PRESETS)
+            raise KeyError(f"unknown SAE preset {name!r}; known: {known}") from None
         return cls(in_features, hidden, weight_density, seed, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

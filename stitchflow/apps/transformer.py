@@ -122,9 +122,13 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """(x1, x2) → (-x2, x1) on the two halves of the last dim (the HF/Llama rotary layout)."""
-    half = x.shape[-1] // 2
+def rotate_half(x: torch.Tensor, half: int | None = None) -> torch.Tensor:
+    """(x1, x2) → (-x2, x1) on the two halves of the last dim (the HF/Llama rotary layout).
+
+    Pass ``half`` when it is known: a constant slice bound keeps size arithmetic
+    (``x.shape[-1] // 2``) out of traced graphs.
+    """
+    half = x.shape[-1] // 2 if half is None else half
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
@@ -134,6 +138,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, seq: int, base: float = 10000.0,
                  dtype: torch.dtype = torch.float32):
         super().__init__()
+        self.half = head_dim // 2
         inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
         freqs = torch.outer(torch.arange(seq, dtype=torch.float64), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -141,7 +146,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.cos + rotate_half(x) * self.sin
+        return x * self.cos + rotate_half(x, self.half) * self.sin
 
 
 class LlamaAttention(nn.Module):
@@ -171,13 +176,17 @@ class LlamaAttention(nn.Module):
         if self.rope:
             q, k = self.rotary(q), self.rotary(k)
         if self.groups > 1:
-            k = k.repeat_interleave(self.groups, dim=-3)
-            v = v.repeat_interleave(self.groups, dim=-3)
+            # Grouped query heads broadcast against their shared K/V head, (.., KV, G, S, D),
+            # instead of copying K/V with repeat_interleave: head h reads KV head h // G.
+            q = q.unflatten(-3, (self.kv_heads, self.groups))
+            k, v = k.unsqueeze(-3), v.unsqueeze(-3)
         scores = (q @ k.transpose(-1, -2)) * self.scale
         if self.causal:
             scores = scores + self.causal_mask
-        probs = torch.softmax(scores, dim=-1)
-        return self.o_proj(merge_heads(probs @ v))
+        out = torch.softmax(scores, dim=-1) @ v
+        if self.groups > 1:
+            out = out.flatten(-4, -3)
+        return self.o_proj(merge_heads(out))
 
 
 class SwiGLU(nn.Module):

@@ -50,19 +50,11 @@ class FullTracer(fx.Tracer):
 
 
 def symbolic_trace(model: torch.nn.Module | Any) -> fx.GraphModule:
-    root = model if isinstance(model, torch.nn.Module) else _FnModule(model)
+    """Trace a module or a plain function (its parameters become the graph's inputs)."""
     tracer = FullTracer()
-    graph = tracer.trace(root)
-    return fx.GraphModule(tracer.root, graph, type(root).__name__)
-
-
-class _FnModule(torch.nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args):
-        return self.fn(*args)
+    graph = tracer.trace(model)
+    name = type(model).__name__ if isinstance(model, torch.nn.Module) else getattr(model, "__name__", "fn")
+    return fx.GraphModule(tracer.root, graph, name)
 
 
 def top_level_group(node: fx.Node) -> str:
@@ -149,17 +141,23 @@ def _fetch_attr(gm: fx.GraphModule, target: str):
 
 
 def _lower_call(gm, node: fx.Node, b: GraphBuilder, env, real):
-    args = tree_map(lambda a: env[a] if isinstance(a, fx.Node) else a, (node.args, node.kwargs))
-    real_args, real_kwargs = tree_map(lambda a: real[a] if isinstance(a, fx.Node) else a, (node.args, node.kwargs))
+    # map_arg also reaches nodes inside slices (x[..., n // 2:]), which pytree does not
+    args = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+    real_args, real_kwargs = fx.node.map_arg((node.args, node.kwargs), real.__getitem__)
+    if node.op == "call_module" and node.target == "_guards_fn":
+        return None, None  # torch.export's input guards: Program checks shapes itself
     inplace = _is_inplace(node)
     if inplace and isinstance(node.args[0], fx.Node):
         if node.args[0].op in ("placeholder", "get_attr") and isinstance(args[0][0], TensorValue):
             raise UnsupportedOpError(describe_target(node), "it mutates an input of the graph in place", node.name)
         real_args = (real_args[0].clone(), *real_args[1:])  # keep the value other nodes saw intact
     out = _run_eager(gm, node, real_args, real_kwargs)
+    if isinstance(out, torch.Tensor) and out.numel() == 0:
+        raise ShapeError(f"{describe_target(node)} ({node.name}) produces an empty tensor {tuple(out.shape)}; "
+                         "zero-size tensors are not supported")
     if inplace and isinstance(node.args[0], fx.Node):
         real[node.args[0]] = out  # later uses of the mutated tensor see the new value
-    depends = any(isinstance(leaf, TensorValue) for leaf in tree_flatten(args)[0])
+    depends = _any_value(args)
     if not depends:  # no graph tensor flows in: fold to a constant
         return (b.add_param("const", out) if isinstance(out, torch.Tensor) else out), out
     if node.op == "call_module":
@@ -179,6 +177,12 @@ def _lower_call(gm, node: fx.Node, b: GraphBuilder, env, real):
     if inplace and isinstance(node.args[0], fx.Node):
         env[node.args[0]] = value
     return value, out
+
+
+def _any_value(args) -> bool:
+    found = []
+    fx.node.map_aggregate(args, lambda a: found.append(a) if isinstance(a, TensorValue) else a)
+    return bool(found)
 
 
 def _is_inplace(node: fx.Node) -> bool:

@@ -113,14 +113,14 @@ def lower_silu(ctx, x, inplace=False):
 
 @lowering(torch.clamp, torch.clip, "method:clamp", "method:clip", "aten.clamp", "aten.clip")
 def lower_clamp(ctx, x, min=None, max=None):
-    def body(a):
-        if min is not None:
-            a = call("max", a, Const(min))
-        if max is not None:
-            a = call("min", a, Const(max))
+    bounds = [(op, b) for op, b in (("max", min), ("min", max)) if b is not None]
+
+    def body(a, *limits):
+        for (op, _), limit in zip(bounds, limits):
+            a = call(op, a, limit)
         return a
 
-    return elementwise(ctx, body, x)
+    return elementwise(ctx, body, x, *(b for _, b in bounds))
 
 
 @lowering(torch.clamp_min, "method:clamp_min", "aten.clamp_min")

@@ -56,6 +56,8 @@ def _try_contraction(node: Node, env, out_type: TensorType) -> torch.Tensor | No
     accesses = [f.access for f in factors if isinstance(f, Read)]
     if len(accesses) < 2 or not all(a.is_plain for a in accesses):
         return None
+    if not set(node.out_vars) <= set().union(*(a.vars for a in accesses)):
+        return None  # an output dim no operand indexes (size 1): einsum cannot name it
     scalar = 1.0
     for f in factors:
         if isinstance(f, Const):

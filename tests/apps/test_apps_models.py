@@ -212,3 +212,16 @@ def test_registry_sizes_and_errors():
     model, (a, x) = APPS["gcn"].build("small", dataset="karate")
     with torch.no_grad():
         assert model(a, x).shape == (34, 2)
+
+
+def test_llama_gqa_matches_repeated_heads():
+    block = LlamaBlock(kv_heads=2, rope=False, causal=True, seed=4).eval()
+    attn = block.attn
+    x = torch.randn(2, 32, 64)
+    q = attn.q_proj(x).unflatten(-1, (4, 16)).transpose(1, 2)
+    k = attn.k_proj(x).unflatten(-1, (2, 16)).transpose(1, 2).repeat_interleave(2, dim=1)
+    v = attn.v_proj(x).unflatten(-1, (2, 16)).transpose(1, 2).repeat_interleave(2, dim=1)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    ref = attn.o_proj(ref.transpose(1, 2).flatten(-2))
+    with torch.no_grad():
+        torch.testing.assert_close(attn(x), ref, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,34 @@
+"""Shared fixtures: seeded generators, sparse matrices of several densities, tolerances."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # CI has no GPU: Triton kernels run on the CPU
+
+import pytest
+import torch
+
+TOL = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.float64: dict(rtol=1e-9, atol=1e-12),
+       torch.bfloat16: dict(rtol=2e-2, atol=2e-2), torch.float16: dict(rtol=5e-3, atol=5e-3)}
+
+
+def assert_close(actual, expected, dtype=None):
+    dtype = dtype or expected.dtype
+    tol = TOL.get(dtype, dict(rtol=0, atol=0))
+    if actual.layout != torch.strided:
+        actual = actual.to_dense()
+    if expected.layout != torch.strided:
+        expected = expected.to_dense()
+    torch.testing.assert_close(actual, expected, **tol, equal_nan=True)
+
+
+def random_sparse(rows, cols, density, *, generator=None, dtype=torch.float32):
+    """A dense matrix with about `density` of its entries non-zero (values away from zero)."""
+    g = generator or torch.Generator().manual_seed(0)
+    mask = torch.rand(rows, cols, generator=g) < density
+    vals = torch.rand(rows, cols, generator=g, dtype=torch.float64).to(dtype) + 0.5
+    return torch.where(mask, vals, torch.zeros((), dtype=dtype))
+
+
+@pytest.fixture
+def rng():
+    return torch.Generator().manual_seed(1234)

@@ -1,0 +1,148 @@
+"""Differential tests: every supported op, captured and interpreted, equals eager PyTorch on
+random shapes (hypothesis) and random data."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+import stitchflow
+from conftest import assert_close
+
+dims = st.integers(1, 6)
+
+
+def check(fn, *inputs, fusion="unfused"):
+    prog = stitchflow.compile(fn, inputs, fusion=fusion)
+    expected = fn(*inputs)
+    actual = prog(*inputs)
+    if isinstance(expected, torch.Tensor):
+        assert actual.shape == expected.shape
+        assert_close(actual, expected)
+    else:
+        for a, e in zip(actual, expected):
+            assert_close(a, e)
+    assert prog.regions_executed == len(prog.regions)
+    return prog
+
+
+UNARY = {
+    "relu": torch.relu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu,
+    "exp": torch.exp, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "neg": lambda x: -x,
+    "rsqrt": lambda x: torch.rsqrt(x.abs() + 0.5), "sqrt": lambda x: (x * x).sqrt(), "abs": torch.abs,
+    "log": lambda x: torch.log(x.abs() + 1), "erf": torch.erf, "clamp": lambda x: x.clamp(-0.5, 0.5),
+    "scalar_ops": lambda x: (2.0 * x + 1) / 3 - x ** 2, "rsub": lambda x: 1 - x,
+    "dropout_eval": lambda x: F.dropout(x, 0.3, training=False), "cast": lambda x: x.double().float(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNARY))
+@settings(max_examples=8, deadline=None)
+@given(shape=st.lists(dims, min_size=1, max_size=3))
+def test_unary(name, shape):
+    check(UNARY[name], torch.randn(shape))
+
+
+BINARY = {
+    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": lambda a, b: a / (b.abs() + 1),
+    "max": torch.maximum, "min": torch.minimum, "where": lambda a, b: torch.where(a > b, a, b),
+    "masked_fill": lambda a, b: a.masked_fill(b > 0, float("-inf")).exp(), "alpha": lambda a, b: torch.add(a, b, alpha=2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BINARY))
+@settings(max_examples=8, deadline=None)
+@given(shape=st.lists(dims, min_size=2, max_size=3), bcast=st.integers(0, 2))
+def test_binary_with_broadcasting(name, shape, bcast):
+    other = list(shape)
+    if bcast == 1:
+        other[-1] = 1
+    elif bcast == 2:
+        other = other[1:]
+    check(BINARY[name], torch.randn(shape), torch.randn(other))
+
+
+REDUCTIONS = {
+    "sum": lambda x: x.sum(-1), "sum_keep": lambda x: x.sum(dim=0, keepdim=True), "mean": lambda x: x.mean(),
+    "amax": lambda x: x.amax(-1), "softmax": lambda x: torch.softmax(x, -1), "softmax0": lambda x: F.softmax(x, dim=0),
+    "log_softmax": lambda x: F.log_softmax(x, -1), "max_all": lambda x: torch.max(x),
+    "layer_norm": lambda x: F.layer_norm(x, x.shape[-1:]),
+    "rms_norm": lambda x: F.rms_norm(x, x.shape[-1:], eps=1e-6),
+    "manual_rms": lambda x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REDUCTIONS))
+@settings(max_examples=8, deadline=None)
+@given(shape=st.lists(dims, min_size=2, max_size=3))
+def test_reductions(name, shape):
+    check(REDUCTIONS[name], torch.randn(shape))
+
+
+def test_layer_norm_with_affine():
+    w, b = torch.randn(7), torch.randn(7)
+    check(lambda x: F.layer_norm(x, (7,), w, b, 1e-5), torch.randn(3, 5, 7))
+
+
+VIEWS = {
+    "transpose": lambda x: x.transpose(0, -1) * 2, "permute": lambda x: x.permute(2, 0, 1) + 1,
+    "reshape_merge": lambda x: x.reshape(x.shape[0], -1) + 1, "flatten": lambda x: torch.flatten(x) * 1,
+    "view_split": lambda x: x.view(-1).view(x.shape[2], -1) + 0, "unsqueeze": lambda x: x.unsqueeze(1) * x.unsqueeze(0),
+    "expand": lambda x: x[:, :1].expand(-1, 4, -1) + 0, "slice": lambda x: x[1:, ::2, -1] + 0,
+    "t_matmul": lambda x: x[0].t() @ x[0], "chunk": lambda x: torch.chunk(x, 2, dim=-1)[0] * 3,
+    "cat": lambda x: torch.cat([x, -x[..., :1]], dim=-1), "repeat": lambda x: x.repeat(2, 1, 1) + 0,
+    "heads": lambda x: x.reshape(x.shape[0], x.shape[1], -1).transpose(0, 1).reshape(x.shape[1], -1) * 1,
+    "rotate_half": lambda x: torch.cat([-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]], dim=-1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VIEWS))
+@settings(max_examples=8, deadline=None)
+@given(a=st.integers(2, 5), b=st.integers(2, 5), c=st.integers(2, 6))
+def test_views_become_index_arithmetic(name, a, b, c):
+    check(VIEWS[name], torch.randn(a, b, c))
+
+
+@settings(max_examples=10, deadline=None)
+@given(b=st.integers(1, 3), m=dims, k=dims, n=dims)
+def test_contractions(b, m, k, n):
+    x, y, w = torch.randn(b, m, k), torch.randn(b, k, n), torch.randn(n, k)
+    check(torch.matmul, x, y)
+    check(torch.bmm, x, y)
+    check(lambda p: F.linear(p, w, torch.ones(n)), x)
+    check(lambda p, q: torch.einsum("bmk,bkn->bmn", p, q), x, y)
+    check(lambda p: p[0] @ w.t() @ w, x)
+    check(lambda p: p[0, 0] @ w.t(), x)  # vector @ matrix
+
+
+def test_index_select_and_scatter_add():
+    x = torch.randn(10, 4)
+    idx = torch.tensor([3, 1, 1, 9, 0])
+
+    def gather_scatter(x, idx):
+        msg = x.index_select(0, idx) * 2
+        return torch.zeros(10, 4).index_add(0, idx, msg), x[idx] + 1
+
+    check(gather_scatter, x, idx)
+
+
+def test_sparse_matmul_inputs():
+    from conftest import random_sparse
+
+    a = random_sparse(30, 20, 0.1)
+    x = torch.randn(20, 5)
+    for layout in (a.to_sparse_csr(), a.to_sparse(), a.to_sparse_csc(), a):
+        check(lambda s, d: torch.relu(s @ d), layout, x)
+        check(lambda s, d: torch.sparse.mm(s, d) + 1, layout, x)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_other_dtypes(dtype):
+    x = torch.randn(4, 9, dtype=dtype)
+    w = torch.randn(9, dtype=dtype)
+    prog = stitchflow.compile(lambda a: F.gelu(F.layer_norm(a, (9,), w)) @ a.t(), (x,))
+    expected = F.gelu(F.layer_norm(x, (9,), w)) @ x.t()
+    assert_close(prog(x), expected, dtype)
+    assert math.isfinite(float(prog(x).float().sum()))
