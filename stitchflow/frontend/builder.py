@@ -108,9 +108,13 @@ class GraphBuilder:
 
     def materialize(self, v: TensorValue, hint: str = "copy") -> TensorValue:
         """A node that copies a view into a tensor of its own (for outputs and opaque uses)."""
-        if v.is_identity:
+        if self.is_whole(v):
             return v
         return self.emit(v.shape, v.dtype, lambda o, r, rg: v.read(o, rg), hint=hint)
+
+    def is_whole(self, v: TensorValue) -> bool:
+        """v is its base tensor itself, not a view of part of it."""
+        return v.is_identity and v.shape == self.types[v.base].shape
 
     def read(self, v: TensorValue, exprs, ranges) -> Read:
         return v.read(exprs, ranges)

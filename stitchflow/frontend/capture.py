@@ -105,6 +105,8 @@ def capture(
         real[ph] = value
         names.append(ph.target)
         if isinstance(value, torch.Tensor):
+            if value.numel() == 0:
+                raise ShapeError(f"input {ph.target} is empty {tuple(value.shape)}; zero-size tensors are not supported")
             spec = input_formats.get(pos, input_formats.get(ph.target))
             ttype = TensorType(tuple(value.shape), value.dtype, _format_for(spec, value))
             env[ph] = b.add_input(ph.target, ttype)

@@ -194,7 +194,7 @@ def lower_rms_norm(ctx, x, normalized_shape, weight=None, eps=None):
 
 def _is_zero_constant(ctx, v: TensorValue) -> bool:
     value = ctx.builder.param_values.get(v.base)
-    return value is not None and v.is_identity and not bool(value.any())
+    return value is not None and ctx.builder.is_whole(v) and not bool(value.any())
 
 
 def _scatter_add(ctx, base: TensorValue, out_index_of, src, loop_shape):

@@ -80,6 +80,8 @@ def lower_expand_as(ctx, x, other):
 
 @lowering(torch.narrow, "method:narrow", "aten.narrow")
 def lower_narrow(ctx, x, dim, start, length):
+    if not isinstance(start, int):
+        raise UnsupportedOpError("narrow", "a tensor start index makes the view data-dependent", ctx.hint)
     return V.slice_dim(x, dim, start, start + length, 1)
 
 
@@ -162,8 +164,8 @@ def lower_getitem(ctx, x, key):
 @lowering(torch.cat, torch.concat, torch.concatenate, "aten.cat")
 def lower_cat(ctx: LowerCtx, tensors, dim=0):
     """out[.., c, ..] = where(c < n0, t0[.., c, ..], where(c < n0+n1, t1[.., c-n0, ..], ...))."""
-    parts = [t for t in tensors if not (isinstance(t, TensorValue) and t.rank == 1 and t.shape[0] == 0)]
     dim = V.norm_dim(dim, len(ctx.shape))
+    parts = [t for t in tensors if t.rank == len(ctx.shape) and t.shape[dim] > 0]  # torch skips empty parts
     shape, dtype = ctx.shape, ctx.dtype
 
     def body(o, r, rg):
