@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..ir.errors import ShapeError, StitchflowError, UnsupportedOpError
 from ..ir.graph import Graph
@@ -193,6 +193,14 @@ def _is_inplace(node: fx.Node) -> bool:
 
 
 def _run_eager(gm, node: fx.Node, args, kwargs):
+    try:
+        return _call(gm, node, args, kwargs)
+    except (RuntimeError, TypeError, ValueError, IndexError) as err:
+        raise ShapeError(f"{describe_target(node)} ({node.name}) fails in eager PyTorch on the example inputs: "
+                         f"{str(err).splitlines()[0]}") from err
+
+
+def _call(gm, node: fx.Node, args, kwargs):
     if node.op == "call_function":
         return node.target(*args, **kwargs)
     if node.op == "call_method":
@@ -209,8 +217,12 @@ def _check_shape(node, value, out):
 
 
 def _finish(b: GraphBuilder, out_node: fx.Node, env, real, names) -> Captured:
-    result = tree_map(lambda a: env[a] if isinstance(a, fx.Node) else a, out_node.args[0])
-    example = tree_map(lambda a: real[a] if isinstance(a, fx.Node) else a, out_node.args[0])
+    result = fx.node.map_arg(out_node.args[0], env.__getitem__)
+    example = fx.node.map_arg(out_node.args[0], real.__getitem__)
+    pytree_info = getattr(out_node.graph._codegen, "pytree_info", None)  # torch.export flattens outputs
+    if pytree_info is not None and pytree_info.out_spec is not None:
+        result = tree_unflatten(list(result), pytree_info.out_spec)
+        example = tree_unflatten(list(example), pytree_info.out_spec)
     leaves, spec = tree_flatten(result)
     outputs = []
     b.origin, b.group = "output", ""

@@ -94,7 +94,8 @@ def _sparse_matmul(accesses, operands, which: int, node: Node) -> torch.Tensor |
         s = s.t()
     if d_idx.index(k) == 1:
         d = d.t()
-    s = s.to_sparse_csr() if s.layout not in (torch.sparse_csr, torch.sparse_coo) else s
+    if s.layout not in (torch.sparse_csr, torch.sparse_coo):  # CSC, BSR, BSC: convert for the kernel
+        s = s.to_dense().to_sparse_csr()
     out = torch.sparse.mm(s, d.to(s.dtype).contiguous()).to_dense() if s.layout == torch.sparse_coo else s @ d.to(s.dtype)
     if out.layout != torch.strided:
         out = out.to_dense()

@@ -1,0 +1,117 @@
+"""The public API end to end: stitchflow.compile on the app zoo, sparse formats, fusion
+configurations, explanations and the errors bad input gets."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import stitchflow
+from conftest import assert_close
+from stitchflow.apps import APPS, GCN, load_dataset
+from stitchflow.ir.types import Level
+
+
+@pytest.fixture(scope="module")
+def cora():
+    data = load_dataset("cora")
+    return data, GCN(in_features=data.x.shape[1]).eval()
+
+
+@pytest.mark.parametrize("app", sorted(APPS))
+@pytest.mark.parametrize("fusion", ["unfused", "partial", "full", "auto"])
+def test_every_app_equals_eager(app, fusion):
+    model, inputs = APPS[app].build(size="small")
+    prog = stitchflow.compile(model, inputs, fusion=fusion)
+    assert_close(prog(*inputs), model(*inputs))
+    assert prog.regions_executed == len(prog.regions) > 0
+
+
+def test_gcn_on_cora_csr_and_dcsr(cora):
+    data, gcn = cora
+    a, x = data.adjacency("csr"), data.x
+    prog = stitchflow.compile(gcn, (a, x))
+    assert_close(prog(a, x), gcn(a, x))
+    adj = prog.graph.inputs[0]
+    assert prog.graph.type_of[adj].format.levels == (Level.DENSE, Level.COMPRESSED)
+    assert "csr" in str(prog.graph)
+    dcsr = stitchflow.compile(gcn, (a, x), formats={0: "dcsr"})
+    assert dcsr.graph.type_of[adj].format.levels == (Level.COMPRESSED, Level.COMPRESSED)
+    assert_close(dcsr(a, x), gcn(a, x))
+    assert dcsr.graph.type_of["layer1_weight"].format.levels == (Level.COMPRESSED, Level.COMPRESSED)
+
+
+def test_coo_and_bsr_inputs(cora):
+    data, gcn = cora
+    x = data.x
+    coo = data.adjacency("coo")
+    assert_close(stitchflow.compile(gcn, (coo, x))(coo, x), gcn(coo, x))
+    dense = data.adjacency("dense")[:2704, :2704]
+    bsr = dense.to_sparse_bsr((16, 16))
+    fn = lambda s, d: torch.relu(s @ d)  # noqa: E731
+    prog = stitchflow.compile(fn, (bsr, x[:2704]))
+    assert prog.graph.type_of[prog.graph.inputs[0]].format.block == (16, 16)
+    assert_close(prog(bsr, x[:2704]), fn(bsr, x[:2704]))
+
+
+def test_fusion_configurations_of_gcn():
+    model, inputs = APPS["gcn"].build(size="small")
+    counts = {f: len(stitchflow.compile(model, inputs, fusion=f).regions) for f in ("unfused", "partial", "full")}
+    assert counts == {"unfused": 8, "partial": 2, "full": 1}  # FuseFlow's 8 kernels; one region per layer
+    explicit = stitchflow.compile(model, inputs, fusion=[["layer1"], ["layer2"]])
+    assert len(explicit.regions) == 2
+
+
+def test_explain_gives_a_reason_for_every_pair():
+    model, inputs = APPS["gcn"].build(size="small")
+    for fusion in ("unfused", "partial", "auto"):
+        report = stitchflow.compile(model, inputs, fusion=fusion).explain()
+        pairs = [line for line in report.splitlines() if " -> " in line and ": " in line]
+        assert pairs and all(line.rsplit(": ", 1)[1].strip() for line in pairs)
+        assert "not fused" in report or fusion != "unfused"
+
+
+def test_unsupported_op_is_named():
+    with pytest.raises(stitchflow.UnsupportedOpError, match="cumsum"):
+        stitchflow.compile(lambda x: torch.cumsum(x, 0), (torch.randn(3),))
+
+
+def test_unknown_format_is_named():
+    a = torch.eye(3).to_sparse_csr()
+    with pytest.raises(stitchflow.FormatError, match="'sparse-ish'"):
+        stitchflow.compile(lambda s, d: s @ d, (a, torch.randn(3, 2)), formats={0: "sparse-ish"})
+
+
+def test_shape_mismatch_at_compile_and_call():
+    with pytest.raises(stitchflow.StitchflowError):
+        stitchflow.compile(lambda a, b: a @ b, (torch.randn(3, 4), torch.randn(5, 2)))
+    prog = stitchflow.compile(lambda a: a * 2, (torch.randn(3, 4),))
+    with pytest.raises(stitchflow.ShapeError, match=r"expected float32\[3,4\]"):
+        prog(torch.randn(4, 4))
+
+
+def test_bad_region_lists_are_refused():
+    model, inputs = APPS["gcn"].build(size="small")
+    with pytest.raises(stitchflow.StitchflowError, match="names no node"):
+        stitchflow.compile(model, inputs, fusion=[["no_such_layer"]])
+    with pytest.raises(stitchflow.StitchflowError, match="unknown fusion"):
+        stitchflow.compile(model, inputs, fusion="everything")
+
+
+class Untraceable(nn.Module):
+    """Python control flow on a shape: FX symbolic tracing fails, torch.export does not."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x):
+        for _ in range(x.shape[0] // 2):
+            x = torch.tanh(self.lin(x))
+        return x
+
+
+def test_export_fallback_captures_aten_graphs():
+    model, x = Untraceable().eval(), torch.randn(4, 6)
+    prog = stitchflow.compile(model, (x,))
+    assert_close(prog(x), model(x))
+    assert sum(n.tag is not None and n.tag.kind == "linear" for n in prog.graph.nodes) >= 2
