@@ -72,10 +72,10 @@ class Program:
 
 def _split_formats(model, formats: Mapping | None):
     """User formats: int positions and input names go to inputs, parameter paths to parameters;
-    a model may declare default parameter formats in a `param_formats` attribute."""
+    a model may declare default formats in `param_formats` and `buffer_formats` attributes."""
     params = set(dict(model.named_parameters()).keys()) | set(dict(model.named_buffers()).keys()) if isinstance(
         model, torch.nn.Module) else set()
-    param_formats = dict(getattr(model, "param_formats", {}) or {})
+    param_formats = dict(getattr(model, "param_formats", {}) or {}) | dict(getattr(model, "buffer_formats", {}) or {})
     input_formats = {}
     for key, value in (formats or {}).items():
         if isinstance(key, str) and key in params:
@@ -124,7 +124,8 @@ def capture_model(model, example_inputs: Sequence[Any], formats: Mapping | None 
         module = model if isinstance(model, torch.nn.Module) else _AsModule(model)
         gm = torch.export.export(module, tuple(example_inputs)).module()
         param_formats = {k: v for k, v in param_formats.items() if hasattr(gm, k.split(".")[0])}
-    return capture(gm, example_inputs, input_formats=input_formats, param_formats=param_formats)
+    depth = getattr(model, "partial_depth", 1)
+    return capture(gm, example_inputs, input_formats=input_formats, param_formats=param_formats, partial_depth=depth)
 
 
 def compile(model_or_fn, example_inputs: Sequence[Any], *, target: str = "reference", fusion="unfused",

@@ -111,14 +111,19 @@ class GPT3Decoder(nn.Module):
                                          _mask_tensor(self.block_mask, seq, causal, dtype))
         self.mlp = OutputAndFFN(width, ffn, gen, dtype)
         self.param_formats = {n: "dense" for n, _ in self.named_parameters()}
-        self.buffer_formats = {"attn.mask": "bsr"}
+        self.buffer_formats = {"attn.mask": f"bsr{self.block_mask.block}"}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.attn(self.qkv(x)), x)
 
 
 class GPT3(nn.Module):
-    """A stack of ``num_layers`` decoders sharing one block mask, in ``self.decoders``."""
+    """A stack of ``num_layers`` decoders sharing one block mask, in ``self.decoders``.
+
+    ``partial_depth = 2``: per-layer ("partial") fusion splits each decoder into FuseFlow's
+    three regions (LN+QKV / attention / out-proj+residual+LN+FFN+residual)."""
+
+    partial_depth = 2
 
     def __init__(self, num_layers: int = 12, width: int = 768, heads: int = 12, ffn: int = 3072,
                  seq: int = 1024, block: int = 16, seed: int = 0,
@@ -131,7 +136,7 @@ class GPT3(nn.Module):
             GPT3Decoder(width, heads, ffn, seq, block, seed, dtype, self.block_mask, causal, gen)
             for _ in range(num_layers))
         self.param_formats = {n: "dense" for n, _ in self.named_parameters()}
-        self.buffer_formats = {f"decoders.{i}.attn.mask": "bsr" for i in range(num_layers)}
+        self.buffer_formats = {f"decoders.{i}.attn.mask": f"bsr{self.block_mask.block}" for i in range(num_layers)}
 
     @classmethod
     def preset(cls, name: str, seed: int = 0, dtype: torch.dtype = torch.float32,

@@ -57,18 +57,22 @@ def symbolic_trace(model: torch.nn.Module | Any) -> fx.GraphModule:
     return fx.GraphModule(tracer.root, graph, name)
 
 
-def top_level_group(node: fx.Node) -> str:
-    """The first submodule on the node's module stack ("" for top-level code)."""
-    stack = node.meta.get("nn_module_stack") or {}
-    for path, *_ in stack.values():
-        path = str(path)
-        for prefix in ("L['self'].", "L['self']", "L['fn'].", "self."):
-            path = path.removeprefix(prefix)
-        path = path.replace("_modules['", "").replace("']", "").replace("['", ".")
-        head = path.split(".")[0] if path else ""
-        if head:
-            return head
-    return ""
+def _module_path(path) -> str:
+    path = str(path)
+    for prefix in ("L['self'].", "L['self']", "L['fn'].", "self."):
+        path = path.removeprefix(prefix)
+    return path.replace("_modules['", "").replace("']", "").replace("['", ".")
+
+
+def layer_group(node: fx.Node, depth: int = 1) -> str:
+    """The submodule call at `depth` on the node's module stack ("" for top-level code): the
+    unit of per-layer ("partial") fusion. Containers (ModuleList) are never called, so
+    `decoders.0` is a layer; a model may set `partial_depth = 2` to split its layers further."""
+    stack = [_module_path(path) for path, *_ in (node.meta.get("nn_module_stack") or {}).values()]
+    stack = [p for p in stack if p]
+    if not stack:
+        return ""
+    return stack[min(depth, len(stack)) - 1]
 
 
 def _format_for(spec, tensor: torch.Tensor) -> Format:
@@ -86,6 +90,7 @@ def capture(
     *,
     input_formats: Mapping[Any, str | Format] | None = None,
     param_formats: Mapping[str, str | Format] | None = None,
+    partial_depth: int = 1,
 ) -> Captured:
     """Lower `gm` to IR. `input_formats` maps input positions or names to format names
     (e.g. {0: "dcsr"}); `param_formats` maps parameter paths (e.g. "layer1.weight") likewise."""
@@ -116,7 +121,7 @@ def capture(
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
-        b.origin, b.group = node.name, top_level_group(node)
+        b.origin, b.group = node.name, layer_group(node, partial_depth)
         if node.op == "get_attr":
             value = _fetch_attr(gm, node.target)
             real[node] = value

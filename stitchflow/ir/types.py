@@ -59,7 +59,8 @@ class Format:
         if self.mode_order != tuple(range(self.rank)) and name is None:
             text += "@" + "".join(str(m) for m in self.mode_order)
         if self.block is not None:
-            text = "b" + text + "[" + "x".join(map(str, self.block)) + "]"
+            square = self.block[0] if len(set(self.block)) == 1 else "x".join(map(str, self.block))
+            text = f"bsr{square}" if text == "csr" else f"b{text}[{'x'.join(map(str, self.block))}]"
         return text
 
 
@@ -79,7 +80,7 @@ _NAME_OF = {(f.levels, f.mode_order): n for n, f in _NAMED.items() if n != "coo"
 _NAME_OF[((_D, _D), (0, 1))] = "dense"
 _NAME_OF[((_D,), (0,))] = "dense"
 
-FORMAT_NAMES = ("dense", "csr", "csc", "dcsr", "dcsc", "coo", "bsr", "(d,c,...)[@order]")
+FORMAT_NAMES = ("dense", "csr", "csc", "dcsr", "dcsc", "coo", "bsr<B>", "bsr<B>x<C>", "(d,c,...)[@order]")
 
 
 def parse_format(spec: str | Format, rank: int, block: tuple[int, ...] | None = None) -> Format:
@@ -92,9 +93,14 @@ def parse_format(spec: str | Format, rank: int, block: tuple[int, ...] | None = 
     text = spec.strip().lower()
     if text == "dense":
         return dense(rank)
-    if text == "bsr":
+    if text.startswith("bsr"):  # bsr needs a block: from the tensor, or in the name (bsr16, bsr16x32)
+        sizes = text[3:].split("x") if text[3:] else []
+        if sizes and not all(s.isdigit() for s in sizes):
+            raise FormatError(f"unknown format name {spec!r}; a block format reads like bsr16 or bsr16x32")
+        if sizes:
+            block = (int(sizes[0]), int(sizes[-1]))
         if block is None:
-            raise FormatError("format 'bsr' needs a block shape")
+            raise FormatError("format 'bsr' needs a block shape: name it as bsr16 or bsr16x32")
         return Format((_D, _C), (0, 1), tuple(block))
     if text in _NAMED:
         fmt = _NAMED[text]

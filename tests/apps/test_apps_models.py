@@ -145,7 +145,7 @@ def test_bigbird_attention_matches_sdpa():
         out = attn(qkv)
     torch.testing.assert_close(out, ref.transpose(1, 2).flatten(-2), rtol=1e-5, atol=1e-5)
     assert attn.scale == 0.25
-    assert dec.buffer_formats == {"attn.mask": "bsr"}
+    assert dec.buffer_formats == {"attn.mask": f"bsr{dec.block_mask.block}"}
 
 
 def test_gpt3_batch_and_causal():

@@ -1,0 +1,201 @@
+"""The `stitchflow` command line: one verb per thing a user runs, each with --help.
+
+    stitchflow apps                         list the app zoo and the datasets
+    stitchflow show gcn --fusion partial    captured IR and fusion regions (JSON with --json)
+    stitchflow run gcn --dataset cora       compile, run, compare with eager, time both
+    stitchflow explain gcn --fusion auto    why each pair of neighbouring ops is or is not fused
+    stitchflow bench stitching              GPU benchmarks (on a machine with a GPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+from typing import Sequence
+
+import torch
+
+
+def _app_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("app", help="app name (see `stitchflow apps`)")
+    p.add_argument("--size", default=None, help="app size: small (tests) or default (the paper's size), or a preset")
+    p.add_argument("--dataset", default=None, help="graph dataset for GNN apps (cora, tiny, karate, *-synthetic)")
+    p.add_argument("--block", type=int, default=None, help="BigBird block size (16, 32, 64)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fusion", default="partial", help="unfused | partial | full | auto")
+    p.add_argument("--target", default="reference", help="reference | dataflow | gpu")
+    p.add_argument("--format", action="append", default=[], metavar="INPUT=FORMAT",
+                   help="storage format of an input (position or name) or parameter, e.g. 0=dcsr; repeatable")
+
+
+def _build(args):
+    from .apps import APPS
+
+    if args.app not in APPS:
+        raise SystemExit(f"stitchflow: unknown app {args.app!r}; known: {', '.join(sorted(APPS))}")
+    size = args.size or ("default" if args.dataset in (None, "cora") and args.app in ("gcn", "graphsage") else "small")
+    return APPS[args.app].build(size=size, dataset=args.dataset, block=args.block, seed=args.seed)
+
+
+def _formats(items: Sequence[str]) -> dict:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"stitchflow: --format wants INPUT=FORMAT, got {item!r}")
+        out[int(key) if key.isdigit() else key] = value
+    return out
+
+
+def _compile(args):
+    import stitchflow
+
+    model, inputs = _build(args)
+    prog = stitchflow.compile(model, inputs, target=args.target, fusion=args.fusion, formats=_formats(args.format))
+    return model, inputs, prog
+
+
+def cmd_apps(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .apps import APPS
+    from .apps.graphs import DATASETS
+
+    table = Table(title="stitchflow apps")
+    for col in ("app", "sizes", "description"):
+        table.add_column(col)
+    for name, spec in sorted(APPS.items()):
+        table.add_row(name, ", ".join(spec.sizes), spec.description)
+    console = Console()
+    console.print(table)
+    console.print("datasets: " + ", ".join(sorted(DATASETS)))
+    return 0
+
+
+def cmd_show(args) -> int:
+    _, _, prog = _compile(args)
+    if args.json:
+        print(json.dumps(program_summary(prog), indent=2))
+        return 0
+    print(prog.graph)
+    print()
+    for r in prog.regions:
+        print(r)
+    if args.target == "dataflow":
+        inspect = importlib.import_module("stitchflow.targets.dataflow.inspect")
+        print()
+        print(inspect.describe(prog))
+        if args.dot:
+            for path in inspect.export(prog, args.dot):
+                print(f"wrote {path}")
+    return 0
+
+
+def program_summary(prog) -> dict:
+    g = prog.graph
+    return {
+        "target": prog.target_name,
+        "fusion": prog.fusion if isinstance(prog.fusion, str) else [list(r) for r in prog.fusion],
+        "inputs": {n: str(g.type_of[n]) for n in g.inputs},
+        "params": {n: str(g.type_of[n]) for n in g.params},
+        "nodes": [{"name": n.name, "text": str(n), "tag": str(n.tag) if n.tag else None, "group": n.group,
+                   "origin": n.origin} for n in g.nodes],
+        "regions": [{"name": r.name, "nodes": list(r.nodes)} for r in prog.regions],
+        "outputs": list(g.outputs),
+    }
+
+
+def cmd_run(args) -> int:
+    from rich.console import Console
+
+    console = Console()
+    t0 = time.perf_counter()
+    model, inputs, prog = _compile(args)
+    t1 = time.perf_counter()
+    with torch.no_grad():
+        expected = model(*inputs)
+        t2 = time.perf_counter()
+        actual = prog(*inputs)
+        t3 = time.perf_counter()
+    err = _relative_error(actual, expected)
+    ok = err <= 1e-4
+    console.print(f"[bold]{args.app}[/bold] target={args.target} fusion={args.fusion}: "
+                  f"{len(prog.graph.nodes)} IR nodes in {len(prog.regions)} regions")
+    console.print(f"compile {t1 - t0:.2f} s · eager {1e3 * (t2 - t1):.1f} ms · stitchflow {1e3 * (t3 - t2):.1f} ms · "
+                  f"relative error vs eager {err:.2e} [{'green' if ok else 'red'}]{'OK' if ok else 'MISMATCH'}[/]")
+    if args.json:
+        print(json.dumps({"app": args.app, "relative_error": err, "regions": len(prog.regions),
+                          "compile_s": t1 - t0, "eager_ms": 1e3 * (t2 - t1), "stitchflow_ms": 1e3 * (t3 - t2)}))
+    return 0 if ok else 1
+
+
+def _relative_error(actual, expected) -> float:
+    if isinstance(expected, torch.Tensor):
+        actual, expected = [actual], [expected]
+    worst = 0.0
+    for a, e in zip(actual, expected):
+        a = a.to_dense().double() if a.layout != torch.strided else a.double()
+        e = e.to_dense().double() if e.layout != torch.strided else e.double()
+        worst = max(worst, float((a - e).norm() / e.norm().clamp_min(1e-30)))
+    return worst
+
+
+def cmd_explain(args) -> int:
+    _, _, prog = _compile(args)
+    print(prog.explain())
+    return 0
+
+
+def cmd_bench(args) -> int:
+    suites = {"stitching": "stitchflow.bench.stitching"}
+    if args.suite not in suites:
+        raise SystemExit(f"stitchflow: unknown benchmark suite {args.suite!r}; known: {', '.join(suites)}")
+    try:
+        module = importlib.import_module(suites[args.suite])
+    except ImportError as err:
+        raise SystemExit(f"stitchflow: benchmark suite {args.suite!r} is not available: {err}") from err
+    return module.main(args.rest) or 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="stitchflow", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+    p = verbs.add_parser("apps", help="list the app zoo and datasets")
+    p.set_defaults(fn=cmd_apps)
+    p = verbs.add_parser("show", help="print the captured IR and fusion regions of an app")
+    _app_args(p)
+    p.add_argument("--json", action="store_true", help="print a JSON summary instead")
+    p.add_argument("--dot", default=None, metavar="PREFIX", help="dataflow target: write DOT/JSON (and SVG) files")
+    p.set_defaults(fn=cmd_show)
+    p = verbs.add_parser("run", help="compile an app, run it, compare with eager PyTorch and time both")
+    _app_args(p)
+    p.add_argument("--json", action="store_true", help="also print the result as JSON")
+    p.set_defaults(fn=cmd_run)
+    p = verbs.add_parser("explain", help="why each pair of neighbouring ops is or is not fused")
+    _app_args(p)
+    p.set_defaults(fn=cmd_explain)
+    p = verbs.add_parser("bench", help="run a benchmark suite (GPU): stitching")
+    p.add_argument("suite", help="stitching")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the suite (see `stitchflow bench SUITE --help`)")
+    p.set_defaults(fn=cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from .ir.errors import StitchflowError
+
+    try:
+        return args.fn(args)
+    except StitchflowError as err:
+        print(f"stitchflow: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""The stitchflow CLI: every verb answers --help, and the main verbs work on small apps."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from stitchflow.cli import build_parser, main
+
+VERBS = ["apps", "show", "run", "explain", "bench"]
+
+
+@pytest.mark.parametrize("verb", VERBS)
+def test_every_verb_has_help(verb, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([verb, "--help"])
+    assert exit_info.value.code == 0
+    assert "usage: stitchflow" in capsys.readouterr().out
+
+
+def test_top_level_help_lists_the_verbs():
+    text = build_parser().format_help()
+    assert all(v in text for v in VERBS)
+
+
+def test_show_json_and_run(capsys):
+    assert main(["show", "gcn", "--size", "small", "--fusion", "unfused", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert len(summary["regions"]) == 8 and summary["inputs"]
+    assert main(["run", "sae", "--fusion", "full", "--json"]) == 0
+    assert '"relative_error"' in capsys.readouterr().out
+
+
+def test_explain_and_formats(capsys):
+    assert main(["explain", "gcn", "--size", "small", "--fusion", "auto", "--format", "0=dcsr"]) == 0
+    out = capsys.readouterr().out
+    assert "dcsr" in out and "producer -> consumer" in out
+
+
+def test_errors_are_reported_not_raised(capsys):
+    assert main(["show", "gcn", "--size", "small", "--format", "0=zzz"]) == 2
+    assert "unknown format name" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="unknown app"):
+        main(["show", "nope"])
+
+
+def test_console_script_runs():
+    out = subprocess.run([sys.executable, "-m", "stitchflow.cli", "apps"], capture_output=True, text=True, check=True)
+    assert "gcn" in out.stdout
