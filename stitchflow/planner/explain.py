@@ -34,7 +34,12 @@ def fusion_reason(graph: Graph, fusion, a: str, b: str, same: bool) -> str:
 
 def explain_regions(graph: Graph, regions: tuple[Region, ...], fusion, target: str) -> str:
     owner = {n: r.name for r in regions for n in r.nodes}
-    lines = [f"stitchflow program: target={target}, fusion={fusion}, {len(graph.nodes)} nodes, {len(regions)} regions", ""]
+    lines = [f"stitchflow program: target={target}, fusion={fusion}, {len(graph.nodes)} nodes, {len(regions)} regions"]
+    lines.append("inputs: " + ", ".join(f"{n}: {graph.type_of[n]}" for n in graph.inputs))
+    sparse = [n for n in graph.params if graph.type_of[n].format.is_sparse]
+    if sparse:
+        lines.append("sparse parameters: " + ", ".join(f"{n}: {graph.type_of[n]}" for n in sparse))
+    lines.append("")
     lines.append("regions:")
     for r in regions:
         lines.append(f"  {r.name} ({len(r.nodes)} nodes)")
