@@ -146,3 +146,16 @@ def test_other_dtypes(dtype):
     expected = F.gelu(F.layer_norm(x, (9,), w)) @ x.t()
     assert_close(prog(x), expected, dtype)
     assert math.isfinite(float(prog(x).float().sum()))
+
+
+@settings(max_examples=25, deadline=None)
+@given(density=st.sampled_from([0.01, 0.05, 0.2, 0.5, 1.0]), m=st.integers(1, 40), k=st.integers(1, 40),
+       n=st.integers(1, 8), layout=st.sampled_from(["csr", "coo", "csc", "dense"]), seed=st.integers(0, 99))
+def test_sparse_products_at_several_densities(density, m, k, n, layout, seed):
+    from conftest import random_sparse
+
+    g = torch.Generator().manual_seed(seed)
+    a = random_sparse(m, k, density, generator=g)
+    a = {"csr": a.to_sparse_csr, "coo": a.to_sparse, "csc": a.to_sparse_csc, "dense": lambda: a}[layout]()
+    x, w = torch.randn(k, n, generator=g), torch.randn(n, n, generator=g)
+    check(lambda s, d: torch.softmax(torch.relu(s @ (d @ w)) + 1, -1), a, x, fusion="full")
