@@ -39,15 +39,21 @@ def check_partition(graph: Graph, groups: Sequence[Sequence[str]]) -> None:
     missing = [n.name for n in graph.nodes if n.name not in seen]
     if missing:
         raise StitchflowError(f"nodes {missing} are in no region")
-    quotient = nx.DiGraph()
-    quotient.add_nodes_from(range(len(groups)))
-    for n in graph.nodes:
-        for p in graph.producers(n):
-            if seen[p] != seen[n.name]:
-                quotient.add_edge(seen[p], seen[n.name])
+    quotient = region_graph(graph, seen, len(groups))
     if not nx.is_directed_acyclic_graph(quotient):
         cycle = nx.find_cycle(quotient)
         raise StitchflowError(f"regions {sorted({a for a, _ in cycle})} depend on each other in a cycle")
+
+
+def region_graph(graph: Graph, owner: dict[str, int], n_groups: int) -> nx.DiGraph:
+    """The graph of regions: an edge where a node of one region reads a node of another."""
+    quotient = nx.DiGraph()
+    quotient.add_nodes_from(range(n_groups))
+    for n in graph.nodes:
+        for p in graph.producers(n):
+            if owner[p] != owner[n.name]:
+                quotient.add_edge(owner[p], owner[n.name])
+    return quotient
 
 
 def ordered_regions(graph: Graph, groups: Sequence[Sequence[str]], prefix: str = "r") -> tuple[Region, ...]:
@@ -55,12 +61,7 @@ def ordered_regions(graph: Graph, groups: Sequence[Sequence[str]], prefix: str =
     check_partition(graph, groups)
     position = {n.name: k for k, n in enumerate(graph.nodes)}
     owner = {name: g for g, names in enumerate(groups) for name in names}
-    quotient = nx.DiGraph()
-    quotient.add_nodes_from(range(len(groups)))
-    for n in graph.nodes:
-        for p in graph.producers(n):
-            if owner[p] != owner[n.name]:
-                quotient.add_edge(owner[p], owner[n.name])
+    quotient = region_graph(graph, owner, len(groups))
     order = nx.lexicographical_topological_sort(quotient, key=lambda g: min(position[x] for x in groups[g]))
     return tuple(
         Region(f"{prefix}{k}", tuple(sorted(groups[g], key=position.__getitem__))) for k, g in enumerate(order) if groups[g]
