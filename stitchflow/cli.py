@@ -4,7 +4,7 @@
     stitchflow show gcn --fusion partial    captured IR and fusion regions (JSON with --json)
     stitchflow run gcn --dataset cora       compile, run, compare with eager, time both
     stitchflow explain gcn --fusion auto    why each pair of neighbouring ops is or is not fused
-    stitchflow bench stitching              GPU benchmarks (on a machine with a GPU)
+    stitchflow bench stitching|chains       GPU benchmarks (on a machine with a GPU)
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def cmd_explain(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    suites = {"stitching": "stitchflow.bench.stitching"}
+    suites = {"stitching": "stitchflow.bench.stitching", "chains": "stitchflow.bench.chains"}
     if args.suite not in suites:
         raise SystemExit(f"stitchflow: unknown benchmark suite {args.suite!r}; known: {', '.join(suites)}")
     try:
@@ -179,8 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = verbs.add_parser("explain", help="why each pair of neighbouring ops is or is not fused")
     _app_args(p)
     p.set_defaults(fn=cmd_explain)
-    p = verbs.add_parser("bench", help="run a benchmark suite (GPU): stitching")
-    p.add_argument("suite", help="stitching")
+    p = verbs.add_parser("bench", help="run a benchmark suite on the GPU: stitching | chains")
+    p.add_argument("suite", help="stitching (memory-intensive patterns) | chains (GEMM -> act -> GEMM)")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the suite (see `stitchflow bench SUITE --help`)")
     p.set_defaults(fn=cmd_bench)
     return parser

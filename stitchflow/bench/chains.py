@@ -1,0 +1,460 @@
+"""`stitchflow bench chains`: compute chains E = act(A·B)·D on the GPU, every competitor in one process.
+
+    PYTHONPATH=. python3 -m stitchflow.bench.chains --out results/ [--budget 400] [--quick]
+
+Competitors on the same inputs: eager (cuBLAS + a separate activation), torch.compile (default,
+and max-autotune-no-cudagraphs on the shapes the time budget allows), ours (the cost model's
+shortlist timed on the device, the winner kept), and the cluster/DSM kernel where its shape
+limits allow. Floors: bytes at the measured copy bandwidth and FLOPs at the measured bf16 GEMM
+rate, both measured in this run. Every result is checked against eager before it is timed.
+Writes chains.json, chains.csv and chains_section.md (the BENCHMARKS.md section) under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import math
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+DEVICE = "cuda"  # the smoke test in tests/ runs the suite on the CPU under the interpreter
+SECTION = "## Compute chains (GEMM → act → GEMM)"
+
+
+@dataclass(frozen=True)
+class ChainCase:
+    name: str
+    M: int
+    K: int
+    N: int
+    L: int
+    act: str = "gelu"
+    gated: bool = False
+    conv: tuple | None = None      # (batch, channels, height, width): A is im2col of a 3x3 conv input
+    max_autotune: bool = False     # worth the compile time of mode="max-autotune-no-cudagraphs"
+
+
+def default_cases() -> list[ChainCase]:
+    cases = [ChainCase("membound 65536x64-256-64", 65536, 64, 256, 64, max_autotune=True),
+             ChainCase("membound 16384x128-512-128", 16384, 128, 512, 128, max_autotune=True)]
+    for m in (32, 128, 512, 2048, 4096):
+        cases.append(ChainCase(f"gpt6.7b ffn M={m}", m, 4096, 16384, 4096, max_autotune=m == 128))
+    cases.append(ChainCase("swiglu decode M=16", 16, 4096, 14336, 4096, act="silu", gated=True))
+    cases.append(ChainCase("swiglu prefill M=4096", 4096, 4096, 14336, 4096, act="silu", gated=True))
+    cases.append(ChainCase("conv3x3 64-256 gelu conv1x1 -64, 8x56x56", 8 * 56 * 56, 64 * 9, 256, 64,
+                           conv=(8, 64, 56, 56)))
+    return cases
+
+
+# ---------------------------------------------------------------- ceilings and timing
+
+def bench(fn) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e-3
+
+
+def measure_ceilings() -> dict:
+    """Device-to-device copy (bytes read + written) and an 8192³ bf16 GEMM on random data."""
+    src = torch.randn(1 << 28, device=DEVICE, dtype=torch.float32)  # 1 GiB
+    dst = torch.empty_like(src)
+    copy_s = bench(lambda: dst.copy_(src))
+    a = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
+    gemm_s = bench(lambda: a @ b)
+    del src, dst
+    return {"copy_bw": 2 * (1 << 30) / copy_s, "gemm_flops": 2 * 8192 ** 3 / gemm_s}
+
+
+# ---------------------------------------------------------------- problems and competitors
+
+def _rand(shape, scale=1.0, gen=None):
+    return (torch.randn(shape, device=DEVICE, generator=gen) * scale).to(torch.bfloat16)
+
+
+def make_problem(case: ChainCase, gen) -> dict:
+    p = {"b": _rand((case.K, case.N), case.K ** -0.5, gen), "d": _rand((case.N, case.L), case.N ** -0.5, gen)}
+    if case.gated:
+        p["bu"] = _rand((case.K, case.N), case.K ** -0.5, gen)
+    if case.conv:  # b's rows are (c, kh, kw) for eager's conv weight; ours takes them as (kh, kw, c)
+        p["x"] = _rand(case.conv, 1.0, gen)
+        cin = case.conv[1]
+        p["b_nhwc"] = p["b"].reshape(cin, 3, 3, case.N).permute(1, 2, 0, 3).reshape(9 * cin, case.N).contiguous()
+    else:
+        p["a"] = _rand((case.M, case.K), 1.0, gen)
+    return p
+
+
+def eager_fn(case: ChainCase):
+    act = F.gelu if case.act == "gelu" else F.silu
+    if case.conv:
+        batch, cin, hgt, wid = case.conv
+        def conv_chain(x, b, d):  # conv weights as the chain's matrices: w1 [N, cin, 3, 3], w2 [L, N, 1, 1]
+            w1 = b.t().reshape(case.N, cin, 3, 3)
+            w2 = d.t().reshape(case.L, case.N, 1, 1)
+            return F.conv2d(act(F.conv2d(x, w1, padding=1)), w2)
+        return conv_chain
+    if case.gated:
+        return lambda a, b, bu, d: (act(a @ b) * (a @ bu)) @ d
+    return lambda a, b, d: act(a @ b) @ d
+
+
+def args_of(case: ChainCase, p: dict) -> tuple:
+    if case.conv:
+        return p["x"], p["b"], p["d"]
+    return (p["a"], p["b"], p["bu"], p["d"]) if case.gated else (p["a"], p["b"], p["d"])
+
+
+def ours_operands(case: ChainCase, p: dict):
+    from stitchflow.targets.gpu.chains import Operands
+
+    if case.conv:  # im2col (inside our timed call) then the fused chain on [B*H*W, 9*cin]
+        return Operands(a=im2col_nhwc(p["x"]), b=p["b_nhwc"], d=p["d"], act=case.act)
+    return Operands(a=p["a"], b=p["b"], d=p["d"], bu=p.get("bu"), act=case.act)
+
+
+def im2col_nhwc(x: torch.Tensor) -> torch.Tensor:
+    """3x3, padding 1: rows (b, h, w), columns (kh, kw, c) — one strided copy of the padded
+    channels-last input (F.unfold's (c, kh, kw) order gathers with a far worse access pattern)."""
+    batch, cin, hgt, wid = x.shape
+    xp = F.pad(x.permute(0, 2, 3, 1), (0, 0, 1, 1, 1, 1)).contiguous()
+    sb, sh, sw, sc = xp.stride()
+    cols = xp.as_strided((batch, hgt, wid, 3, 3, cin), (sb, sh, sw, sh, sw, sc))
+    return cols.reshape(batch * hgt * wid, 9 * cin)
+
+
+def ours_fn(case: ChainCase, plan, p: dict):
+    from stitchflow.targets.gpu.chains import run_plan
+
+    if not case.conv:
+        ops = ours_operands(case, p)
+        return lambda: run_plan(plan, ops)
+    batch, cin, hgt, wid = case.conv
+
+    def conv_chain():
+        ops = ours_operands(case, p)
+        e = run_plan(plan, ops)
+        return e.reshape(batch, hgt, wid, case.L).permute(0, 3, 1, 2)  # channels-last view, no copy
+    return conv_chain
+
+
+def rel_err(out, ref) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def floors(case: ChainCase, ceilings: dict) -> dict:
+    from stitchflow.targets.gpu.chain_cost import ChainShape
+
+    shape = ChainShape(case.M, case.K, case.N, case.L, 2, case.gated, case.act)
+    io = shape.io_bytes
+    if case.conv:  # the conv input is read once, not its 9x im2col
+        io += (math.prod(case.conv) - case.M * case.K) * 2
+    return {"bytes": io, "flops": shape.flops, "hbm_floor": io / ceilings["copy_bw"],
+            "flop_floor": shape.flops / ceilings["gemm_flops"]}
+
+
+# ---------------------------------------------------------------- device checks (correctness on the GPU)
+
+def device_checks() -> list[dict]:
+    """The Triton kernels at odd shapes, fp32 and bf16, against float64 torch; and the DSM kernel."""
+    from stitchflow.targets.gpu import chain_kernels as ck
+
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
+    results = []
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+        M, K, N, L = 301, 200, 333, 77
+        a = torch.randn(M, K, device=DEVICE, generator=gen).to(dtype)
+        b, bu = (torch.randn(K, N, device=DEVICE, generator=gen).div(K ** 0.5).to(dtype) for _ in range(2))
+        d = torch.randn(N, L, device=DEVICE, generator=gen).div(N ** 0.5).to(dtype)
+        b1 = torch.randn(N, device=DEVICE, generator=gen).to(dtype)
+        r = torch.randn(M, N, device=DEVICE, generator=gen).to(dtype)
+        A, B, Bu, D, B1, R = (t.double() for t in (a, b, bu, d, b1, r))
+        h = F.gelu(A @ B + B1).to(dtype).double()
+        hg = (F.silu(A @ B).to(dtype).double() * (A @ Bu).to(dtype).double()).to(dtype).double()
+        cases = {
+            "chain gelu+bias": (lambda: ck.chain(a, b, d, act="gelu", bias1=b1, exact_fp32=True,
+                                                 tiles=ck.ChainTiles(64, 64, 64, 64))[0], h @ D),
+            "chain split_n=3": (lambda: ck.chain(a, b, d, act="gelu", bias1=b1, exact_fp32=True,
+                                                 tiles=ck.ChainTiles(32, 64, 64, 128, split_n=3))[0], h @ D),
+            "chain gated": (lambda: ck.chain(a, b, d, act="silu", bu=bu, exact_fp32=True,
+                                             tiles=ck.ChainTiles(64, 32, 64, 64))[0], hg @ D),
+            "gemm epilogue": (lambda: ck.gemm(a, b, epi=ck.Epilogue(0.5, True, "silu", True), bias=b1, residual=r,
+                                              exact_fp32=True, tiles=ck.GemmTiles(64, 64, 32))[0],
+                              F.silu(0.5 * (A @ B) + B1) + R),
+            "gemm split_k=4": (lambda: ck.gemm(a, b, epi=ck.Epilogue(act="relu"), exact_fp32=True,
+                                               tiles=ck.GemmTiles(64, 64, 32, split_k=4))[0], torch.relu(A @ B)),
+            "gemm rowmax": (lambda: ck.gemm(a, b, epi=ck.Epilogue(rowstat="max"), exact_fp32=True)[1],
+                            (A @ B).to(dtype).double().amax(1)),
+            "gemm gated": (lambda: ck.gemm(a, b, bu=bu, epi=ck.Epilogue(act="silu"), exact_fp32=True)[0],
+                           F.silu(A @ B) * (A @ Bu)),
+        }
+        a2, b2, d2 = a[:256, :128].contiguous(), b[:128, :256].contiguous(), d[:256, :64].contiguous()
+        A2, B2, D2 = (t.double() for t in (a2, b2, d2))
+        cases["chain even split_n=2"] = (lambda: ck.chain(a2, b2, d2, act="relu", exact_fp32=True,
+                                                          tiles=ck.ChainTiles(64, 64, 64, 64, split_n=2))[0],
+                                         torch.relu(A2 @ B2).to(dtype).double() @ D2)
+        cases["gemm even split_k=2"] = (lambda: ck.gemm(a2, b2, exact_fp32=True, tiles=ck.GemmTiles(64, 64, 32, 2))[0],
+                                        A2 @ B2)
+        for name, (fn, ref) in cases.items():
+            err = rel_err(fn(), ref)
+            results.append({"check": f"{name} {str(dtype)[6:]}", "rel_err": err, "ok": err < tol})
+    return results
+
+
+def dsm_check() -> list[dict]:
+    from stitchflow.targets.gpu.cluster_dsm import dsm_chain
+
+    gen = torch.Generator(device=DEVICE).manual_seed(11)
+    out = []
+    for M, K, N, L, C in ((100, 96, 512, 128, 4), (129, 64, 1024, 64, 16), (64, 128, 256, 256, 2), (70, 32, 1024, 64, 8)):
+        a = torch.randn(M, K, device=DEVICE, generator=gen).bfloat16()
+        b = torch.randn(K, N, device=DEVICE, generator=gen).div(K ** 0.5).bfloat16()
+        d = torch.randn(N, L, device=DEVICE, generator=gen).div(N ** 0.5).bfloat16()
+        b1 = torch.randn(N, device=DEVICE, generator=gen).bfloat16()
+        b2 = torch.randn(L, device=DEVICE, generator=gen).bfloat16()
+        ref = F.gelu(a.double() @ b.double() + b1.double()).bfloat16().double() @ d.double() + b2.double()
+        err = rel_err(dsm_chain(a, b, d, act="gelu", bias1=b1, bias2=b2, cluster=C), ref)
+        out.append({"check": f"dsm M{M} K{K} N{N} L{L} C{C}", "rel_err": err, "ok": err < 2e-2})
+    return out
+
+
+# ---------------------------------------------------------------- one case
+
+class Budget:
+    def __init__(self, seconds: float):
+        self.end = time.time() + seconds
+
+    def left(self) -> float:
+        return self.end - time.time()
+
+
+def _compiled_time(fn, args, ref, mode, budget: Budget, need: float):
+    if budget.left() < need:
+        return None, "skipped (time budget)"
+    try:
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, dynamic=False, mode=mode)
+        start = time.time()
+        out = compiled(*args)
+        compile_s = time.time() - start
+        err = rel_err(out, ref)
+        return bench(lambda: compiled(*args)), f"compile {compile_s:.0f}s err {err:.1e}"
+    except Exception as err:  # report, do not stop the run
+        return None, f"failed: {type(err).__name__}: {str(err)[:120]}"
+
+
+def run_case(case: ChainCase, p: dict, ceilings: dict, profile, budget: Budget, dsm_ready, top_k: int) -> dict:
+    from stitchflow.targets.gpu import cluster_dsm
+    from stitchflow.targets.gpu.chains import autotune
+
+    row = {"case": case.name, "M": case.M, "K": case.K, "N": case.N, "L": case.L, **floors(case, ceilings)}
+    eager, args = eager_fn(case), args_of(case, p)
+    ref = eager(*args)
+    row["eager_s"] = bench(lambda: eager(*args))
+    ops = ours_operands(case, p)
+    best, report = autotune(ops, k=top_k, profile=profile, use_cache=False)
+    ours = ours_fn(case, best, p)
+    row["ours_err"] = rel_err(ours(), ref)
+    row["ours_ok"] = row["ours_err"] < 2e-2
+    row["ours_s"] = bench(ours)
+    row.update(plan=str(best), model_first=report["first_choice"], model_first_s=report["first_choice_seconds"],
+               best_profiled_s=report["seconds"], timed=report["timed"])
+    row["compile_s"], row["compile_note"] = _compiled_time(eager, args, ref, None, budget, 30)
+    row["max_autotune_s"], row["max_autotune_note"] = None, "not run for this shape (compile time)"
+    # Kernel-only time of our plan on the chain's matrices (for the conv case: without im2col),
+    # the baseline the cluster kernel is compared with.
+    row["ours_kernel_s"] = report["seconds"]
+    row["dsm"] = []
+    ref2d = ref.permute(0, 2, 3, 1).reshape(case.M, case.L) if case.conv else ref
+    if dsm_ready() and not case.gated:
+        for size in cluster_dsm.CLUSTER_SIZES:
+            if cluster_dsm.supports(case.M, case.N, case.K, case.L, size, case.act, torch.bfloat16):
+                fn = lambda s=size: cluster_dsm.dsm_chain(ops.a, ops.b, ops.d, act=case.act, cluster=s)
+                try:
+                    row["dsm"].append({"cluster": size, "err": rel_err(fn(), ref2d), "seconds": bench(fn)})
+                except Exception as err:  # report, do not stop the run
+                    row["dsm"].append({"cluster": size, "error": f"{type(err).__name__}: {str(err)[:160]}"})
+    return row
+
+
+# ---------------------------------------------------------------- the whole run
+
+def _us(x) -> str:
+    return f"{x * 1e6:.1f}" if x else "-"
+
+
+def _best_dsm(row):
+    ok = [d for d in row.get("dsm", []) if "seconds" in d and d["err"] < 2e-2]
+    return min(ok, key=lambda d: d["seconds"]) if ok else None
+
+
+def table_lines(rows: list[dict]) -> list[str]:
+    head = ("| case | floor µs (bound) | eager µs | compile µs | max-autotune µs | ours µs | ours vs eager | "
+            "vs best torch | ours / floor | cluster/DSM µs (C) vs our kernel | our plan | model 1st choice / best |")
+    lines = [head, "|" + "---|" * 12]
+    for r in rows:
+        floor = max(r["hbm_floor"], r["flop_floor"])
+        bound = "hbm" if r["hbm_floor"] >= r["flop_floor"] else "flop"
+        torch_best = min(t for t in (r["eager_s"], r.get("compile_s"), r.get("max_autotune_s")) if t)
+        dsm = _best_dsm(r)
+        dsm_txt = f"{_us(dsm['seconds'])} (C{dsm['cluster']}) {r['ours_kernel_s'] / dsm['seconds']:.2f}×" if dsm else "-"
+        lines.append(
+            f"| {r['case']} | {_us(floor)} ({bound}) | {_us(r['eager_s'])} | {_us(r.get('compile_s'))} | "
+            f"{_us(r.get('max_autotune_s'))} | {_us(r['ours_s'])} | {r['eager_s'] / r['ours_s']:.2f}× | "
+            f"{torch_best / r['ours_s']:.2f}× | {r['ours_s'] / floor:.2f} | {dsm_txt} | {r['plan']} | "
+            f"{r['model_first_s'] / r['best_profiled_s']:.2f} |")
+    return lines
+
+
+def section_text(meta: dict, rows: list[dict], checks: list[dict]) -> str:
+    ok = sum(c["ok"] for c in checks)
+    within = sum(r["model_first_s"] <= 1.1 * r["best_profiled_s"] for r in rows)
+    lines = [SECTION, "",
+             f"Command: `{meta['command']}`. Device: {meta['device']}; {meta['date']}; torch {meta['torch']}, "
+             f"triton {meta['triton']}. Ceilings measured in the same run: copy {meta['copy_bw'] / 1e12:.2f} TB/s "
+             f"(read+write), bf16 GEMM 8192³ {meta['gemm_flops'] / 1e12:.0f} TFLOP/s. Medians of "
+             "triton.testing.do_bench (L2 flushed between calls), bf16 in and out, fp32 accumulation; every "
+             "result checked against eager before timing. 'ours' = the winner among the cost model's shortlist "
+             "timed on the device (its plan shown); 'model 1st choice / best' = time of the model's top plan "
+             "over the best timed plan. Cluster/DSM: the CUDA cluster kernel where its shape limits allow, "
+             "as speed-up over our best Triton plan's kernel time (>1 means the cluster kernel is faster).", ""]
+    lines += table_lines(rows)
+    lines += ["", f"Device correctness checks: {ok}/{len(checks)} passed "
+              f"({', '.join(c['check'] + ' ' + format(c['rel_err'], '.1e') for c in checks if not c['ok']) or 'all'}"
+              "). Cost model's first choice within 10% of the best profiled plan on "
+              f"{within}/{len(rows)} shapes.", ""]
+    return "\n".join(lines)
+
+
+def update_benchmarks_md(path: Path, section: str) -> None:
+    """Replace (or append) only this suite's section of BENCHMARKS.md."""
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    start = text.find(SECTION)
+    if start < 0:
+        text = text.rstrip("\n") + "\n\n" + section
+    else:
+        end = text.find("\n## ", start + len(SECTION))
+        text = text[:start] + section.rstrip("\n") + ("\n" + text[end:] if end >= 0 else "\n")
+    path.write_text(text)
+
+
+def _max_autotune_pass(cases, rows, weights, budget: Budget, gen) -> None:
+    """max-autotune compiles for minutes: run it last, on the flagged shapes, while time is left."""
+    by_name = {r["case"]: r for r in rows}
+    for case in cases:
+        row = by_name.get(case.name)
+        if row is None or not case.max_autotune:
+            continue
+        p = make_problem(case, gen)
+        eager, args = eager_fn(case), args_of(case, p)
+        row["max_autotune_s"], row["max_autotune_note"] = _compiled_time(
+            eager, args, eager(*args), "max-autotune-no-cudagraphs", budget, 60)
+        print(f"{case.name}: max-autotune {_us(row['max_autotune_s'])} {row['max_autotune_note']}", flush=True)
+
+
+def run(shapes=None, out_dir="bench_out", budget_s: float = 420.0, top_k: int = 8, checks: bool = True,
+        benchmarks_md: str | None = None, command: str = "python -m stitchflow.bench.chains") -> list[dict]:
+    import triton
+
+    from stitchflow.targets.gpu import cluster_dsm
+    from stitchflow.targets.gpu.chain_cost import profile_for
+
+    budget = Budget(budget_s)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    build = {"error": None}
+
+    def build_dsm():  # nvcc runs while the Triton work goes on
+        try:
+            cluster_dsm.load_extension()
+        except Exception as err:
+            build["error"] = f"{type(err).__name__}: {str(err)[-400:]}"
+
+    builder = threading.Thread(target=build_dsm, daemon=True)
+    builder.start()
+    ceilings = measure_ceilings()
+    profile = profile_for(torch.cuda.get_device_name(), ceilings["copy_bw"], ceilings["gemm_flops"])
+    results = device_checks() if checks else []
+    builder.join(timeout=240)
+    dsm_ok = not builder.is_alive() and build["error"] is None
+    if checks and dsm_ok:
+        try:
+            results += dsm_check()
+        except Exception as err:
+            results.append({"check": "dsm", "rel_err": float("nan"), "ok": False, "error": str(err)[:300]})
+    for c in results:
+        print(f"check {c['check']}: rel err {c['rel_err']:.2e} {'ok' if c['ok'] else 'FAIL'}", flush=True)
+    meta = {"command": command, "device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+            "torch": torch.__version__, "triton": triton.__version__, "dsm_build": build["error"] or "ok", **ceilings}
+    rows, weights = [], {}
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    for case in shapes or default_cases():
+        if budget.left() < 20:
+            print(f"skip {case.name}: time budget", flush=True)
+            continue
+        key = (case.K, case.N, case.L, case.gated, case.conv)
+        if key not in weights:  # the M sweep shares one set of weights
+            weights.clear()
+            weights[key] = make_problem(case, gen)
+        p = dict(weights[key])
+        if not case.conv:
+            p["a"] = _rand((case.M, case.K), 1.0, gen)
+        start = time.time()
+        try:
+            row = run_case(case, p, ceilings, profile, budget, lambda: dsm_ok, top_k)
+        except Exception as err:
+            print(f"case {case.name} failed: {type(err).__name__}: {err}", flush=True)
+            continue
+        row["wall_s"] = time.time() - start
+        rows.append(row)
+        print(f"{case.name}: eager {_us(row['eager_s'])} compile {_us(row.get('compile_s'))} ours "
+              f"{_us(row['ours_s'])} ({row['plan']}) err {row['ours_err']:.1e} [{row['wall_s']:.0f}s]", flush=True)
+        (out / "chains.json").write_text(json.dumps({"meta": meta, "checks": results, "rows": rows}, indent=1))
+    _max_autotune_pass(shapes or default_cases(), rows, weights, budget, gen)
+    (out / "chains.json").write_text(json.dumps({"meta": meta, "checks": results, "rows": rows}, indent=1))
+    with open(out / "chains.csv", "w", newline="") as f:
+        fields = ["case", "M", "K", "N", "L", "hbm_floor", "flop_floor", "eager_s", "compile_s", "max_autotune_s",
+                  "ours_s", "ours_kernel_s", "ours_err", "plan", "model_first_s", "best_profiled_s"]
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    section = section_text(meta, rows, results)
+    (out / "chains_section.md").write_text(section)
+    if benchmarks_md:
+        update_benchmarks_md(Path(benchmarks_md), section)
+    print("\n".join(table_lines(rows)))
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="stitchflow bench chains", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench_out/chains", help="folder for chains.json, .csv and the md section")
+    parser.add_argument("--budget", type=float, default=420.0, help="seconds; later competitors are skipped past it")
+    parser.add_argument("--top-k", type=int, default=8, help="plans from the cost model timed per shape")
+    parser.add_argument("--quick", action="store_true", help="the two memory-bound shapes and GPT M=128 only")
+    parser.add_argument("--no-checks", action="store_true")
+    parser.add_argument("--benchmarks-md", default=None, help="update this BENCHMARKS.md's section")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("stitchflow bench chains needs a CUDA GPU")
+    cases = default_cases()
+    if args.quick:
+        cases = [c for c in cases if c.max_autotune]
+    cmd = "python -m stitchflow.bench.chains " + " ".join(argv or [])
+    run(cases, args.out, args.budget, args.top_k, not args.no_checks, args.benchmarks_md, cmd.strip())
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,404 @@
+"""Dataflow analysis and an analytical cost model for compute chains E = act(A·B)·D (FlashFuser).
+
+A candidate plan fixes a loop schedule for the four loops of the chain, m (rows of A), n (the
+intermediate's columns), k (GEMM1's reduction) and l (E's columns): each loop is spatial (split
+over programs) or temporal (a loop inside one program); it fixes the tiles, and the memory level
+of each tensor: registers, shared memory (smem), distributed shared memory in a cluster (dsm)
+or global memory (hbm, through L2). From these the analyzer counts the bytes that cross each
+level and the FLOPs (recomputation included); the cost is the largest volume/bandwidth over the
+levels (a minimax: the busiest level binds), stretched by wave quantization and by how many SMs
+the plan can keep busy, plus launch overheads. Capacity limits (shared memory, registers per
+thread) prune plans; legality prunes the rest: k may not be split across programs before the
+activation (act needs whole sums), so k is always temporal and innermost in GEMM1.
+
+Plan kinds:
+- fused: one Triton kernel (chain_kernels.chain); h in registers, chunk by chunk over n.
+  Spatial: m, l (each l tile recomputes GEMM1), optionally n (split_n: fp32 partials in hbm).
+- two_pass: GEMM1 + epilogue writes h to hbm (L2-resident when small), GEMM2 reads it, split over
+  its reduction (n) when the output has too few tiles to fill the chip (decode-sized M).
+- cluster: the CUDA kernel of cluster_dsm.py; n spatial over the C CTAs of a cluster, partials
+  reduced through dsm.
+- library: cuBLAS GEMMs and a separate activation pass (what eager does), for reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from dataclasses import dataclass, field
+
+from . import cluster_dsm
+from .chain_kernels import ChainTiles, GemmTiles
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """Measured numbers where we have them (workloads.md, KINDS.md); the rest are leads."""
+
+    name: str
+    sms: int = 132
+    smem_per_block: int = 227 * 1024
+    smem_per_sm: int = 228 * 1024
+    regs_per_sm: int = 65536
+    hbm_bw: float = 3.0e12          # device-to-device copy, read + write (H100: 3.0, H200: 4.3 TB/s)
+    l2_bw: float = 9.0e12           # lead: about 3x HBM
+    l2_bytes: float = 50e6
+    smem_bw: float = 33e12          # 128 B/clock/SM at ~1.98 GHz over 132 SMs
+    mma_flops: float = 750e12       # bf16 dense GEMM measured (690-800 TFLOP/s)
+    dsm_bw: float = 3.5e12          # aggregate, measured 2.6-4.7 TB/s
+    dsm_latency: float = 200 / 1.75e9
+    launch: float = 2.5e-6          # per kernel launch in a stream of launches
+    mem_latency: float = 0.9e-6     # one SM sustains stages x tile bytes per latency
+    iter_cost: float = 80e-9        # fixed cost of one pipelined loop iteration (barriers, address math)
+
+
+def cluster_usable_sms(profile: DeviceProfile, size: int) -> int:
+    """Clusters must fit inside a GPC: clusters of 16 with large smem leave 20 of 132 SMs idle."""
+    if size >= 16:
+        return profile.sms - 20
+    if size >= 8:
+        return profile.sms - profile.sms % 8
+    return profile.sms
+
+
+def profile_for(name: str, copy_bw: float | None = None, gemm_flops: float | None = None) -> DeviceProfile:
+    base = DeviceProfile(name, hbm_bw=4.3e12 if "H200" in name else 3.0e12,
+                         l2_bytes=60e6 if "H200" in name else 50e6)
+    changes = {}
+    if copy_bw:
+        changes.update(hbm_bw=copy_bw, l2_bw=3 * copy_bw)
+    if gemm_flops:
+        changes["mma_flops"] = gemm_flops
+    return DeviceProfile(**{**base.__dict__, **changes})
+
+
+@dataclass(frozen=True)
+class ChainShape:
+    M: int
+    K: int
+    N: int
+    L: int
+    elt: int = 2                    # bytes per element of A, B, D, E
+    gated: bool = False
+    act: str = "gelu"
+
+    @property
+    def weight_bytes(self) -> int:
+        return (self.K * self.N * (2 if self.gated else 1) + self.N * self.L) * self.elt
+
+    @property
+    def io_bytes(self) -> int:
+        """The floor's bytes: every input read once, the output written once."""
+        return self.weight_bytes + (self.M * self.K + self.M * self.L) * self.elt
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.M * self.N * (self.K * (2 if self.gated else 1) + self.L)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    seconds: float
+    volumes: tuple[tuple[str, float], ...]   # level -> bytes
+    times: tuple[tuple[str, float], ...]     # level (and compute) -> seconds
+    programs: int
+    waves: int
+
+    @property
+    def bound(self) -> str:
+        return max(self.times, key=lambda kv: kv[1])[0]
+
+
+@dataclass(frozen=True)
+class Plan:
+    kind: str
+    schedule: str                             # e.g. "m:S l:T n:T k:T"
+    levels: tuple[tuple[str, str], ...]       # tensor -> memory level
+    chain: ChainTiles | None = None
+    gemm1: GemmTiles | None = None
+    gemm2: GemmTiles | None = None
+    cluster: int = 0
+    estimate: Estimate | None = field(default=None, compare=False)
+
+    def __str__(self) -> str:
+        if self.kind == "fused":
+            t = self.chain
+            tiles = f"bm{t.bm} bn{t.bn} bk{t.bk} bl{t.bl} split{t.split_n} w{t.num_warps} s{t.num_stages}"
+        elif self.kind == "two_pass":
+            g1, g2 = self.gemm1, self.gemm2
+            tiles = (f"g1[{g1.bm}x{g1.bn}x{g1.bk} w{g1.num_warps} s{g1.num_stages}] "
+                     f"g2[{g2.bm}x{g2.bn}x{g2.bk} splitk{g2.split_k} w{g2.num_warps} s{g2.num_stages}]")
+        elif self.kind == "cluster":
+            tiles = f"cluster{self.cluster} bm64 bn64"
+        else:
+            tiles = "cuBLAS"
+        est = f" ~{self.estimate.seconds * 1e6:.1f}us ({self.estimate.bound})" if self.estimate else ""
+        return f"{self.kind} {tiles} [{self.schedule}]{est}"
+
+
+# ---------------------------------------------------------------- the kernel-level model
+
+def _kernel_time(profile: DeviceProfile, flops: float, rate: float, volumes: dict, programs: int,
+                 per_sm: int, bytes_in_flight: float, iterations: float, usable_sms: int | None = None) -> Estimate:
+    """`iterations`: loop iterations per program; their fixed cost overlaps across the programs
+    sharing an SM (up to two), which makes tiny tiles lose their false ties with large ones."""
+    """max over levels of volume / bandwidth, with bandwidths scaled to the SMs kept busy."""
+    sms = usable_sms or profile.sms
+    slots = max(1, sms * per_sm)
+    waves = math.ceil(programs / slots)
+    busy = min(sms, programs) if waves == 1 else sms * programs / (waves * slots)
+    share = busy / profile.sms
+    pull = busy * min(per_sm, 4, max(1, programs // max(1, busy))) * bytes_in_flight / profile.mem_latency
+    bws = {"hbm": min(profile.hbm_bw, pull), "l2": profile.l2_bw * share, "smem": profile.smem_bw * share,
+           "dsm": profile.dsm_bw * share}
+    times = {lvl: vol / bws[lvl] for lvl, vol in volumes.items() if vol}
+    times["compute"] = flops / (rate * share)
+    times["issue"] = iterations * programs * profile.iter_cost / (busy * min(per_sm, 2))
+    seconds = max(times.values()) + profile.launch
+    return Estimate(seconds, tuple(volumes.items()), tuple(times.items()), programs, waves)
+
+
+def _mma_rate(profile: DeviceProfile, bm: int, warps: int, elt: int) -> float:
+    """wgmma needs 64-row warpgroup tiles; smaller tiles fall back to mma.sync (~60%); fp32 runs as tf32."""
+    rate = profile.mma_flops * (1.0 if bm >= 64 and warps >= 4 else 0.6)
+    return rate / 2 if elt == 4 else rate
+
+
+def _smem_operand_bytes(flops: float, bm: int, bn: int, elt: int) -> float:
+    """An mma of bm x bn x bk reads bm*bk + bk*bn operands for 2*bm*bn*bk FLOPs."""
+    return flops / 2 * (1 / bn + 1 / bm) * elt
+
+
+def _weight_rereads(shape: ChainShape, profile: DeviceProfile, row_tiles: int, slots: int) -> int:
+    """Weights larger than L2 come from HBM once per wave of row tiles walking them together."""
+    if shape.weight_bytes <= profile.l2_bytes / 2:
+        return 1
+    return max(1, math.ceil(row_tiles / max(1, min(8, slots))))
+
+
+def _per_sm(profile: DeviceProfile, smem: int, regs_per_thread: int, warps: int) -> int:
+    by_smem = profile.smem_per_sm // max(1, smem)
+    by_regs = profile.regs_per_sm // max(1, regs_per_thread * warps * 32)
+    return max(0, min(by_smem, by_regs, 64 // warps))
+
+
+# ---------------------------------------------------------------- the plan kinds
+
+def estimate_fused(shape: ChainShape, t: ChainTiles, profile: DeviceProfile) -> Estimate | None:
+    e, g = shape.elt, 2 if shape.gated else 1
+    resident = shape.K <= t.bk
+    smem = t.num_stages * (t.bm * t.bk + g * t.bk * t.bn) * e + 2 * t.bn * t.bl * e + t.bm * t.bn * e
+    regs = (g * t.bm * t.bn + t.bm * t.bl) // (t.num_warps * 32) + (t.bm * t.bk // (t.num_warps * 64) if resident else 0) + 40
+    if smem > profile.smem_per_block or regs > 255:
+        return None
+    per_sm = _per_sm(profile, smem, regs, t.num_warps)
+    if per_sm == 0:
+        return None
+    m_t, l_t, n_t = math.ceil(shape.M / t.bm), math.ceil(shape.L / t.bl), math.ceil(shape.N / t.bn)
+    programs = m_t * l_t * t.split_n
+    pm, pn, pl = m_t * t.bm, n_t * t.bn, l_t * t.bl
+    flops1 = 2 * pm * pn * shape.K * g * l_t        # every l tile recomputes GEMM1
+    flops2 = 2 * pm * pn * pl
+    a_loads = m_t * l_t * (t.bm * shape.K if resident else n_t * t.bm * shape.K)
+    l2 = (a_loads + m_t * l_t * n_t * (g * shape.K * t.bn + t.bn * t.bl)) * e
+    partials = 2 * t.split_n * shape.M * shape.L * 4 if t.split_n > 1 else 0
+    hbm = (shape.M * shape.K + shape.M * shape.L) * e + partials
+    hbm += shape.weight_bytes * _weight_rereads(shape, profile, m_t * l_t, profile.sms * per_sm)
+    smem_vol = _smem_operand_bytes(flops1, t.bm, t.bn, e) + _smem_operand_bytes(flops2, t.bm, t.bl, e)
+    in_flight = t.num_stages * (t.bm * t.bk + g * t.bk * t.bn) * e
+    iters = math.ceil(n_t / t.split_n) * (math.ceil(shape.K / t.bk) + 1)
+    est = _kernel_time(profile, flops1 + flops2, _mma_rate(profile, t.bm, t.num_warps, e),
+                       {"hbm": hbm, "l2": l2, "smem": smem_vol}, programs, per_sm, in_flight, iters)
+    if t.split_n > 1:  # the partial-sum reduction is a second launch
+        est = Estimate(est.seconds + profile.launch, est.volumes, est.times, est.programs, est.waves)
+    return est
+
+
+def estimate_gemm(M: int, N: int, K: int, t: GemmTiles, profile: DeviceProfile, elt: int, gated: bool = False,
+                  weights_bytes: float = 0.0) -> Estimate | None:
+    g = 2 if gated else 1
+    smem = t.num_stages * (t.bm * t.bk + g * t.bk * t.bn) * elt
+    regs = g * t.bm * t.bn // (t.num_warps * 32) + 40
+    if smem > profile.smem_per_block or regs > 255:
+        return None
+    per_sm = _per_sm(profile, smem, regs, t.num_warps)
+    if per_sm == 0:
+        return None
+    m_t, n_t = math.ceil(M / t.bm), math.ceil(N / t.bn)
+    programs = m_t * n_t * t.split_k
+    flops = 2 * m_t * t.bm * n_t * t.bn * K * g
+    l2 = m_t * n_t * K * (t.bm + g * t.bn) * elt
+    weights = weights_bytes or K * N * g * elt
+    rereads = 1 if weights <= profile.l2_bytes / 2 else max(1, math.ceil(m_t / t.group_m))
+    hbm = M * K * elt + weights * rereads + M * N * elt
+    if t.split_k > 1:
+        hbm += 2 * t.split_k * M * N * 4
+    in_flight = t.num_stages * (t.bm * t.bk + g * t.bk * t.bn) * elt
+    est = _kernel_time(profile, flops, _mma_rate(profile, t.bm, t.num_warps, elt),
+                       {"hbm": hbm, "l2": l2, "smem": _smem_operand_bytes(flops, t.bm, t.bn, elt)},
+                       programs, per_sm, in_flight, math.ceil(K / (t.bk * t.split_k)))
+    if t.split_k > 1:
+        est = Estimate(est.seconds + profile.launch, est.volumes, est.times, est.programs, est.waves)
+    return est
+
+
+def estimate_cluster(shape: ChainShape, size: int, profile: DeviceProfile) -> Estimate | None:
+    e = shape.elt
+    if not cluster_dsm.supports(shape.M, shape.N, shape.K, shape.L, size, shape.act,
+                                _dtype_of(e), shape.gated):
+        return None
+    m_t = math.ceil(shape.M / 64)
+    programs = m_t * size
+    flops = 2 * m_t * 64 * shape.N * (shape.K + shape.L)
+    chunks = shape.N // 64
+    l2 = m_t * chunks * (64 * shape.K + shape.K * 64 + 64 * shape.L) * e
+    hbm = (shape.M * shape.K + shape.M * shape.L) * e + shape.weight_bytes * _weight_rereads(
+        shape, profile, m_t, profile.sms)
+    dsm = m_t * (size - 1) * 64 * shape.L * 4
+    smem = max((64 * 32 + 32 * 64) * 2 + 64 * 68 * 4 + 64 * 72 * 2 + 64 * (shape.L + 8) * 2, 64 * shape.L * 4)
+    # wmma (mma.sync) without pipelining: one 64x32 + 32x64 tile in flight per CTA
+    est = _kernel_time(profile, flops, profile.mma_flops * 0.45, {"hbm": hbm, "l2": l2, "dsm": dsm},
+                       programs, max(1, profile.smem_per_sm // smem), (64 * 32 + 32 * 64) * e,
+                       (chunks // size) * (shape.K // 32 + 2), usable_sms=cluster_usable_sms(profile, size))
+    sync = 2 * profile.dsm_latency * 4  # two cluster barriers per tile
+    return Estimate(est.seconds + sync, est.volumes + (("sync", sync),), est.times, est.programs, est.waves)
+
+
+def estimate_library(shape: ChainShape, profile: DeviceProfile) -> Estimate:
+    e, g = shape.elt, 2 if shape.gated else 1
+    t1 = max(2 * shape.M * shape.N * shape.K * g / (profile.mma_flops * 0.95),
+             (shape.M * shape.K + g * shape.K * shape.N + g * shape.M * shape.N) * e / (profile.hbm_bw * 0.85))
+    act = (g + 1) * shape.M * shape.N * e / profile.hbm_bw
+    t2 = max(2 * shape.M * shape.N * shape.L / (profile.mma_flops * 0.95),
+             (shape.M * shape.N + shape.N * shape.L + shape.M * shape.L) * e / (profile.hbm_bw * 0.85))
+    launches = (3 + g) * profile.launch
+    seconds = t1 + act + t2 + launches
+    return Estimate(seconds, (("hbm", shape.io_bytes + 2 * (g + 1) * shape.M * shape.N * e),),
+                    (("gemm1", t1), ("act", act), ("gemm2", t2)), 0, 1)
+
+
+def _dtype_of(elt: int):
+    import torch
+
+    return torch.bfloat16 if elt == 2 else torch.float32
+
+
+# ---------------------------------------------------------------- enumeration, pruning, ranking
+
+def _pow2_ceil(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def _fits(tile: int, dim: int, smallest: int = 16, least: int = 16) -> bool:
+    """Prune tiles far past the problem (a tile may exceed its dimension only up to the next power
+    of two) and tiles below `least` where the dimension is larger: a k step under 64 or an n tile
+    under 32 leaves the tensor cores waiting on loop overhead that the model prices only roughly."""
+    return min(least, _pow2_ceil(dim)) <= tile <= max(smallest, _pow2_ceil(dim))
+
+
+def _warps_for(tile_elements: int) -> int:
+    """Measured on the H200 (bench/chains.py, first run): 8 warps paid only from about 128x128
+    accumulator elements per program; below that 4 warps ran up to 1.7x faster."""
+    return 8 if tile_elements >= 128 * 128 else 4
+
+
+def fused_plans(shape: ChainShape, profile: DeviceProfile) -> list[Plan]:
+    plans = []
+    for bm, bn, bk, bl, warps, stages in itertools.product((16, 32, 64, 128), (16, 32, 64, 128), (16, 32, 64, 128),
+                                                           (16, 32, 64, 128, 256), (4, 8), (2, 3)):
+        if not (_fits(bm, shape.M) and _fits(bn, shape.N, least=32) and _fits(bk, shape.K, least=64)
+                and _fits(bl, shape.L)):
+            continue
+        if math.ceil(shape.L / bl) > 4:  # each l tile recomputes GEMM1: more than 4x is never worth it
+            continue
+        if warps != _warps_for(bm * (bn + bl)):
+            continue
+        n_chunks = math.ceil(shape.N / bn)
+        for split in (1, 2, 4, 8, 16, 32):
+            if split > n_chunks:
+                break
+            t = ChainTiles(bm, bn, bk, bl, split, warps, stages)
+            est = estimate_fused(shape, t, profile)
+            if est is None:
+                continue
+            sched = f"m:S l:{'S' if shape.L > bl else 'T'} n:{'S' if split > 1 else 'T'} k:T"
+            levels = (("A", "smem"), ("B", "smem"), ("h", "registers"), ("D", "smem"),
+                      ("partials", "hbm" if split > 1 else "registers"), ("E", "hbm"))
+            plans.append(Plan("fused", sched, levels, chain=t, estimate=est))
+    return plans
+
+
+def _gemm_options(M: int, N: int, K: int, profile: DeviceProfile, elt: int, gated: bool, split_ok: bool, keep: int):
+    found = []
+    for bm, bn, bk, warps, stages in itertools.product((16, 32, 64, 128), (16, 32, 64, 128, 256), (16, 32, 64, 128),
+                                                       (4, 8), (3, 4, 5)):
+        if not (_fits(bm, M) and _fits(bn, N, least=32) and _fits(bk, K, least=64)) or warps != _warps_for(bm * bn // 2):
+            continue
+        for split in (1, 2, 4, 8, 16) if split_ok else (1,):
+            if split > 1 and K // split < 4 * bk:
+                break
+            t = GemmTiles(bm, bn, bk, split, 8, warps, stages)
+            est = estimate_gemm(M, N, K, t, profile, elt, gated)
+            if est is not None:
+                found.append((est.seconds, t, est))
+    found.sort(key=lambda x: x[0])
+    return found[:keep]
+
+
+def two_pass_plans(shape: ChainShape, profile: DeviceProfile, keep: int = 6) -> list[Plan]:
+    e = shape.elt
+    first = _gemm_options(shape.M, shape.N, shape.K, profile, e, shape.gated, False, keep)
+    second = _gemm_options(shape.M, shape.L, shape.N, profile, e, False, True, keep)
+    plans = []
+    for (s1, t1, e1), (s2, t2, e2) in itertools.product(first, second):
+        sched = f"G1[m:S n:S k:T] G2[m:S l:S n:{'S' if t2.split_k > 1 else 'T'}]"
+        levels = (("A", "smem"), ("B", "smem"), ("h", "hbm"), ("D", "smem"), ("E", "hbm"))
+        volumes = tuple((f"g1.{k}", v) for k, v in e1.volumes) + tuple((f"g2.{k}", v) for k, v in e2.volumes)
+        est = Estimate(s1 + s2, volumes, (("gemm1", s1), ("gemm2", s2)), e1.programs + e2.programs,
+                       max(e1.waves, e2.waves))
+        plans.append(Plan("two_pass", sched, levels, gemm1=t1, gemm2=t2, estimate=est))
+    return plans
+
+
+def cluster_plans(shape: ChainShape, profile: DeviceProfile) -> list[Plan]:
+    plans = []
+    for size in cluster_dsm.CLUSTER_SIZES:
+        est = estimate_cluster(shape, size, profile)
+        if est is not None:
+            levels = (("A", "smem"), ("B", "smem"), ("h", "smem"), ("D", "smem"), ("partials", "dsm"), ("E", "hbm"))
+            plans.append(Plan("cluster", "m:S n:S(cluster) l:T k:T", levels, cluster=size, estimate=est))
+    return plans
+
+
+def rank_plans(shape: ChainShape, profile: DeviceProfile, kinds=("fused", "two_pass", "cluster", "library")) -> list[Plan]:
+    """Every legal plan that fits, cheapest first."""
+    plans: list[Plan] = []
+    if "fused" in kinds:
+        plans += fused_plans(shape, profile)
+    if "two_pass" in kinds:
+        plans += two_pass_plans(shape, profile)
+    if "cluster" in kinds:
+        plans += cluster_plans(shape, profile)
+    if "library" in kinds:
+        plans.append(Plan("library", "eager", (("h", "hbm"),), estimate=estimate_library(shape, profile)))
+    plans.sort(key=lambda p: p.estimate.seconds)
+    return plans
+
+
+def shortlist(shape: ChainShape, profile: DeviceProfile, k: int = 10, kinds=("fused", "two_pass", "library")) -> list[Plan]:
+    """The top k plans, keeping the best of each kind in view so profiling can correct the model."""
+    ranked = rank_plans(shape, profile, kinds)
+    chosen, seen = [], set()
+    for plan in ranked:  # one plan per tile shape: pipelining depth alone rarely changes the ranking
+        tiles = plan.chain or plan.gemm1
+        key = (plan.kind, plan.cluster, tiles and dataclasses.replace(tiles, num_stages=0),
+               plan.gemm2 and dataclasses.replace(plan.gemm2, num_stages=0))
+        if key not in seen and len(chosen) < k:
+            seen.add(key)
+            chosen.append(plan)
+    for kind in kinds:
+        best = next((p for p in ranked if p.kind == kind), None)
+        if best is not None and best not in chosen:
+            chosen = chosen[:-1] + [best] if len(chosen) >= k else chosen + [best]
+    return chosen

@@ -1,0 +1,431 @@
+"""Compute chains in the IR: recognise them, pick a plan, run it.
+
+    for names in match_chains(graph):           # ("matmul", "add", "gelu", "matmul_1"), ...
+        run = compile_chain(graph, names, options)
+        run(env)                                  # writes the last node's output into env
+
+A chain is a contraction C1 (out[rows..., j] = sum_k A[rows..., k] * B[k, j], B 2-D in either
+orientation), elementwise nodes over C1's output (a bias add, one activation, and for the gated
+FFN a product with a second contraction C1' that shares A), then a contraction C2 whose reduce
+variable runs over the intermediate's last index: E = act(A·B + b)·D. `match_gemm_epilogues`
+finds single GEMMs followed by bias / activation / residual nodes. Plans come from chain_cost; on
+a GPU `autotune` times the shortlist and caches the winner per shape bucket on disk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ...ir.expr import Call, Read
+from ...ir.graph import Graph, Node
+from ...ir.index import Var
+from . import chain_cost, chain_kernels
+from .chain_kernels import ChainTiles, Epilogue, GemmTiles, interpreting
+
+log = logging.getLogger("stitchflow.gpu.chains")
+ACT_TAGS = {"gelu", "silu", "relu", "sigmoid"}
+
+
+# ---------------------------------------------------------------- matching
+
+@dataclass(frozen=True)
+class Contraction:
+    node: str
+    a: str
+    w: str
+    w_transposed: bool  # weight accessed as w[j, k] (a linear layer's weight)
+
+
+@dataclass(frozen=True)
+class ChainSpec:
+    nodes: tuple[str, ...]
+    first: Contraction
+    second: Contraction | None       # None: a single GEMM with an epilogue
+    up: Contraction | None = None    # the gated FFN's second GEMM1
+    bias1: str | None = None
+    biasu: str | None = None
+    act: str = "none"
+    residual: str | None = None      # single GEMM only: + R[rows..., j]
+
+
+def _contraction(node: Node) -> Contraction | None:
+    """out[r..., j] = sum_k A[r..., k] * W[k, j] or W[j, k], plain accesses, one reduce variable."""
+    if node.reduce != "sum" or node.is_scatter or len(node.reduce_vars) != 1:
+        return None
+    body = node.body
+    if not (isinstance(body, Call) and body.op == "mul" and all(isinstance(x, Read) for x in body.args)):
+        return None
+    k = node.reduce_vars[0]
+    out = node.out_vars
+    if len(out) != len(node.index) or len(out) < 2:
+        return None
+    (x, y) = (arg.access for arg in body.args)
+    for a, w in ((x, y), (y, x)):
+        if not (a.is_plain and w.is_plain and len(w.indices) == 2):
+            continue
+        if tuple(i.name for i in a.indices) != out[:-1] + (k,):
+            continue
+        w_names = tuple(i.name for i in w.indices)
+        if w_names in ((k, out[-1]), (out[-1], k)):
+            return Contraction(node.name, a.tensor, w.tensor, w_names == (out[-1], k))
+    return None
+
+
+def _only_consumer(graph: Graph, tensor: str) -> str | None:
+    users = graph.consumers.get(tensor, ())
+    return users[0] if len(set(users)) == 1 and tensor not in graph.outputs else None
+
+
+def _same_point(node: Node, access) -> bool:
+    return access.is_plain and tuple(i.name for i in access.indices) == node.out_vars
+
+
+def _classify(graph: Graph, node: Node, value: str):
+    """What an elementwise node does to `value` (the chain so far): ('bias', vec), ('act', name),
+    ('mul', other tensor), ('add', matrix); None when it is something else."""
+    if node.reduce is not None or node.is_scatter:
+        return None
+    if not all(isinstance(i, Var) for i in node.index):
+        return None
+    if node.tag is not None and node.tag.kind in ACT_TAGS and node.inputs == (value,):
+        text = str(node.body)
+        if node.tag.kind == "gelu":
+            return ("act", "gelu_tanh" if "tanh" in text else "gelu") if ("erf" in text or "tanh" in text) else None
+        return "act", node.tag.kind
+    body = node.body
+    if isinstance(body, Call) and body.op in ("relu", "sigmoid") and isinstance(body.args[0], Read):
+        if body.args[0].access.tensor == value and _same_point(node, body.args[0].access):
+            return "act", body.op
+    if isinstance(body, Call) and body.op in ("add", "mul") and all(isinstance(x, Read) for x in body.args):
+        accs = [x.access for x in body.args]
+        mine = [a for a in accs if a.tensor == value and _same_point(node, a)]
+        other = [a for a in accs if a.tensor != value]
+        if len(mine) != 1 or len(other) != 1 or not other[0].is_plain:
+            return None
+        names = tuple(i.name for i in other[0].indices)
+        if body.op == "add" and names == node.out_vars[-1:]:
+            return "bias", other[0].tensor
+        if names == node.out_vars:
+            return ("add" if body.op == "add" else "mul"), other[0].tensor
+    return None
+
+
+def _walk_elementwise(graph: Graph, start: str):
+    """Follow single-consumer elementwise nodes from `start`; yields (node, classification)."""
+    value = start
+    while True:
+        user = _only_consumer(graph, value)
+        if user is None:
+            return
+        node = graph.node_of[user]
+        kind = _classify(graph, node, value)
+        if kind is None:
+            return
+        yield node, kind
+        value = node.name
+
+
+def _up_branch(graph: Graph, tensor: str, a: str):
+    """The gated FFN's up projection: C1'(A) optionally followed by a bias add."""
+    nodes, bias = [], None
+    node = graph.node_of.get(tensor)
+    if node is not None and node.reduce is None:
+        kind = _classify(graph, node, node.inputs[0]) if node.inputs else None
+        if kind is None or kind[0] != "bias":
+            return None
+        bias, nodes = kind[1], [node.name]
+        node = graph.node_of.get(node.inputs[0])
+    c = _contraction(node) if node is not None else None
+    if c is None or c.a != a or any(_only_consumer(graph, n) is None for n in [c.node] + nodes):
+        return None
+    return c, bias, [c.node] + nodes
+
+
+def _match_from(graph: Graph, c1: Contraction) -> ChainSpec | None:
+    spec = dict(bias1=None, biasu=None, act="none", up=None)
+    nodes, value, up_nodes = [c1.node], c1.node, []
+    for node, (kind, arg) in _walk_elementwise(graph, c1.node):
+        if kind == "bias" and spec["act"] == "none" and spec["bias1"] is None:
+            spec["bias1"] = arg
+        elif kind == "act" and spec["act"] == "none":
+            spec["act"] = arg
+        elif kind == "mul" and spec["up"] is None and spec["act"] != "none":
+            branch = _up_branch(graph, arg, c1.a)
+            if branch is None:
+                break
+            spec["up"], spec["biasu"], up_nodes = branch
+        else:
+            break
+        nodes.append(node.name)
+        value = node.name
+    user = _only_consumer(graph, value)
+    c2 = _contraction(graph.node_of[user]) if user is not None else None
+    if c2 is None or c2.a != value or len(nodes) == 1:
+        return None
+    ordered = tuple(n.name for n in graph.nodes if n.name in set(nodes + up_nodes + [c2.node]))
+    return ChainSpec(ordered, c1, c2, **spec)
+
+
+def match_chains(graph: Graph) -> list[tuple[str, ...]]:
+    """Node-name tuples (graph order) of every GEMM → elementwise → GEMM chain, gated ones included."""
+    found, taken = [], set()
+    for node in graph.nodes:
+        c1 = _contraction(node)
+        if c1 is None or node.name in taken:
+            continue
+        spec = _match_from(graph, c1)
+        if spec is not None and not taken & set(spec.nodes):
+            found.append(spec.nodes)
+            taken |= set(spec.nodes)
+    return found
+
+
+def match_gemm_epilogues(graph: Graph, exclude=()) -> list[tuple[str, ...]]:
+    """GEMM followed by any of: bias add, one activation, residual add (in that order)."""
+    found, taken = [], set(exclude)
+    for node in graph.nodes:
+        c = _contraction(node)
+        if c is None or node.name in taken:
+            continue
+        spec = _epilogue_spec(graph, c)
+        if spec is not None and len(spec.nodes) > 1:
+            found.append(spec.nodes)
+            taken |= set(spec.nodes)
+    return found
+
+
+def _epilogue_spec(graph: Graph, c: Contraction) -> ChainSpec:
+    spec = dict(bias1=None, act="none", residual=None)
+    nodes = [c.node]
+    for node, (kind, arg) in _walk_elementwise(graph, c.node):
+        if kind == "bias" and spec["bias1"] is None and spec["act"] == "none" and spec["residual"] is None:
+            spec["bias1"] = arg
+        elif kind == "act" and spec["act"] == "none" and spec["residual"] is None:
+            spec["act"] = arg
+        elif kind == "add" and spec["residual"] is None:
+            spec["residual"] = arg
+        else:
+            break
+        nodes.append(node.name)
+    return ChainSpec(tuple(nodes), c, None, **spec)
+
+
+def spec_for(graph: Graph, names) -> ChainSpec:
+    names = tuple(names)
+    c1 = _contraction(graph.node_of[names[0]])
+    if c1 is None:
+        raise ValueError(f"{names[0]} is not a contraction over a 2-D weight")
+    spec = _match_from(graph, c1)
+    if spec is None or set(spec.nodes) != set(names):
+        spec = _epilogue_spec(graph, c1)
+    if set(spec.nodes) != set(names):
+        raise ValueError(f"nodes {names} are not a chain this target fuses (matched {spec.nodes})")
+    return spec
+
+
+# ---------------------------------------------------------------- running a plan
+
+@dataclass
+class Operands:
+    """A chain's tensors as 2-D matrices: A (M×K), B, Bu (K×N), D (N×L), vectors, residual."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    d: torch.Tensor | None = None
+    bu: torch.Tensor | None = None
+    bias1: torch.Tensor | None = None
+    biasu: torch.Tensor | None = None
+    residual: torch.Tensor | None = None
+    act: str = "none"
+
+    def shape(self) -> chain_cost.ChainShape:
+        M, K = self.a.shape
+        N = self.b.shape[1]
+        L = self.d.shape[1] if self.d is not None else 0
+        return chain_cost.ChainShape(M, K, N, L, self.a.element_size(), self.bu is not None, self.act)
+
+
+def _torch_act(x: torch.Tensor, act: str) -> torch.Tensor:
+    table = {"none": lambda v: v, "relu": torch.relu, "gelu": F.gelu, "silu": F.silu, "sigmoid": torch.sigmoid,
+             "gelu_tanh": lambda v: F.gelu(v, approximate="tanh")}
+    return table[act](x)
+
+
+def run_plan(plan: chain_cost.Plan, ops: Operands, exact_fp32: bool = False) -> torch.Tensor:
+    """E for a chain (ops.d given) under `plan`; the output has A's dtype."""
+    if plan.kind == "fused":
+        out, _ = chain_kernels.chain(ops.a, ops.b, ops.d, act=ops.act, bias1=ops.bias1, bu=ops.bu, biasu=ops.biasu,
+                                     tiles=plan.chain, exact_fp32=exact_fp32)
+        return out
+    if plan.kind == "two_pass":
+        epi = Epilogue(bias=ops.bias1 is not None, act=ops.act)
+        h, _ = chain_kernels.gemm(ops.a, ops.b, epi=epi, bias=ops.bias1, bu=ops.bu, biasu=ops.biasu,
+                                  tiles=plan.gemm1, exact_fp32=exact_fp32)
+        out, _ = chain_kernels.gemm(h, ops.d, tiles=plan.gemm2, exact_fp32=exact_fp32)
+        return out
+    if plan.kind == "cluster":
+        from .cluster_dsm import dsm_chain
+
+        return dsm_chain(ops.a, ops.b, ops.d, act=ops.act, bias1=ops.bias1, cluster=plan.cluster)
+    h = ops.a @ ops.b
+    h = _torch_act(h + ops.bias1 if ops.bias1 is not None else h, ops.act)
+    if ops.bu is not None:
+        up = ops.a @ ops.bu
+        h = h * (up + ops.biasu if ops.biasu is not None else up)
+    return h @ ops.d
+
+
+def default_plan(shape: chain_cost.ChainShape, profile=None, kinds=("fused", "two_pass")) -> chain_cost.Plan:
+    """The cost model's first choice (what runs without profiling, e.g. under the interpreter)."""
+    profile = profile or chain_cost.profile_for(_device_name())
+    return chain_cost.rank_plans(shape, profile, kinds)[0]
+
+
+# ---------------------------------------------------------------- autotuning with an on-disk cache
+
+def _device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def _cache_file() -> Path:
+    root = Path(os.environ.get("STITCHFLOW_CACHE") or Path.home() / ".cache" / "stitchflow")
+    path = root / "gpu"
+    path.mkdir(parents=True, exist_ok=True)
+    return path / "chains.json"
+
+
+def bucket_key(shape: chain_cost.ChainShape, device: str) -> str:
+    """Rows round up to a power of two (plans change slowly with M); the rest is exact."""
+    m = 1 << max(0, (shape.M - 1).bit_length())
+    return f"{device}|M{m}|K{shape.K}|N{shape.N}|L{shape.L}|e{shape.elt}|g{int(shape.gated)}|{shape.act}"
+
+
+def plan_to_json(plan: chain_cost.Plan) -> dict:
+    out = {"kind": plan.kind, "schedule": plan.schedule, "levels": list(map(list, plan.levels)), "cluster": plan.cluster}
+    for name in ("chain", "gemm1", "gemm2"):
+        value = getattr(plan, name)
+        out[name] = dataclasses.asdict(value) if value is not None else None
+    return out
+
+
+def plan_from_json(data: dict) -> chain_cost.Plan:
+    return chain_cost.Plan(
+        data["kind"], data["schedule"], tuple(map(tuple, data["levels"])),
+        chain=ChainTiles(**data["chain"]) if data.get("chain") else None,
+        gemm1=GemmTiles(**data["gemm1"]) if data.get("gemm1") else None,
+        gemm2=GemmTiles(**data["gemm2"]) if data.get("gemm2") else None, cluster=data.get("cluster", 0))
+
+
+def _read_cache() -> dict:
+    try:
+        return json.loads(_cache_file().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(key: str, entry: dict) -> None:
+    path = _cache_file()
+    table = _read_cache()
+    table[key] = entry
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+    tmp.replace(path)
+
+
+def time_plan(plan: chain_cost.Plan, ops: Operands) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(lambda: run_plan(plan, ops), warmup=10, rep=40, return_mode="median") * 1e-3
+
+
+def autotune(ops: Operands, k: int = 10, profile=None, kinds=("fused", "two_pass", "library"), use_cache=True):
+    """Time the cost model's top k plans on the device; cache and return (best plan, report).
+
+    The report lists every timed plan with its estimate, so the model's first choice can be
+    compared with the best profiled one."""
+    shape = ops.shape()
+    profile = profile or chain_cost.profile_for(_device_name())
+    key = bucket_key(shape, profile.name)
+    if use_cache:
+        hit = _read_cache().get(key)
+        if hit is not None:
+            return plan_from_json(hit["plan"]), hit
+    timed = []
+    for plan in chain_cost.shortlist(shape, profile, k, kinds):
+        try:
+            seconds = time_plan(plan, ops)
+        except Exception as err:  # a config can fail to compile (resources): skip it, say which
+            log.warning("plan %s failed: %s", plan, err)
+            continue
+        timed.append((seconds, plan))
+    if not timed:
+        raise RuntimeError(f"no plan ran for {shape}")
+    best_s, best = min(timed, key=lambda x: x[0])
+    report = {"plan": plan_to_json(best), "seconds": best_s, "first_choice": str(timed[0][1]),
+              "first_choice_seconds": timed[0][0], "timed": [[str(p), s, p.estimate.seconds] for s, p in timed]}
+    _write_cache(key, report)
+    return best, report
+
+
+# ---------------------------------------------------------------- compile_chain
+
+def _matrix(env, name: str) -> torch.Tensor:
+    t = env[name]
+    return t.reshape(-1, t.shape[-1])
+
+
+def _weight(env, c: Contraction) -> torch.Tensor:
+    w = env[c.w]
+    return w.t() if c.w_transposed else w
+
+
+def operands_for(spec: ChainSpec, env) -> Operands:
+    def vec(name):
+        return env[name] if name is not None else None
+
+    return Operands(
+        a=_matrix(env, spec.first.a), b=_weight(env, spec.first),
+        d=_weight(env, spec.second) if spec.second is not None else None,
+        bu=_weight(env, spec.up) if spec.up is not None else None, bias1=vec(spec.bias1), biasu=vec(spec.biasu),
+        residual=_matrix(env, spec.residual) if spec.residual is not None else None, act=spec.act)
+
+
+def compile_chain(graph: Graph, node_names, options: dict | None = None):
+    """A callable run(env) that computes the chain (or GEMM + epilogue) `node_names` in fused
+    kernels and stores the last node's output in env. options: autotune (default: on a GPU),
+    exact_fp32 (ieee fp32 dots; default under the interpreter), plan_kinds, top_k."""
+    options = dict(options or {})
+    spec = spec_for(graph, node_names)
+    out_name = spec.nodes[-1]
+    out_type = graph.type_of[out_name]
+    exact = options.get("exact_fp32", interpreting())
+    kinds = tuple(options.get("plan_kinds", ("fused", "two_pass") if interpreting() else
+                              ("fused", "two_pass", "library")))
+    tune = options.get("autotune", torch.cuda.is_available() and not interpreting())
+    chosen: dict = {}
+
+    def run(env):
+        ops = operands_for(spec, env)
+        if spec.second is None:
+            epi = Epilogue(bias=ops.bias1 is not None, act=ops.act, residual=ops.residual is not None)
+            out, _ = chain_kernels.gemm(ops.a, ops.b, epi=epi, bias=ops.bias1, residual=ops.residual,
+                                        out_dtype=out_type.dtype, exact_fp32=exact)
+        else:
+            shape = ops.shape()
+            if shape not in chosen:
+                chosen[shape] = (autotune(ops, options.get("top_k", 10), kinds=kinds)[0] if tune
+                                 else default_plan(shape, kinds=kinds))
+            out = run_plan(chosen[shape], ops, exact_fp32=exact)
+        env[out_name] = out.to(out_type.dtype).reshape(out_type.shape)
+
+    run.spec = spec
+    run.plans = chosen
+    return run
