@@ -12,14 +12,13 @@ the caller splits it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from ...ir.expr import Const, Read, reads
+from ...ir.expr import Access, Call, Cast, Const, Read, reads
 from ...ir.graph import Graph, Node
-from ...ir.index import Div, Gather, Mod, Sum, Var, gathered_tensors
-from ...ir.interpret import _product_factors
+from ...ir.index import Lit, Mod, Sum, Var, rename
 
 GENERATED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
                     torch.int16, torch.int8, torch.uint8, torch.bool)
@@ -29,20 +28,35 @@ class NotStitchable(Exception):
     """A group of nodes that one generated kernel cannot run (the message says why)."""
 
 
+def product_factors(e) -> list | None:
+    """Factors of a product body (reads, constants), seeing through casts to float types."""
+    if isinstance(e, Cast) and e.dtype.is_floating_point:
+        inner = product_factors(e.arg)
+        return None if inner is None else [Cast(e.dtype, f) if isinstance(f, Read) else f for f in inner]
+    if isinstance(e, Call) and e.op == "mul":
+        left, right = product_factors(e.args[0]), product_factors(e.args[1])
+        return None if left is None or right is None else left + right
+    if isinstance(e, (Read, Const)):
+        return [e]
+    return None
+
+
+def factor_access(f):
+    return f.arg.access if isinstance(f, Cast) else f.access if isinstance(f, Read) else None
+
+
 def is_contraction(node: Node) -> bool:
-    """A GEMM-like node: a sum of products of two different tensors that each keep an output
-    variable the other lacks (M and N dims), e.g. Y[i,j] = sum_k A[i,k] * B[k,j]."""
+    """A GEMM-like node: a sum of products of two reads that each keep an output variable the
+    other lacks (M and N dims), e.g. Y[i,j] = sum_k A[i,k] * B[k,j]."""
     if node.reduce != "sum" or not node.reduce_vars or node.is_scatter:
         return False
-    factors = _product_factors(node.body)
+    factors = product_factors(node.body)
     if factors is None:
         return False
-    accesses = [f.access for f in factors if isinstance(f, Read)]
+    accesses = [a for a in map(factor_access, factors) if a is not None]
     out = set(node.out_vars)
-    for a in accesses:
-        for b in accesses:
-            if a.tensor == b.tensor:
-                continue
+    for k, a in enumerate(accesses):
+        for b in accesses[k + 1:]:  # x·xᵀ is a GEMM too; x·x (a square) is not: no own out vars
             only_a = (a.vars - b.vars) & out
             only_b = (b.vars - a.vars) & out
             shared_red = a.vars & b.vars & set(node.reduce_vars)
@@ -66,20 +80,31 @@ def node_refusal(graph: Graph, node: Node) -> str | None:
 
 
 class _UnionFind:
+    """Union-find over (node, var) that keeps each class's member nodes, so that a union which
+    would put two variables of one node into one class can be refused."""
+
     def __init__(self):
         self.parent: dict = {}
+        self.members: dict = {}
 
     def find(self, x):
-        self.parent.setdefault(x, x)
+        if x not in self.parent:
+            self.parent[x] = x
+            self.members[x] = {x[0]}
         while self.parent[x] != x:
             self.parent[x] = self.parent[self.parent[x]]
             x = self.parent[x]
         return x
 
+    def conflicts(self, a, b) -> bool:
+        ra, rb = self.find(a), self.find(b)
+        return ra != rb and bool(self.members[ra] & self.members[rb])
+
     def union(self, a, b):
         ra, rb = self.find(a), self.find(b)
         if ra != rb:
             self.parent[rb] = ra
+            self.members[ra] |= self.members.pop(rb)
 
 
 @dataclass
@@ -97,7 +122,8 @@ class PartPlan:
     outputs: tuple[str, ...]  # node outputs the part must store
     p_contiguous: bool  # the memory-contiguous class is parallel (column-reduction style)
     big_elem_bytes: int = 4
-    notes: list = field(default_factory=list)
+    transposed: bool = False  # a large tensor is contiguous along the innermost parallel class
+    online: dict = None  # sum reduction -> the max it is rescaled by (online softmax)
 
     @property
     def P_total(self) -> int:
@@ -122,11 +148,24 @@ def _prod(xs) -> int:
     return out
 
 
+def inlinable(graph: Graph, node: Node, names: set) -> bool:
+    """An elementwise node whose inputs are inputs of the group or inlinable themselves: a
+    consumer that reads it through index arithmetic (a reshape of a concatenation, say)
+    recomputes it at its own indices instead of reading it back from memory."""
+    if node.reduce or node.is_scatter:
+        return False
+    return all(t not in names or inlinable(graph, graph.node_of[t], names) for t in node.inputs)
+
+
 def unify(graph: Graph, nodes) -> _UnionFind:
-    """Axis classes: a consumer's variable and the producer variable it reads through a plain
-    index are one class. Any other access of an intermediate cannot stay in registers."""
+    """Axis classes. A consumer's variable and the producer variable it reads through a plain
+    index must be one class (any other access of an intermediate cannot stay in registers).
+    Variables that index the same dimension of the same input are joined too, where that
+    puts no two variables of one node together: then a max over x[i,k] and an exp over
+    x[i,j] walk the same axis, as a softmax needs."""
     names = {n.name for n in nodes}
     uf = _UnionFind()
+    external: dict = {}
     for n in nodes:
         for v, _ in n.dims:
             uf.find((n.name, v))
@@ -134,12 +173,26 @@ def unify(graph: Graph, nodes) -> _UnionFind:
             if any(t in names for t in a.tensors - {a.tensor}):
                 raise NotStitchable(f"{n.name} gathers through an intermediate of the group")
             if a.tensor not in names:
+                for d, i in enumerate(a.indices):
+                    if isinstance(i, Var):
+                        external.setdefault((a.tensor, d), []).append((n.name, i.name))
                 continue
             producer = graph.node_of[a.tensor]
-            if not all(isinstance(i, Var) for i in a.indices):
+            shape = graph.type_of[a.tensor].shape
+            if not all(isinstance(i, Var) or (i == Lit(0) and size == 1) for i, size in zip(a.indices, shape)):
+                if inlinable(graph, producer, names):
+                    continue  # recomputed at the consumer's indices (emit.inline_body)
                 raise NotStitchable(f"{n.name} reads {a} through index arithmetic")
             for pv, cv in zip(producer.out_vars, a.indices):
+                if not isinstance(cv, Var):
+                    continue  # a kept size-1 dim (keepdim=True) read at 0: a broadcast
+                if uf.conflicts((producer.name, pv), (n.name, cv.name)):
+                    raise NotStitchable(f"{n.name} reads {a} with one axis in two places")
                 uf.union((producer.name, pv), (n.name, cv.name))
+    for uses in external.values():
+        for other in uses[1:]:
+            if not uf.conflicts(uses[0], other):
+                uf.union(uses[0], other)
     return uf
 
 
@@ -195,9 +248,11 @@ def class_strides(graph: Graph, nodes, cls) -> tuple[dict, int]:
     """Stride of each class in the largest tensor it indexes (contiguous layout assumed), used
     to order classes so that the innermost one moves fastest; and the largest element size."""
     best: dict = {}
-    big_bytes = 1
-    for tensor, numel, itemsize, index, n in sorted(_tensor_uses(graph, nodes), key=lambda u: -u[1] * u[2]):
-        big_bytes = max(big_bytes, itemsize) if not best else big_bytes
+    uses = sorted(_tensor_uses(graph, nodes), key=lambda u: -u[1] * u[2])
+    names = {n.name for n in nodes}
+    external = [u for u in uses if u[0] not in names]  # what the kernel actually moves
+    big_bytes = (external or uses)[0][2] if uses else 4
+    for tensor, numel, itemsize, index, n in uses:
         shape = graph.type_of[tensor].shape
         stride = 1
         for d in reversed(range(len(index))):
@@ -234,20 +289,84 @@ def plan_part(graph: Graph, nodes: list[Node], uf: _UnionFind, outside_users: se
     else:
         L = (inner,) if inner is not None else ()
     P = tuple(c for c in order if c not in L)
-    stage, final, row_level = _stages(graph, nodes, cls, set(L))
+    cross = _cross_inner(graph, nodes, cls, L)
+    if cross is not None and cross in P:  # a large tensor is contiguous along a parallel axis
+        P = tuple(c for c in P if c != cross) + (cross,)
+    online = _online_pairs(graph, nodes, cls)
+    stage, final, row_level = _stages(graph, nodes, cls, set(L), online)
     names = {n.name for n in nodes}
     outputs = tuple(n.name for n in nodes if n.name in outside_users)
-    for n in nodes:
-        for t in n.inputs:
-            if t in names and graph.node_of[t].reduce and n.reduce and stage[t] >= stage[n.name]:
-                raise NotStitchable("reduction order")
     return PartPlan(tuple(nodes), cls, extents, L, P, stage, final, frozenset(row_level), outputs,
-                    p_contiguous=inner is not None and inner in P, big_elem_bytes=big_bytes)
+                    p_contiguous=inner is not None and inner in P, big_elem_bytes=big_bytes, online=online,
+                    transposed=cross is not None and cross in P and not red_sets)
 
 
-def _stages(graph: Graph, nodes, cls, L: set):
-    """Stage of each reduction (1 + stage of the reductions it needs), readiness of row-level
-    nodes, and the final stage where full-space outputs are written."""
+def _cross_inner(graph: Graph, nodes, cls, L) -> int | None:
+    """The contiguous class of a large external tensor or output that is not the innermost
+    local class: a transpose, which wants square tiles so both sides stay coalesced."""
+    names = {n.name for n in nodes}
+    uses = sorted(_tensor_uses(graph, nodes), key=lambda u: -u[1] * u[2])
+    if not uses or not L:
+        return None
+    biggest = uses[0][1] * uses[0][2]
+    for tensor, numel, itemsize, index, n in uses:
+        if numel * itemsize * 4 < biggest or (tensor in names and n.name != tensor):
+            continue
+        v = _inner_var(index[-1]) if index else None
+        if v is not None and cls[(n.name, v)] != L[-1]:
+            return cls[(n.name, v)]
+    return None
+
+
+def _canonical(e, node, cls):
+    """A body with every variable renamed to its axis class, to compare bodies across nodes."""
+    names = {v: f"_c{cls[(node.name, v)]}" for v, _ in node.dims}
+    if isinstance(e, Read):
+        return Read(Access(e.access.tensor, tuple(rename(i, names) for i in e.access.indices)))
+    if isinstance(e, Call):
+        return Call(e.op, tuple(_canonical(a, node, cls) for a in e.args))
+    if isinstance(e, Cast):
+        return Cast(e.dtype, _canonical(e.arg, node, cls))
+    return e
+
+
+def _strip_f32(e):
+    while isinstance(e, Cast) and e.dtype == torch.float32:
+        e = e.arg
+    return e
+
+
+def _online_pairs(graph: Graph, nodes, cls) -> dict:
+    """Sum reductions of exp(A - M) with M = max(A) over the same axes: the sum can be taken
+    in the pass that finds M, rescaling as the maximum grows (online softmax)."""
+    by_name = {n.name: n for n in nodes}
+    pairs = {}
+    for r2 in nodes:
+        if r2.reduce != "sum":
+            continue
+        body, owner = _strip_f32(r2.body), r2
+        if isinstance(body, Read) and body.access.tensor in by_name and not by_name[body.access.tensor].reduce:
+            owner = by_name[body.access.tensor]
+            if graph.type_of[owner.name].dtype not in (torch.float32, torch.float64):
+                continue
+            body = _strip_f32(owner.body)
+        if not (isinstance(body, Call) and body.op == "exp" and isinstance(body.args[0], Call)
+                and body.args[0].op == "sub" and isinstance(body.args[0].args[1], Read)):
+            continue
+        a, m = body.args[0].args
+        r1 = by_name.get(m.access.tensor)
+        if r1 is None or r1.reduce != "max" or {cls[(r1.name, v)] for v in r1.reduce_vars} != \
+                {cls[(r2.name, v)] for v in r2.reduce_vars}:
+            continue
+        if _canonical(a, owner, cls) == _canonical(r1.body, r1, cls):
+            pairs[r2.name] = r1.name
+    return pairs
+
+
+def _stages(graph: Graph, nodes, cls, L: set, online: dict):
+    """Stage of each reduction (1 + stage of the reductions it needs; an online sum shares
+    its max's stage), readiness of row-level nodes, and the final stage where full-space
+    outputs are written."""
     need: dict = {}  # node -> first stage where its value can be computed
     stage: dict = {}
     row_level = set()
@@ -256,8 +375,8 @@ def _stages(graph: Graph, nodes, cls, L: set):
         deps = [t for t in n.inputs if t in names]
         ready = max((need[d] for d in deps), default=0)
         if n.reduce:
-            stage[n.name] = ready
-            need[n.name] = ready + 1
+            stage[n.name] = stage[online[n.name]] if n.name in online else ready
+            need[n.name] = stage[n.name] + 1
             row_level.add(n.name)
         else:
             need[n.name] = ready
@@ -267,10 +386,3 @@ def _stages(graph: Graph, nodes, cls, L: set):
     final = max((need[n.name] for n in nodes if n.reduce), default=0)
     return stage, final, row_level
 
-
-def const_value(e) -> float | None:
-    return e.value if isinstance(e, Const) else None
-
-
-def gathers_in(index) -> bool:
-    return bool(gathered_tensors(index)) or isinstance(index, (Div, Mod, Gather)) and False

@@ -1,0 +1,67 @@
+"""The gpu target: memory-intensive regions become stitched Triton kernels generated from the IR.
+
+    prog = stitchflow.compile(model, inputs, target="gpu", fusion="auto",
+                              options={"autotune": True})
+
+Each region is split into steps (grouping.py): runs of elementwise, broadcast and reduction
+nodes become one generated kernel each (codegen.py), GEMMs, scatters and sparse nodes run
+through torch. With TRITON_INTERPRET=1 the same kernels run on CPU tensors.
+
+Options (all optional): autotune (bool, default True: time a few configs per kernel on the
+device and cache the choice on disk); block_p, block_l, split, num_warps, persistent (pin
+the mapping, for tests and experiments). Environment: STITCHFLOW_CACHE (default
+~/.cache/stitchflow) holds generated sources and chosen configs.
+"""
+
+from __future__ import annotations
+
+from ...ir.graph import Graph, Region
+from .grouping import TorchStep, fold_iotas, split_region
+from .runtime import LAUNCHES, GroupKernel, interpreting
+
+__all__ = ["TARGET", "GpuTarget", "LAUNCHES", "interpreting"]
+
+
+class GpuTarget:
+    name = "gpu"
+
+    def check_region(self, graph: Graph, region: Region) -> str | None:
+        """Every region can run: what is not generated runs through torch, node by node."""
+        return None
+
+    def compile_region(self, graph: Graph, region: Region, params: dict, options: dict):
+        graph = fold_iotas(graph, params)
+        steps = []
+        for kind, nodes, extra in split_region(graph, region):
+            if kind == "kernel":
+                names = {n.name for n in nodes}
+                for plans in pack(extra):
+                    first, last = plans[0].nodes[0].name, plans[-1].nodes[-1].name
+                    steps.append(GroupKernel(graph, plans, dict(options or {}), f"{region.name}:{first}..{last}", names))
+            else:
+                steps.append(TorchStep(graph, nodes[0], extra))
+
+        def run(env):
+            for step in steps:
+                step(env)
+
+        run.steps = steps
+        run.kernels = [s for s in steps if isinstance(s, GroupKernel)]
+        return run
+
+
+PACK_ELEMENTS = 1 << 21  # parts at most this large share a launch; larger ones get their own
+
+
+def pack(plans) -> list[list]:
+    """Independent parts of a group: small ones are packed into one launch (a launch costs
+    microseconds, as much as moving a few megabytes); large ones run as kernels of their own,
+    each with its own tile shape and warps. Parts that only feed others by inlining are kept
+    with the first kernel, which needs their inputs."""
+    working = [p for p in plans if p.outputs]
+    if len(working) <= 1 or all(p.P_total * p.L_total <= PACK_ELEMENTS for p in working):
+        return [plans]
+    return [[p] for p in working]
+
+
+TARGET = GpuTarget()

@@ -1,0 +1,297 @@
+"""Emitting Triton source for node bodies: loads with address arithmetic, scalar ops, casts.
+
+Values are named temporaries in the generated source. Each carries its kind ('f' float, 'i'
+int, 'b' bool) and the tile axes it varies along ('p' parallel, 'l' local), so masks and
+broadcasts are only emitted where they are needed. Half-precision data is computed in float32
+and rounded to the node's dtype after each node, as eager PyTorch rounds after each op.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ...ir.expr import OPS, Access, Call, Cast, Const, IndexValue, Read
+from ...ir.index import Div, Gather, Lit, Mod, Sum, Var, bounds, rename, substitute
+
+TL_DTYPE = {
+    torch.float32: "tl.float32", torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16",
+    torch.float64: "tl.float64", torch.int64: "tl.int64", torch.int32: "tl.int32", torch.int16: "tl.int16",
+    torch.int8: "tl.int8", torch.uint8: "tl.uint8", torch.bool: "tl.int1",
+}
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+UNARY_FLOAT = {"exp": "tl.exp", "log": "tl.log", "sqrt": "tl.sqrt_rn", "rsqrt": "tl.rsqrt",
+               "sigmoid": "tl.sigmoid", "erf": "tl.erf"}
+
+
+@dataclass(frozen=True)
+class Val:
+    code: str
+    kind: str  # 'f' | 'i' | 'b'
+    deps: frozenset  # subset of {'p', 'l'}
+
+
+def kind_of(dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return "b"
+    return "f" if dtype.is_floating_point else "i"
+
+
+def carried(code: str, dtype: torch.dtype, interpret: bool = False) -> str:
+    """A value rounded to `dtype` and carried at compute precision (float32 for halves)."""
+    if dtype in LOW_PRECISION:
+        return f"{to_dtype(code, dtype, interpret)}.to(tl.float32)"
+    if dtype == torch.bool:
+        return code
+    return to_dtype(code, dtype, interpret)
+
+
+def to_dtype(code: str, dtype: torch.dtype, interpret: bool = False) -> str:
+    """Conversion with round-to-nearest-even for half types, as the GPU does by default. The
+    interpreter truncates to bfloat16 (and its 'rtne' drops the carry), so there the rounding
+    is done on the bits first, after which the conversion is exact."""
+    if dtype == torch.bfloat16 and interpret:
+        return f"_round_bf16({code}.to(tl.float32)).to(tl.bfloat16)"
+    return f"{code}.to({TL_DTYPE[dtype]})"
+
+
+class Source:
+    """Lines of generated code with indentation and fresh temporary names."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+        self.depth = 1
+        self.count = 0
+
+    def tmp(self, prefix: str = "t") -> str:
+        self.count += 1
+        return f"{prefix}{self.count}"
+
+    def emit(self, text: str) -> None:
+        self.lines.append("    " * self.depth + text)
+
+    def let(self, code: str, prefix: str = "t") -> str:
+        name = self.tmp(prefix)
+        self.emit(f"{name} = {code}")
+        return name
+
+
+class Scope:
+    """Memo of emitted values; a chunk scope falls back to the program-level (row) scope."""
+
+    def __init__(self, parent: "Scope | None" = None, chunk: bool = False):
+        self.parent = parent
+        self.chunk = chunk
+        self.values: dict = {}
+
+    def get(self, key):
+        if key in self.values:
+            return self.values[key]
+        return self.parent.get(key) if self.parent else None
+
+
+class BodyEmitter:
+    """Emits the values of node bodies for one part; the kernel builder supplies coordinates,
+    masks, argument names, strides and the values of intermediate nodes."""
+
+    def __init__(self, kernel, interpret: bool):
+        self.k = kernel  # the PartKernel (codegen.py): coords, masks, node values
+        self.interpret = interpret
+
+    # ------------------------------------------------------------ index arithmetic
+    def index(self, e, node, scope: Scope) -> Val:
+        if isinstance(e, Var):
+            return self.k.coord(self.k.plan.cls[(node.name, e.name)], scope)
+        if isinstance(e, Lit):
+            return Val(str(e.value), "i", frozenset())
+        if isinstance(e, Sum):
+            parts, deps = [], frozenset()
+            for c, a in e.terms:
+                v = self.index(a, node, scope)
+                deps |= v.deps
+                parts.append(v.code if c == 1 else f"{c} * {v.code}")
+            if e.const:
+                parts.append(str(e.const))
+            return Val("(" + " + ".join(parts) + ")", "i", deps)
+        if isinstance(e, (Div, Mod)):
+            v = self.index(e.arg, node, scope)
+            op, k = ("//", e.divisor) if isinstance(e, Div) else ("%", e.modulus)
+            return Val(f"({v.code} {op} {k})", "i", v.deps)
+        if isinstance(e, Gather):
+            return self.load(e.tensor, e.indices, node, scope, as_index=True)
+        raise TypeError(f"unknown index expression {e!r}")
+
+    def offset(self, tensor: str, indices, node, scope: Scope) -> Val:
+        shape = self.k.graph.type_of[tensor].shape
+        strides = self.k.strides[tensor]
+        terms, deps = [], frozenset()
+        for idx, size, stride in zip(indices, shape, strides):
+            v = self.index(idx, node, scope)
+            lo, hi = bounds(idx, node.extents)
+            code = v.code
+            if hi > size - 1:  # concatenation reads out of range under a `where`: clamp as the IR says
+                code = f"tl.minimum({code}, {size - 1})"
+            if lo < 0:
+                code = f"tl.maximum({code}, 0)"
+            deps |= v.deps
+            if size > 1 and code != "0":
+                terms.append(code if stride == 1 else f"{code} * {stride}")
+        return Val(" + ".join(terms) if terms else "0", "i", deps)
+
+    def load(self, tensor: str, indices, node, scope: Scope, as_index: bool = False) -> Val:
+        canon = tuple(rename(i, self.k.canonical_names(node)) for i in indices)
+        key = ("load", tensor, canon)
+        found = scope.get(key)
+        if found is not None:
+            return found
+        off = self.offset(tensor, indices, node, scope)
+        mask = self.k.mask(off.deps, scope)
+        mask_arg = f", mask={mask}, other=0" if mask else ""
+        dtype = self.k.graph.type_of[tensor].dtype
+        code = f"tl.load({self.k.arg[tensor]} + {off.code}{mask_arg})" if off.code != "0" or mask else \
+            f"tl.load({self.k.arg[tensor]})"
+        if dtype in LOW_PRECISION:
+            code += ".to(tl.float32)"
+        val = Val(self.k.src.let(code, "x"), kind_of(dtype), off.deps)
+        scope.values[key] = val
+        return val
+
+    # ------------------------------------------------------------ bodies
+    def expr(self, e, node, scope: Scope, inlining: bool = False) -> Val:
+        if isinstance(e, Const):
+            return const(e.value)
+        if isinstance(e, Read):
+            a = e.access
+            if a.tensor in self.k.group_names:
+                if a.tensor in self.k.node_names and not inlining and _plain_or_broadcast(a):
+                    return self.k.node_value(a.tensor, scope)
+                return self.inline(self.k.graph.node_of[a.tensor], a.indices, node, scope)
+            return self.load(a.tensor, a.indices, node, scope)
+        if isinstance(e, IndexValue):
+            return self.index(e.index, node, scope)
+        if isinstance(e, Cast):
+            if isinstance(e.arg, Const):
+                return const(torch.tensor(e.arg.value).to(e.dtype).item())
+            return self.cast(self.expr(e.arg, node, scope, inlining), e.dtype)
+        if isinstance(e, Call):
+            if all(isinstance(a, Const) for a in e.args):
+                return const(_fold(e))
+            return self.call(e.op, [self.expr(a, node, scope, inlining) for a in e.args], e.args)
+        raise TypeError(f"unknown expression {e!r}")
+
+    def inline(self, producer, indices, node, scope: Scope) -> Val:
+        """The producer's body evaluated at the consumer's indices, rounded to its dtype."""
+        body = inline_body(producer, indices, node.extents)
+        v = self.expr(body, node, scope, inlining=True)
+        return self.cast(v, self.k.graph.type_of[producer.name].dtype)
+
+    def cast(self, v: Val, dtype: torch.dtype) -> Val:
+        if dtype == torch.bool:
+            return v if v.kind == "b" else Val(self.k.src.let(f"({v.code} != 0)"), "b", v.deps)
+        return Val(self.k.src.let(carried(v.code, dtype, self.interpret)), kind_of(dtype), v.deps)
+
+    def call(self, op: str, args: list[Val], raw) -> Val:
+        deps = frozenset().union(*(a.deps for a in args))
+        kind_op = OPS[op].kind
+        if kind_op == "compare":
+            return self._let(f"({args[0].code} {OPS[op].infix} {args[1].code})", "b", deps)
+        if kind_op == "logic":
+            bools = [a.code if a.kind == "b" else f"({a.code} != 0)" for a in args]
+            text = f"({bools[0]} == 0)" if op == "not" else f"({bools[0]} {OPS[op].infix} {bools[1]})"
+            return self._let(text, "b", deps)
+        if op == "where":
+            c, a, b = args
+            cond = c.code if c.kind == "b" else f"({c.code} != 0)"
+            return self._let(f"tl.where({cond}, {a.code}, {b.code})", _promote(a, b), deps)
+        args = [Val(f"{a.code}.to(tl.int32)", "i", a.deps) if a.kind == "b" else a for a in args]
+        if op in UNARY_FLOAT or op == "tanh":
+            (a,) = args
+            x = a.code if a.kind == "f" else f"{a.code}.to(tl.float32)"
+            return self._let(self._unary_float(op, x), "f", deps)
+        if op == "pow":
+            return self._pow(args[0], args[1], raw[1], deps)
+        kind = "f" if op == "div" else _promote(*args)
+        a = args[0].code
+        if op in ("add", "sub", "mul", "div"):
+            return self._let(f"({a} {OPS[op].infix} {args[1].code})", kind, deps)
+        if op in ("max", "min"):
+            fn = "tl.maximum" if op == "max" else "tl.minimum"
+            return self._let(f"{fn}({a}, {args[1].code})", kind, deps)
+        if op == "neg":
+            return self._let(f"(-{a})", kind, deps)
+        if op == "abs":
+            return self._let(f"tl.abs({a})", kind, deps)
+        if op == "relu":
+            return self._let(f"tl.maximum({a}, 0)", kind, deps)
+        if op == "recip":
+            return self._let(f"(1.0 / {a})", "f", deps)
+        raise NotImplementedError(f"scalar op {op} has no Triton lowering")
+
+    def _unary_float(self, op: str, x: str) -> str:
+        if op != "tanh":
+            return f"{UNARY_FLOAT[op]}({x})"
+        return f"_tanh({x})"
+
+    def _pow(self, base: Val, expo: Val, raw_expo, deps) -> Val:
+        value = raw_expo.value if isinstance(raw_expo, Const) else None
+        b = base.code
+        if value in (1, 2, 3, 4) and float(value).is_integer():
+            return self._let("(" + " * ".join([b] * int(value)) + ")", base.kind, deps)
+        if value == 0.5:
+            return self._let(f"tl.sqrt_rn({b})", "f", deps)
+        x = b if base.kind == "f" else f"{b}.to(tl.float32)"
+        if self.interpret:
+            return self._let(f"tl.exp({expo.code} * tl.log({x}))", "f", deps)
+        return self._let(f"libdevice.pow({x}, {expo.code})", "f", deps)
+
+    def _let(self, code: str, kind: str, deps) -> Val:
+        return Val(self.k.src.let(code), kind, frozenset(deps))
+
+
+def _plain_or_broadcast(a) -> bool:
+    return all(isinstance(i, Var) or i == Lit(0) for i in a.indices)
+
+
+def inline_body(producer, indices, ranges):
+    """Substitute a read's index expressions for the producer's output variables."""
+    mapping = dict(zip(producer.out_vars, indices))
+
+    def sub(e):
+        if isinstance(e, Read):
+            a = e.access
+            return Read(Access(a.tensor, tuple(substitute(i, mapping, ranges) for i in a.indices)))
+        if isinstance(e, IndexValue):
+            return IndexValue(substitute(e.index, mapping, ranges))
+        if isinstance(e, Call):
+            return Call(e.op, tuple(sub(x) for x in e.args))
+        if isinstance(e, Cast):
+            return Cast(e.dtype, sub(e.arg))
+        return e
+
+    return sub(producer.body)
+
+
+def _promote(*vals: Val) -> str:
+    kinds = {v.kind for v in vals}
+    return "f" if "f" in kinds else "i"
+
+
+def const(value) -> Val:
+    if isinstance(value, bool):
+        return Val(str(value), "b", frozenset())
+    if isinstance(value, float):
+        if math.isnan(value):
+            return Val("NAN", "f", frozenset())
+        if math.isinf(value):
+            return Val("INF" if value > 0 else "NEG_INF", "f", frozenset())
+        return Val(f"({value!r})", "f", frozenset())
+    return Val(f"({int(value)})", "i", frozenset())
+
+
+def _fold(e: Call):
+    args = [torch.tensor(a.value) for a in e.args]
+    out = OPS[e.op].fn(*args)
+    return out.item() if isinstance(out, torch.Tensor) else out

@@ -1,0 +1,202 @@
+"""Split a fusion region into steps: generated kernels and nodes that run through torch.
+
+Nodes are taken in graph order; a run of consecutive generatable nodes grows while the group
+still maps onto one kernel (analysis.plan_group), so every group is a contiguous slice of a
+topological order and therefore convex. GEMMs, scatters and sparse nodes run through torch,
+one node at a time, until the issues that fuse them land.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from ...ir.expr import Call, Cast, Const, IndexValue, Read
+from ...ir.graph import Graph, Node, Region
+from ...ir.interpret import eval_node
+from ...ir.index import evaluate
+from .analysis import (NotStitchable, PartPlan, components, factor_access, is_contraction, node_refusal,
+                       plan_part, product_factors, unify)
+
+log = logging.getLogger("stitchflow.gpu")
+
+
+def outside_users(graph: Graph, names: set) -> set:
+    """Nodes of `names` whose values someone outside the set (or the program) reads."""
+    out = set(graph.outputs) & names
+    for n in names:
+        if any(c not in names for c in graph.consumers.get(n, ())):
+            out.add(n)
+    return out
+
+
+def plan_group(graph: Graph, nodes: list[Node], region_outputs: set) -> list[PartPlan]:
+    names = {n.name for n in nodes}
+    users = outside_users(graph, names) | (region_outputs & names)
+    uf = unify(graph, nodes)
+    return [plan_part(graph, comp, uf, users) for comp in components(graph, nodes, uf)]
+
+
+def iota_params(params: dict) -> set:
+    """Constant 1-D integer tensors equal to arange(n) (torch.arange folded at capture)."""
+    found = set()
+    for name, t in params.items():
+        if isinstance(t, torch.Tensor) and t.dim() == 1 and not t.is_floating_point() and t.dtype != torch.bool:
+            if t.layout == torch.strided and torch.equal(t.cpu(), torch.arange(t.numel(), dtype=t.dtype)):
+                found.add(name)
+    return found
+
+
+def fold_iotas(graph: Graph, params: dict) -> Graph:
+    """Reads of an arange constant become the index itself: no loads for a one-hot compare."""
+    iotas = iota_params(params)
+    if not iotas:
+        return graph
+
+    def rewrite(e):
+        if isinstance(e, Read) and e.access.tensor in iotas and not (e.access.tensors - {e.access.tensor}):
+            dtype = params[e.access.tensor].dtype
+            return Cast(dtype, IndexValue(e.access.indices[0]))
+        if isinstance(e, Call):
+            return Call(e.op, tuple(rewrite(a) for a in e.args))
+        if isinstance(e, Cast):
+            return Cast(e.dtype, rewrite(e.arg))
+        return e
+
+    nodes = tuple(dataclasses.replace(n, body=rewrite(n.body)) for n in graph.nodes)
+    return dataclasses.replace(graph, nodes=nodes)
+
+
+def split_region(graph: Graph, region: Region) -> list[tuple[str, list[Node], list[PartPlan] | str]]:
+    """Steps of a region: ("kernel", nodes, plans) or ("torch", [node], reason)."""
+    nodes = [graph.node_of[n] for n in region.nodes]
+    steps: list = []
+    current: list[Node] = []
+    plans: list[PartPlan] = []
+
+    def flush():
+        nonlocal current, plans
+        if current:
+            steps.append(("kernel", current, plans))
+        current, plans = [], []
+
+    for n in nodes:
+        why = node_refusal(graph, n)
+        if why:
+            flush()
+            steps.append(("torch", [n], why))
+            continue
+        try:
+            plans = plan_group(graph, current + [n], set())
+            current = current + [n]
+            continue
+        except NotStitchable as err:
+            if not current:
+                steps.append(("torch", [n], str(err)))
+                continue
+            log.info("region %s: new kernel at %s (%s)", region.name, n.name, err)
+            flush()
+        try:
+            plans = plan_group(graph, [n], set())
+            current = [n]
+        except NotStitchable as err:
+            steps.append(("torch", [n], str(err)))
+    flush()
+    return [_final(graph, s) for s in steps]
+
+
+def _final(graph: Graph, step):
+    kind, nodes, extra = step
+    if kind == "kernel":  # re-plan with the final membership so that outputs are exact
+        return kind, nodes, plan_group(graph, nodes, set())
+    return step
+
+
+def _gather_index(access, node: Node, names, env, device, shape) -> tuple:
+    grid = {}
+    for axis, v in enumerate(names):
+        dims = [1] * len(names)
+        dims[axis] = node.extents[v]
+        grid[v] = torch.arange(node.extents[v], device=device).view(dims)
+    idx = [evaluate(i, grid, env).to(device).clamp(0, n - 1) for i, n in zip(access.indices, shape)]
+    full = torch.broadcast_shapes(*(i.shape for i in idx)) if idx else ()
+    return tuple(i.expand(full) for i in idx)
+
+
+def _dense_operand(access, node: Node, env, device, cache: dict) -> torch.Tensor:
+    """A read as a dense tensor over its own variables (in first-use order): head splits,
+    permutes and GQA broadcasts become one gather, not a broadcast over the whole loop nest.
+    Index tensors that do not depend on data are built once per device (cache)."""
+    names = sorted(access.vars, key=lambda v: [d for d, _ in node.dims].index(v))
+    src = env[access.tensor]
+    src = src.to_dense() if src.layout != torch.strided else src
+    if access.is_plain and len(access.indices) == src.dim():
+        order = [[i.name for i in access.indices].index(v) for v in names]
+        return src.permute(order), names
+    key = (access, device)
+    idx = cache.get(key)
+    if idx is None:
+        idx = _gather_index(access, node, names, env, device, src.shape)
+        if access.tensors == {access.tensor}:
+            cache[key] = idx
+    out = src[idx]
+    return out.expand([node.extents[v] for v in names]) if names else out, names
+
+
+def contract(node: Node, env, out_dtype: torch.dtype, cache: dict | None = None) -> torch.Tensor:
+    """A GEMM-like node as one einsum, in the operands' dtype where they share the output's
+    (cuBLAS accumulates half types in float32, as eager's matmul does)."""
+    factors = product_factors(node.body)
+    scale, operands, specs = 1.0, [], []
+    letters = {v: "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"[k] for k, (v, _) in enumerate(node.dims)}
+    device = next(env[factor_access(f).tensor].device for f in factors if factor_access(f) is not None)
+    for f in factors:
+        if isinstance(f, Const):
+            scale *= f.value
+            continue
+        t, names = _dense_operand(factor_access(f), node, env, device, {} if cache is None else cache)
+        operands.append(t.to(f.dtype) if isinstance(f, Cast) else t)
+        specs.append("".join(letters[v] for v in names))
+    dtypes = {t.dtype for t in operands}
+    compute = out_dtype if dtypes == {out_dtype} and out_dtype.is_floating_point else \
+        torch.promote_types(out_dtype, torch.float32)
+    used = set("".join(specs))
+    for v in node.reduce_vars:  # summing over a variable no operand reads multiplies by its extent
+        if letters[v] not in used:
+            scale *= node.extents[v]
+    kept = [v for v in node.out_vars if letters[v] in used]
+    spec = ",".join(specs) + "->" + "".join(letters[v] for v in kept)
+    out = torch.einsum(spec, *(t.to(compute) for t in operands))
+    out = out * scale if scale != 1.0 else out
+    shape = [node.extents[v] if v in kept else 1 for v in node.out_vars]  # broadcast output dims
+    out = out.reshape(shape).expand([node.extents[v] for v in node.out_vars])
+    return out.to(out_dtype).contiguous()
+
+
+class TorchStep:
+    """One node evaluated with torch (the reference semantics), on the tensors' device."""
+
+    def __init__(self, graph: Graph, node: Node, reason: str):
+        self.graph, self.node, self.reason = graph, node, reason
+        self.dense_gemm = is_contraction(node) and all(
+            graph.type_of[t].format.is_dense for t in node.inputs)
+        self.index_cache: dict = {}
+
+    def __call__(self, env) -> None:
+        node, out_type = self.node, self.graph.type_of[self.node.name]
+        if self.dense_gemm:
+            env[node.name] = contract(node, env, out_type.dtype, self.index_cache)
+            return
+        try:
+            env[node.name] = eval_node(node, env, out_type)
+        except RuntimeError as err:  # the interpreter builds some index tensors on the CPU
+            if "device" not in str(err):
+                raise
+            device = next(env[t].device for t in node.inputs if isinstance(env[t], torch.Tensor))
+            cpu = {t: env[t].cpu() for t in node.inputs}
+            env[node.name] = eval_node(node, cpu, out_type).to(device)
+
+    def __str__(self) -> str:
+        return f"torch({self.node.name}: {self.reason})"

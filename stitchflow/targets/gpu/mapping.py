@@ -1,0 +1,154 @@
+"""Adaptive thread mapping: tile shapes, rows per program, split rows, warps.
+
+A config tiles a part's iteration space as [BP parallel points] x [BL local points] per step;
+`split` cuts the local axes across that many programs (partial reductions then go through
+global memory and a second launch). `candidates` returns a small autotuning space, the
+heuristic favourite first (the interpreter, and runs with autotuning off, take that one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .analysis import PartPlan
+
+MAX_ROW_IN_REGISTERS = 32768  # local elements one program keeps live (one chunk)
+ELEMENTWISE_MAX_BL = 2048
+
+
+@dataclass(frozen=True)
+class Config:
+    BP: int
+    BL: int
+    split: int = 1
+    num_warps: int = 4
+    persistent: int = 0  # >0: this many programs loop over the row blocks (rows stay L2-resident)
+
+    def __str__(self) -> str:
+        tail = f"_G{self.persistent}" if self.persistent else ""
+        return f"BP{self.BP}_BL{self.BL}_S{self.split}_W{self.num_warps}{tail}"
+
+
+def pow2(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def split_len(plan: PartPlan, cfg: Config) -> int:
+    """Local elements each split handles: a multiple of BL, so chunks never straddle splits."""
+    return cdiv(cdiv(plan.L_total, cfg.split), cfg.BL) * cfg.BL
+
+
+def n_chunks(plan: PartPlan, cfg: Config) -> int:
+    return cdiv(min(split_len(plan, cfg), plan.L_total), cfg.BL)
+
+
+def programs(plan: PartPlan, cfg: Config) -> int:
+    blocks = cdiv(plan.P_total, cfg.BP)
+    if cfg.persistent:
+        return min(blocks, cfg.persistent)
+    return blocks * cfg.split
+
+
+def phases(plan: PartPlan, cfg: Config) -> int:
+    """Launches: one, unless split reductions must meet in global memory between stages."""
+    if cfg.split > 1 and plan.reductions:
+        return plan.final_stage + 1
+    return 1
+
+
+def _warps(tile: int, elem_bytes: int) -> int:
+    per_thread = 16 if elem_bytes <= 2 else 8  # two 16-byte vectors in flight per thread
+    w = max(1, tile // (32 * per_thread))
+    return min(16, pow2(w))
+
+
+def _fix(plan: PartPlan, BP: int, BL: int, split: int = 1, warps: int | None = None) -> Config:
+    BP = max(1, min(BP, pow2(plan.P_total)))
+    BL = max(1, min(BL, pow2(plan.L_total)))
+    split = max(1, min(split, cdiv(plan.L_total, BL)))
+    return Config(BP, BL, split, warps or _warps(BP * BL, plan.big_elem_bytes))
+
+
+def _elementwise(plan: PartPlan, sms: int) -> list[Config]:
+    if plan.transposed:  # square-ish tiles: Triton transposes through shared memory
+        out = []
+        for BP, BL, w in ((64, 64, 4), (64, 128, 8), (128, 64, 8), (32, 128, 4)):
+            out.append(_fix(plan, BP, BL, cdiv(plan.L_total, min(BL, pow2(plan.L_total))), w))
+        return _unique(out)
+    BL = min(pow2(plan.L_total), ELEMENTWISE_MAX_BL)
+    split = cdiv(plan.L_total, BL)
+    target = 8192 if plan.big_elem_bytes <= 2 else 4096
+    BP = max(1, target // BL)
+    return [_fix(plan, BP, BL, split), _fix(plan, BP * 2, BL, split), _fix(plan, max(1, BP // 2), BL, split)]
+
+
+def _row_reduction(plan: PartPlan, sms: int) -> list[Config]:
+    L, P = plan.L_total, plan.P_total
+    out = []
+    if L <= MAX_ROW_IN_REGISTERS:
+        BL = pow2(L)
+        for target in (4096, 8192, 2048):
+            BP = max(1, target // BL)
+            out.append(_fix(plan, BP, BL))
+        out.append(_fix(plan, max(1, 4096 // BL), BL, warps=max(1, out[0].num_warps // 2)))
+        if L > 8192:  # long rows: smaller chunks keep more rows in flight per SM
+            out += [_fix(plan, 1, 4096, warps=8), _fix(plan, 1, 8192, warps=8)]
+    else:  # rows loop over chunks; a persistent grid keeps the rows in flight within L2
+        for BL, grid in ((8192, sms), (8192, 0), (4096, 2 * sms), (16384, sms)):
+            out.append(dataclasses.replace(_fix(plan, 1, BL), persistent=grid))
+    if cdiv(P, out[0].BP) < 2 * sms and L >= 8192:  # under two waves: split rows over programs
+        for waves in (2, 4):
+            out.append(_fix(plan, 1, min(pow2(L), 4096), cdiv(waves * sms, P)))
+    return _unique(out)
+
+
+def _column_reduction(plan: PartPlan, sms: int) -> list[Config]:
+    """The contiguous axis is parallel: tiles wide along it for coalescing, the reduced axis
+    split across programs so that the grid fills the device."""
+    out = []
+    wide = 128 if plan.big_elem_bytes <= 2 else 64
+    for BP, tile, waves, warps in ((wide, 4096, 4, None), (wide, 16384, 2, 16), (wide * 2, 16384, 2, 16),
+                                   (wide, 8192, 2, 8), (wide, 4096, 8, None)):
+        BL = max(1, tile // BP)
+        blocks = cdiv(plan.P_total, min(BP, pow2(plan.P_total)))
+        split = cdiv(waves * sms, blocks)
+        out.append(_fix(plan, BP, BL, split, warps))
+    return _unique(out)
+
+
+def _unique(configs: list[Config]) -> list[Config]:
+    seen, out = set(), []
+    for c in configs:
+        if c not in seen:
+            seen.add(c)
+            out.append(c)
+    return out
+
+
+def candidates(plan: PartPlan, sms: int = 132, override: dict | None = None) -> list[Config]:
+    """Autotuning space for a part; `override` (from compile options) pins any of
+    block_p / block_l / split / num_warps, which tests use to reach every code path."""
+    if not plan.reductions:
+        space = _elementwise(plan, sms)
+    elif plan.p_contiguous:
+        space = _column_reduction(plan, sms)
+    else:
+        space = _row_reduction(plan, sms)
+    if override:
+        base = space[0]
+        BP = override.get("block_p", base.BP)
+        BL = override.get("block_l", base.BL)
+        split = override.get("split", base.split if "block_l" not in override else 1)
+        if not plan.reductions and "split" not in override:
+            split = cdiv(plan.L_total, max(1, min(BL, pow2(plan.L_total))))
+        cfg = _fix(plan, BP, BL, split, override.get("num_warps"))
+        space = [dataclasses.replace(cfg, persistent=override.get("persistent", 0) if cfg.split == 1 else 0)]
+    return space

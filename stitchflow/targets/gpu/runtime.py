@@ -1,0 +1,207 @@
+"""Compile, cache, autotune and launch generated kernels.
+
+Generated source is written to `$STITCHFLOW_CACHE/gpu/kernels/<hash>.py` (default
+~/.cache/stitchflow) and imported from there: Triton's JIT reads a kernel's source from its
+file, and the file doubles as the on-disk cache (Triton caches the binaries). The config an
+autotuning run chose is kept in `configs.json` beside it, keyed by the group's signature and
+the device, so later processes skip the timing.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from ...ir.graph import Graph
+from ...ir.interpret import eval_node
+from .analysis import PartPlan
+from .codegen import KernelSpec, build_kernel, kernel_inputs
+from .mapping import Config, candidates
+
+log = logging.getLogger("stitchflow.gpu")
+
+LAUNCHES: collections.Counter = collections.Counter()  # kernel title -> launches (tests read it)
+_MODULES: dict = {}
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def cache_dir() -> Path:
+    root = Path(os.environ.get("STITCHFLOW_CACHE") or Path.home() / ".cache" / "stitchflow")
+    path = root / "gpu"
+    (path / "kernels").mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def load_source(source: str):
+    """Import generated source (once per process); the file stays as the on-disk cache."""
+    key = hashlib.sha256(source.encode()).hexdigest()[:24]
+    if key in _MODULES:
+        return _MODULES[key]
+    path = cache_dir() / "kernels" / f"k_{key}.py"
+    if not path.exists() or path.read_text() != source:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(source)
+        tmp.replace(path)
+    name = f"stitchflow_gen_{key}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    _MODULES[key] = module
+    return module
+
+
+def _config_store() -> Path:
+    return cache_dir() / "configs.json"
+
+
+def load_choice(key: str) -> list | None:
+    try:
+        return json.loads(_config_store().read_text()).get(key)
+    except (OSError, ValueError):
+        return None
+
+
+def save_choice(key: str, choice: list, timings: dict) -> None:
+    path = _config_store()
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        table = {}
+    table[key] = choice
+    table.setdefault("_timings_us", {})[key] = timings
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+    tmp.replace(path)
+
+
+class Launch:
+    """A built kernel: allocates outputs and scratch, launches every phase. After the first
+    launch through Triton's JIT (which compiles), later launches call the compiled kernel
+    directly, skipping the JIT's argument binding: this is most of the host overhead that
+    small patterns pay per call."""
+
+    def __init__(self, graph: Graph, spec: KernelSpec, title: str):
+        self.graph, self.spec, self.title = graph, spec, title
+        self.module = load_source(spec.source)
+        self.out_specs = [(graph.type_of[t].shape, graph.type_of[t].dtype) for t in spec.outputs]
+        self.grid = (spec.grid,)
+        self.fast: list | None = None  # one compiled-kernel runner per phase
+        self.fast_ok = not interpreting()
+
+    def __call__(self, env) -> None:
+        spec = self.spec
+        ins = [env[t] for t in spec.inputs]
+        device = ins[0].device if ins else torch.device("cuda")
+        outs = [torch.empty(shape, dtype=dt, device=device) for shape, dt in self.out_specs]
+        args = ins + outs + [torch.empty(n, dtype=dt, device=device) for _, n, dt in spec.buffers]
+        if self.fast is not None:
+            for phase, runner in enumerate(self.fast):
+                runner(*args, phase)
+        else:
+            compiled = [self.module.kernel[self.grid](*args, PHASE=phase, num_warps=spec.num_warps)
+                        for phase in range(spec.phases)]
+            if self.fast_ok and all(c is not None for c in compiled):
+                self.fast = [c[(spec.grid, 1, 1)] for c in compiled]
+        LAUNCHES[self.title] += spec.phases
+        for name, value in zip(spec.outputs, outs):
+            env[name] = value
+
+
+class GroupKernel:
+    """Nodes of one group run as one generated kernel; built lazily at the first call, since
+    the generated addresses use the strides of the tensors actually passed."""
+
+    def __init__(self, graph: Graph, plans: list[PartPlan], options: dict, title: str, group_names: set):
+        self.graph, self.plans, self.options, self.title = graph, plans, options, title
+        self.packed = len(plans) > 1
+        self.group_names = group_names
+        self.inputs = kernel_inputs(graph, [n for p in plans for n in p.nodes], group_names)
+        self._built: dict = {}
+        self.tuned_us: float | None = None
+        self.chosen: list[Config] | None = None
+
+    def _space(self, plan: PartPlan, sms: int) -> list[Config]:
+        override = {k: self.options[k] for k in ("block_p", "block_l", "split", "num_warps", "persistent")
+                    if k in self.options}
+        space = candidates(plan, sms, override or None)
+        if self.packed:  # packed parts share one launch: no phase barriers
+            space = [c for c in space if c.split == 1 or not plan.reductions] or [
+                candidates(plan, sms, {"split": 1, "block_l": 1 << 15})[0]]
+        return space
+
+    def _signature(self, env) -> tuple:
+        return tuple((t, env[t].stride(), env[t].device.type) for t in self.inputs)
+
+    def __call__(self, env) -> None:
+        first = env[self.inputs[0]] if self.inputs else None
+        if first is not None and first.device.type == "cpu" and not interpreting():
+            for p in self.plans:  # no GPU and no interpreter: the reference path keeps results right
+                for n in p.nodes:
+                    env[n.name] = eval_node(n, env, self.graph.type_of[n.name])
+            return
+        sig = self._signature(env)
+        launch = self._built.get(sig)
+        if launch is None:
+            launch = self._built[sig] = self._build(env, sig)
+        launch(env)
+
+    def _build(self, env, sig) -> Launch:
+        strides = {t: s for t, s, _ in sig}
+        on_gpu = sig and sig[0][2] == "cuda" and not interpreting()
+        sms = torch.cuda.get_device_properties(env[sig[0][0]].device).multi_processor_count if on_gpu else 132
+        spaces = [self._space(p, sms) for p in self.plans]
+        variants = max(len(s) for s in spaces)
+        configs = [[s[min(v, len(s) - 1)] for s in spaces] for v in range(variants)]
+        if not on_gpu or not self.options.get("autotune", True) or variants == 1:
+            return self._make(configs[0], strides, on_gpu)
+        key = self._cache_key(sig, env)
+        cached = load_choice(key)
+        if cached is not None and cached < len(configs):
+            self.chosen = configs[cached]
+            return self._make(configs[cached], strides, on_gpu)
+        return self._tune(configs, strides, env, key)
+
+    def _make(self, cfgs: list[Config], strides: dict, on_gpu: bool) -> Launch:
+        self.chosen = cfgs
+        spec = build_kernel(self.graph, list(zip(self.plans, cfgs)), strides, not on_gpu, self.title, self.group_names)
+        return Launch(self.graph, spec, self.title)
+
+    def _cache_key(self, sig, env) -> str:
+        dev = torch.cuda.get_device_name(env[sig[0][0]].device)
+        text = "\n".join(str(n) + str(self.graph.type_of[n.name]) for p in self.plans for n in p.nodes)
+        return hashlib.sha256(f"{dev}|{sig}|{text}".encode()).hexdigest()[:32]
+
+    def _tune(self, configs, strides, env, key) -> Launch:
+        from triton.testing import do_bench
+
+        best, best_t, timings = None, float("inf"), {}
+        for v, cfgs in enumerate(configs):
+            try:
+                launch = self._make(cfgs, strides, True)
+                scratch = dict(env)
+                launch(scratch)
+                torch.cuda.synchronize()
+                t = do_bench(lambda: launch(scratch), warmup=5, rep=20, return_mode="median")
+            except Exception as err:  # a config the device cannot run (resources): skip it
+                log.info("config %s failed: %s", [str(c) for c in cfgs], err)
+                continue
+            timings[",".join(map(str, cfgs))] = round(t * 1000, 2)
+            if t < best_t:
+                best, best_t = v, t
+        if best is None:
+            raise RuntimeError(f"no config of {self.title} could run")
+        self.tuned_us = round(best_t * 1000, 2)
+        save_choice(key, best, timings)
+        return self._make(configs[best], strides, True)
