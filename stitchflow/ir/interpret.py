@@ -54,7 +54,7 @@ def _try_contraction(node: Node, env, out_type: TensorType) -> torch.Tensor | No
     if factors is None:
         return None
     accesses = [f.access for f in factors if isinstance(f, Read)]
-    if len(accesses) < 2 or not all(a.is_plain for a in accesses):
+    if len(accesses) < 2:
         return None
     if not set(node.out_vars) <= set().union(*(a.vars for a in accesses)):
         return None  # an output dim no operand indexes (size 1): einsum cannot name it
@@ -62,6 +62,8 @@ def _try_contraction(node: Node, env, out_type: TensorType) -> torch.Tensor | No
     for f in factors:
         if isinstance(f, Const):
             scalar *= f.value
+    if not all(a.is_plain for a in accesses):
+        return _finish(_gathered_einsum(node, accesses, env, out_type) * scalar, out_type)
     operands = [env[a.tensor] for a in accesses]
     sparse = [i for i, t in enumerate(operands) if t.layout != torch.strided]
     if len(accesses) == 2 and len(sparse) == 1:
@@ -75,6 +77,44 @@ def _try_contraction(node: Node, env, out_type: TensorType) -> torch.Tensor | No
     dtype = torch.promote_types(out_type.dtype, torch.float32) if out_type.dtype.is_floating_point else out_type.dtype
     out = torch.einsum(spec, *(t.to(dtype) for t in dense))
     return _finish(out * scalar if scalar != 1.0 else out, out_type)
+
+
+def _gathered_einsum(node: Node, accesses, env, out_type: TensorType) -> torch.Tensor:
+    """A contraction whose operands are read through index arithmetic (head splits, gathers):
+    gather each operand over just its own variables, then one einsum. Never the whole
+    iteration space at once, which is what makes attention fit in memory."""
+    letters = _letters(node)
+    dense_env = _DenseView(env)
+    device = _device_of(node, env)
+    operands, specs = [], []
+    for a in accesses:
+        names = [v for v, _ in node.dims if v in a.vars]
+        ranges = {v: (0, node.extents[v]) for v in names}
+        grid = _grid(names, ranges, device)
+        t = _load(a, names, grid, ranges, dense_env)
+        operands.append(t.expand([node.extents[v] for v in names]) if names else t)
+        specs.append("".join(letters[v] for v in names))
+    dtype = torch.promote_types(out_type.dtype, torch.float32) if out_type.dtype.is_floating_point else out_type.dtype
+    spec = ",".join(specs) + "->" + "".join(letters[v] for v in node.out_vars)
+    return torch.einsum(spec, *(t.to(dtype) for t in operands))
+
+
+def _device_of(node: Node, env) -> torch.device:
+    for name in node.inputs:
+        t = env.get(name) if hasattr(env, "get") else None
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return torch.device("cpu")
+
+
+def _grid(loop, ranges, device) -> dict:
+    """One int64 arange per loop variable, shaped to broadcast over the loop's axes."""
+    grid = {}
+    for axis, v in enumerate(loop):
+        shape = [1] * len(loop)
+        shape[axis] = ranges[v][1] - ranges[v][0]
+        grid[v] = torch.arange(*ranges[v], dtype=torch.int64, device=device).view(shape)
+    return grid
 
 
 def _sparse_matmul(accesses, operands, which: int, node: Node) -> torch.Tensor | None:
@@ -136,15 +176,11 @@ def _eval_range(node: Node, env, out_type: TensorType, loop: list[str], limits: 
     """Evaluate the node over `loop` variables, restricted to `limits[var] = (lo, hi)`."""
     rank = len(loop)
     ranges = {v: limits.get(v, (0, node.extents[v])) for v in loop}
-    grid = {}
-    for axis, v in enumerate(loop):
-        shape = [1] * rank
-        shape[axis] = ranges[v][1] - ranges[v][0]
-        grid[v] = torch.arange(*ranges[v], dtype=torch.int64).view(shape)
+    grid = _grid(loop, ranges, _device_of(node, env))
     dense_env = _DenseView(env)
     value = _eval_expr(node.body, loop, grid, ranges, dense_env)
     if not isinstance(value, torch.Tensor):
-        value = torch.tensor(value)
+        value = torch.tensor(value, device=_device_of(node, env))
     full = [ranges[v][1] - ranges[v][0] for v in loop]
     value = value.expand(full) if value.dim() == rank else value.reshape([1] * rank).expand(full)
     if node.is_scatter:
@@ -167,7 +203,7 @@ def _scatter(node: Node, value, grid, env, out_type: TensorType) -> torch.Tensor
         raise StitchflowError(f"node {node.name}: only sum-accumulating scatters are supported")
     idx = tuple(evaluate(i, grid, env).expand(value.shape) for i in node.index)
     acc = torch.promote_types(out_type.dtype, torch.float32) if out_type.dtype.is_floating_point else out_type.dtype
-    out = torch.zeros(out_type.shape, dtype=acc)
+    out = torch.zeros(out_type.shape, dtype=acc, device=value.device)
     out.index_put_(idx, value.to(acc), accumulate=True)
     return out.to(out_type.dtype)
 
