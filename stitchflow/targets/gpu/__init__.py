@@ -3,9 +3,11 @@
     prog = stitchflow.compile(model, inputs, target="gpu", fusion="auto",
                               options={"autotune": True})
 
-Each region is split into steps (grouping.py): runs of elementwise, broadcast and reduction
-nodes become one generated kernel each (codegen.py), GEMMs, scatters and sparse nodes run
-through torch. With TRITON_INTERPRET=1 the same kernels run on CPU tensors.
+Each region is split into steps: compute chains inside it (GEMM -> act -> GEMM, gated FFN,
+GEMM + epilogue; chains.py) become fused chain kernels, autotuned against cuBLAS; runs of
+elementwise, broadcast and reduction nodes become one generated kernel each (grouping.py,
+codegen.py); other GEMMs, scatters and sparse nodes run through torch. With TRITON_INTERPRET=1
+the same kernels run on CPU tensors. options["chains"] = False leaves GEMMs to torch.
 
 Options (all optional): autotune (bool, default True: time a few configs per kernel on the
 device and cache the choice on disk); block_p, block_l, split, num_warps, persistent (pin
@@ -16,6 +18,7 @@ the mapping, for tests and experiments). Environment: STITCHFLOW_CACHE (default
 from __future__ import annotations
 
 from ...ir.graph import Graph, Region
+from .chains import compile_chain, match_chains, match_gemm_epilogues
 from .grouping import TorchStep, fold_iotas, split_region
 from .runtime import LAUNCHES, GroupKernel, interpreting
 
@@ -31,15 +34,21 @@ class GpuTarget:
 
     def compile_region(self, graph: Graph, region: Region, params: dict, options: dict):
         graph = fold_iotas(graph, params)
-        steps = []
-        for kind, nodes, extra in split_region(graph, region):
-            if kind == "kernel":
-                names = {n.name for n in nodes}
-                for plans in pack(extra):
-                    first, last = plans[0].nodes[0].name, plans[-1].nodes[-1].name
-                    steps.append(GroupKernel(graph, plans, dict(options or {}), f"{region.name}:{first}..{last}", names))
-            else:
-                steps.append(TorchStep(graph, nodes[0], extra))
+        options = dict(options or {})
+        chains = region_chains(graph, region) if options.get("chains", True) else []
+        chain_at = {c[-1]: c for c in chains}
+        in_chain = {n for c in chains for n in c}
+        steps, pending = [], []
+        # A chain runs where its last node stands: its inputs are ready there, and the matcher
+        # guarantees no other node reads its intermediates.
+        for name in region.nodes:
+            if name not in in_chain:
+                pending.append(name)
+            elif name in chain_at:
+                steps += self._stitched(graph, Region(region.name, tuple(pending)), options)
+                pending = []
+                steps.append(compile_chain(graph, chain_at[name], options))
+        steps += self._stitched(graph, Region(region.name, tuple(pending)), options)
 
         def run(env):
             for step in steps:
@@ -47,7 +56,33 @@ class GpuTarget:
 
         run.steps = steps
         run.kernels = [s for s in steps if isinstance(s, GroupKernel)]
+        run.chains = chains
         return run
+
+    @staticmethod
+    def _stitched(graph: Graph, region: Region, options: dict) -> list:
+        steps = []
+        if not region.nodes:
+            return steps
+        for kind, nodes, extra in split_region(graph, region):
+            if kind == "kernel":
+                names = {n.name for n in nodes}
+                for plans in pack(extra):
+                    first, last = plans[0].nodes[0].name, plans[-1].nodes[-1].name
+                    steps.append(GroupKernel(graph, plans, options, f"{region.name}:{first}..{last}", names))
+            else:
+                steps.append(TorchStep(graph, nodes[0], extra))
+        return steps
+
+
+def region_chains(graph: Graph, region: Region) -> list[tuple[str, ...]]:
+    """Chains and GEMM epilogues that lie wholly inside the region, their outputs only used
+    by the chain's last node (so fusing them writes nothing the rest of the program needs)."""
+    inside = set(region.nodes)
+    chains = [c for c in match_chains(graph) if set(c) <= inside]
+    taken = {n for c in chains for n in c}
+    chains += [c for c in match_gemm_epilogues(graph, exclude=taken) if set(c) <= inside]
+    return chains
 
 
 PACK_ELEMENTS = 1 << 21  # parts at most this large share a launch; larger ones get their own

@@ -114,10 +114,20 @@ def test_index_arithmetic_becomes_addresses():
 def test_gemm_runs_through_torch_and_its_epilogue_is_generated():
     module = nn.Sequential(nn.Linear(33, 20), nn.GELU(), nn.LayerNorm(20)).eval()
     x = torch.randn(7, 33)
-    prog = stitchflow.compile(module, (x,), target="gpu", fusion="full")
+    prog = stitchflow.compile(module, (x,), target="gpu", fusion="full", options={"chains": False})
     with torch.no_grad():
         _check(prog, module, (x,), torch.float32)
     assert len(_torch_steps(prog)) == 1 and len(_kernels(prog)) >= 1
+
+
+def test_gemm_epilogues_in_a_region_become_chain_kernels():
+    module = nn.Sequential(nn.Linear(33, 20), nn.GELU(), nn.LayerNorm(20)).eval()
+    x = torch.randn(7, 33)
+    prog = stitchflow.compile(module, (x,), target="gpu", fusion="full")
+    with torch.no_grad():
+        _check(prog, module, (x,), torch.float32)
+    (run,) = prog._compiled
+    assert run.chains and not _torch_steps(prog)  # linear + bias + gelu fused, layernorm stitched
 
 
 @pytest.mark.parametrize("fusion", ["auto", "unfused"])
