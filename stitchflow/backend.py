@@ -74,7 +74,7 @@ class StitchflowModule(torch.nn.Module):
         target = self.target or ("gpu" if any(isinstance(a, torch.Tensor) and a.is_cuda for a in args) else "reference")
         try:
             captured = capture(self.gm, args)
-            prog = Program(captured, regions_for(captured.graph, self.fusion), target, self.fusion)
+            prog = Program(captured, regions_for(captured.graph, self.fusion, target=target), target, self.fusion)
             log.info("stitchflow: %s compiled for %s: %d nodes in %d regions", self.name, target,
                      len(captured.graph.nodes), len(prog.regions))
             return prog

@@ -4,6 +4,7 @@
     stitchflow show gcn --fusion partial    captured IR and fusion regions (JSON with --json)
     stitchflow run gcn --dataset cora       compile, run, compare with eager, time both
     stitchflow explain gcn --fusion auto    why each pair of neighbouring ops is or is not fused
+    stitchflow explore gcn --dataset cora   sweep fusion configurations, prune, evaluate, plot
     stitchflow bench stitching|chains       GPU benchmarks (on a machine with a GPU)
 """
 
@@ -179,6 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = verbs.add_parser("explain", help="why each pair of neighbouring ops is or is not fused")
     _app_args(p)
     p.set_defaults(fn=cmd_explain)
+    from .planner import explore as _explore
+
+    p = verbs.add_parser("explore", help="design-space exploration: granularities x orders x parallel factors x blocks")
+    _explore.build_parser(p)
+    p.set_defaults(fn=_explore.run_args)
     p = verbs.add_parser("bench", help="run a benchmark suite on the GPU: stitching | chains")
     p.add_argument("suite", help="stitching (memory-intensive patterns) | chains (GEMM -> act -> GEMM)")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the suite (see `stitchflow bench SUITE --help`)")

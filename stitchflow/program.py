@@ -32,6 +32,7 @@ class Program:
         self.fusion = fusion
         self.target = get_target(target)
         self.regions_executed = 0  # counts region runs: proof that calls go through our code
+        self.plan_values: dict | None = None  # the tensors the planner measured densities on
         refusals = [(r, self.target.check_region(self.graph, r)) for r in self.regions]
         bad = [(r, why) for r, why in refusals if why]
         if bad:
@@ -137,5 +138,10 @@ def compile(model_or_fn, example_inputs: Sequence[Any], *, target: str = "refere
     name} such as {0: "dcsr"} or {"layer1.weight": "dcsr"}; see stitchflow.ir.types.FORMAT_NAMES.
     """
     captured = capture_model(model_or_fn, example_inputs, formats)
-    regions = regions_for(captured.graph, fusion)
-    return Program(captured, regions, target, fusion, options)
+    # the planner measures densities on the real tensors, and explain() reads the same values
+    values = dict(captured.param_values) | {
+        name: x for name, x in zip(captured.graph.inputs, [x for x in example_inputs if isinstance(x, torch.Tensor)])}
+    regions = regions_for(captured.graph, fusion, target=target, values=values)
+    prog = Program(captured, regions, target, fusion, options)
+    prog.plan_values = values
+    return prog

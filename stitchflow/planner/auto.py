@@ -1,33 +1,31 @@
-"""The default automatic plan: fuse every torch op into its consumer when the op's results
-are used by that consumer alone (so no intermediate is lost to fusion) and the region graph
-stays acyclic. Cost-driven plans (integer program, search) refine this per target."""
+"""The automatic plan (`fusion="auto"`): the integer program of ilp.py (the heuristic on large
+graphs) under the target's static cost model, densities measured from the parameter values
+when given. Plans are memoised per graph, target and values, since explain() asks again."""
 
 from __future__ import annotations
 
-from ..ir.errors import StitchflowError
+from typing import Mapping
+
 from ..ir.graph import Graph
-from .regions import by_origin, check_partition
+from .cost import model_for
+from .ilp import Plan, plan
+from .stats import measure
+
+_PLANS: dict = {}  # (id(graph), target, id(values)) -> (graph, values, plan)
 
 
-def auto_groups(graph: Graph) -> list[list[str]]:
-    groups = by_origin(graph)
-    changed = True
-    while changed:
-        changed = False
-        owner = {name: g for g, names in enumerate(groups) for name in names}
-        for g, names in enumerate(groups):
-            consumers = {owner[c] for n in names for c in graph.consumers.get(n, ()) if owner[c] != g}
-            escapes = any(n in graph.outputs for n in names)
-            if len(consumers) != 1 or escapes:
-                continue
-            (target,) = consumers
-            merged = [x for k, grp in enumerate(groups) if k not in (g, target) for x in [grp]]
-            candidate = merged + [groups[g] + groups[target]]
-            try:
-                check_partition(graph, candidate)
-            except StitchflowError:
-                continue
-            groups = candidate
-            changed = True
-            break
-    return groups
+def auto_plan(graph: Graph, target: str = "reference", values: Mapping | None = None) -> Plan:
+    key = (id(graph), target if isinstance(target, str) else id(target), id(values))
+    hit = _PLANS.get(key)
+    if hit is not None and hit[0] is graph and hit[1] is values:
+        return hit[2]
+    model = model_for(target if isinstance(target, str) else "reference", measure(graph, values))
+    result = plan(graph, target, model)
+    if len(_PLANS) > 32:
+        _PLANS.clear()
+    _PLANS[key] = (graph, values, result)
+    return result
+
+
+def auto_groups(graph: Graph, target: str = "reference", values: Mapping | None = None) -> list[list[str]]:
+    return auto_plan(graph, target, values).groups

@@ -125,7 +125,10 @@ def explicit(graph: Graph, spec: Iterable[Iterable[str]]) -> list[list[str]]:
     return groups + rest
 
 
-def regions_for(graph: Graph, fusion) -> tuple[Region, ...]:
+def regions_for(graph: Graph, fusion, target: str = "reference", values=None) -> tuple[Region, ...]:
+    """Regions of a fusion configuration. "auto" plans with the integer program for `target`
+    (its legality and static cost model), measuring densities from `values` (name -> tensor,
+    e.g. the captured parameters) when given."""
     if isinstance(fusion, str):
         if fusion == "unfused":
             return ordered_regions(graph, by_origin(graph))
@@ -134,8 +137,8 @@ def regions_for(graph: Graph, fusion) -> tuple[Region, ...]:
         if fusion == "full":
             return ordered_regions(graph, [[n.name for n in graph.nodes]])
         if fusion == "auto":
-            from .auto import auto_groups
+            from .auto import auto_plan
 
-            return ordered_regions(graph, auto_groups(graph))
+            return auto_plan(graph, target, values).regions
         raise StitchflowError(f"unknown fusion configuration {fusion!r}; use one of {CONFIGS} or a list of regions")
     return ordered_regions(graph, explicit(graph, fusion))

@@ -1,0 +1,339 @@
+"""Design-space exploration (FuseFlow): granularities x dataflow orders x parallel factors x block
+sizes, pruned by the static estimate, survivors evaluated in parallel.
+
+    result = explore("gcn", dataset="cora", orders=[None, 0, 1], par=[{}, {0: 4}], blocks=[None, 16])
+
+Granularities: unfused, per layer, full, auto (the integer program), and for GCN the ablations of
+spec/workloads.md. Knobs reach the target as `options` = {"order": k, "par": {level: lanes},
+"block": b}; order None lets the scheduler take the best legal order of each region.
+
+Evaluation is pluggable: when the target is loadable and `Program` has `simulate`, each survivor
+is compiled and simulated (cycles); until then the static estimate of cost.py is the value, and
+the table says so ("evaluated by" static|simulator). Workers run through a concurrent.futures
+executor: local processes by default, a Dask cluster when given "tcp://host:port".
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from concurrent.futures import Executor, ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from ..ir.errors import StitchflowError
+from .auto import auto_plan
+from .cost import Estimate, model_for
+from .granularity import granularities
+from .prune import PRUNE_FACTOR, prune
+from .report import Row, render_table, write_csv, write_json, write_plot
+
+
+@dataclass(frozen=True)
+class AppKey:
+    """What a worker needs to rebuild the app: it is cheaper to capture again than to ship it."""
+
+    app: str
+    size: str
+    dataset: str | None = None
+    block: int | None = None
+    seed: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.app}[{self.size}{', ' + self.dataset if self.dataset else ''}]"
+
+
+@dataclass(frozen=True)
+class Config:
+    granularity: str
+    groups: tuple[tuple[str, ...], ...]
+    order: int | None = None
+    par: tuple[tuple[int, int], ...] = ()
+    block: int | None = None
+
+    def __str__(self) -> str:
+        par = "x".join(str(w) for _, w in self.par) or "1"
+        order = "best" if self.order is None else str(self.order)
+        return f"{self.granularity} o={order} p={par} b={self.block or '-'}"
+
+    @property
+    def options(self) -> dict:
+        out: dict = {"par": dict(self.par)}
+        if self.order is not None:
+            out["order"] = self.order
+        if self.block:
+            out["block"] = self.block
+        return out
+
+
+@dataclass(frozen=True)
+class ExploreResult:
+    app: str
+    dataset: str | None
+    target: str
+    rows: tuple[Row, ...]
+    files: tuple[str, ...] = ()
+    notes: tuple[str, ...] = field(default=())
+
+    def __str__(self) -> str:
+        kept = sum(r.status == "ok" for r in self.rows)
+        return f"explore {self.app} ({self.dataset or 'default'}) on {self.target}: {kept} evaluated, {len(self.rows) - kept} pruned"
+
+    def table(self) -> list[tuple]:
+        """The rows as comparable tuples (what two executors must agree on)."""
+        return [r.key() for r in self.rows]
+
+
+@functools.lru_cache(maxsize=4)
+def load_app(key: AppKey):
+    """(captured program, example inputs, densities) of an app, once per process."""
+    from ..apps import APPS
+    from ..program import capture_model
+    from .stats import measure
+
+    if key.app not in APPS:
+        raise StitchflowError(f"unknown app {key.app!r}; known: {', '.join(sorted(APPS))}")
+    model, inputs = APPS[key.app].build(size=key.size, dataset=key.dataset, block=key.block, seed=key.seed)
+    captured = capture_model(model, inputs, None)
+    values = dict(captured.param_values)
+    values.update(zip(captured.graph.inputs, [x for x in inputs if hasattr(x, "layout")]))
+    return captured, inputs, values
+
+
+def _densities(key: AppKey, blocks: Sequence[int | None]):
+    from .stats import measure
+
+    captured, _, values = load_app(key)
+    return measure(captured.graph, values, blocks=tuple(b for b in blocks if b))
+
+
+def static_estimate(key: AppKey, target: str, config: Config, blocks=()) -> tuple[Estimate, float]:
+    """(summed estimate, cost) of a configuration under the target's static model."""
+    captured, _, _ = load_app(key)
+    model = model_for(target, _densities(key, tuple(blocks) or (config.block,)))
+    ests = [model.estimate(captured.graph, g, config.options) for g in config.groups]
+    total = ests[0]
+    for e in ests[1:]:
+        total = total + e
+    return total, model.total(ests)
+
+
+def simulator_available(target: str) -> bool:
+    """The dataflow simulator (issue 4) plugs in here: a loadable target and Program.simulate."""
+    from ..program import Program
+    from ..targets import get_target
+
+    if target != "dataflow" or not hasattr(Program, "simulate"):
+        return False
+    try:
+        get_target(target)
+    except StitchflowError:
+        return False
+    return True
+
+
+def evaluate(key: AppKey, target: str, config: Config, blocks=()) -> dict:
+    """Evaluate one configuration (runs in a worker): simulated cycles when the simulator
+    exists, else the static estimate."""
+    est, cost = static_estimate(key, target, config, blocks)
+    result = {"flops": est.flops, "bytes": est.bytes, "recomputed": est.recomputed_flops,
+              "regions": est.regions, "value": cost, "by": "static"}
+    if simulator_available(target):
+        from ..program import Program
+
+        captured, inputs, _ = load_app(key)
+        regions = [list(g) for g in config.groups]
+        from .regions import ordered_regions
+
+        prog = Program(captured, ordered_regions(captured.graph, regions), target, regions, config.options)
+        sim = prog.simulate(*inputs)
+        result.update(value=float(getattr(sim, "cycles", sim)), by="simulator")
+    return result
+
+
+def _executor(executor):
+    """(executor, owned): a given Executor, a Dask client's executor for "tcp://...", or local
+    processes (spawned: forking a process that has run torch ops can deadlock its thread pools)."""
+    if isinstance(executor, Executor):
+        return executor, False
+    if isinstance(executor, str) and executor.startswith(("tcp://", "tls://", "ucx://")):
+        try:
+            from dask.distributed import Client
+        except ImportError as err:
+            raise StitchflowError(f"--executor {executor} needs dask.distributed: pip install 'dask[distributed]' ({err})")
+        client = Client(executor)
+        return _DaskExecutor(client), True
+    if executor not in (None, "local", "processes"):
+        raise StitchflowError(f"unknown executor {executor!r}: use local processes (default) or tcp://host:port")
+    import multiprocessing
+
+    workers = max(1, min(4, os.cpu_count() or 1))
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")), True
+
+
+class _DaskExecutor:
+    """A Dask client's concurrent.futures executor that closes the client with it."""
+
+    def __init__(self, client):
+        self.client, self.inner = client, client.get_executor()
+
+    def submit(self, fn, *args, **kwargs):
+        return self.inner.submit(fn, *args, **kwargs)
+
+    def shutdown(self, wait=True):
+        self.inner.shutdown(wait=wait)
+        self.client.close()
+
+
+def _run(executor, tasks, progress: bool) -> list[dict]:
+    from rich.progress import Progress
+
+    futures = {executor.submit(evaluate, *t): k for k, t in enumerate(tasks)}
+    results: list = [None] * len(tasks)
+    with Progress(disable=not progress, transient=True) as bar:
+        job = bar.add_task("evaluating configurations", total=len(tasks))
+        for fut in as_completed(futures):
+            results[futures[fut]] = fut.result()
+            bar.advance(job)
+    return results
+
+
+def configurations(key: AppKey, target: str, orders, par, blocks) -> tuple[list[Config], list[str]]:
+    captured, _, values = load_app(key)
+    graph = captured.graph
+    grans, notes = granularities(key.app, graph, lambda: auto_plan(graph, target, values).groups)
+    configs = [Config(name, tuple(map(tuple, groups)), o, tuple(sorted(dict(p).items())), b)
+               for name, groups in grans for o in orders for p in par for b in blocks]
+    return configs, notes
+
+
+def _refusals(key: AppKey, target: str, configs: list[Config]) -> dict[Config, str]:
+    """Configurations with a region the target cannot run, with the target's reason."""
+    from .candidates import Legality
+
+    captured, _, _ = load_app(key)
+    legality = Legality(target)
+    out = {}
+    for c in configs:
+        for g in c.groups:
+            why = legality.check(captured.graph, g)
+            if why:
+                out[c] = f"target {target} refuses {{{', '.join(g[:3])}{', ...' if len(g) > 3 else ''}}}: {why}"
+                break
+    return out
+
+
+def explore(app: str, dataset: str | None = None, target: str = "dataflow", orders: Sequence = (None,),
+            par: Sequence[Mapping] = ({},), blocks: Sequence = (None,), executor=None,
+            out_dir: str | Path | None = "explore_out", size: str | None = None, seed: int = 0,
+            factor: float = PRUNE_FACTOR, progress: bool = True, app_block: int | None = None) -> ExploreResult:
+    """Sweep the design space of `app` (see the module docstring); write CSV, JSON and a PNG of
+    the speedup over unfused to `out_dir` (None: write nothing)."""
+    # as the CLI's other verbs: GNNs default to Cora at the paper's size, other apps to "small"
+    size = size or ("default" if app in ("gcn", "graphsage") and dataset in (None, "cora") else "small")
+    key = AppKey(app, size, dataset, app_block, seed)
+    configs, notes = configurations(key, target, list(orders), list(par), list(blocks))
+    refused = _refusals(key, target, configs)
+    configs = [c for c in configs if c not in refused]
+    ests = {c: static_estimate(key, target, c, blocks)[0] for c in configs}
+    unfused = {(c.order, c.par, c.block): c for c in configs if c.granularity == "unfused"}
+    result = prune(configs, ests, factor, baseline=lambda c: ests[unfused[(c.order, c.par, c.block)]])
+    pool, owned = _executor(executor)
+    try:
+        values = _run(pool, [(key, target, c, tuple(blocks)) for c in result.kept], progress)
+    finally:
+        if owned:
+            pool.shutdown()
+    rows = _rows(configs, ests, dict(zip(result.kept, values)), {p.config: p.reason for p in result.pruned})
+    rows += [Row(str(c), c.granularity, len(c.groups), "best" if c.order is None else str(c.order),
+                 "x".join(str(w) for _, w in c.par) or "1", c.block or 0, 0.0, 0.0, 0.0, None, None, "-",
+                 "refused", why) for c, why in refused.items()]
+    files = _write(rows, out_dir, f"{app}-{dataset or size}-{target}") if out_dir else ()
+    return ExploreResult(app, dataset, target, tuple(rows), tuple(files), tuple(notes))
+
+
+def _rows(configs, ests, values: dict, pruned: dict) -> list[Row]:
+    baseline = values.get(next(c for c in configs if c.granularity == "unfused"), {}).get("value")
+    rows = []
+    for c in configs:
+        e, v = ests[c], values.get(c)
+        value = v["value"] if v else None
+        speedup = baseline / value if v and value and baseline else None
+        rows.append(Row(str(c), c.granularity, len(c.groups), "best" if c.order is None else str(c.order),
+                        "x".join(str(w) for _, w in c.par) or "1", c.block or 0, e.flops, e.bytes,
+                        e.recomputed_flops, value, speedup, v["by"] if v else "-",
+                        "ok" if v else "pruned", pruned.get(c, "")))
+    return rows
+
+
+def _write(rows: list[Row], out_dir, stem: str) -> list[str]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return [str(write_csv(rows, out / f"{stem}.csv")), str(write_json(rows, out / f"{stem}.json")),
+            str(write_plot(rows, out / f"{stem}.png", stem))]
+
+
+def parse_par(text: str) -> dict:
+    """Parallel factors as the dataflow target takes them, {variable: lanes}: "i=4,k=4" names
+    the variables; "1" is no fork, "4" forks each region's `i` (the outermost output variable
+    by the frontend's naming), "4x4" nests forks on `i` and `j`."""
+    if "=" in text:
+        pairs = [item.split("=") for item in text.split(",")]
+        return {var.strip(): int(w) for var, w in pairs if int(w) > 1}
+    widths = [int(w) for w in text.lower().split("x")]
+    return {var: w for var, w in zip("ijkl", widths) if w > 1}
+
+
+def build_parser(parser=None):
+    import argparse
+
+    p = parser or argparse.ArgumentParser(prog="stitchflow explore", description=__doc__,
+                                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("app", help="app name (see `stitchflow apps`)")
+    p.add_argument("--dataset", default=None, help="graph dataset for GNN apps (cora, tiny, karate, ...)")
+    p.add_argument("--size", default=None, help="app size (small, default, or a preset)")
+    p.add_argument("--target", default="dataflow", choices=("dataflow", "gpu"))
+    p.add_argument("--orders", nargs="*", default=None, metavar="K",
+                   help="dataflow orders to sweep: indices into each region's legal orders; "
+                        "the flag alone sweeps 0..3 as well as the best order")
+    p.add_argument("--par", nargs="+", default=["1"], metavar="PAR",
+                   help="parallel factors: 1, 4 (i), 4x4 (i and j nested), or i=4,k=4")
+    p.add_argument("--block", nargs="+", type=int, default=None, metavar="B",
+                   help="sparsity block sizes to sweep (for gpt3-bigbird also the mask's block)")
+    p.add_argument("--executor", default=None, metavar="ADDR", help="tcp://scheduler:port for a Dask cluster")
+    p.add_argument("--out", default="explore_out", help="directory for the CSV, JSON and PNG")
+    p.add_argument("--factor", type=float, default=PRUNE_FACTOR, help="pruning factor over unfused FLOPs/bytes")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_args(args)
+
+
+def run_args(args) -> int:
+    from rich.console import Console
+
+    orders: list = [None]
+    if args.orders is not None:
+        orders += [int(k) for k in args.orders] if args.orders else [0, 1, 2, 3]
+    blocks = args.block or [None]
+    app_block = args.block[0] if args.block and args.app == "gpt3-bigbird" else None
+    result = explore(args.app, dataset=args.dataset, target=args.target, orders=orders,
+                     par=[parse_par(p) for p in args.par], blocks=blocks, executor=args.executor,
+                     out_dir=args.out, size=args.size, seed=args.seed, factor=args.factor, app_block=app_block)
+    console = Console()
+    if not console.is_terminal:  # a log or a pipe: do not fold the table into 80 columns
+        console = Console(width=220)
+    console.print(render_table(result))
+    for note in result.notes:
+        console.print(f"note: {note}")
+    for path in result.files:
+        console.print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,97 @@
+"""Fusion granularities that exploration sweeps: unfused, per layer, full, auto, and FuseFlow's
+GCN ablations (spec/workloads.md): only layer 1 fused, only layer 2 fused, and two sub-regions
+across the layer boundary — "linear1 + bias + relu + the second adjacency product" and
+"relu + adjacency + linear2 + softmax".
+
+FuseFlow's GCN associates each layer as (A·X)·W; ours is A·(X·W) (apps/gnn.py). The ablations
+are named by role (linear = product with a weight, adjacency = product with the adjacency
+input, bias, activation) and closed to their convex hull, so a region that names ops which are
+not adjacent in our association also takes the ops on the paths between them; the name of the
+configuration lists what the hull added.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from ..ir.errors import StitchflowError
+from ..ir.graph import Graph
+from .candidates import Masks
+from .regions import by_layer, by_origin, check_partition
+
+
+def _role(graph: Graph, names: list[str]) -> str:
+    reads = {t for n in names for t in graph.node_of[n].inputs}
+    if graph.inputs and graph.inputs[0] in reads:
+        return "adjacency"
+    if any(t in graph.params and "weight" in t for t in reads):
+        return "linear"
+    if any(t in graph.params and "bias" in t for t in reads):
+        return "bias"
+    return "activation"
+
+
+def roles(graph: Graph) -> dict[tuple[str, str], list[str]]:
+    """(layer, role) -> node names, for GNN layers named layer1, layer2, ..."""
+    out: dict[tuple[str, str], list[str]] = {}
+    for group in by_origin(graph):
+        layer = graph.node_of[group[0]].group or "top"
+        out.setdefault((layer, _role(graph, group)), []).extend(group)
+    return out
+
+
+def hull(graph: Graph, names) -> list[str]:
+    """The smallest convex set containing `names`: add every node on a path between two."""
+    masks = Masks(graph)
+    m = masks.of(names)
+    inside = m | (masks._union(masks.down, m) & masks._union(masks.up, m))
+    return list(masks.members(inside))
+
+
+def with_rest(graph: Graph, region: list[str]) -> list[list[str]]:
+    """One region plus every other node in its per-op group (pieces of a split op stay apart)."""
+    taken = set(region)
+    return [region] + [[n for n in g if n not in taken] for g in by_origin(graph) if not set(g) <= taken]
+
+
+def gcn_ablations(graph: Graph) -> list[tuple[str, list[list[str]]]]:
+    r = roles(graph)
+
+    def pick(*keys):
+        return [n for k in keys for n in r.get(k, [])]
+
+    specs = [
+        ("layer1 only", pick(*((("layer1", x) for x in ("linear", "adjacency", "bias", "activation")))), ),
+        ("layer2 only", pick(*((("layer2", x) for x in ("linear", "adjacency", "bias", "activation")))), ),
+        ("lin1+bias+relu+adj2", pick(("layer1", "linear"), ("layer1", "bias"), ("layer1", "activation"),
+                                     ("layer2", "adjacency"))),
+        ("relu+adj2+lin2+softmax", pick(("layer1", "activation"), ("layer2", "adjacency"), ("layer2", "linear"),
+                                        ("layer2", "activation"))),
+    ]
+    out = []
+    for name, names in specs:
+        closed = hull(graph, names)
+        added = sorted({graph.node_of[n].origin for n in closed} - {graph.node_of[n].origin for n in names})
+        out.append((name + (f" (hull +{'+'.join(added)})" if added else ""), with_rest(graph, closed)))
+    return out
+
+
+def granularities(app: str, graph: Graph, auto: Callable[[], list[list[str]]]):
+    """[(name, groups)] for the app, and notes on any that were skipped (with the reason)."""
+    grans = [("unfused", by_origin(graph)), ("per-layer", by_layer(graph)),
+             ("full", [[n.name for n in graph.nodes]]), ("auto", auto())]
+    if app == "gcn":
+        grans += gcn_ablations(graph)
+    kept, notes, seen = [], [], {}
+    for name, groups in grans:
+        try:
+            check_partition(graph, groups)
+        except StitchflowError as err:
+            notes.append(f"granularity {name} skipped: {err}")
+            continue
+        key = frozenset(frozenset(g) for g in groups)
+        if key in seen:
+            notes.append(f"granularity {name} is the same partition as {seen[key]}")
+        seen.setdefault(key, name)
+        kept.append((name, groups))
+    return kept, notes

@@ -1,0 +1,305 @@
+"""The loop nest of a fused region, as the static cost models see it.
+
+Inside a region, index variables are unified across producers and consumers (a consumer reading
+`T[k,j]` names the producer's `i` as its own `k`). A dataflow order is a sequence of the unified
+variables; sparse region inputs constrain it (a compressed level can only be scanned inside the
+levels above it, so CSR `A[i,k]` needs `i` before `k`) and every topological sort of those
+constraints is a legal order (spec/dataflow.md, DESIGN.md).
+
+Recomputation: a node is evaluated inside the loops its consumers in the region iterate. When the
+order puts a consumer's variable `v` (one the node does not have) outside the node's innermost
+variable, the node is re-evaluated for every coordinate of `v` — fusing X·W into A·(X·W)
+re-computes X·W for every row of A. The multiplier is the *effective* extent of those variables:
+their extents thinned by the densities of the sparse consumer operands that gate them (a row of
+X·W is recomputed once per non-zero of its column of A, not once per row of A).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+import networkx as nx
+
+from ..ir.expr import Access, Call, Cast, Read
+from ..ir.graph import Graph
+from ..ir.index import Var, free_vars
+
+MAX_ORDERS = 16  # orders enumerated per region: enough to sweep, bounded for large regions
+
+Density = Callable[[str, bool], float]  # (tensor, produced inside the region) -> density
+
+
+@dataclass(frozen=True)
+class NodeNest:
+    """One node's place in a region's loop nest: the consumer variables it is recomputed over
+    and the effective multiplier they give."""
+
+    node: str
+    vars: frozenset[str]  # the node's own unified variables
+    recompute_vars: tuple[str, ...]
+    factor: float  # effective number of re-evaluations (1.0: evaluated once per point)
+
+    def __str__(self) -> str:
+        over = ",".join(self.recompute_vars) or "-"
+        return f"{self.node}: recomputed over {over} (x{self.factor:.3g})"
+
+
+@dataclass(frozen=True)
+class LoopNest:
+    """A region under one dataflow order: per-node recomputation and the order used."""
+
+    order: tuple[str, ...]
+    nests: tuple[NodeNest, ...]
+    concordant: bool  # False: no order satisfies every sparse input; some input is re-sorted
+    extents: tuple[tuple[str, int], ...]
+
+    def __str__(self) -> str:
+        return f"order {'>'.join(self.order)}" + ("" if self.concordant else " (reordered input)")
+
+    def nest_of(self, node: str) -> NodeNest:
+        return next(n for n in self.nests if n.node == node)
+
+
+class _UnionFind:
+    def __init__(self):
+        self.parent: dict = {}
+
+    def find(self, x):
+        self.parent.setdefault(x, x)
+        while self.parent[x] != x:
+            self.parent[x] = self.parent[self.parent[x]]
+            x = self.parent[x]
+        return x
+
+    def union(self, a, b):
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.parent[ra] = rb  # the consumer's name survives: it reads better in reports
+
+
+@dataclass(frozen=True)
+class RegionVars:
+    """Unified variables of a region: each node's local variables mapped to unified names."""
+
+    names: tuple[tuple[str, tuple[tuple[str, frozenset[str]], ...]], ...]  # node -> var -> unified set
+    extents: tuple[tuple[str, int], ...]
+
+    def of(self, node: str) -> dict[str, frozenset[str]]:
+        return dict(dict(self.names)[node])
+
+    def node_vars(self, node: str) -> frozenset[str]:
+        return frozenset().union(*self.of(node).values())
+
+    def access_vars(self, node: str, access: Access) -> frozenset[str]:
+        local = self.of(node)
+        return frozenset().union(*(local.get(v, frozenset()) for i in access.indices for v in free_vars(i)))
+
+
+def unify(graph: Graph, nodes: Sequence[str]) -> RegionVars:
+    """Link each producer's output variables to the consumer's plain index variables. A producer
+    read through an affine index (`T[j, 16*i+k]`) is covered by the consumer variables of that
+    index; the first consumer in graph order decides."""
+    members = set(nodes)
+    uf = _UnionFind()
+    covered: dict[tuple[str, str], frozenset] = {}
+    for name in nodes:
+        node = graph.node_of[name]
+        for v, _ in node.dims:
+            uf.find((name, v))
+        for acc in node.accesses:
+            if acc.tensor not in members:
+                continue
+            producer = graph.node_of[acc.tensor]
+            for out_idx, idx in zip(producer.index, acc.indices):
+                if not isinstance(out_idx, Var):
+                    continue
+                key = (producer.name, out_idx.name)
+                if isinstance(idx, Var):
+                    uf.union(key, (name, idx.name))
+                elif key not in covered:
+                    covered[key] = frozenset((name, v) for v in free_vars(idx))
+    label = {}
+    extents: dict[str, int] = {}
+    for name in nodes:
+        for v, size in graph.node_of[name].dims:
+            root = uf.find((name, v))
+            label.setdefault(root, f"{root[1]}@{root[0]}")
+            extents[label[root]] = max(extents.get(label[root], 1), size)
+
+    def resolve(key, depth=0):
+        if key in covered and depth < 8:
+            return frozenset().union(*(resolve(k, depth + 1) for k in covered[key]))
+        return frozenset((label[uf.find(key)],))
+
+    names = tuple((name, tuple((v, resolve((name, v))) for v, _ in graph.node_of[name].dims)) for name in nodes)
+    return RegionVars(names, tuple(sorted(extents.items())))
+
+
+def order_constraints(graph: Graph, nodes: Sequence[str], rv: RegionVars) -> nx.DiGraph:
+    """Edges u -> v: u must be outside v. Only compressed levels of tensors read from memory
+    constrain the order; dense levels are located directly, in any order."""
+    members = set(nodes)
+    dag = nx.DiGraph()
+    dag.add_nodes_from(name for name, _ in rv.extents)
+    for name in nodes:
+        for acc in graph.node_of[name].accesses:
+            if acc.tensor in members or acc.tensor not in graph.type_of:
+                continue
+            fmt = graph.type_of[acc.tensor].format
+            if fmt.rank != len(acc.indices):
+                continue
+            local = rv.of(name)
+            level_vars = [frozenset().union(*(local.get(v, frozenset()) for v in free_vars(acc.indices[m])))
+                          for m in fmt.mode_order]
+            for k, kind in enumerate(fmt.levels):
+                if kind.value != "c":
+                    continue
+                for outer in level_vars[:k]:
+                    for u, v in itertools.product(outer, level_vars[k]):
+                        if u != v:
+                            dag.add_edge(u, v)
+    return dag
+
+
+def legal_orders(graph: Graph, nodes: Sequence[str], rv: RegionVars | None = None,
+                 limit: int = MAX_ORDERS, constrained: bool = True) -> tuple[tuple[tuple[str, ...], ...], bool]:
+    """Up to `limit` legal dataflow orders, the canonical one first (variables in the order the
+    region's nodes introduce them), and whether they satisfy every sparse input (concordant).
+    `constrained=False` ignores storage orders (a GPU kernel may read in any order)."""
+    rv = rv or unify(graph, nodes)
+    dag = order_constraints(graph, nodes, rv)
+    concordant = nx.is_directed_acyclic_graph(dag)
+    if not concordant or not constrained:  # unconstrained; a non-concordant input gets re-sorted
+        dag = nx.DiGraph()
+        dag.add_nodes_from(name for name, _ in rv.extents)
+    first_seen: dict[str, int] = {}
+    for name in nodes:
+        for _, unified in rv.of(name).items():
+            for u in sorted(unified):
+                first_seen.setdefault(u, len(first_seen))
+    rank = {u: (first_seen.get(u, 0), u) for u in dag}
+    canonical = tuple(nx.lexicographical_topological_sort(dag, key=rank.__getitem__))
+    orders = [canonical] + [o for o in _topological_sorts(dag, rank, limit) if o != canonical]
+    return tuple(orders[:limit]), concordant
+
+
+def _topological_sorts(dag: nx.DiGraph, rank, limit: int) -> list[tuple[str, ...]]:
+    """The first `limit` topological sorts in lexicographic order of `rank` (depth-first)."""
+    preds = {u: set(dag.predecessors(u)) for u in dag}
+    names = sorted(dag, key=rank.__getitem__)
+    out: list[tuple[str, ...]] = []
+    prefix: list[str] = []
+    placed: set[str] = set()
+
+    def walk():
+        if len(out) >= limit:
+            return
+        if len(prefix) == len(names):
+            out.append(tuple(prefix))
+            return
+        for u in names:
+            if u not in placed and preds[u] <= placed:
+                prefix.append(u)
+                placed.add(u)
+                walk()
+                placed.discard(u)
+                prefix.pop()
+                if len(out) >= limit:
+                    return
+
+    walk()
+    return out
+
+
+def downstream(graph: Graph, nodes: Sequence[str]) -> dict[str, frozenset[str]]:
+    """For each region node, the region nodes that consume it, directly or transitively."""
+    members = set(nodes)
+    result: dict[str, set] = {n: set() for n in nodes}
+    for name in reversed([n.name for n in graph.nodes if n.name in members]):
+        for c in graph.consumers.get(name, ()):
+            if c in members:
+                result[name] |= {c} | result[c]
+    return {k: frozenset(v) for k, v in result.items()}
+
+
+def gating_accesses(body) -> tuple[Access, ...]:
+    """Accesses in multiplicative position: the node's value is zero where they are zero, so the
+    node only iterates where they are non-zero (an intersection in the dataflow graph)."""
+    if isinstance(body, Read):
+        return (body.access,)
+    if isinstance(body, Cast):
+        return gating_accesses(body.arg)
+    if isinstance(body, Call):
+        if body.op in ("mul", "and"):
+            return tuple(a for arg in body.args for a in gating_accesses(arg))
+        if body.op == "div":
+            return gating_accesses(body.args[0])
+    return ()
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """The order-independent part of a region's analysis, computed once per region: for each
+    node its unified variables, those of its consumers in the region, and the gating accesses
+    (tensor, unified variables, density) of those consumers."""
+
+    rows: tuple[tuple[str, frozenset, frozenset, tuple], ...]
+    extents: tuple[tuple[str, int], ...]
+
+
+def prepare(graph: Graph, nodes: Sequence[str], rv: RegionVars, density: Density) -> Prepared:
+    members = set(nodes)
+    below = downstream(graph, nodes)
+    own = {name: rv.node_vars(name) for name in nodes}
+    gates = {}
+    for name in nodes:
+        found = []
+        for acc in gating_accesses(graph.node_of[name].body):
+            if acc.tensor not in members:
+                found.append((acc.tensor, rv.access_vars(name, acc), density(acc.tensor, False)))
+        gates[name] = found
+    rows = []
+    for name in nodes:
+        users = frozenset().union(*(own[c] for c in below[name]))
+        guards = {(t, u): d for c in below[name] for t, u, d in gates[c]}
+        rows.append((name, own[name], users, tuple((t, u, d) for (t, u), d in guards.items())))
+    return Prepared(tuple(rows), rv.extents)
+
+
+def analyse(prep: Prepared, order: Sequence[str], concordant: bool = True) -> LoopNest:
+    """Per-node recomputation factors of a region under `order` (see the module docstring)."""
+    pos = {u: k for k, u in enumerate(order)}
+    ext = dict(prep.extents)
+    nests = []
+    for name, own, users, guards in prep.rows:
+        inner = max((pos[u] for u in own), default=-1)
+        recompute = tuple(u for u in order if pos[u] < inner and u in users and u not in own)
+        factor = 1.0
+        if recompute:
+            rset = set(recompute)
+            enclosing = own | rset
+            for u in recompute:
+                factor *= ext[u]
+            for _, uvars, d in guards:
+                if uvars <= enclosing and uvars & rset:
+                    factor *= d
+        nests.append(NodeNest(name, own, recompute, factor))
+    return LoopNest(tuple(order), tuple(nests), concordant, prep.extents)
+
+
+def lane_count(order: Sequence[str], extents: Mapping[str, int], par: Mapping) -> int:
+    """Parallel lanes: `par` maps a variable name (as the dataflow target's options do: the
+    outermost unified variable of that name forks) or a loop level (0 = outermost) to a fork
+    width; a fork cannot use more lanes than its variable has coordinates, and nested forks
+    multiply (4 x 4 -> 16 lanes)."""
+    lanes = 1
+    for where, width in (par or {}).items():
+        if isinstance(where, str) and not where.isdigit():
+            var = next((u for u in order if u.split("@")[0] == where), None)
+        else:
+            var = order[int(where)] if 0 <= int(where) < len(order) else None
+        if var is not None:
+            lanes *= max(1, min(int(width), extents[var]))
+    return lanes
