@@ -71,12 +71,12 @@ def test_ilp_equals_brute_force_on_random_graphs(spec, gpu):
     model = GpuCostModel() if gpu else DataflowCostModel()
     exact = plan(graph, target, model, method="ilp")
     costs = Costs(graph, model)
-    assert exact.cost == pytest.approx(brute_force(graph, target, costs), rel=1e-9)
+    assert exact.cost == pytest.approx(brute_force(graph, target, costs), rel=1e-7)
     check_partition(graph, exact.groups)
     assert all(target.check_region(graph, r) is None for r in exact.regions)
     fast = plan(graph, target, model, method="heuristic")
     check_partition(graph, fast.groups)
-    assert fast.cost >= exact.cost * (1 - 1e-9)
+    assert fast.cost >= exact.cost * (1 - 1e-7)  # equal plans may sum their costs in another order
 
 
 @settings(max_examples=25, deadline=None)
@@ -86,7 +86,7 @@ def test_heuristic_equals_ilp_on_chains(kinds, gpu):
     model = GpuCostModel() if gpu else DataflowCostModel()
     exact = plan(graph, "reference", model, method="ilp")
     fast = plan(graph, "reference", model, method="heuristic")
-    assert fast.cost == pytest.approx(exact.cost, rel=1e-9)
+    assert fast.cost == pytest.approx(exact.cost, rel=1e-7)
 
 
 def test_refused_candidates_keep_the_targets_reason():
