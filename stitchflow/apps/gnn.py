@@ -37,12 +37,18 @@ def _check_activation(activation: str) -> str:
 
 
 class GCNLayer(nn.Module):
-    """act(A · (X · W) + b): the product is associated as A·(X·W), the cheap order."""
+    """act(A·X·W + b). `association` "ax_w" computes (A·X)·W, the order under which a fused
+    layer streams A's rows without recomputation (FuseFlow's finding that per-layer fusion
+    wins needs it); "a_xw" computes A·(X·W), fewer FLOPs unfused but a fused layer then
+    recomputes X·W for every non-zero of A."""
 
     def __init__(self, in_features: int, out_features: int, activation: str = "relu",
                  weight_density: float = 0.5, generator: torch.Generator | None = None,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, association: str = "ax_w"):
         super().__init__()
+        if association not in ("ax_w", "a_xw"):
+            raise ValueError(f"association must be 'ax_w' or 'a_xw', got {association!r}")
+        self.association = association
         gen = generator if generator is not None else make_generator(0)
         self.activation = _check_activation(activation)
         self.weight = nn.Parameter(sparse_weight(in_features, out_features, weight_density,
@@ -50,7 +56,7 @@ class GCNLayer(nn.Module):
         self.bias = nn.Parameter(small_uniform((out_features,), gen, dtype=dtype))
 
     def forward(self, a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        h = a @ (x @ self.weight)
+        h = (a @ x) @ self.weight if self.association == "ax_w" else a @ (x @ self.weight)
         h = h + self.bias
         return _activate(h, self.activation)
 
