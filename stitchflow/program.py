@@ -45,6 +45,14 @@ class Program:
         return self.captured.graph
 
     def __call__(self, *inputs):
+        env = self._bind(inputs)
+        for run in self._compiled:
+            run(env)
+            self.regions_executed += 1
+        return rebuild_outputs(self.captured, env)
+
+    def _bind(self, inputs) -> dict[str, Any]:
+        """The environment of a call: parameters and the checked inputs, by IR name."""
         graph = self.graph
         if len(inputs) != len(self.captured.input_names):
             raise ShapeError(f"the program takes {len(self.captured.input_names)} inputs, got {len(inputs)}")
@@ -57,10 +65,16 @@ class Program:
                     f"input {name}: expected {expected}, got {str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
                 )
             env[name] = value
-        for run in self._compiled:
-            run(env)
-            self.regions_executed += 1
-        return rebuild_outputs(self.captured, env)
+        return env
+
+    def simulate(self, *inputs, **timing):
+        """Cycle-level simulation of the compiled regions (targets that model time: dataflow).
+        Returns the target's result: outputs, total cycles and counters per region and in total."""
+        simulate = getattr(self.target, "simulate", None)
+        if simulate is None:
+            raise StitchflowError(f"target {self.target_name!r} has no simulator")
+        env = self._bind(inputs)
+        return simulate(self, env, **timing)
 
     def explain(self) -> str:
         from .planner.explain import explain_program
