@@ -39,17 +39,23 @@ class Program:
             r, why = bad[0]
             raise StitchflowError(f"target {target!r} cannot run region {r.name}: {why}")
         self._compiled = [self.target.compile_region(self.graph, r, captured.param_values, self.options) for r in self.regions]
+        use_graphs = self.options.get("cuda_graphs", target == "gpu")
+        self._replay = _GraphReplay(self) if use_graphs else None
 
     @property
     def graph(self) -> Graph:
         return self.captured.graph
 
     def __call__(self, *inputs):
-        env = self._bind(inputs)
+        if self._replay is not None and self._replay.applies(inputs):
+            return self._replay(inputs)
+        return rebuild_outputs(self.captured, self._run(self._bind(inputs)))
+
+    def _run(self, env: dict) -> dict:
         for run in self._compiled:
             run(env)
             self.regions_executed += 1
-        return rebuild_outputs(self.captured, env)
+        return env
 
     def _bind(self, inputs) -> dict[str, Any]:
         """The environment of a call: parameters and the checked inputs, by IR name."""
@@ -83,6 +89,64 @@ class Program:
 
     def __repr__(self) -> str:
         return f"<stitchflow.Program target={self.target_name} fusion={self.fusion} regions={len(self.regions)}>"
+
+
+class _GraphReplay:
+    """Replays a whole call of a CUDA program as one CUDA graph, so that the Python dispatch of
+    every region, kernel and library call leaves the hot path (torch.compile's reduce-overhead
+    mode does the same). The first calls run normally (autotuning happens there); a capture
+    that fails (a host sync, a sparse op) is logged and the program keeps running normally."""
+
+    WARMUP_CALLS = 2
+
+    def __init__(self, prog: Program):
+        self.prog = prog
+        self.calls = 0
+        self.failed: str | None = None
+        self.graph = None
+        self.static_inputs: list[torch.Tensor] = []
+        self.static_env: dict = {}
+
+    def applies(self, inputs) -> bool:
+        tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+        return self.failed is None and bool(tensors) and all(
+            t.is_cuda and t.layout == torch.strided for t in tensors)
+
+    def __call__(self, inputs):
+        prog = self.prog
+        self.calls += 1
+        if self.graph is None and self.calls <= self.WARMUP_CALLS:
+            return rebuild_outputs(prog.captured, prog._run(prog._bind(inputs)))
+        if self.graph is None and not self._capture(inputs):
+            return rebuild_outputs(prog.captured, prog._run(prog._bind(inputs)))
+        for static, x in zip(self.static_inputs, [x for x in inputs if isinstance(x, torch.Tensor)]):
+            static.copy_(x)
+        self.graph.replay()
+        prog.regions_executed += len(prog._compiled)
+        outputs = {name: self.static_env[name].clone() for name in prog.graph.outputs}
+        return rebuild_outputs(prog.captured, outputs)
+
+    def _capture(self, inputs) -> bool:
+        prog = self.prog
+        self.static_inputs = [x.clone() for x in inputs if isinstance(x, torch.Tensor)]
+        static = iter(self.static_inputs)
+        bound = [next(static) if isinstance(x, torch.Tensor) else x for x in inputs]
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # one run on a side stream, as torch's docs ask
+                prog._run(prog._bind(bound))
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.static_env = prog._run(prog._bind(bound))
+            self.graph = graph
+            return True
+        except Exception as err:  # capture refuses host syncs and some library calls
+            self.failed = f"{type(err).__name__}: {err}"
+            log.info("stitchflow: CUDA graph capture failed, running without it: %s", self.failed)
+            torch.cuda.synchronize()
+            return False
 
 
 def _split_formats(model, formats: Mapping | None):
