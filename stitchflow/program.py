@@ -46,6 +46,12 @@ class Program:
     def graph(self) -> Graph:
         return self.captured.graph
 
+    @property
+    def compiled(self) -> tuple:
+        """The target's runner for each region, in region order (targets attach what they
+        built to it: dataflow graphs, kernels, token counts)."""
+        return tuple(self._compiled)
+
     def __call__(self, *inputs):
         if self._replay is not None and self._replay.applies(inputs):
             return self._replay(inputs)

@@ -1,0 +1,28 @@
+"""The dataflow target (FuseFlow): every fusion region becomes one streaming sparse dataflow
+graph of Sparse Abstract Machine primitives (spec/dataflow.md), run functionally on token
+streams held as numpy arrays.
+
+    prog = stitchflow.compile(model, inputs, target="dataflow", fusion="full",
+                              options={"order": 0, "par": {"i": 4}, "block": 16})
+    prog(*inputs)                                   # functional execution
+    from stitchflow.targets.dataflow import describe, export
+    print(describe(prog)); export(prog, "out/gcn", ("dot", "json"))
+
+options:
+  order  int (index into the legal orders of each output), a tuple or "i k j" string of
+         variable names, or {output name: either}; default: the cheapest of a few candidate
+         orders under a static token estimate
+  par    {variable: lanes}: fork after that variable's join into round-robin lanes, merge after;
+         two variables nest (4 x 4)
+  block  b: sparsity blocking, values are b x b tiles over every variable whose extent b divides
+  hoist  False: a nested reduction is computed only where its consumer's walk reaches it
+         (FuseFlow's fully streamed recomputation); default True also lets the order place it
+         outside enclosing consumers' loops, into an on-chip buffer
+"""
+
+from __future__ import annotations
+
+from .inspect import describe, export, to_json
+from .target import TARGET, CompiledRegion, DataflowTarget, dataflows
+
+__all__ = ["TARGET", "DataflowTarget", "CompiledRegion", "describe", "export", "to_json", "dataflows"]

@@ -1,0 +1,254 @@
+"""Dataflow orders: the partial order that storage imposes on index variables, every legal
+total order (its topological sorts), and the default order chosen by a static token estimate.
+
+A compressed level can only be scanned inside the level above it, so a sparse view stored in
+mode order (i, k) forces i before k. Dense levels are addressed by arithmetic (a dense ref is
+`parent * size + c`), so dense views impose nothing. Computed leaves (buffers) are built in
+the dataflow order itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import networkx as nx
+import numpy as np
+
+from ...ir.graph import Graph
+from .rexpr import Red, all_vars, views
+
+CANDIDATES = 24
+DEFAULT_DENSITY = 0.05  # guess for sparse inputs whose values are unknown at compile time
+
+
+def constraints(expr, graph: Graph, skip=frozenset()) -> nx.DiGraph:
+    dag = nx.DiGraph()
+    dag.add_nodes_from(sorted(all_vars(expr)))
+    for view in sorted(views(expr), key=str):
+        fmt = graph.type_of[view.tensor].format
+        if fmt.is_dense or not view.plain or str(view) in skip:
+            continue
+        names = [view.index[m].name for m in fmt.mode_order]
+        for a, b in zip(names, names[1:]):
+            dag.add_edge(a, b, why=f"{view} is stored {fmt} ({a} before {b})")
+    return dag
+
+
+def constraints_without(expr, graph: Graph, skip: set) -> nx.DiGraph:
+    return constraints(expr, graph, frozenset(skip))
+
+
+def reformat_to_break_cycles(expr, graph: Graph) -> set:
+    """Sparse views to reformat (re-store in the dataflow order at load, a transpose in memory)
+    so that some order fits: the last-read views of each conflict first."""
+    skip: set = set()
+    dag = constraints(expr, graph)
+    while not nx.is_directed_acyclic_graph(dag):
+        cycle = nx.find_cycle(dag)
+        whys = [dag.edges[a, b]["why"] for a, b in cycle]
+        culprit = sorted({w.split(" is stored")[0] for w in whys})[-1]
+        skip.add(culprit)
+        dag = constraints_without(expr, graph, skip)
+    return skip
+
+
+def conflict(dag: nx.DiGraph) -> str | None:
+    if nx.is_directed_acyclic_graph(dag):
+        return None
+    cycle = nx.find_cycle(dag)
+    whys = "; ".join(dag.edges[a, b]["why"] for a, b in cycle)
+    return f"no dataflow order fits the storage orders ({whys}); store one of the tensors in the other mode order"
+
+
+def legal_orders(dag: nx.DiGraph):
+    """Every legal dataflow order, lazily, in networkx's enumeration order."""
+    return (tuple(o) for o in nx.all_topological_sorts(dag))
+
+
+def check(order, dag: nx.DiGraph) -> str | None:
+    order = tuple(order)
+    if sorted(order) != sorted(dag.nodes):
+        return f"order {order} must list the variables {tuple(sorted(dag.nodes))} once each"
+    pos = {v: k for k, v in enumerate(order)}
+    for a, b, why in dag.edges(data="why"):
+        if pos[a] > pos[b]:
+            return f"order {' '.join(order)} puts {b} before {a}, but {why}"
+    return None
+
+
+def pick(spec, dag: nx.DiGraph) -> tuple | None:
+    """options['order']: an int index into legal_orders, or an explicit tuple of names."""
+    if spec is None:
+        return None
+    if isinstance(spec, int):
+        found = next(itertools.islice(legal_orders(dag), spec, None), None)
+        if found is None:
+            raise ValueError(f"order index {spec} is out of range: there are fewer legal orders")
+        return found
+    if isinstance(spec, str):
+        spec = tuple(spec.replace(",", " ").split())
+    why = check(spec, dag)
+    if why:
+        raise ValueError(why)
+    return tuple(spec)
+
+
+def candidates(expr, out_vars, dag: nx.DiGraph, seed: int = 0) -> list[tuple]:
+    """Heuristic orders: outputs first (streaming, FuseFlow's fused loop nest), nested
+    reductions first (hoisting them into buffers), and seeded random topological sorts."""
+    found = [_lex(dag, _rank_streaming(expr, out_vars)), _lex(dag, _rank_hoisting(expr, out_vars))]
+    rng = random.Random(seed)
+    names = sorted(dag.nodes)
+    for _ in range(CANDIDATES):
+        rank = {v: rng.random() for v in names}
+        found.append(_lex(dag, rank))
+    return list(dict.fromkeys(found))
+
+
+def _lex(dag, rank) -> tuple:
+    return tuple(nx.lexicographical_topological_sort(dag, key=lambda v: (rank.get(v, 1e9), v)))
+
+
+def _preorder_vars(e, out: list):
+    from .rexpr import Op, View
+
+    if isinstance(e, View):
+        for i in e.index:
+            for v in sorted(_free_index(i)):
+                out.append(v)
+    elif isinstance(e, Op):
+        for a in e.args:
+            _preorder_vars(a, out)
+    elif isinstance(e, Red):
+        _preorder_vars(e.body, out)
+
+
+def _free_index(i):
+    from ...ir.index import free_vars
+
+    return free_vars(i)
+
+
+def _rank_streaming(expr, out_vars) -> dict:
+    seq = list(out_vars)
+    _preorder_vars(expr, seq)
+    rank: dict = {}
+    for v in seq:
+        rank.setdefault(v, len(rank))
+    return rank
+
+
+def _rank_hoisting(expr, out_vars) -> dict:
+    """Reduction variables of the most deeply nested reductions first."""
+    seq: list = []
+
+    def post(e):
+        from .rexpr import Op
+
+        if isinstance(e, Red):
+            post(e.body)
+            inner = []
+            _preorder_vars(e.body, inner)
+            seq.extend(v for v in inner if v in e.rvars)
+            seq.extend(e.rvars)
+        elif isinstance(e, Op):
+            for a in e.args:
+                post(a)
+
+    post(expr.body if isinstance(expr, Red) else expr)
+    seq += list(out_vars)
+    _preorder_vars(expr, seq)
+    rank: dict = {}
+    for v in seq:
+        rank.setdefault(v, len(rank))
+    return rank
+
+
+# ---------------------------------------------------------------- static token estimate
+
+def estimate(df, fibers: dict[int, list[float]]) -> float:
+    """Tokens all primitives emit, estimated without data: `fibers[load stream]` gives the
+    mean fiber length of each level of a loaded tensor."""
+    n: dict[int, float] = {}
+    per_level: dict[int, list[float]] = dict(fibers)
+    total = 0.0
+    for p in df.prims:
+        ins = [n.get(s, 0.0) for s in p.ins]
+        k = p.kind
+        if k == "root":
+            outs = [1.0]
+        elif k in ("load",):
+            outs = [0.0]
+        elif k == "scan":
+            fib = per_level.get(p.ins[0], [])
+            lvl = p.param("level")
+            f = fib[lvl] if lvl < len(fib) else 1.0
+            outs = [ins[1] * f] * 2
+        elif k == "range":
+            outs = [ins[0] * p.param("size")]
+        elif k == "join":
+            items = ins[0::2]
+            outs = [_formula_size(p.param("formula"), items)] * (1 + len(items))
+        elif k in ("locate", "repeat"):
+            outs = [ins[0] if k == "locate" else ins[1]]
+        elif k == "reduce":
+            outs = [ins[1]]
+        elif k in ("spacc", "buffer"):
+            parent, values = max(ins[-1], 1.0), ins[0]
+            sizes = p.param("sizes")
+            kept = [s for j, s in enumerate(sizes) if j not in (p.param("reduced") or ())]
+            fl, left = [], values / parent
+            for s in kept:
+                f = min(float(s), max(left, 1.0))
+                fl.append(f)
+                left /= max(f, 1.0)
+            per_level[p.outs[0]] = [1.0] + fl
+            outs = [values]
+        elif k == "iota":
+            outs = [ins[0]]
+        elif k == "write":
+            outs = [0.0]
+        else:
+            outs = [ins[0] if ins else 0.0] * len(p.outs)
+        for s, x in zip(p.outs, outs):
+            n[s] = x
+        total += sum(outs) if k not in ("load", "write") else 0.0
+    return total
+
+
+def _formula_size(f, items) -> float:
+    if f is True:
+        return items[0]
+    if isinstance(f, int):
+        return items[f]
+    parts = [_formula_size(x, items) for x in f[1]]
+    return min(parts) if f[0] == "and" else sum(parts)
+
+
+def level_fibers(value, fmt, mode_order) -> list[float]:
+    """Mean fiber length per level of a tensor in a format (exact when its values are known)."""
+    shape = [int(value.shape[m]) for m in mode_order] if value is not None else None
+    if value is None:
+        return []
+    if fmt.is_dense or fmt.block is not None:
+        return [float(s) for s in shape]
+    import torch
+
+    dense = value.to_dense() if value.layout != torch.strided else value
+    nz = (dense != 0).permute(tuple(mode_order)).numpy() if dense.dim() else np.ones(())
+    out, parents = [], 1.0
+    for lvl in range(len(shape)):
+        present = nz.reshape(nz.shape[: lvl + 1] + (-1,)).any(axis=-1) if lvl + 1 < len(shape) else nz
+        count = float(np.count_nonzero(present))
+        out.append(count / max(parents, 1.0))
+        parents = count
+    return out
+
+
+def guessed_fibers(fmt, shape_in_level_order) -> list[float]:
+    """Fiber lengths of a sparse input whose values are unknown: outer compressed levels
+    assumed full, the last one DEFAULT_DENSITY full."""
+    last = len(shape_in_level_order) - 1
+    return [float(s) if (str(lv) == "d" or k < last) else max(1.0, s * DEFAULT_DENSITY)
+            for k, (lv, s) in enumerate(zip(fmt.levels, shape_in_level_order))]

@@ -1,0 +1,169 @@
+"""The Target protocol for the dataflow target: legality of a region, and its compilation to a
+dataflow graph whose functional execution reads and writes the program's tensor environment.
+
+Between regions, a region's outputs are written as dense tensors (their IR type; the reference
+interpreter's convention) and the next region loads them in the format its IR type names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...ir.errors import TargetError
+from ...ir.graph import Graph, Region
+from . import order as O
+from .execute import execute
+from .graph import Dataflow
+from .lower import Lowerer
+from .rexpr import RegionExprs, View, views
+
+
+class DataflowTarget:
+    name = "dataflow"
+
+    def check_region(self, graph: Graph, region: Region) -> str | None:
+        try:
+            _plan(graph, region, {})  # noqa
+        except (TargetError, ValueError) as err:
+            return str(err)
+        return None
+
+    def compile_region(self, graph: Graph, region: Region, params: dict, options: dict):
+        return compile_region(graph, region, params, dict(options or {}))
+
+
+TARGET = DataflowTarget()
+
+
+@dataclass
+class CompiledRegion:
+    """A region's dataflow graph; calling it runs the functional execution on `env`."""
+
+    region: Region
+    dataflow: Dataflow
+    exprs: dict
+
+    def __post_init__(self):
+        self.stats: dict[str, int] = {}  # tokens emitted per primitive kind in the last run
+
+    def __call__(self, env: dict) -> None:
+        self.stats = {}
+        env.update(execute(self.dataflow, env, stats=self.stats))
+
+    def run(self, env: dict, trace: dict | None = None) -> dict:
+        return execute(self.dataflow, env, trace)
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.stats.values())
+
+
+def dataflows(prog) -> list[Dataflow]:
+    """The dataflow graphs of a compiled program (one per region)."""
+    return [c.dataflow for c in prog._compiled if isinstance(c, CompiledRegion)]
+
+
+def _plan(graph: Graph, region: Region, options: dict):
+    """Region expressions and their constraint DAGs, or a TargetError saying why not."""
+    rx = RegionExprs(graph, region, unify=options.get("unify", True), buffer=options.get("buffer", ()),
+                     reuse_limit=options.get("reuse_limit", 16))
+    if rx.problems:
+        raise TargetError(rx.problems[0])
+    plans = {}
+    for name, (expr, out_vars, extents) in rx.outputs.items():
+        _check_views(graph, expr)
+        dag = O.constraints(expr, graph)
+        if O.conflict(dag):  # unifying a reduction variable can tie two orders together
+            plain = RegionExprs(graph, Region(region.name, region.nodes), unify=False, buffer=rx.buffered)
+            expr, out_vars, extents = plain.outputs[name]
+            dag = O.constraints(expr, graph)
+        reformat: set = set()
+        if O.conflict(dag):  # e.g. csr + csc: one is re-stored in the other order at load
+            reformat = O.reformat_to_break_cycles(expr, graph)
+            dag = O.constraints_without(expr, graph, reformat)
+        plans[name] = (expr, out_vars, extents, dag, frozenset(reformat))
+    return plans, rx.buffered
+
+
+def _check_views(graph: Graph, expr) -> None:
+    for view in views(expr):
+        fmt = graph.type_of[view.tensor].format
+        if fmt.is_sparse and not view.plain:
+            raise TargetError(f"access {view} uses index arithmetic the dataflow target cannot stream "
+                              f"(the tensor is stored {fmt}; only dense tensors are addressed by arithmetic)")
+
+
+def compile_region(graph: Graph, region: Region, params: dict, options: dict) -> CompiledRegion:
+    plans, buffered = _plan(graph, region, options)
+    _check_options(options, plans)
+    needed = frozenset(RegionExprs.needed(graph, region))
+    low = Lowerer(graph, region.name, options, buffered=frozenset(buffered), needed=needed)
+    notes = []
+    for name, (expr, out_vars, extents, dag, reformat) in plans.items():
+        spec = options.get("order")
+        if isinstance(spec, dict):
+            spec = spec.get(name)
+        if spec is not None and not isinstance(spec, int) and set(_names(spec)) != set(dag.nodes):
+            spec = None if len(plans) > 1 else spec
+        chosen = O.pick(spec, dag)
+        if chosen is None:
+            chosen, cost = best_order(graph, region, params, options, name, expr, out_vars, extents, dag, buffered,
+                                      reformat)
+            notes.append(f"{name}: order {' '.join(chosen)} (estimated {cost:.3g} tokens)")
+        low.reformat = {str(v) for v in reformat}
+        if reformat:
+            notes.append(f"{name}: reformatted {', '.join(sorted(map(str, reformat)))} into the dataflow order")
+        low.lower_output(name, expr, out_vars, extents, chosen)
+    return CompiledRegion(region, low.dataflow(notes), {k: v[0] for k, v in plans.items()})
+
+
+def _names(spec):
+    return tuple(spec.replace(",", " ").split()) if isinstance(spec, str) else tuple(spec)
+
+
+def _check_options(options: dict, plans: dict) -> None:
+    block = options.get("block")
+    if block is not None:
+        if block not in (16, 32, 64):
+            raise TargetError(f"block must be 16, 32 or 64, got {block}")
+        # storage (storage.from_torch with tiles) and tile ALUs (ops.apply_op) exist; the walk
+        # does not yet carry tile axes through reductions and writers, so refuse, never guess
+        raise TargetError("sparsity blocking (options block=b) is not implemented in the dataflow walk yet")
+    par = options.get("par") or {}
+    for v, lanes in par.items():  # a variable a region does not iterate is not parallel there
+        if int(lanes) < 1:
+            raise TargetError(f"par[{v!r}] must be a positive number of lanes")
+
+
+def best_order(graph, region, params, options, name, expr, out_vars, extents, dag, buffered, reformat=()):
+    """The candidate order with the fewest estimated tokens."""
+    best = None
+    for cand in O.candidates(expr, out_vars, dag):
+        low = Lowerer(graph, region.name, {k: v for k, v in options.items() if k != "par"}, buffered=frozenset(buffered),
+                      internal_ok=True)
+        low.reformat = {str(v) for v in reformat}
+        low.lower_output(name, expr, out_vars, extents, cand)
+        df = low.dataflow()
+        cost = O.estimate(df, _fibers(graph, params, df))
+        if best is None or cost < best[1]:
+            best = (cand, cost)
+    return best
+
+
+def _fibers(graph: Graph, params: dict, df: Dataflow) -> dict:
+    out = {}
+    for p in df.prims:
+        if p.kind != "load":
+            continue
+        name = p.param("tensor")
+        fmt = graph.type_of[name].format
+        extents = dict(p.param("extents"))
+        sizes = [extents[v] for v in p.param("vars")]
+        kinds = p.param("kinds")
+        if all(k == "d" for k in kinds):
+            out[p.outs[0]] = [float(s) for s in sizes]
+        elif name in params:
+            out[p.outs[0]] = O.level_fibers(params[name], fmt, p.param("modes"))
+        else:
+            out[p.outs[0]] = O.guessed_fibers(fmt, sizes)
+    return out
