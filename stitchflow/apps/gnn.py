@@ -126,10 +126,15 @@ class GCN(_StackedGNN):
 
     def __init__(self, in_features: int = 1433, hidden: int = 16, out_features: int = 7,
                  num_layers: int = 2, weight_density: float = 0.5, seed: int = 0,
-                 dtype: torch.dtype = torch.float32, last_activation: str = "softmax"):
+                 dtype: torch.dtype = torch.float32, last_activation: str = "softmax",
+                 association: str = "ax_w"):
         acts = ("relu",) * (num_layers - 1) + (last_activation,)
         super().__init__(in_features, hidden, out_features, num_layers, acts, weight_density,
                          seed, dtype)
+        for layer in self.layers():  # see GCNLayer: (A·X)·W streams, A·(X·W) recomputes when fused
+            if association not in ("ax_w", "a_xw"):
+                raise ValueError(f"association must be 'ax_w' or 'a_xw', got {association!r}")
+            layer.association = association
 
 
 class GraphSAGE(_StackedGNN):

@@ -127,10 +127,9 @@ def simulator_available(target: str) -> bool:
     if target != "dataflow" or not hasattr(Program, "simulate"):
         return False
     try:
-        get_target(target)
+        return getattr(get_target(target), "simulate", None) is not None
     except StitchflowError:
         return False
-    return True
 
 
 def evaluate(key: AppKey, target: str, config: Config, blocks=()) -> dict:

@@ -7,7 +7,7 @@ import pytest
 
 import stitchflow
 from planner_graphs import TwoContractions, build
-from stitchflow.apps import APPS
+from stitchflow.apps import APPS, GCN
 from stitchflow.planner.explain import explain_regions, pair_verdicts
 from stitchflow.planner.regions import ordered_regions, regions_for
 from stitchflow.program import capture_model
@@ -15,7 +15,9 @@ from stitchflow.program import capture_model
 
 @pytest.fixture(scope="module")
 def gcn():
-    model, inputs = APPS["gcn"].build(size="small")
+    """A·(X·W) association: fusing X·W into A·(X·W) recomputes it per row of A."""
+    _, inputs = APPS["gcn"].build(size="small")
+    model = GCN(in_features=inputs[1].shape[1], out_features=8, association="a_xw").eval()
     captured = capture_model(model, inputs)
     return captured.graph, dict(captured.param_values) | dict(zip(captured.graph.inputs, inputs))
 
