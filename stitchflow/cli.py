@@ -5,6 +5,7 @@
     stitchflow run gcn --dataset cora       compile, run, compare with eager, time both
     stitchflow explain gcn --fusion auto    why each pair of neighbouring ops is or is not fused
     stitchflow explore gcn --dataset cora   sweep fusion configurations, prune, evaluate, plot
+    stitchflow simulate gcn --fusion partial  cycles and counters on the dataflow simulator
     stitchflow bench stitching|chains       GPU benchmarks (on a machine with a GPU)
 """
 
@@ -185,6 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = verbs.add_parser("explore", help="design-space exploration: granularities x orders x parallel factors x blocks")
     _explore.build_parser(p)
     p.set_defaults(fn=_explore.run_args)
+    _simulate = importlib.import_module("stitchflow.targets.dataflow.simulate")
+    p = verbs.add_parser("simulate", help="cycle-level simulation of an app on the dataflow target")
+    _simulate.build_parser(p)
+    p.set_defaults(fn=_simulate.run_args)
     p = verbs.add_parser("bench", help="run a benchmark suite on the GPU: stitching | chains")
     p.add_argument("suite", help="stitching (memory-intensive patterns) | chains (GEMM -> act -> GEMM)")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the suite (see `stitchflow bench SUITE --help`)")

@@ -8,7 +8,7 @@ import pytest
 
 from stitchflow.cli import build_parser, main
 
-VERBS = ["apps", "show", "run", "explain", "explore", "bench"]
+VERBS = ["apps", "show", "run", "explain", "explore", "simulate", "bench"]
 
 
 @pytest.mark.parametrize("verb", VERBS)

@@ -5,6 +5,7 @@ streams held as numpy arrays.
     prog = stitchflow.compile(model, inputs, target="dataflow", fusion="full",
                               options={"order": 0, "par": {"i": 4}, "block": 16})
     prog(*inputs)                                   # functional execution
+    sim = prog.simulate(*inputs, channel_depth=None)  # cycles and counters (simulate.py)
     from stitchflow.targets.dataflow import describe, export
     print(describe(prog)); export(prog, "out/gcn", ("dot", "json"))
 
@@ -23,6 +24,8 @@ options:
 from __future__ import annotations
 
 from .inspect import describe, export, to_json
+from .simulate import Deadlock, SimResult, simulate
 from .target import TARGET, CompiledRegion, DataflowTarget, dataflows
 
-__all__ = ["TARGET", "DataflowTarget", "CompiledRegion", "describe", "export", "to_json", "dataflows"]
+__all__ = ["TARGET", "DataflowTarget", "CompiledRegion", "describe", "export", "to_json", "dataflows", "simulate",
+           "SimResult", "Deadlock"]

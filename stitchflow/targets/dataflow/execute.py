@@ -490,17 +490,24 @@ def _write(p: Prim, args, env):
     shape, dims = p.param("shape"), p.param("dims")
     tile = p.param("tile") or ()
     dtype = getattr(torch, p.param("dtype"))
-    out = np.zeros(shape, np.float64)
+    full = list(shape)
+    for k, d in enumerate(dims):  # blocked dims padded to whole tiles, cropped after
+        if tile and tile[k] > 1:
+            full[d] = -(-shape[d] // tile[k]) * tile[k]
+    out = np.zeros(full, np.float64)
     if crds:
         anc = ancestors([parent] + crds)
         pick = crds[-1].kind[anc[-1]] == ELEM
         anc = [a[pick] for a in anc]
         coords = [crds[k].ival[anc[k + 1]] for k in range(len(crds))]
         values = vals.fval[anc[-1]]
+        perm = p.param("tile_perm") or ()
+        if perm:  # tile axes into coordinate-column order
+            values = values.transpose((0,) + tuple(1 + a for a in perm))
     else:
         coords, values = [], vals.fval[vals.kind == ELEM][:1]
     _scatter(out, coords, values, dims, tile)
-    result = torch.from_numpy(out)
+    result = torch.from_numpy(np.ascontiguousarray(out[tuple(slice(0, n) for n in shape)]))
     if dtype == torch.bool:
         return (result != 0,)
     return (result.to(dtype),)
@@ -519,12 +526,15 @@ def _scatter(out, coords, values, dims, tile):
             out[tuple(idx)] = values
         return
     blocked = [k for k, t in enumerate(tile) if t > 1]
-    for n in range(len(values)):
-        sl = [None] * out.ndim
-        for k, d in enumerate(dims):
-            t = tile[k]
-            sl[d] = slice(coords[k][n] * t, (coords[k][n] + 1) * t) if t > 1 else coords[k][n]
-        block = values[n]
-        # tile axes are in coordinate-column order; put them in output-dim order
-        order = sorted(range(len(blocked)), key=lambda a: dims[blocked[a]])
-        out[tuple(sl)] = block.transpose(order) if len(order) > 1 else block
+    n = len(values)
+    rank = 1 + len(blocked)
+    idx = [None] * out.ndim
+    for k, d in enumerate(dims):  # each tile entry's output index, broadcast over the tile axes
+        shape = [n] + [1] * len(blocked)
+        at = np.asarray(coords[k]).reshape(shape)
+        if tile[k] > 1:
+            q = blocked.index(k)
+            inner = np.arange(tile[k]).reshape([1] + [tile[k] if a == q else 1 for a in range(rank - 1)])
+            at = at * tile[k] + inner
+        idx[d] = at
+    out[tuple(idx)] = values.reshape((n,) + tuple(tile[k] for k in blocked))

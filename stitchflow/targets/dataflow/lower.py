@@ -29,7 +29,7 @@ from ...ir.errors import TargetError
 from ...ir.graph import Graph
 from .graph import Builder, Dataflow, Output
 from .ops import PRODUCTS, zero_preserving
-from .rexpr import Konst, Leaf, Op, Red, View, free, leaves, nested, replace
+from .rexpr import Konst, Leaf, Op, Red, View, all_vars, free, leaves, nested, replace
 
 TRUE = True
 
@@ -46,6 +46,7 @@ class Result:
     levels: tuple = ()
     crds: tuple = ()
     values: int = -1
+    axes: tuple = ()  # the tile axes (blocked variables) of the values, in array order
 
 
 @dataclass
@@ -71,6 +72,8 @@ class Lowerer:
         self.root = self.b.one("root", (), ["ref"], label="root")
         self.view_info: dict = {}
         self.leaf_info: dict = {}
+        self.leaf_axes: dict = {}  # computed leaf -> the tile axes of its values
+        self.padded: frozenset = frozenset()  # variables padded to whole tiles (pad_safe)
         self.branch_memo: dict = {}
         self.n_leaves = 0
         self.hoist = self.options.get("hoist", True)
@@ -88,6 +91,7 @@ class Lowerer:
         self.extent = extents
         self.orders[name] = tuple(order)
         self.view_info = {}
+        self.padded = pad_safe(expr, extents, self.block) if self.block else frozenset()
         if isinstance(expr, Red):
             body, rvars, op = expr.body, set(expr.rvars), expr.op
         else:
@@ -98,8 +102,12 @@ class Lowerer:
         ttype = self.graph.type_of[name]
         dims = tuple(out_vars.index(v) for v in res.levels)
         tile = tuple(self.tile_of(v) for v in res.levels) if self.block else ()
+        want = tuple(v for v in res.levels if v in res.axes)  # tile axes in coordinate-column order
+        if set(want) != set(res.axes):
+            raise TargetError(f"internal: values of {name} carry tile axes {res.axes} for levels {res.levels}")
+        perm = tuple(res.axes.index(v) for v in want) if want != res.axes else ()
         params = (("name", name), ("shape", ttype.shape), ("dims", dims), ("tile", tile),
-                  ("dtype", str(ttype.dtype).removeprefix("torch.")))
+                  ("dtype", str(ttype.dtype).removeprefix("torch.")), ("tile_perm", perm))
         kind = "buffer_write" if name in self.buffered else "write"
         out = self.b.one(kind, res.crds + (res.values, self.root), ["tensor"], params, label=name)
         if name in self.buffered:
@@ -121,7 +129,7 @@ class Lowerer:
         limit = self.pos[levels[idx]] if idx < len(levels) else len(self.pos) + 1
         expr, st = self.branch_due(expr, limit, st)
         if idx == len(levels):
-            return Result((), (), self.value(expr, st))
+            return self.bottom(expr, rvars, op, st)
         v = levels[idx]
         parent = st.driver
         c_v, inner = self.advance(expr, v, st)
@@ -132,7 +140,7 @@ class Lowerer:
             res = parallel_walk(self, expr, levels, idx, rvars, op, inner, c_v, lanes)
         else:
             res = self.walk(expr, levels, idx + 1, rvars, op, inner, top)
-            res = Result((v,) + res.levels, (c_v,) + res.crds, res.values)
+            res = Result((v,) + res.levels, (c_v,) + res.crds, res.values, res.axes)
         if v in rvars:
             res = self.reduce_level(res, parent, op)
         return res
@@ -176,12 +184,14 @@ class Lowerer:
         self.n_leaves += 1
         if not res.levels:
             leaf, stream = Leaf(self.n_leaves, "val"), res.values
+            self.leaf_axes[leaf] = res.axes
         else:
             sizes = tuple(self.size_of(v) for v in res.levels)
             params = (("sizes", sizes), ("tile", self.storage_tile(res.levels)))
             buf = self.b.one("buffer", (res.values,) + res.crds + (st.driver,), ["storage"], params,
                              label=f"{n.op}_{','.join(n.rvars)} over {','.join(res.levels)}", depth=st.depth)
             leaf = Leaf(self.n_leaves, "buf", res.levels)
+            self.leaf_axes[leaf] = res.axes
             self.leaf_info[leaf] = ViewInfo(buf, ("#",) + res.levels, ("d",) + ("c",) * len(res.levels),
                                             (0,) + sizes, self.storage_tile(res.levels))
             stream = self.b.one("iota", (st.driver,), ["ref"], label=str(leaf), depth=st.depth)
@@ -191,10 +201,11 @@ class Lowerer:
     def reduce_level(self, res: Result, parent: int, op: str) -> Result:
         v = res.levels[0]
         depth = self.b.streams[parent].depth
+        axes = tuple(a for a in res.axes if a != v)  # v's tile axis is summed (or maxed) away
         if len(res.levels) == 1:
             params = (("op", op), ("extent", self.size_of(v)), ("tile_axes", self.tile_axes_of(res, v)))
             vals = self.b.one("reduce", (res.values, parent), ["val"], params, label=f"{op}_{v}", depth=depth)
-            return Result((), (), vals)
+            return Result((), (), vals, axes)
         kept = res.levels[1:]
         sizes = tuple(self.size_of(x) for x in res.levels)
         params = (("op", op), ("reduced", (0,)), ("sizes", sizes), ("tile", self.storage_tile(kept)),
@@ -209,7 +220,7 @@ class Lowerer:
                                  label=f"spacc_{v}.{x}", depth=depth)
             crds.append(c)
         vals = self.b.one("read", (st, refs), ["val"], label=f"spacc_{v}", depth=depth)
-        return Result(kept, tuple(crds), vals)
+        return Result(kept, tuple(crds), vals, axes)
 
     # ------------------------------------------------------------ one level
 
@@ -305,7 +316,18 @@ class Lowerer:
 
     # ------------------------------------------------------------ values
 
-    def value(self, e, st: State) -> int:
+    def bottom(self, expr, rvars, op, st: State) -> Result:
+        """The values at the innermost level. With blocking, a sum's blocked reduction variables
+        are contracted inside the tile ALU at the root (a product: the b x b tile multiply); the
+        reducers then add whole tiles."""
+        contract = ()
+        if self.block and op == "sum" and isinstance(expr, Op) and expr.op != "cast":
+            axes = self.op_axes(expr)
+            contract = tuple(a for a in axes if a in rvars)
+        vals = self.value(expr, st, contract)
+        return Result((), (), vals, tuple(a for a in self.vaxes(expr) if a not in contract))
+
+    def value(self, e, st: State, contract: tuple = ()) -> int:
         depth = st.depth
         if isinstance(e, Konst):
             return self.b.one("fill", (st.driver,), ["val"], (("value", e.value),), label=repr(e.value), depth=depth)
@@ -322,10 +344,13 @@ class Lowerer:
             folded = float(apply_op(e.op, list(consts.values()), e.dtype or None))
             return self.value(Konst(folded), st)
         ins = tuple(self.value(a, st) for a in e.args if not isinstance(a, Konst))
-        axes_in = tuple(self.axes(a) for a in e.args) if self.block else None
+        axes_in = tuple(self.vaxes(a) for a in e.args) if self.block else None
         params = (("op", e.op), ("arity", len(e.args)), ("consts", tuple(sorted(consts.items()))),
-                  ("dtype", e.dtype or None), ("axes_in", axes_in), ("axes_out", self.axes(e) if self.block else ()))
-        return self.b.one("alu", ins, ["val"], params, label=e.op, depth=depth)
+                  ("dtype", e.dtype or None), ("axes_in", axes_in), ("axes_out", self.op_axes(e)))
+        if contract:
+            params += (("contract", tuple(contract)),)
+        label = f"{e.op} (tile contract {','.join(contract)})" if contract else e.op
+        return self.b.one("alu", ins, ["val"], params, label=label, depth=depth)
 
     # ------------------------------------------------------------ leaves and storage
 
@@ -348,11 +373,11 @@ class Lowerer:
     def load(self, view: View) -> ViewInfo:
         ttype = self.graph.type_of[view.tensor]
         fmt = ttype.format
-        if fmt.is_sparse and fmt.block is None and view.plain and str(view) in self.reformat:
+        if fmt.is_sparse and (fmt.block is None or self.block) and view.plain and str(view) in self.reformat:
             vars_ = tuple(sorted(view.vars, key=self.pos.__getitem__))  # re-stored in this order
             kinds = tuple(str(lv) for lv in fmt.levels)
             modes, index = tuple(view.index.index(_var(v)) for v in vars_), None
-        elif fmt.is_sparse and fmt.block is None and view.plain:
+        elif fmt.is_sparse and view.plain and (fmt.block is None or self.block):
             vars_ = tuple(view.index[m].name for m in fmt.mode_order)
             kinds = tuple(str(lv) for lv in fmt.levels)
             modes, index = fmt.mode_order, None
@@ -382,24 +407,42 @@ class Lowerer:
     # ------------------------------------------------------------ blocking hooks
 
     def tile_of(self, v) -> int:
+        """b where v is blocked: b divides its extent, or its extent is padded with zeros up to
+        a multiple of b (where that cannot change the result, see pad_safe); else 1 (scalar)."""
         b = self.block
-        return b if b and self.extent[v] % b == 0 and self.extent[v] >= b else 1
+        if not b:
+            return 1
+        return b if self.extent[v] % b == 0 or v in self.padded else 1
 
     def size_of(self, v) -> int:
-        return self.extent[v] // self.tile_of(v)
+        t = self.tile_of(v)
+        return -(-self.extent[v] // t)
 
     def storage_tile(self, vars_) -> tuple:
         return tuple(self.tile_of(v) for v in vars_) if self.block else ()
 
-    def axes(self, e) -> tuple:
-        """The tile axes (blocked variables, in dataflow order) of e's values."""
+    def vaxes(self, e) -> tuple:
+        """The tile axes (blocked variables) of e's value stream, in the order of its arrays:
+        a view's in its storage's level order, a computed leaf's as it was computed, an ALU's
+        in dataflow order."""
+        if not self.block or isinstance(e, Konst):
+            return ()
+        if isinstance(e, Leaf):
+            return self.leaf_axes[e]
+        if isinstance(e, View):
+            return tuple(v for v in self.info(e).vars if v != "#" and self.tile_of(v) > 1)
+        if isinstance(e, Op):
+            return self.op_axes(e)
+        raise TargetError(f"internal: no tile axes for {e}")
+
+    def op_axes(self, e) -> tuple:
         if not self.block:
             return ()
-        vs = free(e) if not isinstance(e, Leaf) else set(e.vars)
-        return tuple(v for v in sorted(vs, key=self.pos.__getitem__) if self.tile_of(v) > 1)
+        vs = set().union(*(self.vaxes(a) for a in e.args))
+        return tuple(sorted(vs, key=self.pos.__getitem__))
 
     def tile_axes_of(self, res: Result, v) -> tuple:
-        return ()
+        return (res.axes.index(v),) if v in res.axes else ()
 
 
 def _var(name):
@@ -434,3 +477,62 @@ def _only(f, op) -> bool:
     if isinstance(f, int) or f is TRUE:
         return True
     return f[0] == op and all(_only(x, op) for x in f[1])
+
+
+def pad_safe(expr, extents: dict, b: int) -> frozenset:
+    """Variables whose extent b does not divide but that may be padded with zeros to a multiple
+    of b: every reduction over them is a sum of a body that is zero wherever they are padded
+    (the padded entries of every stored tensor are zero). Elsewhere padded entries only reach
+    padded output positions, which the writers crop. Other variables stay scalar (tile 1), and
+    so does a variable shorter than one tile (a head index of 2 is not worth 16-wide tiles)."""
+    odd = {v for v, n in extents.items() if n % b and n >= b}
+    reds: list = []
+
+    def collect(e):
+        if isinstance(e, Red):
+            reds.append(e)
+            collect(e.body)
+        elif isinstance(e, Op):
+            for a in e.args:
+                collect(a)
+
+    collect(expr)
+    bad = {v for r in reds for v in r.rvars if v in odd and (r.op != "sum" or not _zero_on_pad(r.body, v))}
+    return frozenset(odd - bad)
+
+
+def _zero_on_pad(e, v) -> bool:
+    """e is zero at every padded coordinate of v."""
+    if isinstance(e, View):
+        return v in e.vars
+    if isinstance(e, Konst):
+        return e.value == 0
+    if isinstance(e, Red):
+        return v in free(e) and _zero_on_pad(e.body, v)
+    if not isinstance(e, Op):
+        return False
+    zero = [_zero_on_pad(a, v) for a in e.args]
+    if e.op in PRODUCTS:  # 0 * nan is nan: the other factors must stay finite
+        return any(zero) and all(_finite_on_pad(a, v) for a in e.args)
+    if e.op == "cast":
+        return zero[0]
+    if e.op == "div":
+        return zero[0] and v not in free(e.args[1])  # 0 / 0 would be nan
+    if not all(z or isinstance(a, Konst) for z, a in zip(zero, e.args)):
+        return False
+    consts = {k: a.value for k, a in enumerate(e.args) if isinstance(a, Konst)}
+    return zero_preserving(e.op, consts, len(e.args))
+
+
+def _finite_on_pad(e, v) -> bool:
+    """e cannot be nan or infinite at a padded coordinate of v (no division by, or log, of
+    something that depends on v)."""
+    if isinstance(e, Red):
+        return _finite_on_pad(e.body, v)
+    if not isinstance(e, Op):
+        return True
+    if e.op in ("div", "recip", "rsqrt", "log", "pow"):
+        touched = e.args[1:] if e.op == "div" else e.args
+        if any(v in all_vars(a) for a in touched):
+            return False
+    return all(_finite_on_pad(a, v) for a in e.args)

@@ -42,7 +42,7 @@ def parallel_walk(low, expr, levels, idx, rvars, op, st, c_v: int, lanes: int):
     ins = (merged_cv,) + lane_cv + tuple(r.values for r in results)
     vals = low.b.one("join_lanes", ins, ["val"], (("lanes", lanes), ("below", len(first.levels))),
                      label=f"values x{lanes}", depth=st.depth + first.levels)
-    return Result((v,) + first.levels, (merged_cv,) + tuple(crds), vals)
+    return Result((v,) + first.levels, (merged_cv,) + tuple(crds), vals, first.axes)
 
 
 # ---------------------------------------------------------------- functional semantics

@@ -64,9 +64,12 @@ def from_dense(array: np.ndarray, kinds: tuple[str, ...], tile: tuple[int, ...] 
 
 def _from_dense_blocked(array, kinds, tile) -> Storage:
     """Blocks of `tile` become the values; a block is stored when any entry is non-zero
-    (dense levels store every block)."""
+    (dense levels store every block). An extent that is not a multiple of its tile is padded
+    with zeros."""
     rank = array.ndim
-    nblocks = tuple(n // t for n, t in zip(array.shape, tile))
+    nblocks = tuple(-(-n // t) for n, t in zip(array.shape, tile))
+    if any(nb * t != n for nb, t, n in zip(nblocks, tile, array.shape)):  # zero padding to whole tiles
+        array = np.pad(array, [(0, nb * t - n) for nb, t, n in zip(nblocks, tile, array.shape)])
     shaped = array.reshape(tuple(x for nb, t in zip(nblocks, tile) for x in (nb, t)))
     blocks = shaped.transpose(tuple(range(0, 2 * rank, 2)) + tuple(range(1, 2 * rank, 2)))
     tiles = blocks.reshape(nblocks + _tile_axes(tile))

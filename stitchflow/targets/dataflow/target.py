@@ -21,6 +21,12 @@ from .rexpr import RegionExprs, View, views
 class DataflowTarget:
     name = "dataflow"
 
+    def simulate(self, prog, env, **timing):
+        """Cycle-level simulation of every region (simulate.py): outputs, cycles, counters."""
+        from .simulate import simulate
+
+        return simulate(prog, env, **timing)
+
     def check_region(self, graph: Graph, region: Region) -> str | None:
         try:
             _plan(graph, region, {})  # noqa
@@ -126,9 +132,6 @@ def _check_options(options: dict, plans: dict) -> None:
     if block is not None:
         if block not in (16, 32, 64):
             raise TargetError(f"block must be 16, 32 or 64, got {block}")
-        # storage (storage.from_torch with tiles) and tile ALUs (ops.apply_op) exist; the walk
-        # does not yet carry tile axes through reductions and writers, so refuse, never guess
-        raise TargetError("sparsity blocking (options block=b) is not implemented in the dataflow walk yet")
     par = options.get("par") or {}
     for v, lanes in par.items():  # a variable a region does not iterate is not parallel there
         if int(lanes) < 1:

@@ -1,0 +1,392 @@
+"""Cycle-level simulation of compiled dataflow programs (issue 4), fast engine.
+
+Every primitive is run functionally (execute.FUNCS, whole streams as numpy arrays) in the
+graph's topological order; right after, its schedule (timing.py) turns its input streams'
+timestamps into its own: the recurrence T[s] = max(X[s], T[s-1] + ii[s-1]) has the closed
+form T = C + cummax(X - C) with C the running sum of the intervals, so a primitive costs a
+few numpy passes over its tokens. Streams and timestamps are freed after their last consumer.
+
+Bounded channels (a producer cannot emit token k before each consumer has dequeued token
+k - depth) make a producer depend on its consumers: the schedules are kept and the
+recurrences iterated to their least fixed point (the earliest schedule, the one the
+token-stepped reference in cycle_engine.py builds); no fixed point means deadlock.
+
+Between regions intermediates go through memory: a program's cycles are the sum of its
+regions' (they run one after another), and so are its counters.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .counters import Counters, count, total
+from .execute import FUNCS
+from .graph import Dataflow
+from .stream import Stream
+from .timing import Context, Schedule, Timing, schedule
+
+
+class Deadlock(RuntimeError):
+    """Bounded channels too shallow for the graph: some primitive waits forever."""
+
+
+@dataclass(frozen=True)
+class PrimResult:
+    prim: str
+    kind: str
+    steps: int
+    finish: int
+    counters: Counters
+
+
+@dataclass(frozen=True)
+class RegionResult:
+    region: str
+    cycles: int
+    counters: Counters
+    prims: tuple[PrimResult, ...]
+    seconds: float = 0.0
+
+    def __str__(self) -> str:
+        return f"{self.region}: {self.cycles:,} cycles; {self.counters}"
+
+
+@dataclass(frozen=True)
+class SimResult:
+    outputs: object
+    cycles: int
+    regions: tuple[RegionResult, ...]
+    counters: Counters
+    timing: Timing
+    seconds: float = 0.0
+
+    @property
+    def flops(self) -> int:
+        return self.counters.flops
+
+    @property
+    def bytes(self) -> int:
+        return self.counters.bytes
+
+    @property
+    def tokens(self) -> int:
+        return self.counters.tokens
+
+    def as_dict(self) -> dict:
+        return {"cycles": self.cycles, "seconds": round(self.seconds, 3), "totals": self.counters.as_dict(),
+                "regions": [{"region": r.region, "cycles": r.cycles, "counters": r.counters.as_dict(),
+                             "seconds": round(r.seconds, 3)} for r in self.regions]}
+
+    def __str__(self) -> str:
+        lines = [f"total: {self.cycles:,} cycles; {self.counters}"]
+        lines += [f"  {r}" for r in self.regions]
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- the recurrences, vectorised
+
+def ready(sched: Schedule, in_times: list) -> np.ndarray:
+    """X[s]: when every input token step s needs has arrived (and the start-up delay)."""
+    x = np.zeros(sched.n, np.int64)
+    for need, t in zip(sched.need, in_times):
+        if need is None:
+            np.maximum(x, t, out=x)
+        else:
+            k = int(np.searchsorted(need, 0))
+            if k < sched.n:
+                np.maximum(x[k:], t[need[k:]], out=x[k:])
+    x[0] = max(x[0], sched.start)
+    return x
+
+
+def fire(sched: Schedule, x: np.ndarray) -> np.ndarray:
+    """T = C + cummax(X - C): each step as early as its inputs and the interval allow."""
+    if isinstance(sched.ii, np.ndarray):
+        c = np.zeros(sched.n, np.int64)
+        np.cumsum(sched.ii[:-1], out=c[1:])
+    else:
+        c = np.arange(sched.n, dtype=np.int64) * sched.ii
+    x -= c
+    np.maximum.accumulate(x, out=x)
+    x += c
+    return x
+
+
+def emitted(sched: Schedule, t: np.ndarray, o: int) -> np.ndarray:
+    """Timestamps of output o: step time + latency, in order (no token overtakes)."""
+    e = t + sched.lat
+    emit = sched.emit[o]
+    if emit is not None:
+        e = e[emit]
+    if isinstance(sched.lat, np.ndarray):
+        np.maximum.accumulate(e, out=e)
+    return e
+
+
+def finish_of(sched: Schedule, t: np.ndarray, outs: list) -> int:
+    """When the primitive's last step has left its pipeline (its outputs are cummaxes of
+    step times plus latencies, so none is later)."""
+    if isinstance(sched.lat, np.ndarray):
+        return int(np.max(t + sched.lat))
+    return int(t[-1] + sched.lat)
+
+
+def dequeued(sched: Schedule, t: np.ndarray, slot: int, n_in: int) -> np.ndarray:
+    """When the consumer took each token of input `slot`: the first step that needs it."""
+    need = sched.need[slot]
+    if need is None:
+        return t[:n_in]
+    return t[np.searchsorted(need, np.arange(n_in))]
+
+
+# ---------------------------------------------------------------- one region
+
+@dataclass
+class Traced:
+    """A region's schedules and streams' lengths, kept for the fixed point and the reference."""
+
+    df: Dataflow
+    scheds: dict
+    lengths: dict
+    counters: dict
+
+
+def run_region(df: Dataflow, env: dict, timing: Timing, engine: str = "fast", progress=None) -> RegionResult:
+    start = time.perf_counter()
+    keep_all = engine != "fast" or timing.channel_depth is not None
+    ctx = Context.of(df, timing)
+    uses: dict[int, int] = {}
+    for p in df.prims:
+        for s in p.ins:
+            uses[s] = uses.get(s, 0) + 1
+    keep = {o.stream for o in df.outputs}
+    vals: dict = {}
+    times: dict = {}
+    traced = Traced(df, {}, ctx.lengths, {})
+    finish: dict = {}
+    for p in df.prims:
+        args = [vals[s] for s in p.ins]
+        outs = FUNCS[p.kind](p, args, env)
+        for s, o in zip(p.outs, outs):
+            vals[s] = o
+            ctx.lengths[s] = len(o) if isinstance(o, Stream) else len(args[-1]) if p.kind in ("spacc", "buffer") else 1
+        sched = schedule(p, args, outs, timing, ctx)
+        traced.counters[p.id] = count(p, args, outs, ctx, timing.crd_bytes, timing.value_bytes)
+        if keep_all:
+            traced.scheds[p.id] = sched
+        else:
+            t = fire(sched, ready(sched, [times[s] for s in p.ins]))
+            es = [emitted(sched, t, o) for o in range(len(p.outs))]
+            times.update(zip(p.outs, es))
+            finish[p.id] = (sched.n, finish_of(sched, t, es))
+        for s in p.ins:
+            uses[s] -= 1
+            if uses[s] == 0 and s not in keep:
+                del vals[s]
+                times.pop(s, None)
+        if progress is not None:
+            progress(p, outs)
+    env.update({o.name: vals[o.stream] for o in df.outputs})
+    if keep_all:
+        if engine == "fast":
+            finish = fixed_point(traced, timing.channel_depth)
+        else:
+            from .cycle_engine import run_reference
+
+            finish = run_reference(traced, timing.channel_depth)
+    prims = tuple(PrimResult(str(p), p.kind, finish[p.id][0], finish[p.id][1], traced.counters[p.id])
+                  for p in df.prims)
+    cycles = max((r.finish for r in prims), default=0)
+    return RegionResult(df.region, cycles, total(r.counters for r in prims), prims, time.perf_counter() - start)
+
+
+def consumers_of(traced: Traced) -> dict:
+    """stream id -> [(consumer prim id, input slot)] for the channels (storage is not one)."""
+    out: dict = {}
+    for p in traced.df.prims:
+        for slot, (s, is_channel) in enumerate(zip(p.ins, traced.scheds[p.id].channel)):
+            if is_channel:
+                out.setdefault(s, []).append((p.id, slot))
+    return out
+
+
+def fixed_point(traced: Traced, depth: int | None, max_rounds: int = 100_000) -> dict:
+    """Chaotic iteration of the recurrences with backpressure, sweeping the graph forward
+    (data) then backward (room in channels), every update using the latest times of its
+    neighbours; all maps are monotone and the start is the unbounded schedule (a lower
+    bound), so this converges to the least fixed point: the earliest schedule the channels
+    allow, the one the reference builds. Times beyond any serial schedule mean deadlock."""
+    df, scheds, lengths = traced.df, traced.scheds, traced.lengths
+    cons = consumers_of(traced)
+    bound = deadlock_bound(traced)
+    fired: dict = {}
+    times: dict = {}
+    for p in df.prims:
+        _update(p, scheds, fired, times, None)
+    order = list(df.prims) + list(reversed(df.prims))
+    for _ in range(max_rounds):
+        changed = False
+        for p in order:
+            back = room(p, scheds, fired, cons, lengths, depth)
+            changed |= _update(p, scheds, fired, times, back)
+        if not changed:
+            break
+        if max(int(t[-1]) for t in fired.values()) > bound:
+            raise Deadlock(f"region {df.region}: channels of depth {depth} deadlock")
+    else:
+        raise Deadlock(f"region {df.region}: no fixed point after {max_rounds} rounds")
+    return {p.id: (scheds[p.id].n, finish_of(scheds[p.id], fired[p.id], [])) for p in df.prims}
+
+
+def _update(p, scheds, fired, times, back) -> bool:
+    sc = scheds[p.id]
+    x = ready(sc, [times[s] for s in p.ins])
+    if back is not None:
+        np.maximum(x, back, out=x)
+    t = fire(sc, x)
+    if p.id in fired:
+        t = np.maximum(t, fired[p.id])  # monotone by construction; keeps the iteration so
+        if np.array_equal(fired[p.id], t):
+            return False
+    fired[p.id] = t
+    times.update((s, emitted(sc, t, o)) for o, s in enumerate(p.outs))
+    return True
+
+
+def room(p, scheds, fired, cons, lengths, depth):
+    """Per step of p, the earliest time its outputs have room: emitting token k waits until
+    every consumer has dequeued token k - depth."""
+    sc = scheds[p.id]
+    b = None
+    for o, s in enumerate(p.outs):
+        n = lengths[s]
+        if n <= depth:
+            continue
+        for cid, slot in cons.get(s, ()):
+            d = dequeued(scheds[cid], fired[cid], slot, n)[: n - depth]
+            steps = np.arange(depth, n) if sc.emit[o] is None else sc.emit[o][depth:]
+            if b is None:
+                b = np.zeros(sc.n, np.int64)
+            np.maximum.at(b, steps, d)
+    return b
+
+
+def deadlock_bound(traced: Traced) -> int:
+    """Every step of every primitive one after another, each waiting its whole latency: any
+    schedule the channels allow finishes before this."""
+    out = 1
+    for sc in traced.scheds.values():
+        ii = int(np.sum(sc.ii)) if isinstance(sc.ii, np.ndarray) else sc.ii * sc.n
+        lat = int(np.max(sc.lat)) if isinstance(sc.lat, np.ndarray) else sc.lat
+        out += ii + (lat + 1) * sc.n + sc.start
+    return out
+
+
+# ---------------------------------------------------------------- programs
+
+def simulate(prog, env: dict, engine: str = "fast", progress: bool = False, **timing) -> SimResult:
+    """Run every region of `prog` on `env` (updated in place, as a call does) and time it."""
+    from .target import CompiledRegion
+
+    tm = timing.pop("timing", None) or Timing.make(**timing)
+    start = time.perf_counter()
+    regions = []
+    dfs = [c.dataflow for c in prog._compiled if isinstance(c, CompiledRegion)]
+    with _progress(progress, dfs) as tick:
+        for c in prog._compiled:
+            if isinstance(c, CompiledRegion):
+                regions.append(run_region(c.dataflow, env, tm, engine, tick))
+            else:
+                c(env)
+    outputs = _outputs(prog, env)
+    return SimResult(outputs, sum(r.cycles for r in regions), tuple(regions), total(r.counters for r in regions),
+                     tm, time.perf_counter() - start)
+
+
+def _outputs(prog, env):
+    try:
+        from ...program import rebuild_outputs
+
+        return rebuild_outputs(prog.captured, env)
+    except (ImportError, AttributeError):
+        return {name: env[name] for name in prog.graph.outputs}
+
+
+class _progress:
+    """A rich progress bar over primitives when asked (the CLI on long runs)."""
+
+    def __init__(self, enabled, dfs):
+        self.enabled = enabled
+        self.total = sum(len(df.prims) for df in dfs)
+
+    def __enter__(self):
+        if not self.enabled:
+            return None
+        from rich.progress import Progress
+
+        self.bar = Progress(transient=True)
+        self.bar.__enter__()
+        task = self.bar.add_task("simulating", total=self.total)
+        return lambda p, outs: self.bar.advance(task)
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self.bar.__exit__(*exc)
+        return False
+
+
+# ---------------------------------------------------------------- CLI
+
+def build_parser(p):
+    p.add_argument("app", help="an app of the zoo (stitchflow apps)")
+    p.add_argument("--dataset", default=None, help="dataset of a graph app (cora, ...) or a size (small, default)")
+    p.add_argument("--size", default=None, help="app size: small | default")
+    p.add_argument("--fusion", default="full", help="unfused | partial | full")
+    p.add_argument("--order", type=int, default=None, help="index into the legal dataflow orders")
+    p.add_argument("--par", action="append", default=[], metavar="LEVEL:P", help="parallel lanes at a level")
+    p.add_argument("--block", type=int, default=None, help="sparsity blocking b (16, 32, 64)")
+    p.add_argument("--channel-depth", type=int, default=None, help="bounded channels (default unbounded)")
+    p.add_argument("--memory-model", action="store_true", help="round-robin memory channels")
+    p.add_argument("--engine", choices=["fast", "reference"], default="fast")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    return p
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    args = build_parser(argparse.ArgumentParser(prog="stitchflow simulate")).parse_args(argv)
+    return run_args(args)
+
+
+def run_args(args) -> int:
+    import stitchflow
+    from stitchflow.apps import APPS
+
+    options = {}
+    if args.order is not None:
+        options["order"] = args.order
+    if args.par:
+        options["par"] = {lv: int(n) for lv, n in (x.split(":") for x in args.par)}
+    if args.block:
+        options["block"] = args.block
+    kw = {}
+    if args.dataset:
+        kw["dataset"] = args.dataset
+    if args.size:
+        kw["size"] = args.size
+    model, inputs = APPS[args.app].build(**kw)
+    prog = stitchflow.compile(model, inputs, target="dataflow", fusion=args.fusion, options=options)
+    res = simulate(prog, prog._bind(inputs), engine=args.engine, progress=not args.json,
+                   channel_depth=args.channel_depth, memory_model=args.memory_model)
+    if args.json:
+        print(json.dumps(res.as_dict(), indent=1))
+    else:
+        print(f"{args.app} {args.fusion}: {res.cycles:,} cycles, {res.flops:,} FLOPs, {res.bytes:,} bytes, "
+              f"{res.tokens / max(res.seconds, 1e-9) / 1e6:.1f} M tokens/s ({res.seconds:.1f} s)")
+        print(res)
+    return 0
