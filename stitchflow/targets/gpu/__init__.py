@@ -90,13 +90,21 @@ PACK_ELEMENTS = 1 << 21  # parts at most this large share a launch; larger ones 
 
 def pack(plans) -> list[list]:
     """Independent parts of a group: small ones are packed into one launch (a launch costs
-    microseconds, as much as moving a few megabytes); large ones run as kernels of their own,
-    each with its own tile shape and warps. Parts that only feed others by inlining are kept
-    with the first kernel, which needs their inputs."""
+    microseconds, as much as moving a few megabytes), where the first of them stands; large
+    ones run as kernels of their own, each with its own tile shape and warps. Parts that only
+    feed others by inlining have no work of their own (their consumers recompute them)."""
     working = [p for p in plans if p.outputs]
     if len(working) <= 1 or all(p.P_total * p.L_total <= PACK_ELEMENTS for p in working):
         return [plans]
-    return [[p] for p in working]
+    out, small = [], []
+    for p in working:
+        if p.P_total * p.L_total > PACK_ELEMENTS:
+            out.append([p])
+        else:
+            if not small:
+                out.append(small)
+            small.append(p)
+    return out
 
 
 TARGET = GpuTarget()

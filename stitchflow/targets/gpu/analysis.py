@@ -157,6 +157,21 @@ def inlinable(graph: Graph, node: Node, names: set) -> bool:
     return all(t not in names or inlinable(graph, graph.node_of[t], names) for t in node.inputs)
 
 
+def register_read(graph: Graph, consumer: Node, a: Access) -> bool:
+    """The consumer reads the intermediate `a.tensor` point for point (each index a bare
+    variable over the dimension's whole extent, or 0 of a kept size-1 dim), so the value can
+    stay in registers. A variable that runs past the dimension (a concatenation reading one
+    side over the other's range, under a `where`) is index arithmetic, like a reshape."""
+    shape = graph.type_of[a.tensor].shape
+    for i, size in zip(a.indices, shape):
+        if isinstance(i, Var):
+            if consumer.extents[i.name] != size:
+                return False
+        elif not (i == Lit(0) and size == 1):
+            return False
+    return True
+
+
 def unify(graph: Graph, nodes) -> _UnionFind:
     """Axis classes. A consumer's variable and the producer variable it reads through a plain
     index must be one class (any other access of an intermediate cannot stay in registers).
@@ -178,8 +193,7 @@ def unify(graph: Graph, nodes) -> _UnionFind:
                         external.setdefault((a.tensor, d), []).append((n.name, i.name))
                 continue
             producer = graph.node_of[a.tensor]
-            shape = graph.type_of[a.tensor].shape
-            if not all(isinstance(i, Var) or (i == Lit(0) and size == 1) for i, size in zip(a.indices, shape)):
+            if not register_read(graph, n, a):
                 if inlinable(graph, producer, names):
                     continue  # recomputed at the consumer's indices (emit.inline_body)
                 raise NotStitchable(f"{n.name} reads {a} through index arithmetic")
@@ -197,7 +211,74 @@ def unify(graph: Graph, nodes) -> _UnionFind:
 
 
 def components(graph: Graph, nodes, uf: _UnionFind) -> list[list[Node]]:
-    """Groups of nodes that share an axis class (independent parts can be packed)."""
+    """Parts: nodes that share an axis class run in one loop nest, unless that nest would be
+    a cross product (see _split_cross); independent parts can be packed."""
+    out = []
+    for g in _shared_class_groups(nodes, uf):
+        out += _split_cross(graph, g, uf)
+    order = {n.name: k for k, n in enumerate(nodes)}
+    return sorted(out, key=lambda g: order[g[0].name])
+
+
+def _split_cross(graph: Graph, group: list[Node], uf: _UnionFind) -> list[list[Node]]:
+    """A part's loop nest is the product of its parallel axis classes, and every node is
+    evaluated (and stored) at every point of it. Nodes that only share some classes through
+    reading the same input (q·cos and -q[..., 64:] of a rotary embedding share the position
+    axis of q, not the head or feature axes) would be recomputed and stored once per point of
+    the classes they lack. So a group is cut into its data-flow components (nodes joined by
+    register reads), and a component joins another's loop nest only where that makes no node
+    run over parallel classes it lacks (two maps of one input then still read it once)."""
+    names = {n.name for n in group}
+    parent = {n.name: n.name for n in group}
+
+    def find(x):
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for n in group:
+        for a in reads(n.body):
+            if a.tensor in names and register_read(graph, n, a):
+                parent[find(a.tensor)] = find(n.name)
+    flows: dict = {}
+    for n in group:
+        flows.setdefault(find(n.name), []).append(n)
+    if len(flows) == 1:
+        return [group]
+    order = {n.name: k for k, n in enumerate(group)}
+    parts: list[list[Node]] = []
+    for flow in flows.values():
+        alone = _spread(graph, flow, uf)
+        for k, part in enumerate(parts):
+            merged = sorted(part + flow, key=lambda n: order[n.name])
+            spread = _spread(graph, merged, uf)
+            if spread is not None and alone is not None and all(
+                    spread[n.name] <= max(alone.get(n.name, 1), _spread(graph, part, uf).get(n.name, 1))
+                    for n in merged):
+                parts[k] = merged
+                break
+        else:
+            parts.append(list(flow))
+    return parts
+
+
+def _spread(graph: Graph, nodes: list[Node], uf: _UnionFind) -> dict | None:
+    """Per node: how many points of the loop nest `nodes` would share evaluate it at once
+    (the product of the parallel classes it does not index); None when they cannot share one."""
+    try:
+        plan = plan_part(graph, nodes, uf, set())
+    except NotStitchable:
+        return None
+    out = {}
+    for n in nodes:
+        own = plan.classes_of(n, [v for v, _ in n.dims])
+        out[n.name] = _prod(plan.extents[c] for c in plan.P if c not in own)
+    return out
+
+
+def _shared_class_groups(nodes, uf: _UnionFind) -> list[list[Node]]:
+    """Groups of nodes that share an axis class."""
     owner: dict = {}
     groups: list[list[Node]] = []
     for n in nodes:

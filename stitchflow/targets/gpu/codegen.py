@@ -422,18 +422,28 @@ def build_kernel(graph: Graph, parts: list[tuple[PartPlan, Config]], strides: di
         lines += src.lines
         lines.append("")
         grids.append(programs(plan, cfg))
-    lines += _dispatch(params, grids)
+    name = kernel_name(title)
+    lines += _dispatch(params, grids, name)
     n_phases = max(phases(p, c) for p, c in parts)
     warps = max(c.num_warps for _, c in parts)
-    return KernelSpec("\n".join(lines) + "\n", "kernel", tuple(inputs), tuple(outputs),
+    return KernelSpec("\n".join(lines) + "\n", name, tuple(inputs), tuple(outputs),
                       tuple(buffers), sum(grids), n_phases, warps)
 
 
-def _dispatch(params, grids) -> list[str]:
+def kernel_name(title: str) -> str:
+    """The launched function's name, from the group's title ("r6:mul_6..softmax" ->
+    "sf_r6_mul_6__softmax"), so that profiles say which generated kernel is which."""
+    name = "sf_" + _ident(title.replace(":", "_").replace("..", "__"))
+    return name[:96]
+
+
+def _dispatch(params, grids, name: str = "kernel") -> list[str]:
+    """The launched function (`name`; the module also binds it as `kernel`)."""
     args = ", ".join(params)
-    lines = ["@triton.jit", f"def kernel({args}, PHASE: tl.constexpr):", "    pid = tl.program_id(0)"]
+    lines = ["@triton.jit", f"def {name}({args}, PHASE: tl.constexpr):", "    pid = tl.program_id(0)"]
+    alias = ["", "", f"kernel = {name}"] if name != "kernel" else []
     if len(grids) == 1:
-        return lines + [f"    _part0(pid, {args}, PHASE)"]
+        return lines + [f"    _part0(pid, {args}, PHASE)"] + alias
     start = 0
     for k, g in enumerate(grids):
         cond = "if" if k == 0 else "elif"
@@ -441,7 +451,7 @@ def _dispatch(params, grids) -> list[str]:
         lines.append(f"    {cond} {test}:" if test else "    else:")
         lines.append(f"        _part{k}(pid - {start}, {args}, PHASE)")
         start += g
-    return lines
+    return lines + alias
 
 
 def kernel_inputs(graph: Graph, nodes, group_names: set) -> list[str]:

@@ -15,6 +15,7 @@ import torch
 
 from ...ir.expr import OPS, Access, Call, Cast, Const, IndexValue, Read
 from ...ir.index import Div, Gather, Lit, Mod, Sum, Var, bounds, rename, substitute
+from .analysis import register_read
 
 TL_DTYPE = {
     torch.float32: "tl.float32", torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16",
@@ -124,7 +125,11 @@ class BodyEmitter:
             return self.load(e.tensor, e.indices, node, scope, as_index=True)
         raise TypeError(f"unknown index expression {e!r}")
 
-    def offset(self, tensor: str, indices, node, scope: Scope) -> Val:
+    def offset(self, tensor: str, indices, node, scope: Scope, checks: list | None = None) -> Val:
+        """Address of tensor[indices]. Concatenations read out of range under a `where` that
+        discards the value; with `checks` those reads are masked (a range test per index,
+        appended to `checks`), which keeps the address contiguous along the tile so loads
+        stay vectorized; without, the index is clamped as the IR says."""
         shape = self.k.graph.type_of[tensor].shape
         strides = self.k.strides[tensor]
         terms, deps = [], frozenset()
@@ -132,10 +137,16 @@ class BodyEmitter:
             v = self.index(idx, node, scope)
             lo, hi = bounds(idx, node.extents)
             code = v.code
-            if hi > size - 1:  # concatenation reads out of range under a `where`: clamp as the IR says
-                code = f"tl.minimum({code}, {size - 1})"
-            if lo < 0:
-                code = f"tl.maximum({code}, 0)"
+            if checks is not None and (hi > size - 1 or lo < 0):
+                if hi > size - 1:
+                    checks.append(f"({code} < {size})")
+                if lo < 0:
+                    checks.append(f"({code} >= 0)")
+            else:
+                if hi > size - 1:
+                    code = f"tl.minimum({code}, {size - 1})"
+                if lo < 0:
+                    code = f"tl.maximum({code}, 0)"
             deps |= v.deps
             if size > 1 and code != "0":
                 terms.append(code if stride == 1 else f"{code} * {stride}")
@@ -147,8 +158,11 @@ class BodyEmitter:
         found = scope.get(key)
         if found is not None:
             return found
-        off = self.offset(tensor, indices, node, scope)
+        checks: list = []
+        off = self.offset(tensor, indices, node, scope, checks)
         mask = self.k.mask(off.deps, scope)
+        if checks:  # out-of-range lanes read 0 (their values are discarded)
+            mask = self.k.src.let(" & ".join(([mask] if mask else []) + checks), "m")
         mask_arg = f", mask={mask}, other=0" if mask else ""
         dtype = self.k.graph.type_of[tensor].dtype
         code = f"tl.load({self.k.arg[tensor]} + {off.code}{mask_arg})" if off.code != "0" or mask else \
@@ -166,7 +180,7 @@ class BodyEmitter:
         if isinstance(e, Read):
             a = e.access
             if a.tensor in self.k.group_names:
-                if a.tensor in self.k.node_names and not inlining and _plain_or_broadcast(a):
+                if a.tensor in self.k.node_names and not inlining and register_read(self.k.graph, node, a):
                     return self.k.node_value(a.tensor, scope)
                 return self.inline(self.k.graph.node_of[a.tensor], a.indices, node, scope)
             return self.load(a.tensor, a.indices, node, scope)
@@ -249,10 +263,6 @@ class BodyEmitter:
 
     def _let(self, code: str, kind: str, deps) -> Val:
         return Val(self.k.src.let(code), kind, frozenset(deps))
-
-
-def _plain_or_broadcast(a) -> bool:
-    return all(isinstance(i, Var) or i == Lit(0) for i in a.indices)
 
 
 def inline_body(producer, indices, ranges):

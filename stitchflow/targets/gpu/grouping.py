@@ -13,10 +13,11 @@ import logging
 
 import torch
 
-from ...ir.expr import Call, Cast, Const, IndexValue, Read
+from ...ir.expr import Access, Call, Cast, Const, IndexValue, Read
 from ...ir.graph import Graph, Node, Region
 from ...ir.interpret import eval_node
-from ...ir.index import evaluate
+from ...ir.index import Div, Lit, Mod, Sum, Var, add, bounds, evaluate, substitute
+from ...ir.index import scale as scale_index
 from .analysis import (NotStitchable, PartPlan, components, factor_access, is_contraction, node_refusal,
                        plan_part, product_factors, unify)
 
@@ -125,16 +126,116 @@ def _gather_index(access, node: Node, names, env, device, shape) -> tuple:
     return tuple(i.expand(full) for i in idx)
 
 
+def _affine_view(access, node: Node, names, src: torch.Tensor) -> torch.Tensor | None:
+    """The read as a strided view of `src` over `names`, when every index is affine in the
+    variables and stays in range: head splits (128*h + d), grouped-query heads (4*g + h) and
+    broadcasts then cost no copy. None when some index is not affine (or is clamped)."""
+    strides = dict.fromkeys(names, 0)
+    offset = src.storage_offset()
+    for idx, size, stride in zip(access.indices, src.shape, src.stride()):
+        lo, hi = bounds(idx, node.extents)
+        if lo < 0 or hi > size - 1:
+            return None
+        terms, const = ((((1, idx),), 0) if isinstance(idx, Var) else (idx.terms, idx.const) if isinstance(idx, Sum)
+                        else ((), idx.value) if isinstance(idx, Lit) else (None, 0))
+        if terms is None or any(not isinstance(a, Var) for _, a in terms):
+            return None
+        offset += const * stride
+        for c, a in terms:
+            strides[a.name] += c * stride
+    return src.as_strided([node.extents[v] for v in names], [strides[v] for v in names], offset)
+
+
+def _radix_digits(node: Node) -> Node:
+    """A contraction whose reduced variable is read through floor-divisions and remainders
+    (merge_heads: x[k // 128 // 4, k // 128 % 4, k % 128]) with that variable split into its
+    mixed-radix digits (k = 512 a + 128 b + c), so that every read is affine again and runs
+    as a strided view, not a gather. The node itself when there is nothing to split."""
+    points: dict = {}
+
+    def chain(e):
+        """(variable, divisor so far) for v, v // d, (v // d1) // d2; None otherwise."""
+        if isinstance(e, Var):
+            return e.name, 1
+        if isinstance(e, Div):
+            inner = chain(e.arg)
+            if inner is not None:
+                points.setdefault(inner[0], set()).add(inner[1] * e.divisor)
+                return inner[0], inner[1] * e.divisor
+        return None
+
+    def visit(e):
+        if isinstance(e, Mod):
+            inner = chain(e.arg)
+            if inner is not None:
+                points.setdefault(inner[0], set()).add(inner[1] * e.modulus)
+                return
+            visit(e.arg)
+        elif isinstance(e, Div):
+            if chain(e) is None:
+                visit(e.arg)
+        elif isinstance(e, Sum):
+            for _, a in e.terms:
+                visit(a)
+
+    factors = product_factors(node.body) or []
+    accesses = [a for a in map(factor_access, factors) if a is not None]
+    for a in accesses:
+        for i in a.indices:
+            visit(i)
+    reduce_vars = set(node.reduce_vars)
+    mapping, dims = {}, []
+    for v, extent in node.dims:
+        cuts = sorted(b for b in points.get(v, ()) if 1 < b < extent)
+        if v not in reduce_vars or not cuts or any(hi % lo for lo, hi in zip([1] + cuts, cuts + [extent])):
+            dims.append((v, extent))
+            continue
+        bounds_ = [1] + cuts + [extent]
+        digits = [(f"{v}_{k}", bounds_[k + 1] // bounds_[k], bounds_[k]) for k in range(len(cuts) + 1)]
+        mapping[v] = add(*(scale_index(Var(name), weight) for name, _, weight in digits))
+        dims += [(name, n) for name, n, _ in reversed(digits)]  # outer digit first
+    if not mapping:
+        return node
+    ranges = dict(dims)
+
+    def rewrite(e):
+        if isinstance(e, Read):
+            a = e.access
+            return Read(Access(a.tensor, tuple(substitute(i, mapping, ranges) for i in a.indices)))
+        if isinstance(e, Call):
+            return Call(e.op, tuple(rewrite(x) for x in e.args))
+        if isinstance(e, Cast):
+            return Cast(e.dtype, rewrite(e.arg))
+        return e
+
+    split = dataclasses.replace(node, body=rewrite(node.body), dims=tuple(dims))
+    for a in map(factor_access, product_factors(split.body) or []):
+        if a is not None and any(isinstance(x, (Div, Mod)) for i in a.indices for x in _atoms(i)):
+            return node  # some read stays non-affine: the gather path is as good
+    return split
+
+
+def _atoms(e):
+    if isinstance(e, Sum):
+        return [a for _, a in e.terms]
+    return [e]
+
+
 def _dense_operand(access, node: Node, env, device, cache: dict) -> torch.Tensor:
-    """A read as a dense tensor over its own variables (in first-use order): head splits,
-    permutes and GQA broadcasts become one gather, not a broadcast over the whole loop nest.
-    Index tensors that do not depend on data are built once per device (cache)."""
+    """A read as a dense tensor over its own variables (in first-use order): permutes, head
+    splits and GQA broadcasts become strided views; other index arithmetic one gather, not a
+    broadcast over the whole loop nest. Index tensors that do not depend on data are built
+    once per device (cache)."""
     names = sorted(access.vars, key=lambda v: [d for d, _ in node.dims].index(v))
     src = env[access.tensor]
     src = src.to_dense() if src.layout != torch.strided else src
     if access.is_plain and len(access.indices) == src.dim():
         order = [[i.name for i in access.indices].index(v) for v in names]
         return src.permute(order), names
+    if access.tensors == {access.tensor}:
+        view = _affine_view(access, node, names, src)
+        if view is not None:
+            return view, names
     key = (access, device)
     idx = cache.get(key)
     if idx is None:
@@ -147,7 +248,12 @@ def _dense_operand(access, node: Node, env, device, cache: dict) -> torch.Tensor
 
 def contract(node: Node, env, out_dtype: torch.dtype, cache: dict | None = None) -> torch.Tensor:
     """A GEMM-like node as one einsum, in the operands' dtype where they share the output's
-    (cuBLAS accumulates half types in float32, as eager's matmul does)."""
+    (cuBLAS accumulates half types in float32, as eager's matmul does). `cache` keeps index
+    tensors and the node with its reduced variables split into digits (_radix_digits)."""
+    cache = {} if cache is None else cache
+    if ("digits", node.name) not in cache:
+        cache[("digits", node.name)] = _radix_digits(node)
+    node = cache[("digits", node.name)]
     factors = product_factors(node.body)
     scale, operands, specs = 1.0, [], []
     letters = {v: "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"[k] for k, (v, _) in enumerate(node.dims)}
@@ -156,7 +262,7 @@ def contract(node: Node, env, out_dtype: torch.dtype, cache: dict | None = None)
         if isinstance(f, Const):
             scale *= f.value
             continue
-        t, names = _dense_operand(factor_access(f), node, env, device, {} if cache is None else cache)
+        t, names = _dense_operand(factor_access(f), node, env, device, cache)
         operands.append(t.to(f.dtype) if isinstance(f, Cast) else t)
         specs.append("".join(letters[v] for v in names))
     dtypes = {t.dtype for t in operands}

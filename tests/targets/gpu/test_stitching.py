@@ -208,3 +208,98 @@ def test_head_split_attention_scores_run_as_one_einsum():
     _check(prog, M(), (x,), torch.float32)
     (gemm,) = _torch_steps(prog)
     assert gemm.dense_gemm
+
+
+def test_generated_kernels_are_named_after_their_group():
+    """Profiles list each generated kernel under its group's name, not all as `kernel`."""
+    from stitchflow.targets.gpu.codegen import kernel_name
+
+    module = PATTERNS["bias_gelu"].module()
+    args = _inputs("bias_gelu", (7, 33), torch.float32)
+    prog = stitchflow.compile(module, args, target="gpu", fusion="full")
+    _check(prog, module, args, torch.float32)
+    (k,) = _kernels(prog)
+    launch = next(iter(k._built.values()))
+    assert launch.spec.name == kernel_name(k.title) and launch.spec.name.startswith("sf_")
+    assert f"def {launch.spec.name}(" in launch.spec.source and launch.module.kernel is getattr(
+        launch.module, launch.spec.name)
+
+
+class Rotary(nn.Module):
+    """q·cos + rotate_half(q)·sin on heads split off a projection (the Llama layout)."""
+
+    def __init__(self, seq=6, heads=3, dim=8):
+        super().__init__()
+        self.heads, self.dim = heads, dim
+        gen = torch.Generator().manual_seed(0)
+        self.register_buffer("cos", torch.randn(seq, dim, generator=gen))
+        self.register_buffer("sin", torch.randn(seq, dim, generator=gen))
+
+    def forward(self, x):
+        q = x.view(1, x.shape[1], self.heads, self.dim).transpose(1, 2)
+        half = self.dim // 2
+        return q * self.cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * self.sin
+
+
+def test_rotary_is_one_loop_nest_without_cross_products():
+    """Nodes that only share an input's position axis (q·cos and -q[..., half:]) must not share
+    a loop nest over the product of their axes (each would be recomputed and stored once per
+    point of the other's heads and features); the concatenation reads its half-width producer
+    past that producer's extent, so it recomputes it instead: one kernel, one output."""
+    x, module = torch.randn(1, 6, 24), Rotary()
+    prog = stitchflow.compile(module, (x,), target="gpu", fusion="full")
+    _check(prog, module, (x,), torch.float32)
+    (k,) = _kernels(prog)
+    for plan in k.plans:
+        assert plan.P_total * plan.L_total <= 6 * 24
+    assert [o for p in k.plans for o in p.outputs] == list(prog.graph.outputs)
+
+
+def test_unrelated_nodes_reading_one_input_share_a_loop_nest_only_without_cross_products():
+    """Maps of one input over the same axes share one loop nest (the input is read once), and
+    so does a per-row map; a map over a head-split view (other axis classes) gets its own."""
+    from stitchflow.frontend.capture import capture, symbolic_trace
+    from stitchflow.targets.gpu.grouping import plan_group
+
+    class M(nn.Module):
+        def forward(self, x, w):
+            heads = x.view(5, 3, 4).transpose(0, 1) * 3.0
+            return x * 2.0, (x + w).exp(), x[:, 0] + 1.0, heads
+
+    x, w = torch.randn(5, 12), torch.randn(12)
+    graph = capture(symbolic_trace(M()), (x, w)).graph
+    plans = plan_group(graph, list(graph.nodes), set())
+    for p in plans:
+        for n in p.nodes:  # no node runs over parallel classes it does not index
+            own = p.classes_of(n, [v for v, _ in n.dims])
+            assert all(c in own or p.extents[c] == 1 for c in p.P), (n.name, p.P)
+    by_output = {o: p for p in plans for o in p.outputs}
+    mul, exp, row, heads = graph.outputs
+    assert by_output[mul] is by_output[exp] is by_output[row]
+    assert by_output[heads] is not by_output[mul]
+
+
+def test_gqa_head_split_and_merge_heads_read_operands_as_views(monkeypatch):
+    """GEMM operands read through head splits (128*h + d), grouped-query heads (4*g + h) and
+    merge_heads (k // 128 // 4, k // 128 % 4, k % 128) are strided views (the merged K split
+    into digits), not index gathers."""
+    from stitchflow.apps import APPS
+    from stitchflow.targets.gpu import grouping
+
+    def no_gather(*args, **kwargs):
+        raise AssertionError("operand gathered through index tensors")
+
+    monkeypatch.setattr(grouping, "_gather_index", no_gather)
+    model, inputs = APPS["llama"].build(size="small")
+    prog = stitchflow.compile(model, inputs, target="gpu", fusion="auto")
+    with torch.no_grad():
+        out, ref = prog(*inputs), model(*inputs)
+    assert relative_error(as_tuple(out)[0], as_tuple(ref)[0]) <= 1e-5
+    merged = [s for s in _torch_steps(prog) if any(
+        isinstance(i, grouping.Div) for a in s.node.accesses for i in a.indices)]
+    assert merged
+    for s in merged:
+        split = grouping._radix_digits(s.node)
+        assert split is not s.node and not any(
+            isinstance(x, (grouping.Div, grouping.Mod)) for a in split.accesses for i in a.indices
+            for x in grouping._atoms(i))
