@@ -16,6 +16,8 @@ options:
   par    {variable: lanes}: fork after that variable's join into round-robin lanes, merge after;
          two variables nest (4 x 4)
   block  b: sparsity blocking, values are b x b tiles over every variable whose extent b divides
+         (or that can be zero-padded to a multiple of b without changing a reduction); a sum's
+         blocked reduction variable is contracted in the tile ALU (b x b tile multiply)
   hoist  False: a nested reduction is computed only where its consumer's walk reaches it
          (FuseFlow's fully streamed recomputation); default True also lets the order place it
          outside enclosing consumers' loops, into an on-chip buffer

@@ -507,7 +507,9 @@ def _write(p: Prim, args, env):
     else:
         coords, values = [], vals.fval[vals.kind == ELEM][:1]
     _scatter(out, coords, values, dims, tile)
-    result = torch.from_numpy(np.ascontiguousarray(out[tuple(slice(0, n) for n in shape)]))
+    if list(full) != list(shape):
+        out = np.ascontiguousarray(out[tuple(slice(0, n) for n in shape)])
+    result = torch.from_numpy(out)
     if dtype == torch.bool:
         return (result != 0,)
     return (result.to(dtype),)

@@ -19,6 +19,13 @@ values) and a driver stream with the depth's structure. At each variable v of th
 At the bottom the expression's ALU tree combines the leaves' values. Returning up the walk,
 a reduction variable is reduced (innermost) or sparse-accumulated (with free variables
 inside it). Parallel lanes fork after a level's join and merge before its reduction.
+
+Sparsity blocking (options block=b): a blocked variable's coordinates are block indices and
+every value stream carries one tile axis per blocked variable of its expression (`Result.axes`,
+`vaxes`): a view's in storage order, an ALU's in dataflow order. At the bottom a sum's blocked
+reduction variables are contracted inside the root ALU (a product: the b x b tile multiply);
+reducers and accumulators add whole tiles (a max, or a reduction variable the ALU could not
+contract, is reduced over its tile axis there); writers scatter tiles and crop zero padding.
 """
 
 from __future__ import annotations

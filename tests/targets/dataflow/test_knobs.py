@@ -1,4 +1,4 @@
-"""Schedule knobs: parallel lanes (2, 4, 4x4) agree with the plain scalar graph."""
+"""Schedule knobs: parallel lanes (2, 4, 4x4) and sparsity blocking agree with the plain scalar graph."""
 
 import pytest
 import torch
@@ -71,6 +71,20 @@ def test_parallel_gcn_full():
     torch.testing.assert_close(prog(*inputs), model(*inputs), rtol=1e-4, atol=1e-4)
 
 
-def test_blocking_is_refused_not_guessed():
-    with pytest.raises(Exception, match="blocking"):
-        run(lambda a, b: a @ b, ABC[:2], {0: "dcsr", 1: "dcsr"}, block=16)
+@pytest.mark.parametrize("block", [16, 32])
+def test_blocked_abc_matches_scalar_graph(block):
+    """Blocked variants (b = 16, 32) agree with the plain scalar graph (more in test_blocking)."""
+    fn = lambda a, b, c: a @ b @ c  # noqa: E731
+    plain_prog, plain = run(fn, ABC, FORMATS, order=("i", "k1", "k", "j"))
+    prog, out = run(fn, ABC, FORMATS, order=("i", "k1", "k", "j"), block=block)
+    assert_close(out, plain)
+    loads = [p for p in dataflows(prog)[0].prims if p.kind == "load"]
+    # extents 30, 25, 20 are padded to whole 16-tiles; shorter than one 32-tile, they stay scalar
+    assert all((block in p.param("tile")) == (block == 16) for p in loads)
+    tokens = lambda pr: sum(c.tokens for c in pr._compiled if hasattr(c, "tokens"))  # noqa: E731
+    assert (tokens(prog) < tokens(plain_prog)) == (block == 16)
+
+
+def test_bad_block_size_is_refused():
+    with pytest.raises(Exception, match="block must be"):
+        run(lambda a, b: a @ b, ABC[:2], {0: "dcsr", 1: "dcsr"}, block=8)
