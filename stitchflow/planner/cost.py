@@ -17,6 +17,7 @@ A model's cost is a weighted sum of its features; `calibrate` fits the weights f
 
 from __future__ import annotations
 
+import abc
 import math
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
@@ -183,7 +184,7 @@ def order_count(graph: Graph, nodes: Sequence[str]) -> int:
     return len(legal_orders(graph, nodes)[0])
 
 
-class _Weighted:
+class _Weighted(abc.ABC):
     """Cost = weights . features(estimate); calibrate() refits the weights."""
 
     weights: tuple[float, ...]
@@ -201,8 +202,9 @@ class _Weighted:
             return self.features(estimates)
         return tuple(np.sum([self.features(e) for e in estimates], axis=0))
 
+    @abc.abstractmethod
     def features(self, est: Estimate) -> tuple[float, ...]:
-        raise NotImplementedError
+        """The quantities the model weighs (cycles, seconds of traffic, launches...)."""
 
     def calibrate(self, samples: Sequence[tuple]):
         """Fit non-negative scale factors by least squares: measured ~ weights . features.

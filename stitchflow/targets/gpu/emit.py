@@ -8,6 +8,8 @@ and rounded to the node's dtype after each node, as eager PyTorch rounds after e
 
 from __future__ import annotations
 
+from ...ir.errors import TargetError
+
 import math
 from dataclasses import dataclass
 
@@ -242,7 +244,7 @@ class BodyEmitter:
             return self._let(f"tl.maximum({a}, 0)", kind, deps)
         if op == "recip":
             return self._let(f"(1.0 / {a})", "f", deps)
-        raise NotImplementedError(f"scalar op {op} has no Triton lowering")
+        raise TargetError(f"scalar op {op} has no Triton lowering")
 
     def _unary_float(self, op: str, x: str) -> str:
         if op != "tanh":
