@@ -20,7 +20,11 @@ options:
          blocked reduction variable is contracted in the tile ALU (b x b tile multiply)
   hoist  False: a nested reduction is computed only where its consumer's walk reaches it
          (FuseFlow's fully streamed recomputation); default True also lets the order place it
-         outside enclosing consumers' loops, into an on-chip buffer
+         outside enclosing consumers' loops, into an on-chip buffer. Without hoisting the loop
+         nest is not the order itself (a producer's loops run inside its consumer's), so only
+         orders whose streamed nest still reaches every view's levels outer-first are legal
+         (order.streamed_conflict): the default is the cheapest such candidate, an int order
+         indexes only those, an explicit one that is not is refused with the reason
 """
 
 from __future__ import annotations

@@ -77,18 +77,23 @@ def check(order, dag: nx.DiGraph) -> str | None:
     return None
 
 
-def pick(spec, dag: nx.DiGraph) -> tuple | None:
-    """options['order']: an int index into legal_orders, or an explicit tuple of names."""
+def pick(spec, dag: nx.DiGraph, streamed=None) -> tuple | None:
+    """options['order']: an int index into legal_orders, or an explicit tuple of names.
+    `streamed(order) -> why | None`: with hoist=False, the extra legality of the streamed nest
+    (streamed_conflict); an int then indexes the orders that pass it."""
     if spec is None:
         return None
     if isinstance(spec, int):
-        found = next(itertools.islice(legal_orders(dag), spec, None), None)
+        orders = legal_orders(dag)
+        if streamed is not None:
+            orders = (o for o in orders if streamed(o) is None)
+        found = next(itertools.islice(orders, spec, None), None)
         if found is None:
             raise ValueError(f"order index {spec} is out of range: there are fewer legal orders")
         return found
     if isinstance(spec, str):
         spec = tuple(spec.replace(",", " ").split())
-    why = check(spec, dag)
+    why = check(spec, dag) or (streamed(tuple(spec)) if streamed is not None else None)
     if why:
         raise ValueError(why)
     return tuple(spec)
@@ -252,3 +257,88 @@ def guessed_fibers(fmt, shape_in_level_order) -> list[float]:
     last = len(shape_in_level_order) - 1
     return [float(s) if (str(lv) == "d" or k < last) else max(1.0, s * DEFAULT_DENSITY)
             for k, (lv, s) in enumerate(zip(fmt.levels, shape_in_level_order))]
+
+
+# ---------------------------------------------------------------- the streamed loop nest (hoist=False)
+
+def streamed_conflict(expr, out_vars, order, graph: Graph, reformat=frozenset(), block=None) -> str | None:
+    """Why `order` cannot be walked with hoist=False, or None.
+
+    With hoisting off, a nested reduction is computed only where its consumer's walk reaches it
+    (lower.Lowerer.due does not look inside a reduction that is not due yet), so the loop nest
+    is not the order itself: the variables of a reduction nested in a consumer are iterated
+    inside the consumer's loops, and a sparse view in it is scanned at the consumer's levels
+    first. The storage DAG alone (constraints) is then not enough: e.g. GCN's
+    layer1_weight[k2,k] (dcsr: k2 before k) sits in sum_k2 inside sum_k1 inside sum_k, so an
+    order that puts k2 first but k1 after k scans the weight at k before k2. This mirrors the
+    walk symbolically (Lowerer.walk / branch_due / advance) and checks, at every level, that
+    each view reached there has its levels above it iterated already: a sparse view's in its
+    storage order, a dense view's in the order's sequence (Lowerer.load lays dense views out
+    that way). Computed buffers are built in walk order and need no check. With hoisting on,
+    the nest is the order itself and constraints() suffices."""
+    from .rexpr import Konst, Op, View, free, leaves, replace
+
+    pos = {v: k for k, v in enumerate(order)}
+    end = len(pos) + 1
+
+    def storage(view):  # the view's levels as lower.Lowerer.load lays them out
+        fmt = graph.type_of[view.tensor].format
+        if fmt.is_dense or not view.plain or (fmt.block is not None and not block) or str(view) in reformat:
+            return tuple(sorted(view.vars, key=pos.__getitem__))  # dense: addressed in the order
+        return tuple(view.index[m].name for m in fmt.mode_order)
+
+    def due(e, limit):
+        out: list = []
+
+        def visit(x):
+            if isinstance(x, Red):
+                if min(pos[r] for r in x.rvars) <= limit:
+                    out.append(x)
+            elif isinstance(x, Op):
+                for a in x.args:
+                    visit(a)
+
+        visit(e)
+        return out
+
+    def walk(e, levels, depth):
+        for idx in range(len(levels) + 1):
+            limit = pos[levels[idx]] if idx < len(levels) else end
+            while True:
+                found = due(e, limit)
+                if not found:
+                    break
+                x = found[0]
+                sub = tuple(sorted(set(x.rvars) | (free(x) - set(depth)), key=pos.__getitem__))
+                why = walk(x.body, sub, depth)
+                if why:
+                    return why
+                e = replace(e, x, Konst(0.0))  # a value stream or a buffer in walk order
+            if idx == len(levels):
+                return None
+            v = levels[idx]
+            for view in leaves(e):
+                if not isinstance(view, View):
+                    continue
+                vars_ = storage(view)
+                if v not in vars_:
+                    continue
+                # a compressed level is scanned, a dense one located (parent * size + c): either
+                # needs the levels above it iterated already
+                missing = [u for u in vars_[:vars_.index(v)] if u not in depth]
+                if missing:
+                    nest = " ".join(depth + (v,))
+                    return (f"with hoist=False, order {' '.join(order)} scans {view} at {v} before "
+                            f"{', '.join(missing)} ({view} is stored {graph.type_of[view.tensor].format}): "
+                            f"a nested reduction is computed only inside its consumer's loops "
+                            f"(here the nest {nest} reaches {v} first)")
+            depth = depth + (v,)
+        return None
+
+    if isinstance(expr, Red):
+        body, rvars = expr.body, set(expr.rvars)
+    else:
+        body, rvars = expr, set()
+    levels = tuple(sorted(set(out_vars) | rvars, key=pos.__getitem__))
+    return walk(body, levels, ())
+

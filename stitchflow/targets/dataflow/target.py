@@ -111,10 +111,11 @@ def compile_region(graph: Graph, region: Region, params: dict, options: dict) ->
             spec = spec.get(name)
         if spec is not None and not isinstance(spec, int) and set(_names(spec)) != set(dag.nodes):
             spec = None if len(plans) > 1 else spec
-        chosen = O.pick(spec, dag)
+        streamed = _streamed(graph, options, expr, out_vars, reformat)
+        chosen = O.pick(spec, dag, streamed)
         if chosen is None:
             chosen, cost = best_order(graph, region, params, options, name, expr, out_vars, extents, dag, buffered,
-                                      reformat)
+                                      reformat, streamed)
             notes.append(f"{name}: order {' '.join(chosen)} (estimated {cost:.3g} tokens)")
         low.reformat = {str(v) for v in reformat}
         if reformat:
@@ -138,10 +139,35 @@ def _check_options(options: dict, plans: dict) -> None:
             raise TargetError(f"par[{v!r}] must be a positive number of lanes")
 
 
-def best_order(graph, region, params, options, name, expr, out_vars, extents, dag, buffered, reformat=()):
-    """The candidate order with the fewest estimated tokens."""
+def _streamed(graph, options, expr, out_vars, reformat):
+    """With hoist=False, the legality of the streamed loop nest (order.streamed_conflict)."""
+    if options.get("hoist", True):
+        return None
+    block, reformat = options.get("block"), frozenset(str(v) for v in reformat)
+    return lambda order: O.streamed_conflict(expr, out_vars, order, graph, reformat, block)
+
+
+STREAMED_SEARCH = 20000  # legal orders tried for one that streams, when no candidate does
+
+
+def best_order(graph, region, params, options, name, expr, out_vars, extents, dag, buffered, reformat=(),
+               streamed=None):
+    """The candidate order with the fewest estimated tokens (with hoist=False, among those
+    whose streamed loop nest respects the storage orders)."""
+    cands = O.candidates(expr, out_vars, dag)
+    if streamed is not None:
+        why = {c: streamed(c) for c in cands}
+        cands = [c for c in cands if why[c] is None]
+        if not cands:
+            import itertools
+
+            found = next((o for o in itertools.islice(O.legal_orders(dag), STREAMED_SEARCH) if streamed(o) is None),
+                         None)
+            if found is None:
+                raise TargetError(f"{name}: no dataflow order streams with hoist=False ({next(iter(why.values()))})")
+            cands = [found]
     best = None
-    for cand in O.candidates(expr, out_vars, dag):
+    for cand in cands:
         low = Lowerer(graph, region.name, {k: v for k, v in options.items() if k != "par"}, buffered=frozenset(buffered),
                       internal_ok=True)
         low.reformat = {str(v) for v in reformat}

@@ -1,0 +1,172 @@
+"""FuseFlow's findings (issue 4) on the dataflow simulator's fast engine, side by side with its
+published speedups (../shared/spec/workloads.md). Prints the markdown tables of BENCHMARKS.md.
+
+    .venv/bin/python scripts/fuseflow_findings.py                 # everything (~15-20 min on 2 cores)
+    .venv/bin/python scripts/fuseflow_findings.py --only gnn      # gnn | gpt3 | par, comma separated
+    .venv/bin/python scripts/fuseflow_findings.py --no-hoisted    # skip full fusion with default hoisting
+
+speedup = unfused cycles / configuration cycles; FLOPs and bytes are ratios to unfused.
+GNNs: GCN and GraphSAGE on Cora (size "default"), unfused / per-layer partial / full with
+FuseFlow's fully streamed recomputation (hoist=False) / full with hoisting (the default).
+GPT-3: one GPT-3-small decoder with BigBird attention, seq 1024, block 16, simulated with
+sparsity blocking (options block=16: 16x16 tiles, ~1000x fewer tokens than scalar).
+par: the partially fused attention region of that decoder with 1, 2, 4 lanes over heads and
+4 lanes over its outermost output level and 4 x 4 over query rows x heads (its own cycles, the
+other regions left out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import time
+
+import torch
+
+import stitchflow
+from stitchflow.apps import APPS
+from stitchflow.targets.dataflow import dataflows
+from stitchflow.targets.dataflow.simulate import run_region
+from stitchflow.targets.dataflow.timing import Timing
+
+# FuseFlow's simulated speedups over unfused (workloads.md): Cora, and GPT-3 BigBird b16
+PUBLISHED = {("gcn", "partial"): 1.63, ("gcn", "full"): 0.29,
+             ("graphsage", "partial"): 2.10, ("graphsage", "full"): 0.48,
+             ("gpt3-bigbird", "partial"): 1.75, ("gpt3-bigbird", "full"): 2.70}
+
+GNN_CONFIGS = [("unfused", "unfused", {}), ("partial", "partial", {}),
+               ("full, hoist=False", "full", {"hoist": False}), ("full, hoisted", "full", {})]
+GPT3_CONFIGS = [("unfused", "unfused", {"block": 16}), ("partial", "partial", {"block": 16}),
+                ("full", "full", {"block": 16})]
+
+
+def measure(model, inputs, fusion, options, check=True):
+    t0 = time.perf_counter()
+    prog = stitchflow.compile(model, inputs, target="dataflow", fusion=fusion, options=options)
+    compile_s = time.perf_counter() - t0
+    sim = prog.simulate(*inputs)
+    row = dict(cycles=int(sim.cycles), flops=int(sim.flops), bytes=int(sim.bytes), tokens=int(sim.tokens),
+               regions=len(sim.regions), compile_s=round(compile_s, 1), sim_s=round(sim.seconds, 1),
+               tokens_per_s=sim.tokens / sim.seconds, orders=[" ".join(map(str, d.order)) for d in dataflows(prog)])
+    if check:
+        with torch.no_grad():
+            ref = model(*inputs)
+        row["max_err"] = float((sim.outputs - ref).abs().max())
+    return row
+
+
+def app_rows(app, build_kw, configs, skip=()):
+    model, inputs = APPS[app].build(**build_kw)
+    rows = []
+    for label, fusion, options in configs:
+        if label in skip:
+            continue
+        row = measure(model, inputs, fusion, options)
+        row.update(app=app, config=label, fusion=fusion)
+        rows.append(row)
+        print(f"# {app} {label}: {row['cycles']:,} cycles, sim {row['sim_s']} s", flush=True)
+    base = rows[0]
+    for row in rows:
+        row["speedup"] = base["cycles"] / row["cycles"]
+        row["flops_x"] = row["flops"] / base["flops"]
+        row["bytes_x"] = row["bytes"] / base["bytes"]
+        row["published"] = PUBLISHED.get((app, row["fusion"]))
+    return rows
+
+
+def _attention(prog):
+    """The attention region's dataflow: the one that loads the BigBird block mask."""
+    return [df for df in dataflows(prog)
+            if any(p.kind == "load" and "mask" in str(p.param("tensor")) for p in df.prims)][0]
+
+
+def attention_par_rows(block=16, order=None):
+    """The attention region of the partially fused decoder, 1 / 2 / 4 / 4x4 lanes: the regions
+    before it run functionally, then it alone is simulated."""
+    from stitchflow.targets.dataflow.target import CompiledRegion
+
+    model, inputs = APPS["gpt3-bigbird"].build(size="decoder", block=block)
+    base = {"block": block} | ({"order": {"matmul_1": order}} if order else {})
+    plain = stitchflow.compile(model, inputs, target="dataflow", fusion="partial", options=base)
+    attn = _attention(plain)
+    from stitchflow.targets.dataflow.rexpr import free
+
+    (expr,) = [c.exprs for c in plain._compiled if getattr(c, "dataflow", None) is attn][0].values()
+    extents = dict(attn.extents)
+    outs = sorted(free(expr), key=lambda v: (extents[v], v))
+    head, row = outs[0], outs[-1]  # the heads (12) and the query rows (seq); the head dim between
+    outer, inner = sorted((head, row), key=attn.order.index)  # two parallel levels, outer first
+    rows = []
+    for label, par in [("1", {}), ("2", {outer: 2}), ("4", {outer: 4}), ("4x4", {outer: 4, inner: 4})]:
+        prog = stitchflow.compile(model, inputs, target="dataflow", fusion="partial",
+                                  options=base | {"par": par})
+        target = _attention(prog)
+        env = prog._bind(inputs)
+        for c in prog._compiled:
+            if isinstance(c, CompiledRegion) and c.dataflow is target:
+                t0 = time.perf_counter()
+                res = run_region(target, env, Timing.make())
+                break
+            c(env)
+        rows.append(dict(lanes=label, par=dict(par), cycles=int(res.cycles), tokens=int(res.counters.tokens),
+                         sim_s=round(time.perf_counter() - t0, 1)))
+        print(f"# attention {label} lanes: {res.cycles:,} cycles", flush=True)
+    for r in rows:
+        r["speedup"] = rows[0]["cycles"] / r["cycles"]
+    return dict(region=attn.region, order=" ".join(attn.order), rows=rows, heads=head, rows_var=row)
+
+
+def table(rows, title):
+    out = [f"**{title}**", "",
+           "| config | regions | cycles | speedup | FuseFlow | FLOPs ×unfused | bytes ×unfused | tokens | sim s | tokens/s |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        pub = f"{r['published']:.2f}" if r["published"] is not None and r["config"] != "full, hoisted" else "–"
+        out.append(f"| {r['config']} | {r['regions']} | {r['cycles']:,} | {r['speedup']:.2f}× | {pub} | "
+                   f"{r['flops_x']:.2f} | {r['bytes_x']:.2f} | {r['tokens']:,} | {r['sim_s']} | "
+                   f"{r['tokens_per_s'] / 1e6:.1f} M |")
+    return "\n".join(out)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default="gnn,gpt3,par")
+    ap.add_argument("--no-hoisted", action="store_true", help="skip full fusion with default hoisting (GNNs)")
+    ap.add_argument("--apps", default="gcn,graphsage", help="GNN apps (with --only gnn)")
+    ap.add_argument("--json", help="also write the raw numbers here")
+    ap.add_argument("--attention-order", help="dataflow order of the attention output (matmul_1) for "
+                    "the lanes study, e.g. 'i j k k1 l' (heads outermost); default: the estimated cheapest")
+    args = ap.parse_args(argv)
+    parts = args.only.split(",")
+    skip = ("full, hoisted",) if args.no_hoisted else ()
+    results: dict = dict(date=datetime.date.today().isoformat(), torch=torch.__version__,
+                         machine=f"{platform.machine()}, {__import__('os').cpu_count()} CPUs")
+    md = [f"machine: {results['machine']}; torch {results['torch']}; {results['date']}", ""]
+    if "gnn" in parts:
+        for app, title in [("gcn", "GCN, Cora"), ("graphsage", "GraphSAGE, Cora")]:
+            if app not in args.apps.split(","):
+                continue
+            rows = app_rows(app, dict(size="default"), GNN_CONFIGS, skip)
+            results[app] = rows
+            md += [table(rows, title), ""]
+    if "gpt3" in parts:
+        rows = app_rows("gpt3-bigbird", dict(size="decoder", block=16), GPT3_CONFIGS)
+        results["gpt3-bigbird"] = rows
+        md += [table(rows, "GPT-3-small BigBird, one decoder, seq 1024, block 16 (sparsity blocking b=16)"), ""]
+    if "par" in parts:
+        par = attention_par_rows(order=args.attention_order)
+        results["par"] = par
+        md += [f"**Attention region `{par['region']}` (order {par['order']}), lanes**", "",
+               "| lanes | par | cycles | speedup vs 1 lane |", "|---|---|---|---|"]
+        md += [f"| {r['lanes']} | {r['par'] or '–'} | {r['cycles']:,} | {r['speedup']:.2f}× |" for r in par["rows"]]
+        md.append("")
+    print("\n".join(md))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
