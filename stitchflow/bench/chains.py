@@ -12,8 +12,9 @@ Writes chains.json, chains.csv and chains_section.md (the BENCHMARKS.md section)
 
 from __future__ import annotations
 
+from .report import replace_section, write_results
+
 import argparse
-import csv
 import datetime
 import json
 import math
@@ -337,14 +338,7 @@ def section_text(meta: dict, rows: list[dict], checks: list[dict]) -> str:
 
 def update_benchmarks_md(path: Path, section: str) -> None:
     """Replace (or append) only this suite's section of BENCHMARKS.md."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    start = text.find(SECTION)
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + section.rstrip("\n") + ("\n" + text[end:] if end >= 0 else "\n")
-    path.write_text(text)
+    replace_section(path, SECTION, section)
 
 
 def _max_autotune_pass(cases, rows, weights, budget: Budget, gen) -> None:
@@ -420,13 +414,9 @@ def run(shapes=None, out_dir="bench_out", budget_s: float = 420.0, top_k: int = 
               f"{_us(row['ours_s'])} ({row['plan']}) err {row['ours_err']:.1e} [{row['wall_s']:.0f}s]", flush=True)
         (out / "chains.json").write_text(json.dumps({"meta": meta, "checks": results, "rows": rows}, indent=1))
     _max_autotune_pass(shapes or default_cases(), rows, weights, budget, gen)
-    (out / "chains.json").write_text(json.dumps({"meta": meta, "checks": results, "rows": rows}, indent=1))
-    with open(out / "chains.csv", "w", newline="") as f:
-        fields = ["case", "M", "K", "N", "L", "hbm_floor", "flop_floor", "eager_s", "compile_s", "max_autotune_s",
-                  "ours_s", "ours_kernel_s", "ours_err", "plan", "model_first_s", "best_profiled_s"]
-        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
+    fields = ["case", "M", "K", "N", "L", "hbm_floor", "flop_floor", "eager_s", "compile_s", "max_autotune_s",
+              "ours_s", "ours_kernel_s", "ours_err", "plan", "model_first_s", "best_profiled_s"]
+    write_results(out, "chains", {"meta": meta, "checks": results, "rows": rows}, rows, fields)
     section = section_text(meta, rows, results)
     (out / "chains_section.md").write_text(section)
     if benchmarks_md:

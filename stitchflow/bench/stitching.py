@@ -12,8 +12,9 @@ fraction of a device-to-device copy measured in the same run.
 
 from __future__ import annotations
 
+from .report import replace_section, write_results
+
 import argparse
-import csv
 import datetime
 import itertools
 import json
@@ -179,14 +180,7 @@ def markdown(rows, info: dict, summ: dict) -> str:
 
 def write_markdown(path: Path, section: str) -> None:
     """Replace (or append) this suite's section of BENCHMARKS.md, leaving other sections."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    if SECTION in text:
-        start = text.index(SECTION)
-        nxt = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + section + (text[nxt + 1:] if nxt >= 0 else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
+    replace_section(path, SECTION, section)
 
 
 def run(patterns=None, out_dir="bench-results", *, markdown_path: str | None = "BENCHMARKS.md", fusion="full",
@@ -219,12 +213,7 @@ def run(patterns=None, out_dir="bench-results", *, markdown_path: str | None = "
                              if "sf_us" in r else r["error"]), flush=True)
         (out / "stitching.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1, default=str))
     summ = summary(rows)
-    (out / "stitching.json").write_text(json.dumps({"info": info, "rows": rows, "summary": summ}, indent=1, default=str))
-    keys = sorted({k for r in rows for k in r})
-    with open(out / "stitching.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        w.writerows(rows)
+    write_results(out, "stitching", {"info": info, "rows": rows, "summary": summ}, rows)
     section = markdown(rows, info, summ)
     (out / "stitching.md").write_text(section)
     if markdown_path:
