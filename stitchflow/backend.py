@@ -13,6 +13,7 @@ CUDA tensors, else "reference"), fusion (default "auto").
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any
@@ -21,7 +22,7 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
-from .frontend.capture import capture
+from .frontend.capture import Captured, capture
 from .frontend.registry import LOWERINGS, describe_target, key_of
 from .ir.errors import StitchflowError
 from .planner.regions import regions_for
@@ -55,36 +56,88 @@ def _supported(node: fx.Node) -> bool:
 
 
 class StitchflowModule(torch.nn.Module):
-    """One partition: compiled on first call for each input signature, eager if capture fails."""
+    """One partition: compiled on first call for each input signature, eager if capture fails.
+
+    Dynamo passes parameters and buffers as graph inputs. Those it marks as static addresses
+    (nn.Module parameters and buffers) are bound into the program as parameters read in place,
+    so that a call's CUDA-graph replay copies only the activations into its static inputs, not
+    every weight (the Llama block's weights are 436 MB). Each call checks that those arguments
+    are still the same storage; if one moved, the partition compiles again with it as an input.
+    """
 
     def __init__(self, gm: fx.GraphModule, target: str | None, fusion, name: str):
         super().__init__()
         self.gm, self.target, self.fusion, self.name = gm, target, fusion, name
         self.programs: dict[tuple, Program | None] = {}
+        self.bound: dict[tuple, dict[int, torch.Tensor]] = {}  # per signature: position -> bound tensor
+        self.moved: set[int] = set()  # positions whose storage changed between calls: inputs from now on
 
     def forward(self, *args):
         key = tuple((tuple(a.shape), a.dtype, a.layout, a.device.type) if isinstance(a, torch.Tensor) else a
                     for a in args)
+        bound = self.bound.get(key, {})
+        moved = [k for k, t in bound.items() if not _same_storage(args[k], t)]
+        if moved:
+            self.moved.update(moved)
+            del self.programs[key]
         if key not in self.programs:
-            self.programs[key] = self._compile(args)
+            self.programs[key], self.bound[key] = self._compile(args)
+            bound = self.bound[key]
         prog = self.programs[key]
-        return prog(*args) if prog is not None else self.gm(*args)
+        if prog is None:
+            return self.gm(*args)
+        return prog(*(a for k, a in enumerate(args) if k not in bound))
 
-    def _compile(self, args) -> Program | None:
+    def _compile(self, args) -> tuple[Program | None, dict]:
         target = self.target or ("gpu" if any(isinstance(a, torch.Tensor) and a.is_cuda for a in args) else "reference")
         try:
             captured = capture(self.gm, args)
+            bound = {k: a for k, a in enumerate(args) if k not in self.moved and _static_address(a)}
+            captured = bind_inputs(captured, args, bound)
             prog = Program(captured, regions_for(captured.graph, self.fusion, target=target), target, self.fusion)
-            log.info("stitchflow: %s compiled for %s: %d nodes in %d regions", self.name, target,
-                     len(captured.graph.nodes), len(prog.regions))
-            return prog
+            log.info("stitchflow: %s compiled for %s: %d nodes in %d regions, %d inputs bound in place", self.name,
+                     target, len(captured.graph.nodes), len(prog.regions), len(bound))
+            return prog, bound
         except StitchflowError as err:
             _record(f"{self.name}: {err}")
-            return None
+            return None, {}
 
     @property
     def regions_executed(self) -> int:
         return sum(p.regions_executed for p in self.programs.values() if p is not None)
+
+
+def _static_address(a) -> bool:
+    """A floating-point parameter or buffer that Dynamo marks as living at a fixed address
+    (integer buffers stay inputs: the gpu target folds constant aranges, which a later
+    in-place update of a bound buffer would not see)."""
+    if not isinstance(a, torch.Tensor) or not a.is_floating_point() or a.layout != torch.strided:
+        return False
+    return isinstance(a, torch.nn.Parameter) or getattr(a, "_dynamo_static_input_type", None) is not None
+
+
+def _same_storage(a, bound: torch.Tensor) -> bool:
+    return (isinstance(a, torch.Tensor) and a.data_ptr() == bound.data_ptr() and a.shape == bound.shape
+            and a.stride() == bound.stride() and a.dtype == bound.dtype)
+
+
+def bind_inputs(captured: Captured, args, bound: dict) -> Captured:
+    """The captured graph with the inputs at the `bound` positions turned into parameters
+    holding those tensors (by reference: the program reads their storage when it runs)."""
+    if not bound:
+        return captured
+    tensor_names = iter(captured.graph.inputs)
+    moved = {}
+    for k, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            name = next(tensor_names)
+            if k in bound:
+                moved[name] = bound[k].detach()
+    graph = dataclasses.replace(captured.graph, inputs=tuple(n for n in captured.graph.inputs if n not in moved),
+                                params=captured.graph.params + tuple(moved))
+    names = tuple(n for k, n in enumerate(captured.input_names) if k not in bound)
+    return dataclasses.replace(captured, graph=graph, param_values={**captured.param_values, **moved},
+                               input_names=names)
 
 
 def stitchflow_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict | None = None, **kwargs):

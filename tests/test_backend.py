@@ -87,3 +87,21 @@ def test_reference_target_option_and_fusion_option():
         assert_close(compiled(*inputs), model(*inputs))
     progs = [p for m in backend.COMPILED for p in m.programs.values() if p]
     assert progs and all(p.fusion == "unfused" and p.target_name == "reference" for p in progs)
+
+
+def test_parameters_are_bound_in_place_and_checked_each_call():
+    """Weights enter the program as parameters read in place (a CUDA-graph replay then copies
+    only the activations); in-place updates are seen, and a replaced weight recompiles."""
+    model, inputs = APPS["llama"].build(size="small")
+    compiled = torch.compile(model, backend="stitchflow", dynamic=False)
+    with torch.no_grad():
+        assert_close(compiled(*inputs), model(*inputs))
+        (module,) = backend.COMPILED
+        (prog,) = [p for p in module.programs.values() if p]
+        assert len(prog.graph.inputs) == 1 and len(prog.graph.params) >= 9  # x alone stays an input
+        model.norm2.weight.mul_(1.5)
+        assert_close(compiled(*inputs), model(*inputs))
+        model.norm2.weight = nn.Parameter(model.norm2.weight * 2)
+        assert_close(compiled(*inputs), model(*inputs))
+        x2 = torch.randn_like(inputs[0])
+        assert_close(compiled(x2), model(x2))
