@@ -170,6 +170,7 @@ def lower_to(ctx, x, *args, **kwargs):
 
 @lowering(
     "method:float", "method:double", "method:half", "method:bfloat16", "method:type_as",
+    "method:long", "method:int", "method:short", "method:bool",
     "method:type", "aten.type_as", "aten._assert_tensor_metadata",
 )
 def lower_cast_methods(ctx, x, *args, **kwargs):

@@ -20,6 +20,7 @@ from __future__ import annotations
 from ...ir.graph import Graph, Region
 from .chains import compile_chain, match_chains, match_gemm_epilogues
 from .grouping import TorchStep, fold_iotas, split_region
+from .rewrites import gather_one_hots
 from .runtime import LAUNCHES, GroupKernel, interpreting
 
 __all__ = ["TARGET", "GpuTarget", "LAUNCHES", "interpreting"]
@@ -33,7 +34,7 @@ class GpuTarget:
         return None
 
     def compile_region(self, graph: Graph, region: Region, params: dict, options: dict):
-        graph = fold_iotas(graph, params)
+        graph = gather_one_hots(fold_iotas(graph, params))
         options = dict(options or {})
         chains = region_chains(graph, region) if options.get("chains", True) else []
         chain_at = {c[-1]: c for c in chains}

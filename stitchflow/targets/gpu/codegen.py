@@ -321,12 +321,18 @@ class PartKernel:
         return sub
 
     def _online_step(self, r, acc_m: str, acc_s: str, scope: Scope) -> None:
-        """Per lane: m' = max(m, x); s' = s * exp(m - m') + exp(a - m')."""
+        """One chunk of an online sum: m' = max(m, max of the chunk) per row; every lane's sum
+        s' = s * exp(m - m') + exp(a - m'). The maximum is the row's, not the lane's, so each
+        element costs one exponential (a lane-wise maximum needs two, and two exponentials per
+        bf16 element are as many as the special-function units issue at copy bandwidth). While
+        a row has seen only -inf the terms are taken against 0 instead, so that exp(-inf - -inf)
+        never turns the sum into NaN."""
         m1 = self.plan.online[r.name]
         x = self._masked_body(self.nodes[m1], scope)
-        m_new = self.src.let(f"tl.maximum({acc_m}, {x})", "m")
+        m_new = self.src.let(f"tl.maximum({acc_m}, tl.max({x}, axis=1, keep_dims=True))", "m")
+        m_ref = self.src.let(f"tl.where({m_new} == NEG_INF, 0.0, {m_new})", "m")
         sub = Scope(scope, chunk=True)
-        sub.values[("node", m1)] = Val(m_new, "f", frozenset({"p", "l"}))
+        sub.values[("node", m1)] = Val(m_ref, "f", frozenset({"p"}))
         term = self._masked_body(r, sub)
         alpha = self.src.let(f"tl.where({m_new} == NEG_INF, 0.0, tl.exp({acc_m} - {m_new}))", "a")
         self.src.emit(f"{acc_s} = {acc_s} * {alpha} + {term}")
@@ -346,7 +352,8 @@ class PartKernel:
         return "NEG_INF" if r.reduce == "max" else "0.0"
 
     def _acc_init(self, r) -> str:
-        shape = f"[{self.cfg.BP}, {self.cfg.BL}]"
+        rowwise = r.name in (self.plan.online or {}).values()  # an online sum's running maximum
+        shape = f"[{self.cfg.BP}, {1 if rowwise else self.cfg.BL}]"
         return self.src.let(f"tl.full({shape}, {self._neutral(r)}, {self._acc_dtype(r)})", "acc")
 
     def _masked_body(self, r, scope: Scope) -> str:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ...ir.expr import OPS, Access, Call, Cast, Const, IndexValue, Read
-from ...ir.index import Div, Gather, Lit, Mod, Sum, Var, bounds, rename, substitute
+from ...ir.index import Div, Gather, Lit, Mod, Sum, Var, bounds, gathered_tensors, rename, substitute
 from .analysis import register_read
 
 TL_DTYPE = {
@@ -138,6 +138,8 @@ class BodyEmitter:
         for idx, size, stride in zip(indices, shape, strides):
             v = self.index(idx, node, scope)
             lo, hi = bounds(idx, node.extents)
+            if gathered_tensors(idx):  # a gathered index is data: it may be negative too
+                lo = min(lo, -1)
             code = v.code
             if checks is not None and (hi > size - 1 or lo < 0):
                 if hi > size - 1:

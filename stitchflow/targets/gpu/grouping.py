@@ -72,7 +72,7 @@ def fold_iotas(graph: Graph, params: dict) -> Graph:
 
 def split_region(graph: Graph, region: Region) -> list[tuple[str, list[Node], list[PartPlan] | str]]:
     """Steps of a region: ("kernel", nodes, plans) or ("torch", [node], reason)."""
-    nodes = [graph.node_of[n] for n in region.nodes]
+    nodes = [graph.node_of[n] for n in region.nodes if n in graph.node_of]  # rewrites drop dead nodes
     steps: list = []
     current: list[Node] = []
     plans: list[PartPlan] = []

@@ -1,0 +1,190 @@
+"""IR rewrites the gpu target applies to a graph before grouping it into kernels.
+
+One-hot select-sums become gathers. `s[i] = sum_k where(k == t[i], v[i,k], 0)` (cross-entropy
+picking the target's log-probability, written as eager code often writes it) reads every
+v[i,k] to keep one. It equals `where(0 <= t[i] < K, v[i, t[i]], 0)`: at most one k matches,
+and every other term is an exact zero, so the rewrite changes no rounding. The selected value
+is the body of v's elementwise producers evaluated at the gathered index, so after the
+rewrite only the reductions that v needs (a log-softmax's max and sum) still stream over the
+row: one read of the logits instead of a second pass that re-reads them for the select.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ...ir.expr import Access, Call, Cast, Const, IndexValue, Read
+from ...ir.graph import Graph, Node
+from ...ir.index import Gather, Var, free_vars, substitute
+from .emit import inline_body
+
+INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def gather_one_hots(graph: Graph) -> Graph:
+    """The graph with every one-hot select-sum replaced by a gather (and the nodes only that
+    sum read dropped); the graph itself when there is none."""
+    changed = {}
+    for node in graph.nodes:
+        new = one_hot_gather(graph, node)
+        if new is not None:
+            changed[node.name] = new
+    if not changed:
+        return graph
+    nodes = tuple(changed.get(n.name, n) for n in graph.nodes)
+    return drop_dead(dataclasses.replace(graph, nodes=nodes))
+
+
+def drop_dead(graph: Graph) -> Graph:
+    """Without the nodes no output depends on."""
+    live, todo = set(), [o for o in graph.outputs if o in graph.node_of]
+    while todo:
+        name = todo.pop()
+        if name not in live:
+            live.add(name)
+            todo += [t for t in graph.node_of[name].inputs if t in graph.node_of]
+    return dataclasses.replace(graph, nodes=tuple(n for n in graph.nodes if n.name in live))
+
+
+def one_hot_gather(graph: Graph, node: Node) -> Node | None:
+    """`node` as a gather when it is a one-hot select-sum over one variable, else None."""
+    if node.reduce != "sum" or node.is_scatter or len(node.reduce_vars) != 1:
+        return None
+    (k,) = node.reduce_vars
+    ranges = node.extents
+    casts, body = _peel_casts(_look_through(graph, node.body, ranges))
+    wcast, select = _peel_casts(_look_through(graph, body, ranges))
+    if not (isinstance(select, Call) and select.op == "where" and _is_zero(select.args[2])):
+        return None
+    conjuncts = _conjuncts(_look_through(graph, select.args[0], ranges), graph, ranges)
+    hits = [(c, _one_hot_target(graph, c, k)) for c in conjuncts]
+    found = [(c, t) for c, t in hits if t is not None]
+    if len(found) != 1:
+        return None
+    eq, (target, gathered) = found[0]
+    at = {k: gathered}
+    extent = ranges[k]
+    in_range = Call("and", (Call("ge", (target, Const(0))), Call("lt", (target, Const(extent)))))
+    rest = [_substitute(_inline_reads_of(graph, c, k, ranges), at, ranges) for c in conjuncts if c is not eq]
+    cond = in_range
+    for c in rest:
+        cond = Call("and", (cond, c))
+    value = _substitute(_inline_reads_of(graph, select.args[1], k, ranges), at, ranges)
+    new_body = _wrap(casts, _wrap(wcast, Call("where", (cond, value, select.args[2]))))
+    dims = tuple((v, n) for v, n in node.dims if v != k)
+    if k in _vars(new_body):
+        return None
+    return dataclasses.replace(node, body=new_body, dims=dims, reduce=None)
+
+
+def _look_through(graph: Graph, e, ranges):
+    """A read of an elementwise node becomes that node's body at the read's indices (cast to
+    its dtype, as the node rounds its result); anything else stays."""
+    if isinstance(e, Read) and _elementwise(graph, e.access.tensor):
+        producer = graph.node_of[e.access.tensor]
+        return Cast(graph.type_of[producer.name].dtype, inline_body(producer, e.access.indices, ranges))
+    return e
+
+
+def _elementwise(graph: Graph, tensor: str) -> bool:
+    node = graph.node_of.get(tensor)
+    return node is not None and node.reduce is None and not node.is_scatter and not node.reduce_vars
+
+
+def _peel_casts(e) -> tuple[list, object]:
+    casts = []
+    while isinstance(e, Cast):
+        casts.append(e.dtype)
+        e = e.arg
+    return casts, e
+
+
+def _wrap(casts: list, e):
+    for dtype in reversed(casts):
+        e = Cast(dtype, e)
+    return e
+
+
+def _is_zero(e) -> bool:
+    _, e = _peel_casts(e)
+    return isinstance(e, Const) and not isinstance(e.value, bool) and e.value == 0
+
+
+def _conjuncts(cond, graph: Graph, ranges) -> list:
+    _, c = _peel_casts(cond)
+    if isinstance(c, Call) and c.op == "and":
+        return [x for a in c.args for x in _conjuncts(_look_through(graph, a, ranges), graph, ranges)]
+    return [c]
+
+
+def _one_hot_target(graph: Graph, cond, k: str):
+    """For `iota(k) == t` (either side), t an integer read that does not depend on k:
+    (t as a value, t as a gathered index); else None."""
+    if not (isinstance(cond, Call) and cond.op == "eq"):
+        return None
+    for iota, other in (cond.args, cond.args[::-1]):
+        if _is_iota(iota, k):
+            gathered = _as_gather(graph, other, k)
+            if gathered is not None:
+                return other, gathered
+    return None
+
+
+def _is_iota(e, k: str) -> bool:
+    casts, e = _peel_casts(e)
+    return all(d in INDEX_DTYPES for d in casts) and isinstance(e, IndexValue) and e.index == Var(k)
+
+
+def _as_gather(graph: Graph, e, k: str):
+    """An integer read t[idx] with k nowhere in idx, seen through widening casts (a narrowing
+    cast could wrap, and then the value compared is not the value gathered)."""
+    casts, inner = _peel_casts(e)
+    if not isinstance(inner, Read):
+        return None
+    dtype = graph.type_of[inner.access.tensor].dtype
+    if dtype not in INDEX_DTYPES or any(d != torch.int64 and d != dtype for d in casts):
+        return None
+    if any(k in free_vars(i) for i in inner.access.indices):
+        return None
+    return Gather(inner.access.tensor, inner.access.indices)
+
+
+def _inline_reads_of(graph: Graph, e, k: str, ranges):
+    """Inline the elementwise producers of every read that depends on k (recursively), so
+    that substituting k reads graph inputs and reductions only."""
+    if isinstance(e, Read):
+        if k in e.access.vars and _elementwise(graph, e.access.tensor):
+            return _inline_reads_of(graph, _look_through(graph, e, ranges), k, ranges)
+        return e
+    if isinstance(e, Call):
+        return Call(e.op, tuple(_inline_reads_of(graph, a, k, ranges) for a in e.args))
+    if isinstance(e, Cast):
+        return Cast(e.dtype, _inline_reads_of(graph, e.arg, k, ranges))
+    return e
+
+
+def _substitute(e, mapping: dict, ranges):
+    if isinstance(e, Read):
+        a = e.access
+        return Read(Access(a.tensor, tuple(substitute(i, mapping, ranges) for i in a.indices)))
+    if isinstance(e, IndexValue):
+        return IndexValue(substitute(e.index, mapping, ranges))
+    if isinstance(e, Call):
+        return Call(e.op, tuple(_substitute(a, mapping, ranges) for a in e.args))
+    if isinstance(e, Cast):
+        return Cast(e.dtype, _substitute(e.arg, mapping, ranges))
+    return e
+
+
+def _vars(e) -> frozenset:
+    if isinstance(e, Read):
+        return e.access.vars
+    if isinstance(e, IndexValue):
+        return free_vars(e.index)
+    if isinstance(e, Call):
+        return frozenset().union(*(_vars(a) for a in e.args))
+    if isinstance(e, Cast):
+        return _vars(e.arg)
+    return frozenset()
