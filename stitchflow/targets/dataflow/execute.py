@@ -17,6 +17,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from . import kernels
 from . import storage as S
 from .graph import Dataflow, Prim
 from .ops import apply_op
@@ -120,53 +121,12 @@ def _range(p: Prim, args, env):
 
 
 def scan(refs: Stream, level: S.LevelData) -> tuple[Stream, Stream]:
-    k = refs.kind
-    n = len(k)
-    elem, empty, stop = k == ELEM, k == EMPTY, k == STOP
-    item = elem | empty
-    prev_item = np.concatenate(([False], item[:-1]))
-    next_kind = np.concatenate((k[1:], [DONE]))
-    next_ival = np.concatenate((refs.ival[1:], [0]))
-    r = np.where(elem, refs.ival, 0)
-    if level.kind == S.DENSE:
-        start = r * level.size
-        length = np.where(elem, level.size, 0)
-    else:
-        start = level.seg[np.minimum(r, len(level.seg) - 2)] if len(level.seg) > 1 else np.zeros(n, np.int64)
-        length = np.where(elem, level.seg[np.minimum(r + 1, len(level.seg) - 1)] - start, 0)
-    n_items = np.where(elem, length, np.where(empty, 1, 0))
-    bare = stop & ~prev_item
-    n_tail = (item | bare | (k == DONE)).astype(np.int64)
-    total = n_items + n_tail
-    begin = np.cumsum(total) - total
-    N = int(total.sum())
-    kind = np.empty(N, np.int8)
-    cval = np.empty(N, np.int64)
-    rval = np.empty(N, np.int64)
-    # fiber contents
-    src = np.repeat(np.arange(n), n_items)
-    first = np.cumsum(n_items) - n_items
-    off = np.arange(len(src)) - np.repeat(first, n_items)
-    pos = np.repeat(begin, n_items) + off
-    is_n = empty[src]
-    kind[pos] = np.where(is_n, EMPTY, ELEM)
-    if level.kind == S.DENSE:
-        cval[pos] = np.where(is_n, 0, off)
-        rval[pos] = np.where(is_n, 0, start[src] + off)
-    else:
-        at = np.where(is_n, 0, start[src] + off)
-        cval[pos] = np.where(is_n, 0, level.crd[at] if len(level.crd) else 0)
-        rval[pos] = at
-    # the stop after each fiber (absorbing a following S(n) as S(n+1)), bare stops, done
-    tail_tok = np.flatnonzero(n_tail)
-    tpos = begin[tail_tok] + n_items[tail_tok]
-    tk = k[tail_tok]
-    merged = (tk != STOP) & (tk != DONE) & (next_kind[tail_tok] == STOP)
-    lvl = np.where(tk == STOP, refs.ival[tail_tok] + 1, np.where(merged, next_ival[tail_tok] + 1, 0))
-    kind[tpos] = np.where(tk == DONE, DONE, STOP)
-    cval[tpos] = np.where(tk == DONE, 0, lvl)
-    rval[tpos] = cval[tpos]
-    return Stream(kind, cval), Stream(kind.copy(), rval)
+    """A level's fibers under each ref: (coordinate stream, ref stream); kernels.scan_level."""
+    dense = level.kind == S.DENSE
+    none = np.zeros(0, np.int64)
+    kind, crd, ref = kernels.scan_level(refs.kind, refs.ival, dense, int(level.size or 0),
+                                        none if dense else level.seg, none if dense else level.crd)
+    return Stream(kind, crd), Stream(kind.copy(), ref)
 
 
 @prim("locate")
@@ -194,8 +154,9 @@ def _repeat(p: Prim, args, env):
 def repeat(x: Stream, sig: Stream) -> Stream:
     """x (depth d) repeated over the fibers of sig (depth d+1): sig's structure, x's items."""
     u = check_child(x, sig, "repeat")
-    items = is_item(sig)
-    src = u[np.minimum(unit_of(sig)[items], max(len(u) - 1, 0))] if len(u) else np.zeros(0, np.int64)
+    src = kernels.repeat_sources(u, sig.kind)
+    items = src >= 0
+    src = src[items]
     kind = sig.kind.copy()
     ival = np.where(kind == STOP, sig.ival, 0)
     kind[items] = x.kind[src]
@@ -288,6 +249,8 @@ def _read(p: Prim, args, env):
 
 
 def read(st: S.Storage, refs: Stream) -> Stream:
+    if st.values.ndim == 1:
+        return Stream(*kernels.read_values(refs.kind, refs.ival, st.values.astype(np.float64, copy=False)))
     elem = refs.kind == ELEM
     fval = np.zeros((len(refs),) + st.values.shape[1:], np.float64)
     fval[elem] = st.values[refs.ival[elem]]

@@ -26,6 +26,7 @@ import numpy as np
 from .counters import Counters, count, total
 from .execute import FUNCS
 from .graph import Dataflow
+from .kernels import emit_times, fire_array, fire_scalar, ready_gather
 from .stream import Stream
 from .timing import Context, Schedule, Timing, schedule
 
@@ -96,35 +97,25 @@ def ready(sched: Schedule, in_times: list) -> np.ndarray:
         if need is None:
             np.maximum(x, t, out=x)
         else:
-            k = int(np.searchsorted(need, 0))
-            if k < sched.n:
-                np.maximum(x[k:], t[need[k:]], out=x[k:])
-    x[0] = max(x[0], sched.start)
+            ready_gather(x, t, need)
+    if sched.n:
+        x[0] = max(x[0], sched.start)
     return x
 
 
 def fire(sched: Schedule, x: np.ndarray) -> np.ndarray:
-    """T = C + cummax(X - C): each step as early as its inputs and the interval allow."""
+    """T[s] = max(X[s], T[s-1] + ii[s-1]): each step as early as its inputs and the interval
+    allow (in place on x)."""
     if isinstance(sched.ii, np.ndarray):
-        c = np.zeros(sched.n, np.int64)
-        np.cumsum(sched.ii[:-1], out=c[1:])
+        fire_array(x, sched.ii)
     else:
-        c = np.arange(sched.n, dtype=np.int64) * sched.ii
-    x -= c
-    np.maximum.accumulate(x, out=x)
-    x += c
+        fire_scalar(x, int(sched.ii))
     return x
 
 
 def emitted(sched: Schedule, t: np.ndarray, o: int) -> np.ndarray:
     """Timestamps of output o: step time + latency, in order (no token overtakes)."""
-    e = t + sched.lat
-    emit = sched.emit[o]
-    if emit is not None:
-        e = e[emit]
-    if isinstance(sched.lat, np.ndarray):
-        np.maximum.accumulate(e, out=e)
-    return e
+    return emit_times(t, sched.lat, sched.emit[o])
 
 
 def finish_of(sched: Schedule, t: np.ndarray, outs: list) -> int:

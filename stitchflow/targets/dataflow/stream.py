@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import kernels
+
 ELEM, STOP, DONE, EMPTY = 0, 1, 2, 3
 
 
@@ -102,16 +104,12 @@ def is_item(s: Stream) -> np.ndarray:
 
 def units(s: Stream) -> np.ndarray:
     """Token indices of the units of `s`: items, and stops that follow no item."""
-    item = is_item(s)
-    prev_item = np.concatenate(([False], item[:-1]))
-    bare = (s.kind == STOP) & ~prev_item
-    return np.flatnonzero(item | bare)
+    return kernels.units(s.kind)
 
 
 def unit_of(s: Stream) -> np.ndarray:
     """For each token of a child stream, the index of the parent unit it belongs to."""
-    stops = (s.kind == STOP).astype(np.int64)
-    return np.cumsum(stops) - stops
+    return kernels.unit_of(s.kind)
 
 
 def item_ordinal(s: Stream) -> np.ndarray:

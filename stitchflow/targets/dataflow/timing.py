@@ -37,6 +37,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .graph import Prim
+from . import kernels
+from .kernels import merge_sorted, need_from_positions
 from .stream import DONE, ELEM, EMPTY, STOP, Stream, is_item, unit_of, units
 
 MEMORY_KINDS = ("scan", "read", "write")
@@ -118,13 +120,7 @@ def parent_dep(parent: Stream, child: Stream, peek: bool = True) -> np.ndarray:
     u = units(parent)
     if not len(u):
         return np.full(len(child), len(parent) - 1, np.int64)
-    dep = u[np.minimum(unit_of(child), len(u) - 1)]
-    if peek:
-        nxt = np.minimum(dep + 1, len(parent) - 1)
-        merge = (child.kind == STOP) & is_item(parent)[dep] & (parent.kind[nxt] == STOP)
-        dep = np.where(merge, nxt, dep)
-    dep[child.kind == DONE] = len(parent) - 1
-    return dep
+    return kernels.parent_dep(parent.kind, u, child.kind, peek)
 
 
 def closing_keys(parent: Stream, child: Stream, child_keys: np.ndarray) -> np.ndarray:
@@ -146,12 +142,20 @@ def closing_keys(parent: Stream, child: Stream, child_keys: np.ndarray) -> np.nd
     return np.maximum.accumulate(keys)
 
 
-def from_keys(in_keys: list, out_keys: list):
+def from_keys(in_keys: list, out_keys: list, domain: int | None = None):
     """Steps as the merge of key sequences: one step per distinct key; an input token is
-    consumed at the step of its key, an output token emitted at the step of its key."""
-    allk = np.unique(np.concatenate([k for k in in_keys + out_keys if k is not None]))
-    need = [None if k is None else np.searchsorted(k, allk, side="right") - 1 for k in in_keys]
-    emit = [None if k is None else np.searchsorted(allk, k) for k in out_keys]
+    consumed at the step of its key, an output token emitted at the step of its key.
+    `domain` = n when one input's keys are 0..n-1 and the others' lie among them (a chain's
+    keys): then the steps are those keys and no merge is needed."""
+    if domain is not None:
+        need = [None if k is None else need_from_positions(k, domain) for k in in_keys]
+        return domain, need, [None if k is None else np.asarray(k, np.int64) for k in out_keys]
+    arrays = [np.asarray(k, np.int64) for k in in_keys + out_keys if k is not None]
+    offsets = np.cumsum([0] + [len(k) for k in arrays]).astype(np.int64)
+    allk, pos = merge_sorted(np.concatenate(arrays), offsets)
+    slices = iter(pos[a:b] for a, b in zip(offsets[:-1], offsets[1:]))
+    need = [None if k is None else need_from_positions(next(slices), len(allk)) for k in in_keys]
+    emit = [None if k is None else next(slices) for k in out_keys]
     return len(allk), need, emit
 
 
@@ -233,7 +237,7 @@ def _accumulate(p, ins, outs):
     keys = chain_keys(chain)
     if len(vals) != len(chain[-1]):
         raise ValueError(f"timing: {p.kind} values do not match their coordinates")
-    return from_keys([keys[-1]] + keys[1:] + [keys[0]], [keys[0]])
+    return from_keys([keys[-1]] + keys[1:] + [keys[0]], [keys[0]], domain=len(keys[-1]))
 
 
 def _write(p, ins, outs):
@@ -243,7 +247,7 @@ def _write(p, ins, outs):
     if len(vals) != len(chain[-1]):
         raise ValueError("timing: written values do not match their coordinates")
     last = np.array([keys[-1][-1]], np.int64)
-    return from_keys(keys[1:] + [keys[-1], keys[0]], [last])
+    return from_keys(keys[1:] + [keys[-1], keys[0]], [last], domain=len(keys[-1]))
 
 
 def _root(p, ins, outs):
