@@ -178,7 +178,10 @@ class BodyEmitter:
         return val
 
     # ------------------------------------------------------------ bodies
-    def expr(self, e, node, scope: Scope, inlining: bool = False) -> Val:
+    def expr(self, e, node, scope: Scope, inlining: bool = False, result: torch.dtype | None = None) -> Val:
+        """The value of body `e` of `node`; `result` is the dtype the enclosing node rounds
+        to (the node's own, or an inlined producer's), which picks special-function variants."""
+        result = result or self.k.graph.type_of[node.name].dtype
         if isinstance(e, Const):
             return const(e.value)
         if isinstance(e, Read):
@@ -193,17 +196,17 @@ class BodyEmitter:
         if isinstance(e, Cast):
             if isinstance(e.arg, Const):
                 return const(torch.tensor(e.arg.value).to(e.dtype).item())
-            return self.cast(self.expr(e.arg, node, scope, inlining), e.dtype)
+            return self.cast(self.expr(e.arg, node, scope, inlining, result), e.dtype)
         if isinstance(e, Call):
             if all(isinstance(a, Const) for a in e.args):
                 return const(_fold(e))
-            return self.call(e.op, [self.expr(a, node, scope, inlining) for a in e.args], e.args)
+            return self.call(e.op, [self.expr(a, node, scope, inlining, result) for a in e.args], e.args, result)
         raise TypeError(f"unknown expression {e!r}")
 
     def inline(self, producer, indices, node, scope: Scope) -> Val:
         """The producer's body evaluated at the consumer's indices, rounded to its dtype."""
         body = inline_body(producer, indices, node.extents)
-        v = self.expr(body, node, scope, inlining=True)
+        v = self.expr(body, node, scope, inlining=True, result=self.k.graph.type_of[producer.name].dtype)
         return self.cast(v, self.k.graph.type_of[producer.name].dtype)
 
     def cast(self, v: Val, dtype: torch.dtype) -> Val:
@@ -211,7 +214,7 @@ class BodyEmitter:
             return v if v.kind == "b" else Val(self.k.src.let(f"({v.code} != 0)"), "b", v.deps)
         return Val(self.k.src.let(carried(v.code, dtype, self.interpret)), kind_of(dtype), v.deps)
 
-    def call(self, op: str, args: list[Val], raw) -> Val:
+    def call(self, op: str, args: list[Val], raw, result: torch.dtype = torch.float32) -> Val:
         deps = frozenset().union(*(a.deps for a in args))
         kind_op = OPS[op].kind
         if kind_op == "compare":
@@ -228,7 +231,7 @@ class BodyEmitter:
         if op in UNARY_FLOAT or op == "tanh":
             (a,) = args
             x = a.code if a.kind == "f" else f"{a.code}.to(tl.float32)"
-            return self._let(self._unary_float(op, x), "f", deps)
+            return self._let(self._unary_float(op, x, result), "f", deps)
         if op == "pow":
             return self._pow(args[0], args[1], raw[1], deps)
         kind = "f" if op == "div" else _promote(*args)
@@ -248,7 +251,9 @@ class BodyEmitter:
             return self._let(f"(1.0 / {a})", "f", deps)
         raise TargetError(f"scalar op {op} has no Triton lowering")
 
-    def _unary_float(self, op: str, x: str) -> str:
+    def _unary_float(self, op: str, x: str, result: torch.dtype) -> str:
+        if op == "erf" and result in LOW_PRECISION:  # see codegen's _erf_lowp: error far below the rounding
+            return f"_erf_lowp({x})"
         if op != "tanh":
             return f"{UNARY_FLOAT[op]}({x})"
         return f"_tanh({x})"
