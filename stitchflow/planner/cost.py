@@ -153,12 +153,15 @@ def _estimate_with(ctx: _Context, nodes: Sequence[str], nest: LoopNest, work, tr
 
 
 def estimate_region(graph: Graph, nodes: Sequence[str], dens: Densities, options: Mapping | None = None,
-                    concordant_only: bool = True, score=None) -> Estimate:
-    """Estimate a region under options {"order": k, "par": {level: lanes}, "block": b}. With no
-    order, every legal order is tried and the one `score` (default: FLOPs) likes best is kept.
-    `concordant_only=False` drops the storage-order constraints (a GPU kernel reads any order)."""
+                    concordant_only: bool = True, score=None, hoist: bool | None = None) -> Estimate:
+    """Estimate a region under options {"order": k, "par": {level: lanes}, "block": b, "hoist":
+    bool}. With no order, every legal order is tried and the one `score` (default: FLOPs) likes
+    best is kept. `concordant_only=False` drops the storage-order constraints (a GPU kernel reads
+    any order). `hoist` is the default of options["hoist"] (loopnest.py: True buffers nested
+    reductions, False streams them inside their consumers, None places nodes by the order only)."""
     options = dict(options or {})
     block, par = options.get("block"), options.get("par") or {}
+    hoist = options.get("hoist", hoist)
     ctx = _Context(graph, frozenset(nodes), dens, _streams(graph, dens, block), block)
     rv = unify(graph, nodes)
     orders, concordant = legal_orders(graph, nodes, rv, constrained=concordant_only)
@@ -172,7 +175,7 @@ def estimate_region(graph: Graph, nodes: Sequence[str], dens: Densities, options
         work[name] = (*_node_work(ctx, name), reads)
     best = None
     for order in candidates:
-        nest = analyse(prep, order, concordant)
+        nest = analyse(prep, order, concordant, hoist)
         est = _estimate_with(ctx, nodes, nest, work, traffic, par, block)
         key = score(est) if score else (est.flops, est.bytes)
         if best is None or key < best[0]:
@@ -236,7 +239,8 @@ class DataflowCostModel(_Weighted):
         return f"dataflow static model ({self.densities}, weights {self.weights})"
 
     def estimate(self, graph: Graph, nodes: Sequence[str], options: Mapping | None = None) -> Estimate:
-        return estimate_region(graph, nodes, self.densities, options, True, self._order_score)
+        # the dataflow target hoists by default (its option hoist=True)
+        return estimate_region(graph, nodes, self.densities, options, True, self._order_score, hoist=True)
 
     def _order_score(self, est: Estimate) -> float:
         return self.cost(est)

@@ -1,11 +1,19 @@
 """Design-space exploration (FuseFlow): granularities x dataflow orders x parallel factors x block
-sizes, pruned by the static estimate, survivors evaluated in parallel.
+sizes x hoisting, pruned by the static estimate, survivors evaluated in parallel.
 
     result = explore("gcn", dataset="cora", orders=[None, 0, 1], par=[{}, {0: 4}], blocks=[None, 16])
 
-Granularities: unfused, per layer, full, auto (the integer program), and for GCN the ablations of
-spec/workloads.md. Knobs reach the target as `options` = {"order": k, "par": {level: lanes},
-"block": b}; order None lets the scheduler take the best legal order of each region.
+Granularities: unfused, per layer, full, the planner's candidate plans ("ilp hoisted #k" and
+"ilp streamed #k": the k best plans of the integer program under the static model with and
+without hoisting, auto.auto_candidates), and for GCN the ablations of spec/workloads.md. Knobs
+reach the target as `options` = {"order": k, "par": {level: lanes}, "block": b, "hoist": False};
+order None lets the scheduler take the best legal order of each region. The target hoists by
+default; the granularities in `streamed` (default: full) are also run with hoist=False, FuseFlow's
+fully streamed recomputation ("full streamed"), where the static estimate differs.
+
+"auto" is the fastest candidate plan by the evaluation (FlashFuser's "analytical model, then
+measure the best few"): one row per combination of the other knobs, naming the plan it is.
+Each distinct (partition, options) is evaluated once, whichever rows share it.
 
 Evaluation is pluggable: when the target is loadable and `Program` has `simulate`, each survivor
 is compiled and simulated (cycles); until then the static estimate of cost.py is the value, and
@@ -23,10 +31,10 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from ..ir.errors import StitchflowError
-from .auto import auto_plan
+from .auto import auto_candidates
 from .cost import Estimate, model_for
-from .granularity import granularities
-from .prune import PRUNE_FACTOR, prune
+from .granularity import granularities, partition_key
+from .prune import COST_FACTOR, PRUNE_FACTOR, prune
 from .report import Row, render_table, write_csv, write_json, write_plot
 
 
@@ -51,11 +59,21 @@ class Config:
     order: int | None = None
     par: tuple[tuple[int, int], ...] = ()
     block: int | None = None
+    hoist: bool = True
 
     def __str__(self) -> str:
         par = "x".join(str(w) for _, w in self.par) or "1"
         order = "best" if self.order is None else str(self.order)
-        return f"{self.granularity} o={order} p={par} b={self.block or '-'}"
+        return f"{self.name} o={order} p={par} b={self.block or '-'}"
+
+    @property
+    def name(self) -> str:
+        return self.granularity + ("" if self.hoist else " streamed")
+
+    @property
+    def knobs(self) -> tuple:
+        """Everything but the partition: configurations to compare with each other."""
+        return self.order, self.par, self.block
 
     @property
     def options(self) -> dict:
@@ -64,7 +82,13 @@ class Config:
             out["order"] = self.order
         if self.block:
             out["block"] = self.block
+        if not self.hoist:
+            out["hoist"] = False
         return out
+
+    def evaluation_key(self) -> tuple:
+        """Configurations with equal keys compile to the same program."""
+        return partition_key(self.groups), self.knobs, self.hoist
 
 
 @dataclass(frozen=True)
@@ -198,13 +222,16 @@ def _run(executor, tasks, progress: bool) -> list[dict]:
     return results
 
 
-def configurations(key: AppKey, target: str, orders, par, blocks) -> tuple[list[Config], list[str]]:
+def configurations(key: AppKey, target: str, orders, par, blocks, streamed=("full",)):
+    """(configurations, notes, partitions of the planner's candidate plans)."""
     captured, _, values = load_app(key)
     graph = captured.graph
-    grans, notes = granularities(key.app, graph, lambda: auto_plan(graph, target, values).groups)
-    configs = [Config(name, tuple(map(tuple, groups)), o, tuple(sorted(dict(p).items())), b)
-               for name, groups in grans for o in orders for p in par for b in blocks]
-    return configs, notes
+    candidates = auto_candidates(graph, target, values)
+    grans, notes = granularities(key.app, graph, lambda: [(label, p.groups) for label, p in candidates])
+    configs = [Config(name, tuple(map(tuple, groups)), o, tuple(sorted(dict(p).items())), b, hoist)
+               for name, groups in grans for hoist in ((True, False) if name in streamed else (True,))
+               for o in orders for p in par for b in blocks]
+    return configs, notes, {partition_key(p.groups) for _, p in candidates}
 
 
 def _refusals(key: AppKey, target: str, configs: list[Config]) -> dict[Config, str]:
@@ -226,44 +253,88 @@ def _refusals(key: AppKey, target: str, configs: list[Config]) -> dict[Config, s
 def explore(app: str, dataset: str | None = None, target: str = "dataflow", orders: Sequence = (None,),
             par: Sequence[Mapping] = ({},), blocks: Sequence = (None,), executor=None,
             out_dir: str | Path | None = "explore_out", size: str | None = None, seed: int = 0,
-            factor: float = PRUNE_FACTOR, progress: bool = True, app_block: int | None = None) -> ExploreResult:
+            factor: float = PRUNE_FACTOR, progress: bool = True, app_block: int | None = None,
+            streamed: Sequence[str] = ("full",), cost_factor: float = COST_FACTOR) -> ExploreResult:
     """Sweep the design space of `app` (see the module docstring); write CSV, JSON and a PNG of
     the speedup over unfused to `out_dir` (None: write nothing)."""
     # as the CLI's other verbs: GNNs default to Cora at the paper's size, other apps to "small"
     size = size or ("default" if app in ("gcn", "graphsage") and dataset in (None, "cora") else "small")
     key = AppKey(app, size, dataset, app_block, seed)
-    configs, notes = configurations(key, target, list(orders), list(par), list(blocks))
+    configs, notes, auto_keys = configurations(key, target, list(orders), list(par), list(blocks), tuple(streamed))
     refused = _refusals(key, target, configs)
     configs = [c for c in configs if c not in refused]
-    ests = {c: static_estimate(key, target, c, blocks)[0] for c in configs}
-    unfused = {(c.order, c.par, c.block): c for c in configs if c.granularity == "unfused"}
-    result = prune(configs, ests, factor, baseline=lambda c: ests[unfused[(c.order, c.par, c.block)]])
+    static = {c: static_estimate(key, target, c, blocks) for c in configs}
+    configs, same = _drop_same_streamed(configs, static)
+    notes += same
+    ests, costs = {c: static[c][0] for c in configs}, {c: static[c][1] for c in configs}
+    unfused = {c.knobs: c for c in configs if c.granularity == "unfused"}
+    result = prune(configs, ests, factor, baseline=lambda c: unfused[c.knobs], costs=costs, cost_factor=cost_factor)
+    distinct: dict = {}
+    for c in result.kept:
+        distinct.setdefault(c.evaluation_key(), c)
     pool, owned = _executor(executor)
     try:
-        values = _run(pool, [(key, target, c, tuple(blocks)) for c in result.kept], progress)
+        values = _run(pool, [(key, target, c, tuple(blocks)) for c in distinct.values()], progress)
     finally:
         if owned:
             pool.shutdown()
-    rows = _rows(configs, ests, dict(zip(result.kept, values)), {p.config: p.reason for p in result.pruned})
-    rows += [Row(str(c), c.granularity, len(c.groups), "best" if c.order is None else str(c.order),
+    measured = dict(zip(distinct, values))
+    value_of = {c: measured[c.evaluation_key()] for c in result.kept}
+    autos, auto_notes = _auto(configs, result.kept, value_of, auto_keys)
+    notes += auto_notes
+    rows = _rows(configs, ests, value_of, {p.config: p.reason for p in result.pruned}, autos)
+    rows += [Row(str(c), c.name, len(c.groups), "best" if c.order is None else str(c.order),
                  "x".join(str(w) for _, w in c.par) or "1", c.block or 0, 0.0, 0.0, 0.0, None, None, "-",
                  "refused", why) for c, why in refused.items()]
     files = _write(rows, out_dir, f"{app}-{dataset or size}-{target}") if out_dir else ()
     return ExploreResult(app, dataset, target, tuple(rows), tuple(files), tuple(notes))
 
 
-def _rows(configs, ests, values: dict, pruned: dict) -> list[Row]:
-    baseline = values.get(next(c for c in configs if c.granularity == "unfused"), {}).get("value")
-    rows = []
+def _drop_same_streamed(configs, static) -> tuple[list[Config], list[str]]:
+    """Streamed variants whose static estimate equals the hoisted one (nothing to hoist)."""
+    hoisted = {(c.granularity, c.knobs): c for c in configs if c.hoist}
+    kept, notes = [], []
     for c in configs:
+        twin = None if c.hoist else hoisted.get((c.granularity, c.knobs))
+        if twin is not None and static[c][0].flops == static[twin][0].flops and static[c][0].bytes == static[twin][0].bytes:
+            notes.append(f"{c}: same static estimate as with hoisting (nothing is recomputed), not run")
+            continue
+        kept.append(c)
+    return kept, list(dict.fromkeys(notes))
+
+
+def _auto(configs, kept, value_of, auto_keys) -> tuple[dict, list[str]]:
+    """{knobs: the fastest evaluated candidate plan}: exploration's "auto" per combination of
+    the other knobs, and a note per combination saying which plan it is."""
+    best: dict = {}
+    for c in kept:
+        if c.hoist and partition_key(c.groups) in auto_keys:
+            if c.knobs not in best or value_of[c]["value"] < value_of[best[c.knobs]]["value"]:
+                best[c.knobs] = c
+    notes = [f"auto o={'best' if k[0] is None else k[0]} p={'x'.join(str(w) for _, w in k[1]) or '1'} "
+             f"b={k[2] or '-'}: {c.granularity}, the fastest of {len(auto_keys)} candidate plans"
+             for k, c in best.items()]
+    if not best and auto_keys:
+        notes.append("auto: every candidate plan was pruned or refused")
+    return best, notes
+
+
+def _rows(configs, ests, values: dict, pruned: dict, autos: dict) -> list[Row]:
+    baseline = values.get(next(c for c in configs if c.granularity == "unfused"), {}).get("value")
+
+    def row(c, name, config_text):
         e, v = ests[c], values.get(c)
         value = v["value"] if v else None
         speedup = baseline / value if v and value and baseline else None
-        rows.append(Row(str(c), c.granularity, len(c.groups), "best" if c.order is None else str(c.order),
-                        "x".join(str(w) for _, w in c.par) or "1", c.block or 0, e.flops, e.bytes,
-                        e.recomputed_flops, value, speedup, v["by"] if v else "-",
-                        "ok" if v else "pruned", pruned.get(c, "")))
-    return rows
+        return Row(config_text, name, len(c.groups), "best" if c.order is None else str(c.order),
+                   "x".join(str(w) for _, w in c.par) or "1", c.block or 0, e.flops, e.bytes,
+                   e.recomputed_flops, value, speedup, v["by"] if v else "-",
+                   "ok" if v else "pruned", pruned.get(c, ""))
+
+    rows = [row(c, c.name, str(c)) for c in configs]
+    at = next((k for k, c in enumerate(configs) if c.granularity not in ("unfused", "per-layer", "full")), len(rows))
+    auto_rows = [row(c, "auto", f"auto = {c}") for c in autos.values()]
+    return rows[:at] + auto_rows + rows[at:]
 
 
 def _write(rows: list[Row], out_dir, stem: str) -> list[str]:
@@ -303,6 +374,11 @@ def build_parser(parser=None):
     p.add_argument("--executor", default=None, metavar="ADDR", help="tcp://scheduler:port for a Dask cluster")
     p.add_argument("--out", default="explore_out", help="directory for the CSV, JSON and PNG")
     p.add_argument("--factor", type=float, default=PRUNE_FACTOR, help="pruning factor over unfused FLOPs/bytes")
+    p.add_argument("--cost-factor", type=float, default=COST_FACTOR,
+                   help="pruning factor over the unfused static cost (cycles or seconds)")
+    p.add_argument("--streamed", nargs="*", default=["full"], metavar="GRAN",
+                   help="granularities also run with hoist=False (FuseFlow's streamed recomputation); "
+                        "default: full; the flag alone: none")
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -322,7 +398,8 @@ def run_args(args) -> int:
     app_block = args.block[0] if args.block and args.app == "gpt3-bigbird" else None
     result = explore(args.app, dataset=args.dataset, target=args.target, orders=orders,
                      par=[parse_par(p) for p in args.par], blocks=blocks, executor=args.executor,
-                     out_dir=args.out, size=args.size, seed=args.seed, factor=args.factor, app_block=app_block)
+                     out_dir=args.out, size=args.size, seed=args.seed, factor=args.factor, app_block=app_block,
+                     streamed=args.streamed, cost_factor=args.cost_factor)
     console = Console()
     if not console.is_terminal:  # a log or a pipe: do not fold the table into 80 columns
         console = Console(width=220)

@@ -1,4 +1,5 @@
-"""Fusion granularities that exploration sweeps: unfused, per layer, full, auto, and FuseFlow's
+"""Fusion granularities that exploration sweeps: unfused, per layer, full, the planner's candidate
+plans (exploration's "auto" is the fastest of them), and FuseFlow's
 GCN ablations (spec/workloads.md): only layer 1 fused, only layer 2 fused, and two sub-regions
 across the layer boundary — "linear1 + bias + relu + the second adjacency product" and
 "relu + adjacency + linear2 + softmax".
@@ -76,12 +77,19 @@ def gcn_ablations(graph: Graph) -> list[tuple[str, list[list[str]]]]:
     return out
 
 
-def granularities(app: str, graph: Graph, auto: Callable[[], list[list[str]]]):
-    """[(name, groups)] for the app, and notes on any that were skipped (with the reason)."""
+def partition_key(groups) -> frozenset:
+    return frozenset(frozenset(g) for g in groups)
+
+
+def granularities(app: str, graph: Graph, auto: Callable[[], list[tuple[str, list[list[str]]]]]):
+    """[(name, groups)] for the app, and notes on any that were skipped (with the reason).
+    `auto()` gives the planner's candidate plans [(label, groups)], named "ilp <label>"; one
+    that is the same partition as a fixed granularity is not listed twice (a note says so)."""
     grans = [("unfused", by_origin(graph)), ("per-layer", by_layer(graph)),
-             ("full", [[n.name for n in graph.nodes]]), ("auto", auto())]
+             ("full", [[n.name for n in graph.nodes]])]
     if app == "gcn":
         grans += gcn_ablations(graph)
+    grans += [(f"ilp {label}", groups) for label, groups in auto()]
     kept, notes, seen = [], [], {}
     for name, groups in grans:
         try:
@@ -89,9 +97,11 @@ def granularities(app: str, graph: Graph, auto: Callable[[], list[list[str]]]):
         except StitchflowError as err:
             notes.append(f"granularity {name} skipped: {err}")
             continue
-        key = frozenset(frozenset(g) for g in groups)
+        key = partition_key(groups)
         if key in seen:
             notes.append(f"granularity {name} is the same partition as {seen[key]}")
+            if name.startswith("ilp "):
+                continue
         seen.setdefault(key, name)
         kept.append((name, groups))
     return kept, notes

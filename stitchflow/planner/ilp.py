@@ -87,8 +87,10 @@ def _quotient_cycle(graph: Graph, groups: Sequence[Sequence[str]]) -> list[int] 
         return None
 
 
-def solve_ilp(graph: Graph, regions: Sequence[tuple[str, ...]], costs: Costs) -> tuple[list[tuple[str, ...]], float, int]:
-    """Exact cover of the nodes by `regions` at minimum cost, with lazy cycle cuts.
+def solve_ilp(graph: Graph, regions: Sequence[tuple[str, ...]], costs: Costs,
+              excluded: Sequence[Sequence[tuple[str, ...]]] = ()) -> tuple[list[tuple[str, ...]], float, int]:
+    """Exact cover of the nodes by `regions` at minimum cost, with lazy cycle cuts; the plans in
+    `excluded` (lists of regions) are forbidden by no-good cuts (k-best plans).
     Returns (chosen regions, cost, cuts added)."""
     names = [n.name for n in graph.nodes]
     index = {n: k for k, n in enumerate(names)}
@@ -104,6 +106,12 @@ def solve_ilp(graph: Graph, regions: Sequence[tuple[str, ...]], costs: Costs) ->
         for n in r:
             cover[index[n], j] = 1
     constraints = [LinearConstraint(cover.tocsr(), 1, 1)]
+    position = {frozenset(r): j for j, r in enumerate(regions)}
+    for plan_ in excluded:  # an exact cover is fixed by its regions: forbid choosing all of them
+        if all(frozenset(r) in position for r in plan_):
+            row = np.zeros(len(regions))
+            row[[position[frozenset(r)] for r in plan_]] = 1
+            constraints.append(LinearConstraint(row[None, :], -np.inf, row.sum() - 1))
     cuts: list[np.ndarray] = []
     for _ in range(MAX_CUTS + 1):
         cons = constraints + ([LinearConstraint(np.array(cuts), -np.inf, [row.sum() - 1 for row in cuts])] if cuts else [])
@@ -190,7 +198,7 @@ def solve_heuristic(graph: Graph, legality: Legality, costs: Costs, width: int =
     return groups, sum(costs.of(g) for g in groups)
 
 
-def _lazy_ilp(graph: Graph, legality: Legality, costs: Costs):
+def _lazy_ilp(graph: Graph, legality: Legality, costs: Costs, excluded=()):
     """The integer program with lazy legality: solve over every connected convex candidate,
     ask the target about the chosen regions only, drop refused ones and solve again. The result
     is optimal over the legal candidates (it is optimal over a superset of them and legal), and
@@ -199,7 +207,7 @@ def _lazy_ilp(graph: Graph, legality: Legality, costs: Costs):
     refused: list[Refusal] = []
     dropped: set = set()
     while True:
-        groups, total, cuts = solve_ilp(graph, [c for c in cands.legal if c not in dropped], costs)
+        groups, total, cuts = solve_ilp(graph, [c for c in cands.legal if c not in dropped], costs, excluded)
         bad = [Refusal(tuple(g), why) for g in groups if (why := legality.check(graph, tuple(g)))]
         if not bad:
             return groups, total, cuts, cands, refused
@@ -231,6 +239,31 @@ def plan(graph: Graph, target="reference", cost_model=None, options: Mapping | N
     why = f"chosen by {method}: lowest {getattr(model, 'unit', 'cost')}"
     regions = tuple(Region(r.name, r.nodes, why) for r in regions)
     return Plan(regions, total, method, tuple(notes), tuple(costs.estimate(r.nodes) for r in regions))
+
+
+def k_best(graph: Graph, target="reference", cost_model=None, k: int = 3, options: Mapping | None = None) -> list[Plan]:
+    """The `k` cheapest plans of the integer program, best first: each next one is solved with
+    no-good cuts forbidding the plans found so far (FlashFuser's "rank by the analytical model,
+    then measure the best few"). Fewer when the candidates admit fewer partitions; on graphs
+    too large for the integer program, the heuristic's single plan."""
+    first = plan(graph, target, cost_model, options)
+    plans = [first]
+    if first.method != "ilp":
+        return plans
+    legality = target if isinstance(target, Legality) else Legality(target)
+    model = cost_model or model_for(legality.name)
+    costs = Costs(graph, model, options)
+    while len(plans) < k:
+        try:
+            groups, total, _, _, _ = _lazy_ilp(graph, legality, costs, [p.groups for p in plans])
+        except StitchflowError:  # infeasible: every partition over the candidates is taken
+            break
+        regions = ordered_regions(graph, groups)
+        why = f"chosen by ilp: plan {len(plans) + 1} by {getattr(model, 'unit', 'cost')}"
+        regions = tuple(Region(r.name, r.nodes, why) for r in regions)
+        plans.append(Plan(regions, total, "ilp", (f"k-best: {len(plans)} plan(s) excluded",),
+                          tuple(costs.estimate(r.nodes) for r in regions)))
+    return plans
 
 
 def partition_cost(graph: Graph, groups: Sequence[Sequence[str]], cost_model, options=None) -> float:

@@ -12,6 +12,21 @@ variable, the node is re-evaluated for every coordinate of `v` — fusing X·W i
 re-computes X·W for every row of A. The multiplier is the *effective* extent of those variables:
 their extents thinned by the densities of the sparse consumer operands that gate them (a row of
 X·W is recomputed once per non-zero of its column of A, not once per row of A).
+
+Hoisting (the dataflow target's `hoist` option): for the dataflow target a region is a walk of
+its output's loops in the order; a producer that is a reduction is computed where the walk of
+the expression it sits in reaches its first reduction variable (its *due* level), for every
+coordinate of the levels walked before that; an elementwise producer is inlined and evaluated
+at the innermost level of that walk. Its recomputation is the walked variables that are not its
+own, thinned only by sparse operands whose variables are all walked already (a producer
+computed before the walk reaches A's column level is computed for every column, not only
+A's non-zeros). The two settings differ in where a nested reduction may become due:
+- hoist=True: in any enclosing walk, also before the reduction it is nested in is due (into an
+  on-chip buffer), so an order that puts its reduction variables first evaluates it once;
+- hoist=False (FuseFlow's fully streamed recomputation): only in the walk of the reduction it is
+  nested in, so it is re-evaluated whenever that one is.
+- None: neither walk; every node is placed by the order alone (a GPU kernel, which runs loops
+  in any order, is estimated so).
 """
 
 from __future__ import annotations
@@ -63,20 +78,33 @@ class LoopNest:
 
 
 class _UnionFind:
+    """Classes of (node, variable) keys. A union that would make two different variables of one
+    node the same is refused: a producer read at different coordinates by two consumers (GraphSAGE's
+    relu as relu[i,k] and relu[k,j]) is a separate copy per use in the target, not one variable."""
+
     def __init__(self):
         self.parent: dict = {}
+        self.members: dict = {}
 
     def find(self, x):
-        self.parent.setdefault(x, x)
+        if x not in self.parent:
+            self.parent[x] = x
+            self.members[x] = {x[0]: x[1]}
         while self.parent[x] != x:
             self.parent[x] = self.parent[self.parent[x]]
             x = self.parent[x]
         return x
 
-    def union(self, a, b):
+    def union(self, a, b) -> bool:
         ra, rb = self.find(a), self.find(b)
-        if ra != rb:
-            self.parent[ra] = rb  # the consumer's name survives: it reads better in reports
+        if ra == rb:
+            return True
+        ma, mb = self.members[ra], self.members[rb]
+        if any(mb.get(node, var) != var for node, var in ma.items()):
+            return False
+        self.parent[ra] = rb  # the consumer's name survives: it reads better in reports
+        mb.update(ma)
+        return True
 
 
 @dataclass(frozen=True)
@@ -182,7 +210,18 @@ def legal_orders(graph: Graph, nodes: Sequence[str], rv: RegionVars | None = Non
     rank = {u: (first_seen.get(u, 0), u) for u in dag}
     canonical = tuple(nx.lexicographical_topological_sort(dag, key=rank.__getitem__))
     orders = [canonical] + [o for o in _topological_sorts(dag, rank, limit) if o != canonical]
-    return tuple(orders[:limit]), concordant
+    orders = orders[:limit]
+    # then orders that start from the outputs (consumers' variables first, as a streamed walk
+    # nests them): where a nested reduction is reached late, its consumers' sparse operands
+    # are walked already and thin its recomputation
+    last_seen: dict[str, int] = {}
+    for name in reversed(list(nodes)):
+        for _, unified in rv.of(name).items():
+            for u in sorted(unified):
+                last_seen.setdefault(u, len(last_seen))
+    outward = {u: (last_seen.get(u, 0), u) for u in dag}
+    orders += [o for o in _topological_sorts(dag, outward, limit) if o not in orders]
+    return tuple(orders), concordant
 
 
 def _topological_sorts(dag: nx.DiGraph, rank, limit: int) -> list[tuple[str, ...]]:
@@ -247,10 +286,14 @@ class Prepared:
 
     rows: tuple[tuple[str, frozenset, frozenset, tuple], ...]
     extents: tuple[tuple[str, int], ...]
+    reduction_vars: tuple[tuple[str, frozenset], ...] = ()  # reductions -> their unified reduction variables
+    consumers: tuple[tuple[str, tuple[str, ...]], ...] = ()  # node -> its direct consumers in the region
 
 
 def prepare(graph: Graph, nodes: Sequence[str], rv: RegionVars, density: Density) -> Prepared:
     members = set(nodes)
+    position = {n.name: k for k, n in enumerate(graph.nodes)}
+    nodes = sorted(nodes, key=position.__getitem__)  # producers before consumers (_walk relies on it)
     below = downstream(graph, nodes)
     own = {name: rv.node_vars(name) for name in nodes}
     gates = {}
@@ -265,28 +308,111 @@ def prepare(graph: Graph, nodes: Sequence[str], rv: RegionVars, density: Density
         users = frozenset().union(*(own[c] for c in below[name]))
         guards = {(t, u): d for c in below[name] for t, u, d in gates[c]}
         rows.append((name, own[name], users, tuple((t, u, d) for (t, u), d in guards.items())))
-    return Prepared(tuple(rows), rv.extents)
+    reductions = []
+    for n in nodes:
+        node = graph.node_of[n]
+        if node.reduce_vars and not node.is_scatter:
+            local = rv.of(n)
+            reductions.append((n, frozenset().union(*(local[v] for v in node.reduce_vars))))
+    direct = tuple((n, tuple(c for c in graph.consumers.get(n, ()) if c in members)) for n in nodes)
+    return Prepared(tuple(rows), rv.extents, tuple(reductions), direct)
 
 
-def analyse(prep: Prepared, order: Sequence[str], concordant: bool = True) -> LoopNest:
-    """Per-node recomputation factors of a region under `order` (see the module docstring)."""
+def _factor(recompute: Sequence[str], own: frozenset, guards, ext: Mapping[str, int], walked=None) -> float:
+    """Effective re-evaluations over `recompute`: extents thinned by the gating densities of
+    sparse operands over those variables (with `walked`: only operands whose variables are all
+    walked already)."""
+    factor = 1.0
+    if recompute:
+        rset = set(recompute)
+        enclosing = walked if walked is not None else own | rset
+        for u in recompute:
+            factor *= ext[u]
+        for _, uvars, d in guards:
+            if uvars <= enclosing and uvars & rset:
+                factor *= d
+    return factor
+
+
+def analyse(prep: Prepared, order: Sequence[str], concordant: bool = True, hoist: bool | None = None) -> LoopNest:
+    """Per-node recomputation factors of a region under `order`: by the walk of the dataflow
+    target with hoisting on or off, or (hoist=None) by the order alone (module docstring)."""
     pos = {u: k for k, u in enumerate(order)}
     ext = dict(prep.extents)
+    if hoist is None:
+        placed = {name: _by_order(own, users, pos, order) for name, own, users, _ in prep.rows}
+    else:
+        placed = _walk(prep, pos, bool(hoist))
     nests = []
-    for name, own, users, guards in prep.rows:
-        inner = max((pos[u] for u in own), default=-1)
-        recompute = tuple(u for u in order if pos[u] < inner and u in users and u not in own)
-        factor = 1.0
-        if recompute:
-            rset = set(recompute)
-            enclosing = own | rset
-            for u in recompute:
-                factor *= ext[u]
-            for _, uvars, d in guards:
-                if uvars <= enclosing and uvars & rset:
-                    factor *= d
+    for name, own, _, guards in prep.rows:
+        walked = placed[name]
+        recompute = tuple(u for u in order if u in walked and u not in own) if hoist is not None else walked
+        factor = _factor(recompute, own, guards, ext, walked if hoist is not None else None)
         nests.append(NodeNest(name, own, recompute, factor))
     return LoopNest(tuple(order), tuple(nests), concordant, prep.extents)
+
+
+def _by_order(own, users, pos, order) -> tuple[str, ...]:
+    """Consumer variables the order puts outside the node's innermost variable."""
+    inner = max((pos[u] for u in own), default=-1)
+    return tuple(u for u in order if pos[u] < inner and u in users and u not in own)
+
+
+@dataclass(frozen=True)
+class _Walk:
+    """The loops of one reduction (or region output) as the target walks them: the variables
+    walked before it starts, its own levels in order, and how far this walk got before the next
+    inner one became due (where a hoisted reduction can still be placed)."""
+
+    depth: frozenset
+    levels: tuple[str, ...]
+    reach: int
+
+
+def _walk(prep: Prepared, pos, hoist: bool) -> dict[str, frozenset]:
+    """For each node, the variables walked when it is evaluated (see the module docstring).
+    Consumers are placed first; a node with several consumers takes the deepest placement
+    (its copies are evaluated in each; the largest dominates)."""
+    own = {name: vars_ for name, vars_, _, _ in prep.rows}
+    rvars = dict(prep.reduction_vars)
+    consumers = dict(prep.consumers)
+    sees: dict[str, tuple[_Walk, ...]] = {}  # walks a node's expression appears in, outermost first
+    walked: dict[str, frozenset] = {}
+    for name, _, _, _ in reversed(prep.rows):  # graph order reversed: consumers first
+        options = [sees[c] for c in consumers.get(name, ())] or [()]
+        best = None
+        for chain in options:
+            depth, inner = _place(name in rvars, rvars.get(name, frozenset()), chain, pos, hoist)
+            if best is None or len(depth - own[name]) > len(best[0] - own[name]):
+                best = (depth, inner)
+        depth, chain = best
+        walked[name] = depth
+        if name in rvars or not consumers.get(name):
+            levels = tuple(sorted(own[name] - depth, key=pos.__getitem__))
+            chain = chain + (_Walk(depth, levels, len(levels)),)
+        sees[name] = chain
+    return walked
+
+
+def _place(is_reduction: bool, reduction_vars: frozenset, chain: tuple, pos, hoist: bool):
+    """(walked variables, enclosing walks) where a node appearing in the walks `chain` is
+    evaluated: an elementwise node at the innermost level of the innermost walk; a reduction at
+    its due level (the first whose position reaches its first reduction variable), searched in
+    the enclosing walks too when hoisting."""
+    if not chain:
+        return frozenset(), ()
+    last = chain[-1]
+    if not is_reduction:
+        return last.depth | frozenset(last.levels), chain
+    first = min(pos[u] for u in reduction_vars)
+    for k in range(0 if hoist else len(chain) - 1, len(chain)):
+        w = chain[k]
+        for idx in range(w.reach + 1 if k < len(chain) - 1 else len(w.levels) + 1):
+            if idx == len(w.levels) or first <= pos[w.levels[idx]]:
+                if k < len(chain) - 1 and idx == w.reach:
+                    break  # the next inner walk is due here first: look inside it
+                return w.depth | frozenset(w.levels[:idx]), chain[:k] + (_Walk(w.depth, w.levels, idx),)
+    raise AssertionError("unreachable: the innermost walk always places the node")
 
 
 def lane_count(order: Sequence[str], extents: Mapping[str, int], par: Mapping) -> int:

@@ -22,17 +22,50 @@ def a_xw(n=8, density=0.25):
     return graph, Densities((("a", density),))
 
 
-def test_fusing_a_product_into_a_sparse_product_recomputes_it():
+def test_fusing_a_product_into_a_sparse_product_recomputes_it_in_the_order():
     graph, dens = a_xw()
     model = DataflowCostModel(dens)
-    apart = model.estimate(graph, ["t0"]).flops + model.estimate(graph, ["t1"]).flops
-    fused = model.estimate(graph, ["t0", "t1"])
+    placed = {"hoist": None}  # every node placed by the order alone (no walk, no buffers)
+    apart = model.estimate(graph, ["t0"], placed).flops + model.estimate(graph, ["t1"], placed).flops
+    fused = model.estimate(graph, ["t0", "t1"], placed)
     nest = fused.loop.nest_of("t0")
     # a[i,k] is CSR: i outside k, so t0 (over k, ...) is re-evaluated per non-zero of a's column
     assert nest.factor == pytest.approx(8 * 0.25)
     single = model.estimate(graph, ["t0"]).flops
     assert fused.recomputed_flops == pytest.approx(single * (nest.factor - 1))
     assert fused.flops == pytest.approx(apart + fused.recomputed_flops)
+
+
+def test_streamed_walk_recomputes_where_the_order_reaches_the_product():
+    graph, dens = a_xw()
+    model = DataflowCostModel(dens)
+    factors = {}
+    for k in range(24):
+        est = model.estimate(graph, ["t0", "t1"], {"hoist": False, "order": k})
+        factors[est.loop.order] = est.loop.nest_of("t0").factor
+    # t0 reached before t1's first level: one buffer; after i but before k: once per row of a
+    # (every column, 8x); after k: once per non-zero of a's column (2x)
+    assert {round(f, 9) for f in factors.values()} >= {1.0, 2.0, 8.0}
+
+
+def test_hoisting_buffers_the_nested_product_once():
+    graph, dens = a_xw()
+    model = DataflowCostModel(dens)
+    hoisted = model.estimate(graph, ["t0", "t1"])  # the dataflow target hoists by default
+    assert hoisted.loop.nest_of("t0").factor == 1.0 and hoisted.recomputed_flops == 0
+    assert hoisted.flops == pytest.approx(model.estimate(graph, ["t0"]).flops + model.estimate(graph, ["t1"]).flops)
+    placed = model.estimate(graph, ["t0", "t1"], {"hoist": None})  # by the order alone: no buffer, no walk
+    assert placed.loop.nest_of("t0").factor == pytest.approx(8 * 0.25)
+
+
+def test_a_producer_read_at_two_coordinates_keeps_its_variables_apart():
+    """relu[i,k] and relu[k,j] (GraphSAGE's layer-2 inputs) must not make relu's i and j one variable."""
+    from stitchflow.planner.loopnest import unify
+
+    graph = build([("relu", 1, 0), ("matmul", 2, 1), ("matmul", 1, 2), ("add", 3, 4)])  # t3 = t0 @ x + x @ t0
+    rv = unify(graph, ["t0", "t1", "t2", "t3"])
+    for node in ("t0", "t1", "t2", "t3"):
+        assert len(rv.node_vars(node)) == len(graph.node_of[node].dims)
 
 
 def test_intermediates_inside_a_region_cost_no_traffic():
@@ -98,8 +131,8 @@ def test_full_fusion_of_gcn_on_cora_is_pruned_by_recomputation(gcn_cora):
     model = DataflowCostModel(measure(graph, values))
     configs = {f: regions_for(graph, f) for f in ("unfused", "partial", "full")}
     ests = {}
-    for name, regions in configs.items():
-        parts = [model.estimate(graph, r.nodes) for r in regions]
+    for name, regions in configs.items():  # FuseFlow's fully streamed recomputation
+        parts = [model.estimate(graph, r.nodes, {"hoist": False}) for r in regions]
         total = parts[0]
         for p in parts[1:]:
             total = total + p
@@ -138,9 +171,11 @@ def test_fuseflow_gcn_finding_with_its_association():
     values = dict(captured.param_values) | dict(zip(graph.inputs, inputs))
     cost = DataflowCostModel(measure(graph, values))
 
-    def total(fusion):
-        return cost.total([cost.estimate(graph, r.nodes) for r in regions_for(graph, fusion)])
+    def total(fusion, hoist=False):
+        return cost.total([cost.estimate(graph, r.nodes, {"hoist": hoist}) for r in regions_for(graph, fusion)])
 
     unfused, partial, full = total("unfused"), total("partial"), total("full")
     assert partial < unfused < full
-    assert full > 2 * unfused
+    assert full > 2 * unfused  # the cost rule of prune.py drops it (0.29x of unfused on the simulator)
+    # with hoisting, layer 1 can be buffered once: full fusion is then about as cheap as per layer
+    assert total("full", True) < 1.05 * total("partial", True)
