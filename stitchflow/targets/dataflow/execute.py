@@ -154,17 +154,14 @@ def _repeat(p: Prim, args, env):
 def repeat(x: Stream, sig: Stream) -> Stream:
     """x (depth d) repeated over the fibers of sig (depth d+1): sig's structure, x's items."""
     u = check_child(x, sig, "repeat")
-    src = kernels.repeat_sources(u, sig.kind)
-    items = src >= 0
-    src = src[items]
-    kind = sig.kind.copy()
-    ival = np.where(kind == STOP, sig.ival, 0)
-    kind[items] = x.kind[src]
-    ival[items] = x.ival[src]
+    kind, ival, src = kernels.repeat_tokens(u, x.kind, x.ival, sig.kind, sig.ival)
     fval = None
-    if x.fval is not None:
+    if x.fval is not None and x.fval.ndim == 1:
+        fval = kernels.gather_values(x.fval, src)
+    elif x.fval is not None:
+        items = src >= 0
         fval = np.zeros((len(sig),) + x.fval.shape[1:], np.float64)
-        fval[items] = x.fval[src]
+        fval[items] = x.fval[src[items]]
     return Stream(kind, ival, fval)
 
 
@@ -283,6 +280,8 @@ def _alu(p: Prim, args, env):
             raise ValueError(f"ALU {p.param('op')}: operand streams are not in lockstep")
         operands.append(s)
     mask = first.kind == ELEM
+    if not p.param("contract") and all(o.fval.ndim == 1 for o in operands if isinstance(o, Stream)):
+        return (_scalar_alu(p, operands, first, mask),)
     axes_in = p.param("axes_in") or [()] * n_ops
     axes_out = p.param("axes_out") or ()
     arrays = [_aligned(o.fval[mask], ax, axes_out) if isinstance(o, Stream) else o for o, ax in zip(operands, axes_in)]
@@ -290,6 +289,18 @@ def _alu(p: Prim, args, env):
     fval = np.zeros((len(first),) + tuple(np.shape(res)[1:]), np.float64)
     fval[mask] = res
     return (Stream(first.kind.copy(), np.where(first.kind == STOP, first.ival, 0), fval),)
+
+
+def _scalar_alu(p: Prim, operands: list, first: Stream, mask: np.ndarray) -> Stream:
+    """Scalar values: the op over every token at once (control tokens carry 0 and get 0
+    back), which saves gathering the elements out and scattering the results back."""
+    arrays = [o.fval if isinstance(o, Stream) else o for o in operands]
+    with np.errstate(all="ignore"):
+        fval = np.asarray(apply_op(p.param("op"), arrays, p.param("dtype")), dtype=np.float64)
+    if fval.shape != first.kind.shape or any(fval is a for a in arrays):  # never alias an input
+        fval = np.broadcast_to(fval, first.kind.shape).copy()
+    fval[~mask] = 0.0
+    return Stream(first.kind.copy(), np.where(first.kind == STOP, first.ival, 0), fval)
 
 
 def _aligned(arr: np.ndarray, axes: tuple, out_axes: tuple) -> np.ndarray:

@@ -101,7 +101,9 @@ def emit_times(t: np.ndarray, lat, emit) -> np.ndarray:
     overtakes the one before). `lat` is an int or one per step; `emit` None means the
     identity. T is non-decreasing, so with one latency the order holds by itself."""
     if not isinstance(lat, np.ndarray):
-        return (t if emit is None else t[emit]) + lat
+        if emit is None:
+            return t if lat == 0 else t + lat
+        return t[emit] + lat
     return _emit_in_order(t, lat, np.arange(len(t)) if emit is None else emit)
 
 
@@ -244,24 +246,6 @@ def _fiber(r, dense, size, seg, nseg):
 
 
 @njit(cache=True, nogil=True)
-def repeat_sources(u: np.ndarray, skind: np.ndarray) -> np.ndarray:
-    """For each token of a repeat signal, the token of the repeated stream it copies: the unit
-    of the fiber it lies in (-1 for the signal's stops and done, which it keeps)."""
-    src = np.empty(len(skind), np.int64)
-    c = 0
-    last_u = len(u) - 1
-    for t in range(len(skind)):
-        k = skind[t]
-        if k == _ELEM or k == _EMPTY:
-            src[t] = u[min(c, last_u)] if last_u >= 0 else 0
-        else:
-            src[t] = -1
-        if k == _STOP:
-            c += 1
-    return src
-
-
-@njit(cache=True, nogil=True)
 def read_values(kind: np.ndarray, ival: np.ndarray, values: np.ndarray):
     """Array read of scalar values (execute.read): an element's ref picks its value, an N
     reads as a zero element, stops keep their level. Returns (kind, ival, fval)."""
@@ -279,3 +263,40 @@ def read_values(kind: np.ndarray, ival: np.ndarray, values: np.ndarray):
         if k == _STOP:
             oival[t] = ival[t]
     return okind, oival, fval
+
+
+@njit(cache=True, nogil=True)
+def repeat_tokens(u: np.ndarray, xkind: np.ndarray, xival: np.ndarray, skind: np.ndarray,
+                  sival: np.ndarray):
+    """repeat (execute.repeat) without values: the signal's structure with each item replaced
+    by the unit of x whose fiber it lies in. Returns (kind, ival, src) with src -1 on stops."""
+    n = len(skind)
+    kind = np.empty(n, np.int8)
+    ival = np.zeros(n, np.int64)
+    src = np.empty(n, np.int64)
+    c = 0
+    last_u = len(u) - 1
+    for t in range(n):
+        k = skind[t]
+        if k == _ELEM or k == _EMPTY:
+            j = u[min(c, last_u)] if last_u >= 0 else 0
+            src[t] = j
+            kind[t] = xkind[j]
+            ival[t] = xival[j]
+        else:
+            src[t] = -1
+            kind[t] = k
+            if k == _STOP:
+                ival[t] = sival[t]
+                c += 1
+    return kind, ival, src
+
+
+@njit(cache=True, nogil=True)
+def gather_values(fval: np.ndarray, src: np.ndarray) -> np.ndarray:
+    """out[t] = fval[src[t]] where src[t] >= 0, else 0."""
+    out = np.zeros(len(src), np.float64)
+    for t in range(len(src)):
+        if src[t] >= 0:
+            out[t] = fval[src[t]]
+    return out

@@ -118,6 +118,20 @@ def emitted(sched: Schedule, t: np.ndarray, o: int) -> np.ndarray:
     return emit_times(t, sched.lat, sched.emit[o])
 
 
+def emitted_all(sched: Schedule, t: np.ndarray) -> list:
+    """Every output's timestamps; the outputs emitted at every step share one array (they are
+    only read from here on)."""
+    every = None
+    out = []
+    for o, emit in enumerate(sched.emit):
+        if emit is None:
+            every = emitted(sched, t, o) if every is None else every
+            out.append(every)
+        else:
+            out.append(emitted(sched, t, o))
+    return out
+
+
 def finish_of(sched: Schedule, t: np.ndarray, outs: list) -> int:
     """When the primitive's last step has left its pipeline (its outputs are cummaxes of
     step times plus latencies, so none is later)."""
@@ -171,7 +185,7 @@ def run_region(df: Dataflow, env: dict, timing: Timing, engine: str = "fast", pr
             traced.scheds[p.id] = sched
         else:
             t = fire(sched, ready(sched, [times[s] for s in p.ins]))
-            es = [emitted(sched, t, o) for o in range(len(p.outs))]
+            es = emitted_all(sched, t)
             times.update(zip(p.outs, es))
             finish[p.id] = (sched.n, finish_of(sched, t, es))
         for s in p.ins:

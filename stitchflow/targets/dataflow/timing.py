@@ -142,13 +142,14 @@ def closing_keys(parent: Stream, child: Stream, child_keys: np.ndarray) -> np.nd
     return np.maximum.accumulate(keys)
 
 
-def from_keys(in_keys: list, out_keys: list, domain: int | None = None):
+def from_keys(in_keys: list, out_keys: list, domain: int | None = None, identity=None):
     """Steps as the merge of key sequences: one step per distinct key; an input token is
     consumed at the step of its key, an output token emitted at the step of its key.
     `domain` = n when one input's keys are 0..n-1 and the others' lie among them (a chain's
-    keys): then the steps are those keys and no merge is needed."""
+    keys): then the steps are those keys and no merge is needed; `identity` is that input
+    (step s takes its token s: need None)."""
     if domain is not None:
-        need = [None if k is None else need_from_positions(k, domain) for k in in_keys]
+        need = [None if k is None or k is identity else need_from_positions(k, domain) for k in in_keys]
         return domain, need, [None if k is None else np.asarray(k, np.int64) for k in out_keys]
     arrays = [np.asarray(k, np.int64) for k in in_keys + out_keys if k is not None]
     offsets = np.cumsum([0] + [len(k) for k in arrays]).astype(np.int64)
@@ -237,7 +238,7 @@ def _accumulate(p, ins, outs):
     keys = chain_keys(chain)
     if len(vals) != len(chain[-1]):
         raise ValueError(f"timing: {p.kind} values do not match their coordinates")
-    return from_keys([keys[-1]] + keys[1:] + [keys[0]], [keys[0]], domain=len(keys[-1]))
+    return from_keys([keys[-1]] + keys[1:] + [keys[0]], [keys[0]], domain=len(keys[-1]), identity=keys[-1])
 
 
 def _write(p, ins, outs):
@@ -247,7 +248,7 @@ def _write(p, ins, outs):
     if len(vals) != len(chain[-1]):
         raise ValueError("timing: written values do not match their coordinates")
     last = np.array([keys[-1][-1]], np.int64)
-    return from_keys(keys[1:] + [keys[-1], keys[0]], [last], domain=len(keys[-1]))
+    return from_keys(keys[1:] + [keys[-1], keys[0]], [last], domain=len(keys[-1]), identity=keys[-1])
 
 
 def _root(p, ins, outs):
@@ -383,15 +384,22 @@ def _reduce_costs(p, ins, n, need, timing):
     ii, lat = timing.ii_of(p.kind), timing.lat_of(p.kind)
     if not b:
         return ii, lat
-    vneed = need[0]
-    consumed = np.diff(np.concatenate(([-1], vneed)))  # tokens newly consumed at each step
-    took_value = np.zeros(n, bool)
-    idx = np.flatnonzero(consumed > 0)
-    took_value[idx] = ins[0].kind[vneed[idx]] == ELEM
+    took_value = _took_value(need[0], ins[0], n)
     # the sum leaves with the stop after the last value: carry the latency to that step
     carry = np.maximum.accumulate(np.where(took_value, np.arange(n), -1))
     hot = (carry >= 0) & (np.arange(n) - carry <= 1)
     return ii, np.where(hot, max(lat, b * b), lat).astype(np.int64)
+
+
+def _took_value(vneed, vals: Stream, n: int) -> np.ndarray:
+    """Per step, whether it takes a new value (ELEM) token of `vals`."""
+    if vneed is None:
+        return vals.kind == ELEM
+    consumed = np.diff(np.concatenate(([-1], vneed)))  # tokens newly consumed at each step
+    took = np.zeros(n, bool)
+    idx = np.flatnonzero(consumed > 0)
+    took[idx] = vals.kind[vneed[idx]] == ELEM
+    return took
 
 
 def _align_storage(p: Prim, slot: int, x, need: list, ins, ctx):
@@ -415,11 +423,7 @@ def _memory(p: Prim, ins, outs, sched: Schedule, timing: Timing, ctx) -> Schedul
     if p.kind in ("write",):
         vals = ins[-2]
         per = _bytes(vals, timing)
-        req = np.zeros(sched.n, bool)
-        vneed = sched.need[-2]
-        took = np.diff(np.concatenate(([-1], vneed))) > 0
-        idx = np.flatnonzero(took)
-        req[idx] = vals.kind[vneed[idx]] == ELEM
+        req = _took_value(sched.need[-2], vals, sched.n)
     else:
         per = _bytes(outs[-1], timing) if p.kind == "read" else timing.crd_bytes
         req = outs[0].kind == ELEM
