@@ -99,8 +99,9 @@ def _row_reduction(plan: PartPlan, sms: int) -> list[Config]:
             BP = max(1, target // BL)
             out.append(_fix(plan, BP, BL))
         out.append(_fix(plan, max(1, 4096 // BL), BL, warps=max(1, out[0].num_warps // 2)))
-        if L > 8192:  # long rows: smaller chunks keep more rows in flight per SM
-            out += [_fix(plan, 1, 4096, warps=8), _fix(plan, 1, 8192, warps=8)]
+        if L > 8192:  # long rows: smaller chunks keep more rows (and their loads) in flight per SM
+            out += [_fix(plan, 1, 4096, warps=8), _fix(plan, 1, 8192, warps=8), _fix(plan, 1, 2048, warps=4),
+                    _fix(plan, 1, 4096, warps=4)]
     else:  # rows loop over chunks; a persistent grid keeps the rows in flight within L2
         for BL, grid in ((8192, sms), (8192, 0), (4096, 2 * sms), (16384, sms)):
             out.append(dataclasses.replace(_fix(plan, 1, BL), persistent=grid))
