@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from . import cluster_dsm
 from .chain_kernels import ChainTiles, GemmTiles
+from .chain_resident import ResidentTiles, resident_refusal
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,15 @@ class DeviceProfile:
     launch: float = 2.5e-6          # per kernel launch in a stream of launches
     mem_latency: float = 0.9e-6     # one SM sustains stages x tile bytes per latency
     iter_cost: float = 80e-9        # fixed cost of one pipelined loop iteration (barriers, address math)
+    alu_rate: float = 132 * 128 * 1.98e9   # fp32 lane-instructions per second (FMA pipe, all SMs)
+    step_latency: float = 1.5e-6    # exposed latency of one serial chunk step of a fused program (fitted, H200)
+
+
+# FMA-pipe instructions per element of each activation, fitted from the H200 sweep
+# (bench/chains_sweep.py): a fused chain ran 12 µs longer with the polynomial GELU than with none
+# on 16.7M elements, 22 µs longer with libdevice's erf. The tensor cores and this ALU work did
+# not overlap in any measured configuration, so the model adds them.
+ACT_INSTR = {"none": 0, "relu": 1, "gelu": 24, "gelu_libdevice": 43, "gelu_tanh": 22, "silu": 22, "sigmoid": 20}
 
 
 def cluster_usable_sms(profile: DeviceProfile, size: int) -> int:
@@ -116,6 +126,7 @@ class Plan:
     schedule: str                             # e.g. "m:S l:T n:T k:T"
     levels: tuple[tuple[str, str], ...]       # tensor -> memory level
     chain: ChainTiles | None = None
+    resident: ResidentTiles | None = None
     gemm1: GemmTiles | None = None
     gemm2: GemmTiles | None = None
     cluster: int = 0
@@ -125,6 +136,10 @@ class Plan:
         if self.kind == "fused":
             t = self.chain
             tiles = f"bm{t.bm} bn{t.bn} bk{t.bk} bl{t.bl} split{t.split_n} w{t.num_warps} s{t.num_stages}"
+        elif self.kind == "resident":
+            t = self.resident
+            tiles = (f"bm{t.bm} bn{t.bn} w{t.num_warps} s{t.num_stages} x{t.programs_per_sm}/SM"
+                     f"{' transposed' if t.transposed else ''}{' w-regs' if t.weights_in_registers else ''}")
         elif self.kind == "two_pass":
             g1, g2 = self.gemm1, self.gemm2
             tiles = (f"g1[{g1.bm}x{g1.bn}x{g1.bk} w{g1.num_warps} s{g1.num_stages}] "
@@ -159,9 +174,13 @@ def _kernel_time(profile: DeviceProfile, flops: float, rate: float, volumes: dic
     return Estimate(seconds, tuple(volumes.items()), tuple(times.items()), programs, waves)
 
 
-def _mma_rate(profile: DeviceProfile, bm: int, warps: int, elt: int) -> float:
-    """wgmma needs 64-row warpgroup tiles; smaller tiles fall back to mma.sync (~60%); fp32 runs as tf32."""
+def _mma_rate(profile: DeviceProfile, bm: int, warps: int, elt: int, acc_elements: int = 0) -> float:
+    """wgmma needs 64-row warpgroup tiles; smaller tiles fall back to mma.sync (~60%); fp32 runs as
+    tf32. More than 64 fp32 accumulators per thread cost a quarter (measured on the H200: a
+    2048×4096×16384 GEMM ran 1.26x slower with 128×128 tiles on 4 warps than on 8)."""
     rate = profile.mma_flops * (1.0 if bm >= 64 and warps >= 4 else 0.6)
+    if acc_elements > 64 * warps * 32:
+        rate *= 0.75
     return rate / 2 if elt == 4 else rate
 
 
@@ -210,9 +229,54 @@ def estimate_fused(shape: ChainShape, t: ChainTiles, profile: DeviceProfile) -> 
     iters = math.ceil(n_t / t.split_n) * (math.ceil(shape.K / t.bk) + 1)
     est = _kernel_time(profile, flops1 + flops2, _mma_rate(profile, t.bm, t.num_warps, e),
                        {"hbm": hbm, "l2": l2, "smem": smem_vol}, programs, per_sm, in_flight, iters)
+    steps = math.ceil(programs / (profile.sms * per_sm)) * math.ceil(n_t / t.split_n)
+    est = _serial_terms(est, profile, shape, pm * pn * l_t, steps)
     if t.split_n > 1:  # the partial-sum reduction is a second launch
         est = Estimate(est.seconds + profile.launch, est.volumes, est.times, est.programs, est.waves)
     return est
+
+
+def _serial_terms(est: Estimate, profile: DeviceProfile, shape: ChainShape, act_elements: float,
+                  steps: int) -> Estimate:
+    """What the fused kernels do not overlap (measured): the activation's ALU work, and the
+    exposed latency of each serial chunk step (weights restaged through shared memory, waits
+    on the tensor cores) of the busiest SM."""
+    act = act_elements * (ACT_INSTR.get(shape.act, 24) + (1 if shape.gated else 0)) / profile.alu_rate
+    lat = steps * profile.step_latency
+    times = est.times + (("act", act), ("latency", lat))
+    return Estimate(est.seconds + act + lat, est.volumes, times, est.programs, est.waves)
+
+
+def estimate_resident(shape: ChainShape, t: ResidentTiles, profile: DeviceProfile) -> Estimate | None:
+    """The persistent kernel of chain_resident.py: about one program per SM walks the row tiles."""
+    if resident_refusal(shape.K, shape.N, shape.L, t, shape.gated):
+        return None
+    e, g = shape.elt, 2 if shape.gated else 1
+    bk, bl = _pow2_ceil(max(16, shape.K)), _pow2_ceil(max(16, shape.L))
+    bn = _pow2_ceil(max(16, shape.N)) if t.transposed else min(t.bn, _pow2_ceil(max(16, shape.N)))
+    chunks = math.ceil(shape.N / bn)
+    threads = t.num_warps * 32
+    held = (g * bk * bn + bn * bl) * e // 4 if (t.transposed or t.weights_in_registers) else 0
+    regs = (g * t.bm * bn + t.bm * bl + 2 * t.bm * bk // 2 + held) // threads + 40
+    smem = (t.bm * bk + t.bm * bn + (0 if t.transposed else g * bk * bn + bn * bl)) * e
+    if regs > 255 or smem > profile.smem_per_block:
+        return None
+    per_sm = min(t.programs_per_sm, _per_sm(profile, smem, regs, t.num_warps))
+    if per_sm == 0:
+        return None
+    row_tiles = math.ceil(shape.M / t.bm)
+    programs = min(row_tiles, profile.sms * t.programs_per_sm)
+    pm, pn = row_tiles * t.bm, chunks * bn
+    flops = 2 * pm * pn * (shape.K * g + bl)
+    restaged = programs if (t.transposed or t.weights_in_registers) else row_tiles
+    l2 = (shape.M * shape.K + shape.weight_bytes * restaged) * e
+    hbm = (shape.M * shape.K + shape.M * shape.L) * e + shape.weight_bytes
+    smem_vol = _smem_operand_bytes(flops, t.bm, min(bn, bl), e)
+    est = _kernel_time(profile, flops, _mma_rate(profile, t.bm, t.num_warps, e),
+                       {"hbm": hbm, "l2": l2, "smem": smem_vol}, programs, per_sm, t.bm * bk * e,
+                       math.ceil(row_tiles / programs) * chunks)
+    steps = math.ceil(row_tiles / (profile.sms * per_sm)) * chunks
+    return _serial_terms(est, profile, shape, pm * pn, steps)
 
 
 def estimate_gemm(M: int, N: int, K: int, t: GemmTiles, profile: DeviceProfile, elt: int, gated: bool = False,
@@ -235,7 +299,7 @@ def estimate_gemm(M: int, N: int, K: int, t: GemmTiles, profile: DeviceProfile, 
     if t.split_k > 1:
         hbm += 2 * t.split_k * M * N * 4
     in_flight = t.num_stages * (t.bm * t.bk + g * t.bk * t.bn) * elt
-    est = _kernel_time(profile, flops, _mma_rate(profile, t.bm, t.num_warps, elt),
+    est = _kernel_time(profile, flops, _mma_rate(profile, t.bm, t.num_warps, elt, g * t.bm * t.bn),
                        {"hbm": hbm, "l2": l2, "smem": _smem_operand_bytes(flops, t.bm, t.bn, elt)},
                        programs, per_sm, in_flight, math.ceil(K / (t.bk * t.split_k)))
     if t.split_k > 1:
@@ -261,6 +325,8 @@ def estimate_cluster(shape: ChainShape, size: int, profile: DeviceProfile) -> Es
     est = _kernel_time(profile, flops, profile.mma_flops * 0.45, {"hbm": hbm, "l2": l2, "dsm": dsm},
                        programs, max(1, profile.smem_per_sm // smem), (64 * 32 + 32 * 64) * e,
                        (chunks // size) * (shape.K // 32 + 2), usable_sms=cluster_usable_sms(profile, size))
+    est = _serial_terms(est, profile, shape, m_t * 64 * shape.N,
+                        math.ceil(programs / cluster_usable_sms(profile, size)) * (chunks // size))
     sync = 2 * profile.dsm_latency * 4  # two cluster barriers per tile
     return Estimate(est.seconds + sync, est.volumes + (("sync", sync),), est.times, est.programs, est.waves)
 
@@ -329,11 +395,34 @@ def fused_plans(shape: ChainShape, profile: DeviceProfile) -> list[Plan]:
     return plans
 
 
+def resident_plans(shape: ChainShape, profile: DeviceProfile) -> list[Plan]:
+    """The persistent kernel's plans: row tile, N chunk, warps, programs per SM, orientation."""
+    if resident_refusal(shape.K, shape.N, shape.L, None, shape.gated):
+        return []
+    plans = []
+    for bm, bn, warps, per_sm, transposed in itertools.product((64, 128), (64, 128, 256), (4, 8), (1, 2),
+                                                               (False, True)):
+        if transposed and (bn != 64 or shape.elt == 4):  # N whole, 16-bit operands: see resident_chain
+            continue
+        if not (_fits(bm, shape.M) and _fits(bn, shape.N, least=32)):
+            continue
+        t = ResidentTiles(bm, bn, warps, 1, False, per_sm, True, transposed)
+        if transposed and resident_refusal(shape.K, shape.N, shape.L, t, shape.gated):
+            continue
+        est = estimate_resident(shape, t, profile)
+        if est is None:
+            continue
+        levels = (("A", "smem"), ("B", "registers" if transposed else "smem"), ("h", "registers"),
+                  ("D", "registers" if transposed else "smem"), ("E", "hbm"))
+        plans.append(Plan("resident", "m:S(persistent) n:T(unrolled) k:T l:T", levels, resident=t, estimate=est))
+    return plans
+
+
 def _gemm_options(M: int, N: int, K: int, profile: DeviceProfile, elt: int, gated: bool, split_ok: bool, keep: int):
     found = []
     for bm, bn, bk, warps, stages in itertools.product((16, 32, 64, 128), (16, 32, 64, 128, 256), (16, 32, 64, 128),
                                                        (4, 8), (3, 4, 5)):
-        if not (_fits(bm, M) and _fits(bn, N, least=32) and _fits(bk, K, least=64)) or warps != _warps_for(bm * bn // 2):
+        if not (_fits(bm, M) and _fits(bn, N, least=32) and _fits(bk, K, least=64)) or warps != _warps_for(bm * bn):
             continue
         for split in (1, 2, 4, 8, 16) if split_ok else (1,):
             if split > 1 and K // split < 4 * bk:
@@ -351,6 +440,9 @@ def two_pass_plans(shape: ChainShape, profile: DeviceProfile, keep: int = 6) -> 
     first = _gemm_options(shape.M, shape.N, shape.K, profile, e, shape.gated, False, keep)
     second = _gemm_options(shape.M, shape.L, shape.N, profile, e, False, True, keep)
     plans = []
+    # GEMM1's epilogue applies the activation to all M×N elements: ALU work its tiles do not hide
+    act = shape.M * shape.N * (ACT_INSTR.get(shape.act, 24) + (1 if shape.gated else 0)) / profile.alu_rate
+    first = [(s1 + act, t1, e1) for s1, t1, e1 in first]
     for (s1, t1, e1), (s2, t2, e2) in itertools.product(first, second):
         sched = f"G1[m:S n:S k:T] G2[m:S l:S n:{'S' if t2.split_k > 1 else 'T'}]"
         levels = (("A", "smem"), ("B", "smem"), ("h", "hbm"), ("D", "smem"), ("E", "hbm"))
@@ -371,11 +463,14 @@ def cluster_plans(shape: ChainShape, profile: DeviceProfile) -> list[Plan]:
     return plans
 
 
-def rank_plans(shape: ChainShape, profile: DeviceProfile, kinds=("fused", "two_pass", "cluster", "library")) -> list[Plan]:
+def rank_plans(shape: ChainShape, profile: DeviceProfile,
+               kinds=("fused", "resident", "two_pass", "cluster", "library")) -> list[Plan]:
     """Every legal plan that fits, cheapest first."""
     plans: list[Plan] = []
     if "fused" in kinds:
         plans += fused_plans(shape, profile)
+    if "resident" in kinds:
+        plans += resident_plans(shape, profile)
     if "two_pass" in kinds:
         plans += two_pass_plans(shape, profile)
     if "cluster" in kinds:
@@ -386,19 +481,17 @@ def rank_plans(shape: ChainShape, profile: DeviceProfile, kinds=("fused", "two_p
     return plans
 
 
-def shortlist(shape: ChainShape, profile: DeviceProfile, k: int = 10, kinds=("fused", "two_pass", "library")) -> list[Plan]:
+def shortlist(shape: ChainShape, profile: DeviceProfile, k: int = 10,
+              kinds=("fused", "resident", "two_pass", "library")) -> list[Plan]:
     """The top k plans, keeping the best of each kind in view so profiling can correct the model."""
     ranked = rank_plans(shape, profile, kinds)
     chosen, seen = [], set()
+    best_each = [p for p in (next((p for p in ranked if p.kind == kind), None) for kind in kinds) if p is not None]
     for plan in ranked:  # one plan per tile shape: pipelining depth alone rarely changes the ranking
-        tiles = plan.chain or plan.gemm1
+        tiles = plan.chain or plan.gemm1 or plan.resident
         key = (plan.kind, plan.cluster, tiles and dataclasses.replace(tiles, num_stages=0),
                plan.gemm2 and dataclasses.replace(plan.gemm2, num_stages=0))
-        if key not in seen and len(chosen) < k:
+        if key not in seen and len(chosen) < max(0, k - len(best_each)) and plan not in best_each:
             seen.add(key)
             chosen.append(plan)
-    for kind in kinds:
-        best = next((p for p in ranked if p.kind == kind), None)
-        if best is not None and best not in chosen:
-            chosen = chosen[:-1] + [best] if len(chosen) >= k else chosen + [best]
-    return chosen
+    return sorted(chosen + best_each, key=lambda p: p.estimate.seconds)

