@@ -7,9 +7,9 @@ form T = C + cummax(X - C) with C the running sum of the intervals, so a primiti
 few numpy passes over its tokens. Streams and timestamps are freed after their last consumer.
 
 Bounded channels (a producer cannot emit token k before each consumer has dequeued token
-k - depth) make a producer depend on its consumers: the schedules are kept and the
-recurrences iterated to their least fixed point (the earliest schedule, the one the
-token-stepped reference in cycle_engine.py builds); no fixed point means deadlock.
+k - depth) make a producer depend on its consumers: the schedules are kept and stepped.py
+fires them token by token in compiled loops (the reference's algorithm, cycle_engine.py);
+a round in which nothing fires is a deadlock. engine="stepped" uses that loop unbounded too.
 
 Between regions intermediates go through memory: a program's cycles are the sum of its
 regions' (they run one after another), and so are its counters.
@@ -140,15 +140,10 @@ def finish_of(sched: Schedule, t: np.ndarray, outs: list) -> int:
     return int(t[-1] + sched.lat)
 
 
-def dequeued(sched: Schedule, t: np.ndarray, slot: int, n_in: int) -> np.ndarray:
-    """When the consumer took each token of input `slot`: the first step that needs it."""
-    need = sched.need[slot]
-    if need is None:
-        return t[:n_in]
-    return t[np.searchsorted(need, np.arange(n_in))]
-
-
 # ---------------------------------------------------------------- one region
+
+ENGINES = ("fast", "stepped", "reference")
+
 
 @dataclass
 class Traced:
@@ -162,6 +157,8 @@ class Traced:
 
 def run_region(df: Dataflow, env: dict, timing: Timing, engine: str = "fast", progress=None) -> RegionResult:
     start = time.perf_counter()
+    if engine not in ENGINES:
+        raise ValueError(f"unknown simulation engine {engine!r}; known: {', '.join(ENGINES)}")
     keep_all = engine != "fast" or timing.channel_depth is not None
     ctx = Context.of(df, timing)
     uses: dict[int, int] = {}
@@ -197,8 +194,10 @@ def run_region(df: Dataflow, env: dict, timing: Timing, engine: str = "fast", pr
             progress(p, outs)
     env.update({o.name: vals[o.stream] for o in df.outputs})
     if keep_all:
-        if engine == "fast":
-            finish = fixed_point(traced, timing.channel_depth)
+        if engine in ("fast", "stepped"):
+            from .stepped import run_stepped
+
+            finish = run_stepped(traced, timing.channel_depth)
         else:
             from .cycle_engine import run_reference
 
@@ -207,88 +206,6 @@ def run_region(df: Dataflow, env: dict, timing: Timing, engine: str = "fast", pr
                   for p in df.prims)
     cycles = max((r.finish for r in prims), default=0)
     return RegionResult(df.region, cycles, total(r.counters for r in prims), prims, time.perf_counter() - start)
-
-
-def consumers_of(traced: Traced) -> dict:
-    """stream id -> [(consumer prim id, input slot)] for the channels (storage is not one)."""
-    out: dict = {}
-    for p in traced.df.prims:
-        for slot, (s, is_channel) in enumerate(zip(p.ins, traced.scheds[p.id].channel)):
-            if is_channel:
-                out.setdefault(s, []).append((p.id, slot))
-    return out
-
-
-def fixed_point(traced: Traced, depth: int | None, max_rounds: int = 100_000) -> dict:
-    """Chaotic iteration of the recurrences with backpressure, sweeping the graph forward
-    (data) then backward (room in channels), every update using the latest times of its
-    neighbours; all maps are monotone and the start is the unbounded schedule (a lower
-    bound), so this converges to the least fixed point: the earliest schedule the channels
-    allow, the one the reference builds. Times beyond any serial schedule mean deadlock."""
-    df, scheds, lengths = traced.df, traced.scheds, traced.lengths
-    cons = consumers_of(traced)
-    bound = deadlock_bound(traced)
-    fired: dict = {}
-    times: dict = {}
-    for p in df.prims:
-        _update(p, scheds, fired, times, None)
-    order = list(df.prims) + list(reversed(df.prims))
-    for _ in range(max_rounds):
-        changed = False
-        for p in order:
-            back = room(p, scheds, fired, cons, lengths, depth)
-            changed |= _update(p, scheds, fired, times, back)
-        if not changed:
-            break
-        if max(int(t[-1]) for t in fired.values()) > bound:
-            raise Deadlock(f"region {df.region}: channels of depth {depth} deadlock")
-    else:
-        raise Deadlock(f"region {df.region}: no fixed point after {max_rounds} rounds")
-    return {p.id: (scheds[p.id].n, finish_of(scheds[p.id], fired[p.id], [])) for p in df.prims}
-
-
-def _update(p, scheds, fired, times, back) -> bool:
-    sc = scheds[p.id]
-    x = ready(sc, [times[s] for s in p.ins])
-    if back is not None:
-        np.maximum(x, back, out=x)
-    t = fire(sc, x)
-    if p.id in fired:
-        t = np.maximum(t, fired[p.id])  # monotone by construction; keeps the iteration so
-        if np.array_equal(fired[p.id], t):
-            return False
-    fired[p.id] = t
-    times.update((s, emitted(sc, t, o)) for o, s in enumerate(p.outs))
-    return True
-
-
-def room(p, scheds, fired, cons, lengths, depth):
-    """Per step of p, the earliest time its outputs have room: emitting token k waits until
-    every consumer has dequeued token k - depth."""
-    sc = scheds[p.id]
-    b = None
-    for o, s in enumerate(p.outs):
-        n = lengths[s]
-        if n <= depth:
-            continue
-        for cid, slot in cons.get(s, ()):
-            d = dequeued(scheds[cid], fired[cid], slot, n)[: n - depth]
-            steps = np.arange(depth, n) if sc.emit[o] is None else sc.emit[o][depth:]
-            if b is None:
-                b = np.zeros(sc.n, np.int64)
-            np.maximum.at(b, steps, d)
-    return b
-
-
-def deadlock_bound(traced: Traced) -> int:
-    """Every step of every primitive one after another, each waiting its whole latency: any
-    schedule the channels allow finishes before this."""
-    out = 1
-    for sc in traced.scheds.values():
-        ii = int(np.sum(sc.ii)) if isinstance(sc.ii, np.ndarray) else sc.ii * sc.n
-        lat = int(np.max(sc.lat)) if isinstance(sc.lat, np.ndarray) else sc.lat
-        out += ii + (lat + 1) * sc.n + sc.start
-    return out
 
 
 # ---------------------------------------------------------------- programs
@@ -356,7 +273,9 @@ def build_parser(p):
     p.add_argument("--block", type=int, default=None, help="sparsity blocking b (16, 32, 64)")
     p.add_argument("--channel-depth", type=int, default=None, help="bounded channels (default unbounded)")
     p.add_argument("--memory-model", action="store_true", help="round-robin memory channels")
-    p.add_argument("--engine", choices=["fast", "reference"], default="fast")
+    p.add_argument("--engine", choices=list(ENGINES), default="fast",
+                   help="fast: closed forms (compiled stepping with bounded channels); stepped: compiled "
+                        "stepping always; reference: Python stepping (small graphs)")
     p.add_argument("--json", action="store_true", help="print JSON")
     return p
 
