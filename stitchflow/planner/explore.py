@@ -297,7 +297,7 @@ def _drop_same_streamed(configs, static) -> tuple[list[Config], list[str]]:
     for c in configs:
         twin = None if c.hoist else hoisted.get((c.granularity, c.knobs))
         if twin is not None and static[c][0].flops == static[twin][0].flops and static[c][0].bytes == static[twin][0].bytes:
-            notes.append(f"{c}: same static estimate as with hoisting (nothing is recomputed), not run")
+            notes.append(f"{c}: same static estimate as with hoisting (nothing to hoist), not run")
             continue
         kept.append(c)
     return kept, list(dict.fromkeys(notes))
