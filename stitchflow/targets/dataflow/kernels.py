@@ -19,6 +19,8 @@ except ImportError:  # pragma: no cover - numba is a dependency; this keeps impo
         return lambda f: f
 
 
+# ---------------------------------------------------------------- schedules and recurrences (timing.py, simulate.py)
+
 @njit(cache=True, nogil=True)
 def merge_sorted(flat: np.ndarray, offsets: np.ndarray):
     """Merge the sorted key arrays flat[offsets[i]:offsets[i+1]]: returns the distinct keys in
@@ -121,7 +123,7 @@ def _emit_in_order(t: np.ndarray, lat: np.ndarray, emit: np.ndarray) -> np.ndarr
     return e
 
 
-# ---------------------------------------------------------------- stream structure (stream.py)
+# ---------------------------------------------------------------- stream structure and primitives (stream.py, execute.py)
 # token kinds, as in stream.py (kept literal here: numba needs compile-time constants)
 _ELEM, _STOP, _DONE, _EMPTY = 0, 1, 2, 3
 
