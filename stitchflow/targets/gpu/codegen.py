@@ -317,45 +317,65 @@ class PartKernel:
         e = self.src.emit
         online = self.plan.online or {}
         looped = not self.single_chunk
+        results, local = {}, {}
         if looped:
             accs = {r.name: self._acc_init(r) for r in reds}
-            e(f"for l0 in range(lo, hi, {self.cfg.BL}):")
-            self.src.depth += 1
-            scope = self.chunk(root)
-        elif self.chunk_scope is not None and not self.reduction_phases:
-            scope = self.chunk_scope  # the row is still in registers from an earlier stage
-        else:
-            e("l0 = lo")
-            scope = self.chunk_scope = self.chunk(root)
-        results, local = {}, {}
-        for r in reds:
-            if looped and r.name in online:
-                self._online_step(r, accs[online[r.name]], accs[r.name], scope)
-            elif looped and r.name in online.values():
-                continue  # the online step of its sum advances this maximum
-            elif looped:
-                acc, masked = accs[r.name], self._masked_body(r, scope)
-                e(f"{acc} = tl.maximum({acc}, {masked})" if r.reduce == "max" else f"{acc} = {acc} + {masked}")
-            else:  # one chunk: reduce now, so a later reduction of this stage can use the value
-                sub = self._bind(scope, online.get(r.name), local)
-                results[r.name] = self.src.let(self._reduce(r, self._masked_body(r, sub)), "r")
-                local[r.name] = results[r.name]
-                if not partial:
-                    self._finish_reduction(r, results[r.name], root)
-        for name in full_outs:
-            self.store(name, self.node_value(name, scope), scope)
-        if looped:
-            self.src.depth -= 1
+            for head, masked in self._chunk_loops():
+                e(head)
+                self.src.depth += 1
+                saved, self.need_mask_l = self.need_mask_l, masked
+                self._accumulate(reds, full_outs, accs, self.chunk(root), online)
+                self.need_mask_l = saved
+                self.src.depth -= 1
             for r in reds:
                 if r.name in online:
                     results[r.name] = self._online_total(accs[online[r.name]], accs[r.name])
                 else:
                     results[r.name] = self.src.let(self._reduce(r, accs[r.name]), "r")
+        else:
+            if self.chunk_scope is not None and not self.reduction_phases:
+                scope = self.chunk_scope  # the row is still in registers from an earlier stage
+            else:
+                e("l0 = lo")
+                scope = self.chunk_scope = self.chunk(root)
+            for r in reds:  # one chunk: reduce now, so a later reduction of this stage can use the value
+                sub = self._bind(scope, online.get(r.name), local)
+                results[r.name] = self.src.let(self._reduce(r, self._masked_body(r, sub)), "r")
+                local[r.name] = results[r.name]
+                if not partial:
+                    self._finish_reduction(r, results[r.name], root)
+            for name in full_outs:
+                self.store(name, self.node_value(name, scope), scope)
         for r in reds:
             if partial:
                 self.store_partial(r, results[r.name])
             elif looped:
                 self._finish_reduction(r, results[r.name], root)
+
+    def _chunk_loops(self) -> list[tuple[str, bool]]:
+        """(loop header, masked) per chunk loop. When the local extent is no multiple of the
+        chunk, the full chunks run without the range test and the select it costs on every
+        element, and the last, partial chunk runs once, masked."""
+        BL = self.cfg.BL
+        if not self.need_mask_l:
+            return [(f"for l0 in range(lo, hi, {BL}):", False)]
+        full = f"{self.plan.L_total // BL * BL}" if self.split == 1 else f"(lo + (hi - lo) // {BL} * {BL})"
+        return [(f"for l0 in range(lo, {full}, {BL}):", False),
+                (f"for l0 in range({full}, hi, {BL}):", True)]  # at most one iteration
+
+    def _accumulate(self, reds, full_outs, accs: dict, scope: Scope, online: dict) -> None:
+        """One chunk of a looped stage: advance every reduction's accumulator, store outputs."""
+        e = self.src.emit
+        for r in reds:
+            if r.name in online:
+                self._online_step(r, accs[online[r.name]], accs[r.name], scope)
+            elif r.name in online.values():
+                continue  # the online step of its sum advances this maximum
+            else:
+                acc, masked = accs[r.name], self._masked_body(r, scope)
+                e(f"{acc} = tl.maximum({acc}, {masked})" if r.reduce == "max" else f"{acc} = {acc} + {masked}")
+        for name in full_outs:
+            self.store(name, self.node_value(name, scope), scope)
 
     def _bind(self, scope: Scope, max_name: str | None, local: dict) -> Scope:
         """A scope where the max an online sum rescales by is this chunk's (or split's) own."""
@@ -402,7 +422,11 @@ class PartKernel:
         return self.src.let(f"tl.full({shape}, {self._neutral(r)}, {self._acc_dtype(r)})", "acc")
 
     def _masked_body(self, r, scope: Scope) -> str:
-        v = self.body.expr(r.body, r, scope)
+        self.body.summing = r.reduce == "sum"
+        try:
+            v = self.body.expr(r.body, r, scope)
+        finally:
+            self.body.summing = False
         code = f"{v.code}.to({self._acc_dtype(r)})"
         if v.deps != frozenset({"p", "l"}):
             code = f"tl.broadcast_to({code}, [{self.cfg.BP}, {self.cfg.BL}])"

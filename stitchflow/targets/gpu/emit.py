@@ -103,6 +103,7 @@ class BodyEmitter:
     def __init__(self, kernel, interpret: bool):
         self.k = kernel  # the PartKernel (codegen.py): coords, masks, node values
         self.interpret = interpret
+        self.summing = False  # emitting the body of a sum reduction (see _unary_float)
 
     # ------------------------------------------------------------ index arithmetic
     def index(self, e, node, scope: Scope) -> Val:
@@ -254,6 +255,11 @@ class BodyEmitter:
     def _unary_float(self, op: str, x: str, result: torch.dtype) -> str:
         if op == "erf" and result in LOW_PRECISION:  # see codegen's _erf_lowp: error far below the rounding
             return f"_erf_lowp({x})"
+        if op == "exp" and (self.summing or result in LOW_PRECISION):
+            # ex2.approx with flush-to-zero: tl.exp's denormal fix-ups cost three instructions
+            # per element. Only results under 2^-126 change (to 0): invisible in a sum of
+            # exponentials (a softmax's has a term of 1) and in a half-precision result.
+            return f"_ex2_approx({x} * 1.4426950408889634)"
         if op != "tanh":
             return f"{UNARY_FLOAT[op]}({x})"
         return f"_tanh({x})"

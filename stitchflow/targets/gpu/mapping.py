@@ -102,9 +102,15 @@ def _row_reduction(plan: PartPlan, sms: int) -> list[Config]:
         if L > 8192:  # long rows: smaller chunks keep more rows (and their loads) in flight per SM
             out += [_fix(plan, 1, 4096, warps=8), _fix(plan, 1, 8192, warps=8), _fix(plan, 1, 2048, warps=4),
                     _fix(plan, 1, 4096, warps=4)]
+            if all(o in plan.row_level for o in plan.outputs):
+                # Only per-row results (a loss): split rows into pieces that each fit one chunk,
+                # so no program waits on its own chunk loop; the pieces' partial statistics meet
+                # in a second, tiny launch.
+                out += [_fix(plan, 1, 8192, cdiv(L, 8192), warps=8), _fix(plan, 1, 4096, cdiv(L, 4096), warps=4)]
     else:  # rows loop over chunks; a persistent grid keeps the rows in flight within L2
         for BL, grid in ((8192, sms), (8192, 0), (4096, 2 * sms), (16384, sms)):
             out.append(dataclasses.replace(_fix(plan, 1, BL), persistent=grid))
+        out.append(dataclasses.replace(_fix(plan, 1, 8192, warps=8), persistent=2 * sms))
     if cdiv(P, out[0].BP) < 2 * sms and L >= 8192:  # under two waves: split rows over programs
         for waves in (2, 4):
             out.append(_fix(plan, 1, min(pow2(L), 4096), cdiv(waves * sms, P)))

@@ -104,3 +104,21 @@ def test_online_softmax_rows_starting_with_minus_inf(block_l):
     out = prog(s, keep)
     assert not torch.isnan(out).any()
     assert relative_error(out, module(s, keep)) < 1e-6
+
+
+def test_full_chunks_run_unmasked_and_the_tail_once(monkeypatch):
+    """A row of 1000 in chunks of 64: 15 full chunks without the range test, then one masked
+    chunk; the answer is eager's."""
+    import stitchflow.targets.gpu.runtime as runtime
+
+    sources = []
+    build = runtime.build_kernel
+    monkeypatch.setattr(runtime, "build_kernel", lambda *a, **k: sources.append(build(*a, **k).source) or build(*a, **k))
+    module = PATTERNS["softmax_64x30000"].module()
+    (x,) = PATTERNS["softmax_64x30000"].make((3, 1000), torch.float32, "cpu", torch.Generator().manual_seed(0))
+    prog = stitchflow.compile(module, (x,), target="gpu", fusion="full", options={"block_l": 64})
+    assert relative_error(prog(x), module(x)) < 1e-6
+    body = sources[0].split("def _part0")[1]
+    assert "for l0 in range(lo, 960, 64):" in body and "for l0 in range(960, hi, 64):" in body
+    full_loop = body.split("for l0 in range(lo, 960, 64):")[1].split("for l0 in range(960, hi, 64):")[0]
+    assert "mask_l" not in full_loop
