@@ -31,11 +31,14 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from ..ir.errors import StitchflowError
-from .auto import auto_candidates
+from .auto import MODEL_MARGIN, auto_candidates
 from .cost import Estimate, model_for
 from .granularity import granularities, partition_key
 from .prune import COST_FACTOR, PRUNE_FACTOR, prune
 from .report import Row, render_table, write_csv, write_json, write_plot
+
+
+STANDARD = ("unfused", "per-layer", "full")
 
 
 @dataclass(frozen=True)
@@ -280,7 +283,7 @@ def explore(app: str, dataset: str | None = None, target: str = "dataflow", orde
             pool.shutdown()
     measured = dict(zip(distinct, values))
     value_of = {c: measured[c.evaluation_key()] for c in result.kept}
-    autos, auto_notes = _auto(configs, result.kept, value_of, auto_keys)
+    autos, auto_notes = _auto(configs, result.kept, value_of, auto_keys, costs)
     notes += auto_notes
     rows = _rows(configs, ests, value_of, {p.config: p.reason for p in result.pruned}, autos)
     rows += [Row(str(c), c.name, len(c.groups), "best" if c.order is None else str(c.order),
@@ -303,16 +306,25 @@ def _drop_same_streamed(configs, static) -> tuple[list[Config], list[str]]:
     return kept, list(dict.fromkeys(notes))
 
 
-def _auto(configs, kept, value_of, auto_keys) -> tuple[dict, list[str]]:
+def _auto(configs, kept, value_of, auto_keys, costs) -> tuple[dict, list[str]]:
     """{knobs: the fastest evaluated candidate plan}: exploration's "auto" per combination of
-    the other knobs, and a note per combination saying which plan it is."""
+    the other knobs, and a note per combination saying which plan it is. The candidates are the
+    planner's plans and, under these knobs, any standard granularity whose static cost is within
+    the model's error (auto.MODEL_MARGIN) of the cheapest candidate's: the planner ranked its
+    plans with the target's default order and lanes, which an explicit knob may change."""
+    planned = [c for c in kept if c.hoist and partition_key(c.groups) in auto_keys]
+    cheapest: dict = {}
+    for c in planned:
+        cheapest[c.knobs] = min(cheapest.get(c.knobs, float("inf")), costs[c])
+    near = [c for c in kept if c.hoist and c.granularity in STANDARD and c not in planned
+            and costs[c] <= cheapest.get(c.knobs, float("inf")) * MODEL_MARGIN]
     best: dict = {}
-    for c in kept:
-        if c.hoist and partition_key(c.groups) in auto_keys:
-            if c.knobs not in best or value_of[c]["value"] < value_of[best[c.knobs]]["value"]:
-                best[c.knobs] = c
+    for c in planned + near:
+        if c.knobs not in best or value_of[c]["value"] < value_of[best[c.knobs]]["value"]:
+            best[c.knobs] = c
+    counts = {k: sum(c.knobs == k for c in planned + near) for k in best}
     notes = [f"auto o={'best' if k[0] is None else k[0]} p={'x'.join(str(w) for _, w in k[1]) or '1'} "
-             f"b={k[2] or '-'}: {c.granularity}, the fastest of {len(auto_keys)} candidate plans"
+             f"b={k[2] or '-'}: {c.granularity}, the fastest of {counts[k]} candidate plans"
              for k, c in best.items()]
     if not best and auto_keys:
         notes.append("auto: every candidate plan was pruned or refused")

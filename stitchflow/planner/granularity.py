@@ -17,6 +17,7 @@ from typing import Callable
 
 from ..ir.errors import StitchflowError
 from ..ir.graph import Graph
+from .auto import standard_partitions
 from .candidates import Masks
 from .regions import by_layer, by_origin, check_partition
 
@@ -85,8 +86,7 @@ def granularities(app: str, graph: Graph, auto: Callable[[], list[tuple[str, lis
     """[(name, groups)] for the app, and notes on any that were skipped (with the reason).
     `auto()` gives the planner's candidate plans [(label, groups)], named "ilp <label>"; one
     that is the same partition as a fixed granularity is not listed twice (a note says so)."""
-    grans = [("unfused", by_origin(graph)), ("per-layer", by_layer(graph)),
-             ("full", [[n.name for n in graph.nodes]])]
+    grans = standard_partitions(graph)
     if app == "gcn":
         grans += gcn_ablations(graph)
     grans += [(f"ilp {label}", groups) for label, groups in auto()]
