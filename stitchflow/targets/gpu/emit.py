@@ -104,6 +104,7 @@ class BodyEmitter:
         self.k = kernel  # the PartKernel (codegen.py): coords, masks, node values
         self.interpret = interpret
         self.summing = False  # emitting the body of a sum reduction (see _unary_float)
+        self.log: list | None = None  # when a list, every load emitted is recorded (prefetching)
 
     # ------------------------------------------------------------ index arithmetic
     def index(self, e, node, scope: Scope) -> Val:
@@ -158,25 +159,35 @@ class BodyEmitter:
         return Val(" + ".join(terms) if terms else "0", "i", deps)
 
     def load(self, tensor: str, indices, node, scope: Scope, as_index: bool = False) -> Val:
-        canon = tuple(rename(i, self.k.canonical_names(node)) for i in indices)
-        key = ("load", tensor, canon)
+        key = self.load_key(tensor, indices, node)
         found = scope.get(key)
         if found is not None:
             return found
+        code, deps = self.raw_load(tensor, indices, node, scope)
+        if self.log is not None:
+            self.log.append((key, tensor, indices, node, deps))
+        dtype = self.k.graph.type_of[tensor].dtype
+        if dtype in LOW_PRECISION:
+            code += ".to(tl.float32)"
+        val = Val(self.k.src.let(code, "x"), kind_of(dtype), deps)
+        scope.values[key] = val
+        return val
+
+    def load_key(self, tensor: str, indices, node) -> tuple:
+        return ("load", tensor, tuple(rename(i, self.k.canonical_names(node)) for i in indices))
+
+    def raw_load(self, tensor: str, indices, node, scope: Scope) -> tuple[str, frozenset]:
+        """`tl.load(...)` of tensor[indices] in the tensor's own dtype, and the tile axes it
+        varies along."""
         checks: list = []
         off = self.offset(tensor, indices, node, scope, checks)
         mask = self.k.mask(off.deps, scope)
         if checks:  # out-of-range lanes read 0 (their values are discarded)
             mask = self.k.src.let(" & ".join(([mask] if mask else []) + checks), "m")
         mask_arg = f", mask={mask}, other=0" if mask else ""
-        dtype = self.k.graph.type_of[tensor].dtype
         code = f"tl.load({self.k.arg[tensor]} + {off.code}{mask_arg})" if off.code != "0" or mask else \
             f"tl.load({self.k.arg[tensor]})"
-        if dtype in LOW_PRECISION:
-            code += ".to(tl.float32)"
-        val = Val(self.k.src.let(code, "x"), kind_of(dtype), off.deps)
-        scope.values[key] = val
-        return val
+        return code, off.deps
 
     # ------------------------------------------------------------ bodies
     def expr(self, e, node, scope: Scope, inlining: bool = False, result: torch.dtype | None = None) -> Val:

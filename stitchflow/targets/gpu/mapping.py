@@ -24,9 +24,11 @@ class Config:
     split: int = 1
     num_warps: int = 4
     persistent: int = 0  # >0: this many programs loop over the row blocks (rows stay L2-resident)
+    prefetch: bool = False  # chunk loops load the next chunk before computing the current one
 
     def __str__(self) -> str:
         tail = f"_G{self.persistent}" if self.persistent else ""
+        tail += "_PF" if self.prefetch else ""
         return f"BP{self.BP}_BL{self.BL}_S{self.split}_W{self.num_warps}{tail}"
 
 
@@ -100,8 +102,9 @@ def _row_reduction(plan: PartPlan, sms: int) -> list[Config]:
             out.append(_fix(plan, BP, BL))
         out.append(_fix(plan, max(1, 4096 // BL), BL, warps=max(1, out[0].num_warps // 2)))
         if L > 8192:  # long rows: smaller chunks keep more rows (and their loads) in flight per SM
-            out += [_fix(plan, 1, 4096, warps=8), _fix(plan, 1, 8192, warps=8), _fix(plan, 1, 2048, warps=4),
-                    _fix(plan, 1, 4096, warps=4)]
+            chunked = [_fix(plan, 1, 4096, warps=8), _fix(plan, 1, 8192, warps=8), _fix(plan, 1, 2048, warps=4),
+                       _fix(plan, 1, 4096, warps=4), _fix(plan, 1, 1024, warps=2)]
+            out += chunked + [dataclasses.replace(c, prefetch=True) for c in chunked]
             if all(o in plan.row_level for o in plan.outputs):
                 # Only per-row results (a loss): split rows into pieces that each fit one chunk,
                 # so no program waits on its own chunk loop; the pieces' partial statistics meet
@@ -111,6 +114,7 @@ def _row_reduction(plan: PartPlan, sms: int) -> list[Config]:
         for BL, grid in ((8192, sms), (8192, 0), (4096, 2 * sms), (16384, sms)):
             out.append(dataclasses.replace(_fix(plan, 1, BL), persistent=grid))
         out.append(dataclasses.replace(_fix(plan, 1, 8192, warps=8), persistent=2 * sms))
+        out += [dataclasses.replace(c, prefetch=True) for c in out[:]]
     if cdiv(P, out[0].BP) < 2 * sms and L >= 8192:  # under two waves: split rows over programs
         for waves in (2, 4):
             out.append(_fix(plan, 1, min(pow2(L), 4096), cdiv(waves * sms, P)))
@@ -142,7 +146,8 @@ def _unique(configs: list[Config]) -> list[Config]:
 
 def candidates(plan: PartPlan, sms: int = 132, override: dict | None = None) -> list[Config]:
     """Autotuning space for a part; `override` (from compile options) pins any of
-    block_p / block_l / split / num_warps, which tests use to reach every code path."""
+    block_p / block_l / split / num_warps / persistent / prefetch, which tests use to reach every
+    code path."""
     if not plan.reductions:
         space = _elementwise(plan, sms)
     elif plan.p_contiguous:
@@ -157,5 +162,6 @@ def candidates(plan: PartPlan, sms: int = 132, override: dict | None = None) -> 
         if not plan.reductions and "split" not in override:
             split = cdiv(plan.L_total, max(1, min(BL, pow2(plan.L_total))))
         cfg = _fix(plan, BP, BL, split, override.get("num_warps"))
-        space = [dataclasses.replace(cfg, persistent=override.get("persistent", 0) if cfg.split == 1 else 0)]
+        space = [dataclasses.replace(cfg, persistent=override.get("persistent", 0) if cfg.split == 1 else 0,
+                                     prefetch=bool(override.get("prefetch", False)))]
     return space

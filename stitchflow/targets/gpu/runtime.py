@@ -133,7 +133,7 @@ class GroupKernel:
         self.chosen: list[Config] | None = None
 
     def _space(self, plan: PartPlan, sms: int) -> list[Config]:
-        override = {k: self.options[k] for k in ("block_p", "block_l", "split", "num_warps", "persistent")
+        override = {k: self.options[k] for k in ("block_p", "block_l", "split", "num_warps", "persistent", "prefetch")
                     if k in self.options}
         space = candidates(plan, sms, override or None)
         if self.packed:  # packed parts share one launch: no phase barriers

@@ -64,6 +64,8 @@ MAPPINGS = {
     "many-rows": {"block_p": 4, "block_l": 64},
     "one-row": {"block_p": 1},
     "persistent": {"block_l": 16, "persistent": 2},
+    "prefetch": {"block_l": 16, "prefetch": True},
+    "prefetch-split": {"block_l": 16, "split": 3, "prefetch": True},
 }
 
 
