@@ -57,14 +57,21 @@ def default_cases() -> list[ChainCase]:
 
 # ---------------------------------------------------------------- ceilings and timing
 
-def bench(fn) -> float:
-    from triton.testing import do_bench
+TIMING = {"graph": 0, "plain": 0}  # how many measurements were graph replays / plain calls
 
-    return do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e-3
+
+def bench(fn) -> float:
+    """Every competitor is timed the same way: median of CUDA-graph replays (chains.graph_bench)."""
+    from stitchflow.targets.gpu.chains import graph_bench
+
+    seconds, how = graph_bench(fn)
+    TIMING[how] += 1
+    return seconds
 
 
 def measure_ceilings() -> dict:
-    """Device-to-device copy (bytes read + written) and an 8192³ bf16 GEMM on random data."""
+    """Device-to-device copy (bytes read + written) and an 8192³ bf16 GEMM on random data; then
+    the cost model's calibration probes (chain_cost.DeviceProfile), on shapes of their own."""
     src = torch.randn(1 << 28, device=DEVICE, dtype=torch.float32)  # 1 GiB
     dst = torch.empty_like(src)
     copy_s = bench(lambda: dst.copy_(src))
@@ -72,7 +79,28 @@ def measure_ceilings() -> dict:
     b = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
     gemm_s = bench(lambda: a @ b)
     del src, dst
-    return {"copy_bw": 2 * (1 << 30) / copy_s, "gemm_flops": 2 * 8192 ** 3 / gemm_s}
+    ceilings = {"copy_bw": 2 * (1 << 30) / copy_s, "gemm_flops": 2 * 8192 ** 3 / gemm_s}
+    return {**ceilings, "probes": calibration_probes(ceilings, a, b)}
+
+
+def calibration_probes(ceilings: dict, a, b) -> dict:
+    """Our Triton GEMM on 8192³ (128×128×64 tiles, 8 warps) against cuBLAS; a 16-row GEMM over an
+    8192² weight (weight streaming) through Triton and cuBLAS against the copy rate; the im2col
+    gather of a 4×32×64×64 input. None of these is a benchmark case."""
+    from stitchflow.targets.gpu import chain_kernels as ck
+    from stitchflow.targets.gpu.chains import im2col_nhwc
+
+    tri_s = bench(lambda: ck.gemm(a, b, tiles=ck.GemmTiles(128, 128, 64, 1, 8, 8, 3)))
+    x16 = a[:16].contiguous()
+    weight_bytes = b.numel() * b.element_size()
+    tri_stream_s = bench(lambda: ck.gemm(x16, b, tiles=ck.GemmTiles(16, 64, 128, 1, 8, 4, 4)))
+    lib_stream_s = bench(lambda: x16 @ b)
+    x = torch.randn(4, 32, 64, 64, device=DEVICE).to(torch.bfloat16)
+    gather_s = bench(lambda: im2col_nhwc(x, 3, 3, 1))
+    return {"triton_mma_eff": 2 * 8192 ** 3 / tri_s / ceilings["gemm_flops"],
+            "triton_stream_eff": weight_bytes / tri_stream_s / ceilings["copy_bw"],
+            "library_stream_eff": weight_bytes / lib_stream_s / ceilings["copy_bw"],
+            "gather_bw": 4 * 64 * 64 * 9 * 32 * 2 / gather_s}
 
 
 # ---------------------------------------------------------------- problems and competitors
@@ -85,10 +113,8 @@ def make_problem(case: ChainCase, gen) -> dict:
     p = {"b": _rand((case.K, case.N), case.K ** -0.5, gen), "d": _rand((case.N, case.L), case.N ** -0.5, gen)}
     if case.gated:
         p["bu"] = _rand((case.K, case.N), case.K ** -0.5, gen)
-    if case.conv:  # b's rows are (c, kh, kw) for eager's conv weight; ours takes them as (kh, kw, c)
+    if case.conv:  # b's rows are (c, kh, kw): eager's conv weight is b.t() as [N, cin, 3, 3]
         p["x"] = _rand(case.conv, 1.0, gen)
-        cin = case.conv[1]
-        p["b_nhwc"] = p["b"].reshape(cin, 3, 3, case.N).permute(1, 2, 0, 3).reshape(9 * cin, case.N).contiguous()
     else:
         p["a"] = _rand((case.M, case.K), 1.0, gen)
     return p
@@ -115,36 +141,24 @@ def args_of(case: ChainCase, p: dict) -> tuple:
 
 
 def ours_operands(case: ChainCase, p: dict):
-    from stitchflow.targets.gpu.chains import Operands
+    """The conv case hands over the conv input: plans build im2col (or run cuDNN) inside each call."""
+    from stitchflow.targets.gpu.chains import Operands, conv_operands
 
-    if case.conv:  # im2col (inside our timed call) then the fused chain on [B*H*W, 9*cin]
-        return Operands(a=im2col_nhwc(p["x"]), b=p["b_nhwc"], d=p["d"], act=case.act)
+    if case.conv:
+        w1 = p["b"].t().reshape(case.N, case.conv[1], 3, 3)
+        return conv_operands(p["x"], w1, p["d"], padding=1, act=case.act)
     return Operands(a=p["a"], b=p["b"], d=p["d"], bu=p.get("bu"), act=case.act)
-
-
-def im2col_nhwc(x: torch.Tensor) -> torch.Tensor:
-    """3x3, padding 1: rows (b, h, w), columns (kh, kw, c) — one strided copy of the padded
-    channels-last input (F.unfold's (c, kh, kw) order gathers with a far worse access pattern)."""
-    batch, cin, hgt, wid = x.shape
-    xp = F.pad(x.permute(0, 2, 3, 1), (0, 0, 1, 1, 1, 1)).contiguous()
-    sb, sh, sw, sc = xp.stride()
-    cols = xp.as_strided((batch, hgt, wid, 3, 3, cin), (sb, sh, sw, sh, sw, sc))
-    return cols.reshape(batch * hgt * wid, 9 * cin)
 
 
 def ours_fn(case: ChainCase, plan, p: dict):
     from stitchflow.targets.gpu.chains import run_plan
 
+    ops = ours_operands(case, p)
     if not case.conv:
-        ops = ours_operands(case, p)
         return lambda: run_plan(plan, ops)
     batch, cin, hgt, wid = case.conv
-
-    def conv_chain():
-        ops = ours_operands(case, p)
-        e = run_plan(plan, ops)
-        return e.reshape(batch, hgt, wid, case.L).permute(0, 3, 1, 2)  # channels-last view, no copy
-    return conv_chain
+    # E's rows are (b, h, w): a channels-last view of the NCHW result, no copy
+    return lambda: run_plan(plan, ops).reshape(batch, hgt, wid, case.L).permute(0, 3, 1, 2)
 
 
 def rel_err(out, ref) -> float:
@@ -155,7 +169,7 @@ def rel_err(out, ref) -> float:
 def floors(case: ChainCase, ceilings: dict) -> dict:
     from stitchflow.targets.gpu.chain_cost import ChainShape
 
-    shape = ChainShape(case.M, case.K, case.N, case.L, 2, case.gated, case.act)
+    shape = ChainShape(case.M, case.K, case.N, case.L, 2, case.gated, case.act)  # floors: no conv_in (im2col-free)
     io = shape.io_bytes
     if case.conv:  # the conv input is read once, not its 9x im2col
         io += (math.prod(case.conv) - case.M * case.K) * 2
@@ -238,10 +252,32 @@ def _new_kernel_checks(a, b, bu, d, b1, h, hg, D, dtype) -> dict:
         "tma gemm split_k=3": (lambda: gemm_tma(A8, B8, epi=ck.Epilogue(act="relu"), exact_fp32=True,
                                                 tiles=ck.GemmTiles(64, 64, 64, split_k=3))[0],
                                torch.relu(A8.double() @ B8.double())),
+        **_library_plan_checks(a, b, bu, d, b1, h, hg, D, dtype),
         "gelu polynomial": (lambda: ck.gemm(x.float()[:, None].contiguous(), torch.ones(1, 16, device=DEVICE),
                                             epi=ck.Epilogue(act="gelu"), exact_fp32=True,
                                             tiles=ck.GemmTiles(64, 16, 16))[0][:, 0],
                             F.gelu(x.float().double())),
+    }
+
+
+def _library_plan_checks(a, b, bu, d, b1, h, hg, D, dtype) -> dict:
+    """cuBLAS GEMM1 with our act pass (gated too) or our act-on-load GEMM2, and cuDNN's conv."""
+    from stitchflow.targets.gpu import chain_kernels as ck
+    from stitchflow.targets.gpu.chain_cost import Plan
+    from stitchflow.targets.gpu.chains import Operands, conv_operands, run_plan
+
+    epi, pro = Plan("cublas_epi", "", ()), Plan("cublas_pro", "", (), gemm2=ck.GemmTiles(64, 64, 64))
+    x = torch.randn(3, 24, 13, 11, device=DEVICE).to(dtype)
+    w = torch.randn(40, 24, 3, 3, device=DEVICE).div(216 ** 0.5).to(dtype)
+    d2 = d[:40, :24].contiguous()
+    hc = F.gelu(F.conv2d(x.double(), w.double(), padding=1)).to(dtype).permute(0, 2, 3, 1).reshape(-1, 40)
+    conv = conv_operands(x, w, d2, padding=1, act="gelu")
+    return {
+        "cublas_epi gelu+bias": (lambda: run_plan(epi, Operands(a, b, d, bias1=b1, act="gelu"), True), h @ D),
+        "cublas_epi gated": (lambda: run_plan(epi, Operands(a, b, d, bu=bu, act="silu"), True), hg @ D),
+        "cublas_pro gelu+bias": (lambda: run_plan(pro, Operands(a, b, d, bias1=b1, act="gelu"), True), h @ D),
+        "conv cudnn+act pass": (lambda: run_plan(epi, conv, True), hc.double() @ d2.double()),
+        "conv cudnn+act on load": (lambda: run_plan(pro, conv, True), hc.double() @ d2.double()),
     }
 
 
@@ -305,15 +341,17 @@ def run_case(case: ChainCase, p: dict, ceilings: dict, profile, budget: Budget, 
                best_profiled_s=report["seconds"], timed=report["timed"])
     row["compile_s"], row["compile_note"] = _compiled_time(eager, args, ref, None, budget, 30)
     row["max_autotune_s"], row["max_autotune_note"] = None, "not run for this shape (compile time)"
-    # Kernel-only time of our plan on the chain's matrices (for the conv case: without im2col),
-    # the baseline the cluster kernel is compared with.
+    # Our best plan as the autotuner timed it (the conv case: im2col or cuDNN included), the
+    # baseline the cluster kernel is compared with; the cluster kernel builds im2col in its call too.
     row["ours_kernel_s"] = report["seconds"]
     row["dsm"] = []
     ref2d = ref.permute(0, 2, 3, 1).reshape(case.M, case.L) if case.conv else ref
     if dsm_ready() and not case.gated:
         for size in cluster_dsm.CLUSTER_SIZES:
             if cluster_dsm.supports(case.M, case.N, case.K, case.L, size, case.act, torch.bfloat16):
-                fn = lambda s=size: cluster_dsm.dsm_chain(ops.a, ops.b, ops.d, act=case.act, cluster=s)
+                def fn(s=size):
+                    m = ops.with_matrix_a()
+                    return cluster_dsm.dsm_chain(m.a, m.b, m.d, act=case.act, cluster=s)
                 try:
                     row["dsm"].append({"cluster": size, "err": rel_err(fn(), ref2d), "seconds": bench(fn)})
                 except Exception as err:  # report, do not stop the run
@@ -326,14 +364,14 @@ def run_case(case: ChainCase, p: dict, ceilings: dict, profile, budget: Budget, 
 def _warm_case(job) -> list[str]:
     """Worker: run every shortlisted plan of one case once, so its kernels land in Triton's disk
     cache and the timing process only loads them. Returns failures (reported, not fatal)."""
-    case, copy_bw, gemm_flops, device_name, top_k = job
+    case, ceilings, device_name, top_k = job
     from stitchflow.targets.gpu import chain_cost
     from stitchflow.targets.gpu.chains import run_plan
 
     gen = torch.Generator(device=DEVICE).manual_seed(1)
     p = make_problem(case, gen)
     ops = ours_operands(case, p)
-    profile = chain_cost.profile_for(device_name, copy_bw, gemm_flops)
+    profile = chain_cost.profile_for(device_name, ceilings["copy_bw"], ceilings["gemm_flops"], ceilings["probes"])
     failures = []
     for plan in chain_cost.shortlist(ops.shape(), profile, top_k):
         try:
@@ -341,6 +379,11 @@ def _warm_case(job) -> list[str]:
             torch.cuda.synchronize()
         except Exception as err:
             failures.append(f"{case.name}: {plan}: {type(err).__name__}: {str(err)[:120]}")
+    try:  # fills Inductor's on-disk caches: the timing process's torch.compile then mostly loads
+        torch.compile(eager_fn(case), dynamic=False)(*args_of(case, p))
+        torch.cuda.synchronize()
+    except Exception as err:
+        failures.append(f"{case.name}: torch.compile: {type(err).__name__}: {str(err)[:120]}")
     return failures
 
 
@@ -349,7 +392,7 @@ def precompile(cases, ceilings: dict, top_k: int, workers: int = 10) -> list[str
     from concurrent.futures.process import BrokenProcessPool
     import multiprocessing as mp
 
-    jobs = [(c, ceilings["copy_bw"], ceilings["gemm_flops"], torch.cuda.get_device_name(), top_k) for c in cases]
+    jobs = [(c, ceilings, torch.cuda.get_device_name(), top_k) for c in cases]
     try:
         with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=mp.get_context("spawn")) as pool:
             return [f for part in pool.map(_warm_case, jobs) for f in part]
@@ -375,7 +418,7 @@ def table_lines(rows: list[dict]) -> list[str]:
     for r in rows:
         floor = max(r["hbm_floor"], r["flop_floor"])
         bound = "hbm" if r["hbm_floor"] >= r["flop_floor"] else "flop"
-        torch_best = min(t for t in (r["eager_s"], r.get("compile_s"), r.get("max_autotune_s")) if t)
+        torch_best = _torch_best(r)
         dsm = _best_dsm(r)
         dsm_txt = f"{_us(dsm['seconds'])} (C{dsm['cluster']}) {r['ours_kernel_s'] / dsm['seconds']:.2f}×" if dsm else "-"
         lines.append(
@@ -386,23 +429,58 @@ def table_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _torch_best(r) -> float:
+    return min(t for t in (r["eager_s"], r.get("compile_s"), r.get("max_autotune_s")) if t)
+
+
+def acceptance_lines(rows: list[dict]) -> list[str]:
+    """Issue 7's device criteria, each computed from this run's rows."""
+    def verdict(ok):
+        return "holds" if ok else "does not hold"
+
+    mem = [r for r in rows if r["case"].startswith("membound")]
+    mem_x = [min(r["eager_s"], r.get("compile_s") or r["eager_s"]) / r["ours_s"] for r in mem]
+    m128 = next((r for r in rows if r["case"] == "gpt6.7b ffn M=128"), None)
+    slow = [(r["case"], _torch_best(r) / r["ours_s"]) for r in rows if r["ours_s"] > 1.05 * _torch_best(r)]
+    within = sum(r["model_first_s"] <= 1.1 * r["best_profiled_s"] for r in rows)
+    lines = [f"- Memory-bound chains ≥3× faster than eager and torch.compile: {verdict(mem and min(mem_x) >= 3)} "
+             f"({', '.join(f'{x:.2f}×' for x in mem_x)} over the faster of the two)."]
+    if m128:
+        ratio = m128["ours_s"] / max(m128["hbm_floor"], m128["flop_floor"])
+        lines.append(f"- GPT-6.7B FFN M=128 within 1.25× of its floor and faster than eager: "
+                     f"{verdict(ratio <= 1.25 and m128['ours_s'] < m128['eager_s'])} ({ratio:.2f}× the floor, "
+                     f"{m128['eager_s'] / m128['ours_s']:.2f}× eager).")
+    lines.append("- No shape more than 5% slower than the best of eager and torch.compile: "
+                 f"{verdict(not slow)}" + (f" ({', '.join(f'{n} {x:.2f}×' for n, x in slow)})." if slow else "."))
+    lines.append(f"- Cost model's first choice within 10% of the best profiled plan on ≥80% of shapes: "
+                 f"{verdict(within >= 0.8 * len(rows))} ({within}/{len(rows)}).")
+    return lines
+
+
 def section_text(meta: dict, rows: list[dict], checks: list[dict]) -> str:
     ok = sum(c["ok"] for c in checks)
-    within = sum(r["model_first_s"] <= 1.1 * r["best_profiled_s"] for r in rows)
+    probes = meta.get("probes", {})
+    timing = meta.get("timing", {})
     lines = [SECTION, "",
              f"Command: `{meta['command']}`. Device: {meta['device']}; {meta['date']}; torch {meta['torch']}, "
              f"triton {meta['triton']}. Ceilings measured in the same run: copy {meta['copy_bw'] / 1e12:.2f} TB/s "
-             f"(read+write), bf16 GEMM 8192³ {meta['gemm_flops'] / 1e12:.0f} TFLOP/s. Medians of "
-             "triton.testing.do_bench (L2 flushed between calls), bf16 in and out, fp32 accumulation; every "
-             "result checked against eager before timing. 'ours' = the winner among the cost model's shortlist "
-             "timed on the device (its plan shown); 'model 1st choice / best' = time of the model's top plan "
-             "over the best timed plan. Cluster/DSM: the CUDA cluster kernel where its shape limits allow, "
-             "as speed-up over our best Triton plan's kernel time (>1 means the cluster kernel is faster).", ""]
+             f"(read+write), bf16 GEMM 8192³ {meta['gemm_flops'] / 1e12:.0f} TFLOP/s. Every time (eager, "
+             "torch.compile, each candidate plan of ours, the cluster kernel) is the median of "
+             "triton.testing.do_bench over replays of a CUDA graph captured from the call, L2 flushed between "
+             f"replays ({timing.get('graph', 0)} graph-timed, {timing.get('plain', 0)} fell back to plain calls); "
+             "bf16 in and out, fp32 accumulation; our winner checked against eager. 'ours' = the winner among "
+             "the cost model's shortlist timed on the device, timed again (its plan shown); 'model 1st choice / "
+             "best' = time of the model's top plan over the best timed plan. Cost-model calibration probes "
+             "measured in the same run (not benchmark shapes): Triton GEMM rate "
+             f"{probes.get('triton_mma_eff', 0):.2f}× cuBLAS, weight streaming Triton "
+             f"{probes.get('triton_stream_eff', 0):.2f}× / cuBLAS {probes.get('library_stream_eff', 0):.2f}× the "
+             f"copy rate, im2col gather {probes.get('gather_bw', 0) / 1e12:.2f} TB/s written. Cluster/DSM: the "
+             "CUDA cluster kernel where its shape limits allow, as speed-up over our best plan's time "
+             "(>1 means the cluster kernel is faster).", ""]
     lines += table_lines(rows)
     lines += ["", f"Device correctness checks: {ok}/{len(checks)} passed "
               f"({', '.join(c['check'] + ' ' + format(c['rel_err'], '.1e') for c in checks if not c['ok']) or 'all'}"
-              "). Cost model's first choice within 10% of the best profiled plan on "
-              f"{within}/{len(rows)} shapes.", ""]
+              ").", "", "Issue 7's device criteria in this run:", ""] + acceptance_lines(rows) + [""]
     return "\n".join(lines)
 
 
@@ -426,7 +504,8 @@ def _max_autotune_pass(cases, rows, weights, budget: Budget, gen) -> None:
 
 
 def run(shapes=None, out_dir="bench_out", budget_s: float = 420.0, top_k: int = 8, checks: bool = True,
-        benchmarks_md: str | None = None, command: str = "python -m stitchflow.bench.chains") -> list[dict]:
+        benchmarks_md: str | None = None, command: str = "python -m stitchflow.bench.chains",
+        max_autotune: bool = True) -> list[dict]:
     import triton
 
     from stitchflow.targets.gpu import cluster_dsm
@@ -446,7 +525,9 @@ def run(shapes=None, out_dir="bench_out", budget_s: float = 420.0, top_k: int = 
     builder = threading.Thread(target=build_dsm, daemon=True)
     builder.start()
     ceilings = measure_ceilings()
-    profile = profile_for(torch.cuda.get_device_name(), ceilings["copy_bw"], ceilings["gemm_flops"])
+    profile = profile_for(torch.cuda.get_device_name(), ceilings["copy_bw"], ceilings["gemm_flops"], ceilings["probes"])
+    print("calibration probes:", {k: round(v, 3) if v < 10 else f"{v:.3g}" for k, v in ceilings["probes"].items()},
+          flush=True)
     started = time.time()
     for failure in precompile(shapes or default_cases(), ceilings, top_k):
         print("precompile:", failure, flush=True)
@@ -487,7 +568,10 @@ def run(shapes=None, out_dir="bench_out", budget_s: float = 420.0, top_k: int = 
         print(f"{case.name}: eager {_us(row['eager_s'])} compile {_us(row.get('compile_s'))} ours "
               f"{_us(row['ours_s'])} ({row['plan']}) err {row['ours_err']:.1e} [{row['wall_s']:.0f}s]", flush=True)
         (out / "chains.json").write_text(json.dumps({"meta": meta, "checks": results, "rows": rows}, indent=1))
-    _max_autotune_pass(shapes or default_cases(), rows, weights, budget, gen)
+    if max_autotune:
+        _max_autotune_pass(shapes or default_cases(), rows, weights, budget, gen)
+    meta["timing"] = dict(TIMING)
+    meta["probes"] = ceilings["probes"]
     fields = ["case", "M", "K", "N", "L", "hbm_floor", "flop_floor", "eager_s", "compile_s", "max_autotune_s",
               "ours_s", "ours_kernel_s", "ours_err", "plan", "model_first_s", "best_profiled_s"]
     write_results(out, "chains", {"meta": meta, "checks": results, "rows": rows}, rows, fields)
@@ -506,6 +590,7 @@ def main(argv=None) -> int:
     parser.add_argument("--top-k", type=int, default=8, help="plans from the cost model timed per shape")
     parser.add_argument("--quick", action="store_true", help="the two memory-bound shapes and GPT M=128 only")
     parser.add_argument("--no-checks", action="store_true")
+    parser.add_argument("--no-max-autotune", action="store_true", help="skip the max-autotune column (minutes)")
     parser.add_argument("--benchmarks-md", default=None, help="update this BENCHMARKS.md's section")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -514,7 +599,8 @@ def main(argv=None) -> int:
     if args.quick:
         cases = [c for c in cases if c.max_autotune]
     cmd = "python -m stitchflow.bench.chains " + " ".join(argv or [])
-    run(cases, args.out, args.budget, args.top_k, not args.no_checks, args.benchmarks_md, cmd.strip())
+    run(cases, args.out, args.budget, args.top_k, not args.no_checks, args.benchmarks_md, cmd.strip(),
+        not args.no_max_autotune)
     return 0
 
 

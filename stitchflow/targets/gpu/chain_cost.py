@@ -18,7 +18,15 @@ Plan kinds:
   its reduction (n) when the output has too few tiles to fill the chip (decode-sized M).
 - cluster: the CUDA kernel of cluster_dsm.py; n spatial over the C CTAs of a cluster, partials
   reduced through dsm.
-- library: cuBLAS GEMMs and a separate activation pass (what eager does), for reference.
+- cublas_epi: cuBLAS GEMM1 (cuDNN for a conv), one Triton pass for bias, activation and gate,
+  cuBLAS GEMM2 (the structure torch.compile generates; one pass fewer than eager when gated).
+- cublas_pro: cuBLAS GEMM1 (bias in its epilogue; cuDNN for a conv), then our Triton GEMM2 that
+  applies the activation to h as it loads it (no pass of its own; worth it when L is one or two
+  tiles, since every column tile of E re-applies it). Not for gated chains.
+- library: cuBLAS GEMMs and separate elementwise passes (what eager does), for reference.
+
+A conv chain (shape.conv_in > 0) runs the matrix plans on im2col(x), built inside each call at
+the measured gather rate; the cublas_* plans run GEMM1 as cuDNN's convolution instead.
 """
 
 from __future__ import annotations
@@ -54,6 +62,14 @@ class DeviceProfile:
     iter_cost: float = 80e-9        # fixed cost of one pipelined loop iteration (barriers, address math)
     alu_rate: float = 132 * 128 * 1.98e9   # fp32 lane-instructions per second (FMA pipe, all SMs)
     step_latency: float = 1.5e-6    # exposed latency of one serial chunk step of a fused program (fitted, H200)
+    # Calibration probes (bench/chains.py measures them with the ceilings; these defaults are the
+    # H200 numbers of round one): our Triton GEMM's rate over cuBLAS's on a large square GEMM; the
+    # weight-streaming bandwidth of a 16-row GEMM (Triton, cuBLAS) over the copy rate; the im2col
+    # copy's rate in bytes written per second.
+    triton_mma_eff: float = 0.82
+    triton_stream_eff: float = 0.55
+    library_stream_eff: float = 0.75
+    gather_bw: float = 0.6e12
 
 
 # FMA-pipe instructions per element of each activation, fitted from the H200 sweep
@@ -72,7 +88,10 @@ def cluster_usable_sms(profile: DeviceProfile, size: int) -> int:
     return profile.sms
 
 
-def profile_for(name: str, copy_bw: float | None = None, gemm_flops: float | None = None) -> DeviceProfile:
+def profile_for(name: str, copy_bw: float | None = None, gemm_flops: float | None = None,
+                probes: dict | None = None) -> DeviceProfile:
+    """The device's profile; copy_bw, gemm_flops and `probes` (DeviceProfile field -> value, see
+    the calibration fields) are measured on the device by the bench."""
     base = DeviceProfile(name, hbm_bw=4.3e12 if "H200" in name else 3.0e12,
                          l2_bytes=60e6 if "H200" in name else 50e6)
     changes = {}
@@ -80,6 +99,8 @@ def profile_for(name: str, copy_bw: float | None = None, gemm_flops: float | Non
         changes.update(hbm_bw=copy_bw, l2_bw=3 * copy_bw)
     if gemm_flops:
         changes["mma_flops"] = gemm_flops
+    known = {f.name for f in dataclasses.fields(DeviceProfile)}
+    changes.update({k: v for k, v in (probes or {}).items() if k in known and v})
     return DeviceProfile(**{**base.__dict__, **changes})
 
 
@@ -92,6 +113,7 @@ class ChainShape:
     elt: int = 2                    # bytes per element of A, B, D, E
     gated: bool = False
     act: str = "gelu"
+    conv_in: int = 0                # > 0: A is im2col of a conv input with this many elements
 
     @property
     def weight_bytes(self) -> int:
@@ -146,6 +168,11 @@ class Plan:
                      f"g2[{g2.bm}x{g2.bn}x{g2.bk} splitk{g2.split_k} w{g2.num_warps} s{g2.num_stages}]")
         elif self.kind == "cluster":
             tiles = f"cluster{self.cluster} bm64 bn64"
+        elif self.kind == "cublas_pro":
+            g2 = self.gemm2
+            tiles = f"cuBLAS + g2[{g2.bm}x{g2.bn}x{g2.bk} w{g2.num_warps} s{g2.num_stages}, act on load]"
+        elif self.kind == "cublas_epi":
+            tiles = "cuBLAS + one act pass + cuBLAS"
         else:
             tiles = "cuBLAS"
         est = f" ~{self.estimate.seconds * 1e6:.1f}us ({self.estimate.bound})" if self.estimate else ""
@@ -165,7 +192,7 @@ def _kernel_time(profile: DeviceProfile, flops: float, rate: float, volumes: dic
     busy = min(sms, programs) if waves == 1 else sms * programs / (waves * slots)
     share = busy / profile.sms
     pull = busy * min(per_sm, 4, max(1, programs // max(1, busy))) * bytes_in_flight / profile.mem_latency
-    bws = {"hbm": min(profile.hbm_bw, pull), "l2": profile.l2_bw * share, "smem": profile.smem_bw * share,
+    bws = {"hbm": min(profile.hbm_bw * profile.triton_stream_eff, pull), "l2": profile.l2_bw * share, "smem": profile.smem_bw * share,
            "dsm": profile.dsm_bw * share}
     times = {lvl: vol / bws[lvl] for lvl, vol in volumes.items() if vol}
     times["compute"] = flops / (rate * share)
@@ -178,7 +205,7 @@ def _mma_rate(profile: DeviceProfile, bm: int, warps: int, elt: int, acc_element
     """wgmma needs 64-row warpgroup tiles; smaller tiles fall back to mma.sync (~60%); fp32 runs as
     tf32. More than 64 fp32 accumulators per thread cost a quarter (measured on the H200: a
     2048×4096×16384 GEMM ran 1.26x slower with 128×128 tiles on 4 warps than on 8)."""
-    rate = profile.mma_flops * (1.0 if bm >= 64 and warps >= 4 else 0.6)
+    rate = profile.mma_flops * profile.triton_mma_eff * (1.0 if bm >= 64 and warps >= 4 else 0.6)
     if acc_elements > 64 * warps * 32:
         rate *= 0.75
     return rate / 2 if elt == 4 else rate
@@ -231,9 +258,17 @@ def estimate_fused(shape: ChainShape, t: ChainTiles, profile: DeviceProfile) -> 
                        {"hbm": hbm, "l2": l2, "smem": smem_vol}, programs, per_sm, in_flight, iters)
     steps = math.ceil(programs / (profile.sms * per_sm)) * math.ceil(n_t / t.split_n)
     est = _serial_terms(est, profile, shape, pm * pn * l_t, steps)
-    if t.split_n > 1:  # the partial-sum reduction is a second launch
-        est = Estimate(est.seconds + profile.launch, est.volumes, est.times, est.programs, est.waves)
+    if t.split_n > 1:
+        est = _with_reduction(est, profile, t.split_n, shape.M * shape.L, e)
     return est
+
+
+def _with_reduction(est: Estimate, profile: DeviceProfile, split: int, elements: int, elt: int) -> Estimate:
+    """Split partials are summed by a second kernel after the first: it reads split fp32 copies
+    and writes the result, serially (round one priced only its launch, and ranked a split-16
+    GEMM2 that measured 2.2x slower than split 1 as a tie)."""
+    seconds = profile.launch + (split * elements * 4 + elements * elt) / profile.hbm_bw
+    return Estimate(est.seconds + seconds, est.volumes, est.times + (("reduce", seconds),), est.programs, est.waves)
 
 
 def _serial_terms(est: Estimate, profile: DeviceProfile, shape: ChainShape, act_elements: float,
@@ -303,7 +338,7 @@ def estimate_gemm(M: int, N: int, K: int, t: GemmTiles, profile: DeviceProfile, 
                        {"hbm": hbm, "l2": l2, "smem": _smem_operand_bytes(flops, t.bm, t.bn, elt)},
                        programs, per_sm, in_flight, math.ceil(K / (t.bk * t.split_k)))
     if t.split_k > 1:
-        est = Estimate(est.seconds + profile.launch, est.volumes, est.times, est.programs, est.waves)
+        est = _with_reduction(est, profile, t.split_k, M * N, elt)
     return est
 
 
@@ -331,17 +366,79 @@ def estimate_cluster(shape: ChainShape, size: int, profile: DeviceProfile) -> Es
     return Estimate(est.seconds + sync, est.volumes + (("sync", sync),), est.times, est.programs, est.waves)
 
 
-def estimate_library(shape: ChainShape, profile: DeviceProfile) -> Estimate:
+def _library_gemm(profile: DeviceProfile, flops: float, nbytes: float) -> float:
+    return max(flops / (profile.mma_flops * 0.95), nbytes / (profile.hbm_bw * profile.library_stream_eff))
+
+
+def _library_gemm1(shape: ChainShape, profile: DeviceProfile, conv: bool) -> float:
+    """cuBLAS GEMM1 (gated: both), or cuDNN's conv on the channels-last input (plus that copy)."""
     e, g = shape.elt, 2 if shape.gated else 1
-    t1 = max(2 * shape.M * shape.N * shape.K * g / (profile.mma_flops * 0.95),
-             (shape.M * shape.K + g * shape.K * shape.N + g * shape.M * shape.N) * e / (profile.hbm_bw * 0.85))
-    act = (g + 1) * shape.M * shape.N * e / profile.hbm_bw
-    t2 = max(2 * shape.M * shape.N * shape.L / (profile.mma_flops * 0.95),
-             (shape.M * shape.N + shape.N * shape.L + shape.M * shape.L) * e / (profile.hbm_bw * 0.85))
-    launches = (3 + g) * profile.launch
-    seconds = t1 + act + t2 + launches
-    return Estimate(seconds, (("hbm", shape.io_bytes + 2 * (g + 1) * shape.M * shape.N * e),),
+    a_bytes = shape.conv_in * e if conv else shape.M * shape.K * e
+    t = g * _library_gemm(profile, 2 * shape.M * shape.N * shape.K, a_bytes + shape.K * shape.N * e
+                          + shape.M * shape.N * e)
+    if conv:
+        t += 2 * shape.conv_in * e / profile.hbm_bw + profile.launch
+    return t + g * profile.launch
+
+
+def _library_gemm2(shape: ChainShape, profile: DeviceProfile) -> float:
+    e = shape.elt
+    return profile.launch + _library_gemm(profile, 2 * shape.M * shape.N * shape.L,
+                                          (shape.M * shape.N + shape.N * shape.L + shape.M * shape.L) * e)
+
+
+def _pass(profile: DeviceProfile, nbytes: float, elements: float = 0, instr: int = 0) -> float:
+    """One elementwise kernel: its bytes or its ALU work, whichever binds, plus a launch."""
+    return profile.launch + max(nbytes / profile.hbm_bw, elements * instr / profile.alu_rate)
+
+
+def estimate_library(shape: ChainShape, profile: DeviceProfile) -> Estimate:
+    """What eager runs: cuBLAS GEMMs and one elementwise kernel per op (bias add, activation
+    (libdevice's erf for GELU), gate product), each a pass over M×N."""
+    e, mn = shape.elt, shape.M * shape.N
+    t1 = _library_gemm1(shape, profile, conv=False)
+    act_name = "gelu_libdevice" if shape.act == "gelu" else shape.act
+    act = _pass(profile, 2 * mn * e, mn, ACT_INSTR.get(act_name, 24))
+    if shape.gated:
+        act += _pass(profile, 3 * mn * e)
+    t2 = _library_gemm2(shape, profile)
+    return Estimate(t1 + act + t2, (("hbm", shape.io_bytes + 2 * (2 if shape.gated else 1) * mn * e),),
                     (("gemm1", t1), ("act", act), ("gemm2", t2)), 0, 1)
+
+
+def estimate_cublas_epi(shape: ChainShape, profile: DeviceProfile) -> Estimate:
+    """Library GEMM1(s), one fused pass (bias, polynomial activation, gate), library GEMM2."""
+    e, g, mn = shape.elt, 2 if shape.gated else 1, shape.M * shape.N
+    t1 = _library_gemm1(shape, profile, conv=shape.conv_in > 0)
+    act = _pass(profile, (g + 1) * mn * e, mn, ACT_INSTR.get(shape.act, 24) + g - 1)
+    t2 = _library_gemm2(shape, profile)
+    return Estimate(t1 + act + t2, (("hbm", shape.io_bytes + 2 * g * mn * e),),
+                    (("gemm1", t1), ("act", act), ("gemm2", t2)), 0, 1)
+
+
+def cublas_pro_plans(shape: ChainShape, profile: DeviceProfile, keep: int = 3) -> list[Plan]:
+    """Library GEMM1, then our GEMM2 with the activation applied to h as it is loaded: every
+    column tile of E re-applies it, so its ALU work grows with L / bn."""
+    if shape.gated:
+        return []
+    t1 = _library_gemm1(shape, profile, conv=shape.conv_in > 0)
+    plans = []
+    for s2, t2, e2 in _gemm_options(shape.M, shape.L, shape.N, profile, shape.elt, False, False, 3 * keep):
+        act = shape.M * shape.N * math.ceil(shape.L / t2.bn) * ACT_INSTR.get(shape.act, 24) / profile.alu_rate
+        est = Estimate(t1 + s2 + act, e2.volumes, (("gemm1", t1), ("gemm2", s2), ("act", act)), e2.programs, e2.waves)
+        levels = (("A", "hbm"), ("B", "library"), ("h", "hbm"), ("D", "smem"), ("E", "hbm"))
+        plans.append(Plan("cublas_pro", "G1[library] G2[m:S l:S n:T, act on load]", levels, gemm2=t2, estimate=est))
+    return sorted(plans, key=lambda p: p.estimate.seconds)[:keep]
+
+
+def _with_im2col(plan: Plan, shape: ChainShape, profile: DeviceProfile) -> Plan:
+    """Matrix plans on a conv build im2col inside each call: the padded channels-last copy of x,
+    then the strided gather of M×K elements at the measured gather rate."""
+    e = shape.elt
+    extra = 2 * profile.launch + 2 * shape.conv_in * e / profile.hbm_bw + shape.M * shape.K * e / profile.gather_bw
+    est = plan.estimate
+    est = Estimate(est.seconds + extra, est.volumes, est.times + (("im2col", extra),), est.programs, est.waves)
+    return dataclasses.replace(plan, estimate=est)
 
 
 def _dtype_of(elt: int):
@@ -464,7 +561,7 @@ def cluster_plans(shape: ChainShape, profile: DeviceProfile) -> list[Plan]:
 
 
 def rank_plans(shape: ChainShape, profile: DeviceProfile,
-               kinds=("fused", "resident", "two_pass", "cluster", "library")) -> list[Plan]:
+               kinds=("fused", "resident", "two_pass", "cluster", "cublas_epi", "cublas_pro", "library")) -> list[Plan]:
     """Every legal plan that fits, cheapest first."""
     plans: list[Plan] = []
     if "fused" in kinds:
@@ -477,12 +574,20 @@ def rank_plans(shape: ChainShape, profile: DeviceProfile,
         plans += cluster_plans(shape, profile)
     if "library" in kinds:
         plans.append(Plan("library", "eager", (("h", "hbm"),), estimate=estimate_library(shape, profile)))
+    if shape.conv_in:
+        plans = [_with_im2col(p, shape, profile) for p in plans]
+    if "cublas_epi" in kinds:
+        levels = (("A", "hbm"), ("B", "library"), ("h", "hbm"), ("D", "library"), ("E", "hbm"))
+        plans.append(Plan("cublas_epi", "G1[library] act G2[library]", levels,
+                          estimate=estimate_cublas_epi(shape, profile)))
+    if "cublas_pro" in kinds:
+        plans += cublas_pro_plans(shape, profile)
     plans.sort(key=lambda p: p.estimate.seconds)
     return plans
 
 
 def shortlist(shape: ChainShape, profile: DeviceProfile, k: int = 10,
-              kinds=("fused", "resident", "two_pass", "library")) -> list[Plan]:
+              kinds=("fused", "resident", "two_pass", "cublas_epi", "cublas_pro", "library")) -> list[Plan]:
     """The top k plans, keeping the best of each kind in view so profiling can correct the model."""
     ranked = rank_plans(shape, profile, kinds)
     chosen, seen = [], set()

@@ -33,6 +33,7 @@ from .chain_resident import ResidentTiles, resident_chain
 
 log = logging.getLogger("stitchflow.gpu.chains")
 ACT_TAGS = {"gelu", "silu", "relu", "sigmoid"}
+LIBRARY_GEMM1_KINDS = ("cublas_epi", "cublas_pro")
 
 
 # ---------------------------------------------------------------- matching
@@ -234,11 +235,48 @@ def spec_for(graph: Graph, names) -> ChainSpec:
 
 # ---------------------------------------------------------------- running a plan
 
+@dataclass(frozen=True)
+class ConvInput:
+    """GEMM1 as a stride-1 convolution: A = im2col(x) (rows (b, h, w), columns (kh, kw, c)).
+    `weight` is the conv weight [N, C, kh, kw] (channels-last for cuDNN); Operands.b holds the
+    same weight as the (kh, kw, c) x N matrix for the plans that run on im2col."""
+
+    x: torch.Tensor
+    weight: torch.Tensor
+    padding: int
+
+    @property
+    def rows(self) -> int:
+        batch, _, hgt, wid = self.x.shape
+        kh, kw = self.weight.shape[2:]
+        return batch * (hgt + 2 * self.padding - kh + 1) * (wid + 2 * self.padding - kw + 1)
+
+
+def im2col_nhwc(x: torch.Tensor, kh: int, kw: int, padding: int) -> torch.Tensor:
+    """Rows (b, h, w), columns (kh, kw, c): one strided copy of the padded channels-last input
+    (F.unfold's (c, kh, kw) order gathers with a far worse access pattern)."""
+    batch, cin, hgt, wid = x.shape
+    xp = F.pad(x.permute(0, 2, 3, 1), (0, 0, padding, padding, padding, padding)).contiguous()
+    sb, sh, sw, sc = xp.stride()
+    ho, wo = hgt + 2 * padding - kh + 1, wid + 2 * padding - kw + 1
+    cols = xp.as_strided((batch, ho, wo, kh, kw, cin), (sb, sh, sw, sh, sw, sc))
+    return cols.reshape(batch * ho * wo, kh * kw * cin)
+
+
+def conv_operands(x, weight, d, *, padding: int, act: str, bias1=None) -> "Operands":
+    """Operands of conv(x, weight) -> act -> ·D, the E rows in (b, h, w) order (channels-last)."""
+    n, cin, kh, kw = weight.shape
+    b = weight.permute(2, 3, 1, 0).reshape(kh * kw * cin, n).contiguous()
+    conv = ConvInput(x, weight.contiguous(memory_format=torch.channels_last), padding)
+    return Operands(a=None, b=b, d=d, bias1=bias1, act=act, conv=conv)
+
+
 @dataclass
 class Operands:
-    """A chain's tensors as 2-D matrices: A (M×K), B, Bu (K×N), D (N×L), vectors, residual."""
+    """A chain's tensors as 2-D matrices: A (M×K), B, Bu (K×N), D (N×L), vectors, residual.
+    With `conv`, A is im2col(conv.x) and is built inside each run (a = None)."""
 
-    a: torch.Tensor
+    a: torch.Tensor | None
     b: torch.Tensor
     d: torch.Tensor | None = None
     bu: torch.Tensor | None = None
@@ -246,12 +284,21 @@ class Operands:
     biasu: torch.Tensor | None = None
     residual: torch.Tensor | None = None
     act: str = "none"
+    conv: ConvInput | None = None
 
     def shape(self) -> chain_cost.ChainShape:
-        M, K = self.a.shape
-        N = self.b.shape[1]
+        K, N = self.b.shape
+        M = self.conv.rows if self.conv is not None else self.a.shape[0]
         L = self.d.shape[1] if self.d is not None else 0
-        return chain_cost.ChainShape(M, K, N, L, self.a.element_size(), self.bu is not None, self.act)
+        conv_in = self.conv.x.numel() if self.conv is not None else 0
+        return chain_cost.ChainShape(M, K, N, L, self.b.element_size(), self.bu is not None, self.act, conv_in)
+
+    def with_matrix_a(self) -> "Operands":
+        """Plans that run on matrices: build im2col here, inside the timed call."""
+        if self.conv is None:
+            return self
+        kh, kw = self.conv.weight.shape[2:]
+        return dataclasses.replace(self, a=im2col_nhwc(self.conv.x, kh, kw, self.conv.padding), conv=None)
 
 
 def _torch_act(x: torch.Tensor, act: str) -> torch.Tensor:
@@ -260,8 +307,43 @@ def _torch_act(x: torch.Tensor, act: str) -> torch.Tensor:
     return table[act](x)
 
 
+def _library_gemm1(ops: Operands, fold_bias: bool, exact_fp32: bool):
+    """GEMM1 through the vendor library: cuBLAS, or cuDNN's convolution on channels-last input
+    (its output, viewed as the (b, h, w) x N matrix, needs no copy). Returns (G, bias still to add).
+    cuDNN runs fp32 convolutions in tf32 unless told otherwise: exact_fp32 tells it."""
+    if ops.conv is not None:
+        x = ops.conv.x.contiguous(memory_format=torch.channels_last)
+        tf32 = torch.backends.cudnn.allow_tf32
+        torch.backends.cudnn.allow_tf32 = tf32 and not (exact_fp32 and x.dtype == torch.float32)
+        try:
+            g = F.conv2d(x, ops.conv.weight, ops.bias1, padding=ops.conv.padding)
+        finally:
+            torch.backends.cudnn.allow_tf32 = tf32
+        return g.permute(0, 2, 3, 1).reshape(-1, g.shape[1]), None
+    if fold_bias and ops.bias1 is not None:
+        return torch.addmm(ops.bias1, ops.a, ops.b), None
+    return ops.a @ ops.b, ops.bias1
+
+
+def _run_library_plan(plan: chain_cost.Plan, ops: Operands, exact_fp32: bool) -> torch.Tensor:
+    """cublas_epi: library GEMM(s), one fused act(+gate) pass, library GEMM2. cublas_pro: library
+    GEMM1 (bias in its epilogue), then our GEMM2 applying the activation to A as it loads it."""
+    if plan.kind == "cublas_pro":
+        g, _ = _library_gemm1(ops, True, exact_fp32)
+        out, _ = chain_kernels.gemm(g, ops.d, epi=Epilogue(pro_act=ops.act), tiles=plan.gemm2,
+                                    exact_fp32=exact_fp32)
+        return out
+    g, bias = _library_gemm1(ops, False, exact_fp32)
+    u = ops.a @ ops.bu if ops.bu is not None else None
+    h = chain_kernels.act_pass(g, ops.act, bias=bias, u=u, biasu=ops.biasu)
+    return h @ ops.d
+
+
 def run_plan(plan: chain_cost.Plan, ops: Operands, exact_fp32: bool = False) -> torch.Tensor:
-    """E for a chain (ops.d given) under `plan`; the output has A's dtype."""
+    """E for a chain (ops.d given) under `plan`; the output has A's dtype (rows (b, h, w) for a conv)."""
+    if plan.kind in LIBRARY_GEMM1_KINDS:
+        return _run_library_plan(plan, ops, exact_fp32)
+    ops = ops.with_matrix_a()
     if plan.kind == "fused":
         out, _ = chain_kernels.chain(ops.a, ops.b, ops.d, act=ops.act, bias1=ops.bias1, bu=ops.bu, biasu=ops.biasu,
                                      tiles=plan.chain, exact_fp32=exact_fp32)
@@ -310,7 +392,8 @@ def _cache_file() -> Path:
 def bucket_key(shape: chain_cost.ChainShape, device: str) -> str:
     """Rows round up to a power of two (plans change slowly with M); the rest is exact."""
     m = 1 << max(0, (shape.M - 1).bit_length())
-    return f"{device}|M{m}|K{shape.K}|N{shape.N}|L{shape.L}|e{shape.elt}|g{int(shape.gated)}|{shape.act}"
+    return (f"{device}|M{m}|K{shape.K}|N{shape.N}|L{shape.L}|e{shape.elt}|g{int(shape.gated)}|{shape.act}"
+            f"|c{shape.conv_in}")
 
 
 def plan_to_json(plan: chain_cost.Plan) -> dict:
@@ -346,13 +429,40 @@ def _write_cache(key: str, entry: dict) -> None:
     tmp.replace(path)
 
 
-def time_plan(plan: chain_cost.Plan, ops: Operands) -> float:
+def graph_bench(fn, warmup: int = 2) -> tuple[float, str]:
+    """Median seconds of `fn` replayed from a CUDA graph (launch gaps and Python out of the
+    number; L2 flushed between replays by do_bench), and how it was timed. Falls back to timing
+    the plain calls, with more warm-up, when `fn` cannot be captured."""
     from triton.testing import do_bench
 
-    return do_bench(lambda: run_plan(plan, ops), warmup=10, rep=40, return_mode="median") * 1e-3
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile, autotune and allocate outside the capture
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        seconds = do_bench(graph.replay, warmup=25, rep=100, return_mode="median") * 1e-3
+        del graph
+        return seconds, "graph"
+    except Exception as err:  # e.g. a host synchronisation inside fn
+        log.warning("graph capture failed (%s): timing plain calls", err)
+        torch.cuda.synchronize()
+        return do_bench(fn, warmup=50, rep=200, return_mode="median") * 1e-3, "plain"
 
 
-def autotune(ops: Operands, k: int = 10, profile=None, kinds=("fused", "resident", "two_pass", "library"),
+def time_plan(plan: chain_cost.Plan, ops: Operands) -> float:
+    return graph_bench(lambda: run_plan(plan, ops))[0]
+
+
+GPU_KINDS = ("fused", "resident", "two_pass", "cublas_epi", "cublas_pro", "library")
+
+
+def autotune(ops: Operands, k: int = 10, profile=None, kinds=GPU_KINDS,
              use_cache=True):
     """Time the cost model's top k plans on the device; cache and return (best plan, report).
 
@@ -414,8 +524,7 @@ def compile_chain(graph: Graph, node_names, options: dict | None = None):
     out_name = spec.nodes[-1]
     out_type = graph.type_of[out_name]
     exact = options.get("exact_fp32", interpreting())
-    kinds = tuple(options.get("plan_kinds", ("fused", "resident", "two_pass") if interpreting() else
-                              ("fused", "resident", "two_pass", "library")))
+    kinds = tuple(options.get("plan_kinds", ("fused", "resident", "two_pass") if interpreting() else GPU_KINDS))
     tune = options.get("autotune", torch.cuda.is_available() and not interpreting())
     chosen: dict = {}
 

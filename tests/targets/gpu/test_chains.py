@@ -182,10 +182,14 @@ def test_cost_model_prefers_fusion_when_memory_bound():
 
 def test_cost_model_decode_ffn_uses_global_intermediate_and_split():
     shape = chain_cost.ChainShape(128, 4096, 16384, 4096)
-    best = chain_cost.rank_plans(shape, H100)[0]
+    best = chain_cost.rank_plans(shape, H100, kinds=("fused", "resident", "two_pass"))[0]
     assert best.kind == "two_pass"  # L=4096 cannot be one tile: fusing would recompute GEMM1 per l tile
+    assert dict(best.levels)["h"] == "hbm"
     floor = shape.io_bytes / H100.hbm_bw
-    assert floor <= best.estimate.seconds < 1.5 * floor
+    assert floor <= best.estimate.seconds < 2.5 * floor
+    # cuBLAS streams the weights faster than our Triton GEMMs (profile: library_stream_eff >
+    # triton_stream_eff), so a library GEMM1 plan leads once those kinds are allowed
+    assert chain_cost.rank_plans(shape, H100)[0].kind in ("library", "cublas_epi")
 
 
 def test_cost_model_respects_capacity():
