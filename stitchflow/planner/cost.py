@@ -132,8 +132,10 @@ def _traffic(ctx: _Context) -> tuple[dict[str, float], float]:
     return inputs, out
 
 
-def _estimate_with(ctx: _Context, nodes: Sequence[str], nest: LoopNest, work, traffic, par, block) -> Estimate:
-    flops = recomputed = gemm = busiest = 0.0
+def _estimate_with(ctx: _Context, nodes: Sequence[str], nest: LoopNest, work, traffic, par, block,
+                   stage_of: Mapping[str, int] | None = None) -> Estimate:
+    flops = recomputed = gemm = 0.0
+    busiest: dict[int, float] = {}
     reread: dict[str, float] = {}
     inputs, out_bytes = traffic
     for nn in nest.nests:
@@ -142,14 +144,43 @@ def _estimate_with(ctx: _Context, nodes: Sequence[str], nest: LoopNest, work, tr
         flops += w * nn.factor
         recomputed += w * max(0.0, nn.factor - 1.0)
         gemm += w * nn.factor if contraction else 0.0
-        busiest = max(busiest, points * nn.factor)
+        stage = (stage_of or {}).get(nn.node, 0)
+        busiest[stage] = max(busiest.get(stage, 0.0), points * nn.factor)
         for t in reads:  # an input a recomputed node streams is read again per recomputation
             reread[t] = max(reread.get(t, 1.0), nn.factor)
     lanes = lane_count(nest.order, dict(nest.extents), par)
-    # a b x b tile token carries b^2 values at an initiation interval of b (spec/dataflow.md)
-    critical = busiest / lanes / (block or 1)
+    # stages run one after another (an accumulator is read once it is complete), the nodes of a
+    # stage as one pipeline paced by its busiest; a b x b tile token carries b^2 values at an
+    # initiation interval of b (spec/dataflow.md)
+    critical = sum(busiest.values()) / lanes / (block or 1)
     total_bytes = out_bytes + sum(b * reread.get(t, 1.0) for t, b in inputs.items())
     return Estimate(tuple(nodes), flops, total_bytes, recomputed, critical, gemm, 1, nest)
+
+
+def pipeline_stages(graph: Graph, nodes: Sequence[str], prep, order: Sequence[str]) -> dict[str, int]:
+    """Stage of each node in a dataflow region: a reduction whose outermost reduction variable
+    the order puts outside one of its kept variables accumulates (a sparse accumulator or an
+    on-chip buffer) and is read only once complete, so its consumers start a new stage; other
+    producers stream into their consumers token by token (same stage)."""
+    pos = {u: k for k, u in enumerate(order)}
+    own = {name: vars_ for name, vars_, _, _ in prep.rows}
+    rvars = dict(prep.reduction_vars)
+    members = set(nodes)
+    stage: dict[str, int] = {}
+    for name, _, _, _ in prep.rows:  # producers first (prepare sorts by graph order)
+        s = 0
+        for t in graph.node_of[name].inputs:
+            if t in members:
+                s = max(s, stage[t] + (1 if _accumulates(own[t], rvars.get(t), pos) else 0))
+        stage[name] = s
+    return stage
+
+
+def _accumulates(own: frozenset, reduced: frozenset | None, pos: Mapping[str, int]) -> bool:
+    if not reduced:
+        return False
+    kept = [pos[u] for u in own - reduced if u in pos]
+    return bool(kept) and min(pos[u] for u in reduced if u in pos) < max(kept)
 
 
 def estimate_region(graph: Graph, nodes: Sequence[str], dens: Densities, options: Mapping | None = None,
@@ -179,8 +210,13 @@ def estimate_region(graph: Graph, nodes: Sequence[str], dens: Densities, options
         est = _estimate_with(ctx, nodes, nest, work, traffic, par, block)
         key = score(est) if score else (est.flops, est.bytes)
         if best is None or key < best[0]:
-            best = (key, est)
-    return best[1]
+            best = (key, est, nest)
+    if hoist is None:
+        return best[1]
+    # the order is picked as the target picks it (its work, every node pipelined); the cycles
+    # of that order then count its accumulation stages one after another
+    stages = pipeline_stages(graph, nodes, prep, best[2].order)
+    return _estimate_with(ctx, nodes, best[2], work, traffic, par, block, stages)
 
 
 def order_count(graph: Graph, nodes: Sequence[str]) -> int:

@@ -179,3 +179,25 @@ def test_fuseflow_gcn_finding_with_its_association():
     assert full > 2 * unfused  # the cost rule of prune.py drops it (0.29x of unfused on the simulator)
     # with hoisting, layer 1 can be buffered once: full fusion is then about as cheap as per layer
     assert total("full", True) < 1.05 * total("partial", True)
+
+
+def test_accumulating_reductions_start_a_new_pipeline_stage():
+    """A reduction whose kept variables lie inside its reduction loop is read only once its
+    accumulator is complete: its consumers form the next stage and the region's cycles add
+    the stages' (a reduction innermost streams into its consumer: one stage)."""
+    from stitchflow.planner.cost import estimate_region, pipeline_stages
+    from stitchflow.planner.loopnest import prepare, unify
+
+    graph, dens = a_xw()
+    nodes = ["t0", "t1"]
+    prep = prepare(graph, nodes, unify(graph, nodes), lambda t, inside: 1.0)
+    # t0 = x @ x reduces k@t0 for each (k@t1, j@t1): innermost it streams, outside j it accumulates
+    assert pipeline_stages(graph, nodes, prep, ("i@t1", "j@t1", "k@t1", "k@t0")) == {"t0": 0, "t1": 0}
+    assert pipeline_stages(graph, nodes, prep, ("i@t1", "k@t1", "k@t0", "j@t1")) == {"t0": 0, "t1": 1}
+    est = estimate_region(graph, nodes, dens, hoist=True)
+    alone = [estimate_region(graph, [n], dens, hoist=True).critical for n in nodes]
+    assert pipeline_stages(graph, nodes, prep, est.loop.order)["t1"] == 1
+    assert est.critical == pytest.approx(sum(alone))  # here: one stage after the other
+    elementwise = build([("add", 0, 1), ("mul", 2, 0)], 8)
+    prep_e = prepare(elementwise, ["t0", "t1"], unify(elementwise, ["t0", "t1"]), lambda t, inside: 1.0)
+    assert set(pipeline_stages(elementwise, ["t0", "t1"], prep_e, ("i", "j")).values()) == {0}

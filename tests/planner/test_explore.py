@@ -106,3 +106,11 @@ def test_cli_main_and_knob_parsing(tmp_path, capsys):
     assert result.rows and all(r.status in ("ok", "pruned", "refused") for r in result.rows)
     assert main(["sae", "--size", "small", "--out", str(tmp_path), "--par", "1", "2"]) == 0
     assert "evaluated by" in capsys.readouterr().out
+
+
+def test_auto_is_no_worse_on_the_sparse_autoencoder():
+    """SAE: the static model ranks full fusion first, the simulator per-layer; auto measures
+    the planner's few best plans and those within the model's error, and keeps the fastest."""
+    result = explore("sae", size="small", out_dir=None, progress=False)
+    (auto, best), = _auto_against_baselines(result).values()
+    assert auto <= best * (1 + 1e-9)
