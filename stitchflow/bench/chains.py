@@ -12,6 +12,7 @@ Writes chains.json, chains.csv and chains_section.md (the BENCHMARKS.md section)
 
 from __future__ import annotations
 
+from .chains_checks import device_checks, dsm_check, rel_err
 from .report import replace_section, write_results
 
 import argparse
@@ -74,12 +75,17 @@ def bench(fn) -> float:
 def measure_ceilings() -> dict:
     """Device-to-device copy (bytes read + written) and an 8192³ bf16 GEMM on random data; then
     the cost model's calibration probes (chain_cost.DeviceProfile), on shapes of their own."""
+    from triton.testing import do_bench
+
     src = torch.randn(1 << 28, device=DEVICE, dtype=torch.float32)  # 1 GiB
     dst = torch.empty_like(src)
-    copy_s = bench(lambda: dst.copy_(src))
+    # One long launch each, so plain calls: captured in a CUDA graph, the copy_ read 2.76 TB/s
+    # (H200, round two) against 4.25 as a plain launch in round one, likely a memcpy node on
+    # the copy engines instead of a kernel.
+    copy_s = do_bench(lambda: dst.copy_(src), warmup=10, rep=50, return_mode="median") * 1e-3
     a = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
-    gemm_s = bench(lambda: a @ b)
+    gemm_s = do_bench(lambda: a @ b, warmup=10, rep=50, return_mode="median") * 1e-3
     del src, dst
     ceilings = {"copy_bw": 2 * (1 << 30) / copy_s, "gemm_flops": 2 * 8192 ** 3 / gemm_s}
     return {**ceilings, "probes": calibration_probes(ceilings, a, b)}
@@ -163,11 +169,6 @@ def ours_fn(case: ChainCase, plan, p: dict):
     return lambda: run_plan(plan, ops).reshape(batch, hgt, wid, case.L).permute(0, 3, 1, 2)
 
 
-def rel_err(out, ref) -> float:
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm()).item()
-
-
 def floors(case: ChainCase, ceilings: dict) -> dict:
     from stitchflow.targets.gpu.chain_cost import ChainShape
 
@@ -177,127 +178,6 @@ def floors(case: ChainCase, ceilings: dict) -> dict:
         io += (math.prod(case.conv) - case.M * case.K) * 2
     return {"bytes": io, "flops": shape.flops, "hbm_floor": io / ceilings["copy_bw"],
             "flop_floor": shape.flops / ceilings["gemm_flops"]}
-
-
-# ---------------------------------------------------------------- device checks (correctness on the GPU)
-
-def device_checks(dtypes=(torch.float32, torch.bfloat16)) -> list[dict]:
-    """The Triton kernels and library plans at odd shapes, fp32 and bf16, against float64 torch."""
-    from stitchflow.targets.gpu import chain_kernels as ck
-
-    gen = torch.Generator(device=DEVICE).manual_seed(7)
-    results = []
-    for dtype, tol in ((dt, 1e-4 if dt == torch.float32 else 2e-2) for dt in dtypes):
-        M, K, N, L = 301, 200, 333, 77
-        a = torch.randn(M, K, device=DEVICE, generator=gen).to(dtype)
-        b, bu = (torch.randn(K, N, device=DEVICE, generator=gen).div(K ** 0.5).to(dtype) for _ in range(2))
-        d = torch.randn(N, L, device=DEVICE, generator=gen).div(N ** 0.5).to(dtype)
-        b1 = torch.randn(N, device=DEVICE, generator=gen).to(dtype)
-        r = torch.randn(M, N, device=DEVICE, generator=gen).to(dtype)
-        A, B, Bu, D, B1, R = (t.double() for t in (a, b, bu, d, b1, r))
-        h = F.gelu(A @ B + B1).to(dtype).double()
-        hg = (F.silu(A @ B).to(dtype).double() * (A @ Bu).to(dtype).double()).to(dtype).double()
-        cases = {
-            "chain gelu+bias": (lambda: ck.chain(a, b, d, act="gelu", bias1=b1, exact_fp32=True,
-                                                 tiles=ck.ChainTiles(64, 64, 64, 64))[0], h @ D),
-            "chain split_n=3": (lambda: ck.chain(a, b, d, act="gelu", bias1=b1, exact_fp32=True,
-                                                 tiles=ck.ChainTiles(32, 64, 64, 128, split_n=3))[0], h @ D),
-            "chain gated": (lambda: ck.chain(a, b, d, act="silu", bu=bu, exact_fp32=True,
-                                             tiles=ck.ChainTiles(64, 32, 64, 64))[0], hg @ D),
-            "gemm epilogue": (lambda: ck.gemm(a, b, epi=ck.Epilogue(0.5, True, "silu", True), bias=b1, residual=r,
-                                              exact_fp32=True, tiles=ck.GemmTiles(64, 64, 32))[0],
-                              F.silu(0.5 * (A @ B) + B1) + R),
-            "gemm split_k=4": (lambda: ck.gemm(a, b, epi=ck.Epilogue(act="relu"), exact_fp32=True,
-                                               tiles=ck.GemmTiles(64, 64, 32, split_k=4))[0], torch.relu(A @ B)),
-            "gemm rowmax": (lambda: ck.gemm(a, b, epi=ck.Epilogue(rowstat="max"), exact_fp32=True)[1],
-                            (A @ B).to(dtype).double().amax(1)),
-            "gemm gated": (lambda: ck.gemm(a, b, bu=bu, epi=ck.Epilogue(act="silu"), exact_fp32=True)[0],
-                           F.silu(A @ B) * (A @ Bu)),
-        }
-        a2, b2, d2 = a[:256, :128].contiguous(), b[:128, :256].contiguous(), d[:256, :64].contiguous()
-        A2, B2, D2 = (t.double() for t in (a2, b2, d2))
-        cases["chain even split_n=2"] = (lambda: ck.chain(a2, b2, d2, act="relu", exact_fp32=True,
-                                                          tiles=ck.ChainTiles(64, 64, 64, 64, split_n=2))[0],
-                                         torch.relu(A2 @ B2).to(dtype).double() @ D2)
-        cases["gemm even split_k=2"] = (lambda: ck.gemm(a2, b2, exact_fp32=True, tiles=ck.GemmTiles(64, 64, 32, 2))[0],
-                                        A2 @ B2)
-        cases.update(_new_kernel_checks(a, b, bu, d, b1, h, hg, D, dtype))
-        for name, (fn, ref) in cases.items():
-            try:
-                err, note = rel_err(fn(), ref), ""
-            except Exception as exc:  # a broken check is a failed check, not a lost run
-                err, note = float("nan"), f"{type(exc).__name__}: {str(exc)[:160]}"
-            results.append({"check": f"{name} {str(dtype)[6:]}", "rel_err": err, "ok": err < tol, "error": note})
-    return results
-
-
-def _new_kernel_checks(a, b, bu, d, b1, h, hg, D, dtype) -> dict:
-    """The persistent kernel (both orientations), the TMA GEMM, and the polynomial Φ of the GELU."""
-    from stitchflow.targets.gpu import chain_kernels as ck
-    from stitchflow.targets.gpu.chain_resident import ResidentTiles, resident_chain
-    from stitchflow.targets.gpu.gemm_tma import gemm_tma
-
-    a64, b64, d64 = a[:, :64].contiguous(), b[:64, :].contiguous(), d.contiguous()
-    h64 = F.gelu(a64.double() @ b64.double() + b1.double()).to(dtype).double()
-    x = torch.linspace(-12, 12, 1 << 20, device=DEVICE, dtype=torch.float64)
-    A8, B8 = a[:, :192].contiguous(), b[:192, :320].contiguous()  # rows 16-byte aligned, as TMA needs
-    return {
-        "resident gelu+bias": (lambda: resident_chain(a64, b64, d64, act="gelu", bias1=b1, exact_fp32=True,
-                                                      tiles=ResidentTiles(64, 64, 4))[0], h64 @ D),
-        "resident transposed": (lambda: resident_chain(a64, b64[:, :256], d64[:256], act="gelu", bias1=b1[:256],
-                                                       exact_fp32=True, tiles=ResidentTiles(64, transposed=True))[0],
-                                h64[:, :256] @ D[:256]),
-        "resident gated": (lambda: resident_chain(a64, b64, d64, act="silu", bu=bu[:64].contiguous(),
-                                                  exact_fp32=True, tiles=ResidentTiles(64, 128, 8))[0],
-                           (F.silu(a64.double() @ b64.double()).to(dtype).double() *
-                            (a64.double() @ bu[:64].double()).to(dtype).double()).to(dtype).double() @ D),
-        "tma gemm split_k=3": (lambda: gemm_tma(A8, B8, epi=ck.Epilogue(act="relu"), exact_fp32=True,
-                                                tiles=ck.GemmTiles(64, 64, 64, split_k=3))[0],
-                               torch.relu(A8.double() @ B8.double())),
-        **_library_plan_checks(a, b, bu, d, b1, h, hg, D, dtype),
-        "gelu polynomial": (lambda: ck.gemm(x.float()[:, None].contiguous(), torch.ones(1, 16, device=DEVICE),
-                                            epi=ck.Epilogue(act="gelu"), exact_fp32=True,
-                                            tiles=ck.GemmTiles(64, 16, 16))[0][:, 0],
-                            F.gelu(x.float().double())),
-    }
-
-
-def _library_plan_checks(a, b, bu, d, b1, h, hg, D, dtype) -> dict:
-    """cuBLAS GEMM1 with our act pass (gated too) or our act-on-load GEMM2, and cuDNN's conv."""
-    from stitchflow.targets.gpu import chain_kernels as ck
-    from stitchflow.targets.gpu.chain_cost import Plan
-    from stitchflow.targets.gpu.chains import Operands, conv_operands, run_plan
-
-    epi, pro = Plan("cublas_epi", "", ()), Plan("cublas_pro", "", (), gemm2=ck.GemmTiles(64, 64, 64))
-    x = torch.randn(3, 24, 13, 11, device=DEVICE).to(dtype)
-    w = torch.randn(40, 24, 3, 3, device=DEVICE).div(216 ** 0.5).to(dtype)
-    d2 = d[:40, :24].contiguous()
-    hc = F.gelu(F.conv2d(x.double(), w.double(), padding=1)).to(dtype).permute(0, 2, 3, 1).reshape(-1, 40)
-    conv = conv_operands(x, w, d2, padding=1, act="gelu")
-    return {
-        "cublas_epi gelu+bias": (lambda: run_plan(epi, Operands(a, b, d, bias1=b1, act="gelu"), True), h @ D),
-        "cublas_epi gated": (lambda: run_plan(epi, Operands(a, b, d, bu=bu, act="silu"), True), hg @ D),
-        "cublas_pro gelu+bias": (lambda: run_plan(pro, Operands(a, b, d, bias1=b1, act="gelu"), True), h @ D),
-        "conv cudnn+act pass": (lambda: run_plan(epi, conv, True), hc.double() @ d2.double()),
-        "conv cudnn+act on load": (lambda: run_plan(pro, conv, True), hc.double() @ d2.double()),
-    }
-
-
-def dsm_check() -> list[dict]:
-    from stitchflow.targets.gpu.cluster_dsm import dsm_chain
-
-    gen = torch.Generator(device=DEVICE).manual_seed(11)
-    out = []
-    for M, K, N, L, C in ((100, 96, 512, 128, 4), (129, 64, 1024, 64, 16), (64, 128, 256, 256, 2), (70, 32, 1024, 64, 8)):
-        a = torch.randn(M, K, device=DEVICE, generator=gen).bfloat16()
-        b = torch.randn(K, N, device=DEVICE, generator=gen).div(K ** 0.5).bfloat16()
-        d = torch.randn(N, L, device=DEVICE, generator=gen).div(N ** 0.5).bfloat16()
-        b1 = torch.randn(N, device=DEVICE, generator=gen).bfloat16()
-        b2 = torch.randn(L, device=DEVICE, generator=gen).bfloat16()
-        ref = F.gelu(a.double() @ b.double() + b1.double()).bfloat16().double() @ d.double() + b2.double()
-        err = rel_err(dsm_chain(a, b, d, act="gelu", bias1=b1, bias2=b2, cluster=C), ref)
-        out.append({"check": f"dsm M{M} K{K} N{N} L{L} C{C}", "rel_err": err, "ok": err < 2e-2})
-    return out
 
 
 # ---------------------------------------------------------------- one case
@@ -448,31 +328,40 @@ def _torch_best(r) -> float:
     return min(t for t in (r["eager_s"], r.get("compile_s"), r.get("max_autotune_s")) if t)
 
 
-def acceptance_lines(rows: list[dict]) -> list[str]:
-    """Issue 7's device criteria, each computed from this run's rows."""
+def acceptance_lines(rows: list[dict], older: list[dict] = ()) -> list[str]:
+    """Issue 7's device criteria from this run's rows; `older` (an earlier run's rows for shapes
+    this run did not measure) enters each verdict too, marked "earlier"."""
     def verdict(ok):
         return "holds" if ok else "does not hold"
 
-    mem = [r for r in rows if r["case"].startswith("membound")]
-    mem_x = [min(r["eager_s"], r.get("compile_s") or r["eager_s"]) / r["ours_s"] for r in mem]
-    m128 = next((r for r in rows if r["case"] == "gpt6.7b ffn M=128"), None)
-    slow = [(r["case"], _torch_best(r) / r["ours_s"]) for r in rows if r["ours_s"] > 1.05 * _torch_best(r)]
+    every = [(r, "") for r in rows] + [(r, " (earlier)") for r in older]
+    mem = [(min(r["eager_s"], r.get("compile_s") or r["eager_s"]) / r["ours_s"], tag) for r, tag in every
+           if r["case"].startswith("membound")]
+    m128 = next(((r, tag) for r, tag in every if r["case"] == "gpt6.7b ffn M=128"), None)
+    slow = [(r["case"] + tag, _torch_best(r) / r["ours_s"]) for r, tag in every if r["ours_s"] > 1.05 * _torch_best(r)]
     within = sum(r["model_first_s"] <= 1.1 * r["best_profiled_s"] for r in rows)
-    lines = [f"- Memory-bound chains ≥3× faster than eager and torch.compile: {verdict(mem and min(mem_x) >= 3)} "
-             f"({', '.join(f'{x:.2f}×' for x in mem_x)} over the faster of the two)."]
+    lines = [f"- Memory-bound chains ≥3× faster than eager and torch.compile: "
+             f"{verdict(mem and min(x for x, _ in mem) >= 3)} "
+             f"({', '.join(f'{x:.2f}×{tag}' for x, tag in mem)} over the faster of the two)."]
     if m128:
-        ratio = m128["ours_s"] / max(m128["hbm_floor"], m128["flop_floor"])
+        r, tag = m128
+        ratio = r["ours_s"] / max(r["hbm_floor"], r["flop_floor"])
         lines.append(f"- GPT-6.7B FFN M=128 within 1.25× of its floor and faster than eager: "
-                     f"{verdict(ratio <= 1.25 and m128['ours_s'] < m128['eager_s'])} ({ratio:.2f}× the floor, "
-                     f"{m128['eager_s'] / m128['ours_s']:.2f}× eager).")
+                     f"{verdict(ratio <= 1.25 and r['ours_s'] < r['eager_s'])} ({ratio:.2f}× the floor, "
+                     f"{r['eager_s'] / r['ours_s']:.2f}× eager{tag}).")
     lines.append("- No shape more than 5% slower than the best of eager and torch.compile: "
                  f"{verdict(not slow)}" + (f" ({', '.join(f'{n} {x:.2f}×' for n, x in slow)})." if slow else "."))
+    old_within = sum(r["model_first_s"] <= 1.1 * r["best_profiled_s"] for r in older)
     lines.append(f"- Cost model's first choice within 10% of the best profiled plan on ≥80% of shapes: "
-                 f"{verdict(within >= 0.8 * len(rows))} ({within}/{len(rows)}).")
+                 f"{verdict(within >= 0.8 * len(rows))} over this run's shapes ({within}/{len(rows)}"
+                 + (f"; the earlier run's rows, older model and plain-call timing: {old_within}/{len(older)}"
+                    if older else "") + ").")
     return lines
 
 
-def section_text(meta: dict, rows: list[dict], checks: list[dict]) -> str:
+def section_text(meta: dict, rows: list[dict], checks: list[dict], earlier: dict | None = None) -> str:
+    """The BENCHMARKS.md section; `earlier` (an older chains.json) lists the cases this run
+    did not measure, labelled with that run's date and timing method."""
     ok = sum(c["ok"] for c in checks)
     probes = meta.get("probes", {})
     timing = meta.get("timing", {})
@@ -493,9 +382,19 @@ def section_text(meta: dict, rows: list[dict], checks: list[dict]) -> str:
              "CUDA cluster kernel where its shape limits allow, as speed-up over our best plan's time "
              "(>1 means the cluster kernel is faster).", ""]
     lines += table_lines(rows)
-    lines += ["", f"Device correctness checks: {ok}/{len(checks)} passed "
-              f"({', '.join(c['check'] + ' ' + format(c['rel_err'], '.1e') for c in checks if not c['ok']) or 'all'}"
-              ").", "", "Issue 7's device criteria in this run:", ""] + acceptance_lines(rows) + [""]
+    measured = {r["case"] for r in rows}
+    old = [r for r in earlier["rows"] if r["case"] not in measured] if earlier else []
+    lines += ["", _checks_line(checks, earlier), "", f"Issue 7's device criteria over the {len(rows)} shapes of this "
+              f"run{f' and the {len(old)} shapes of the earlier run below' if old else ''}:", ""]
+    lines += acceptance_lines(rows, old) + [""]
+    if earlier:
+        lines += _earlier_dsm_lines(rows, earlier)
+        if old:
+            lines += [f"Shapes not measured in this run, from the run of {earlier['meta']['date']} (copy "
+                      f"{earlier['meta']['copy_bw'] / 1e12:.2f} TB/s, GEMM {earlier['meta']['gemm_flops'] / 1e12:.0f}"
+                      " TFLOP/s; every time a median of plain calls, no CUDA graph, so the candidate columns carry "
+                      "launch noise; plans from round one's kinds, before cublas_epi/cublas_pro):", ""]
+            lines += table_lines(old) + [""]
     return "\n".join(lines)
 
 
@@ -520,7 +419,9 @@ def _max_autotune_pass(cases, rows, weights, budget: Budget, gen) -> None:
 
 def run(shapes=None, out_dir="bench_out", budget_s: float = 420.0, top_k: int = 8, checks: bool = True,
         benchmarks_md: str | None = None, command: str = "python -m stitchflow.bench.chains",
-        max_autotune: bool = True) -> list[dict]:
+        max_autotune: bool = True, pool: bool = True, dsm: bool = True) -> list[dict]:
+    """pool: compile shortlists and run the checks in worker processes first (worth it when the
+    caches are warm or the budget is long; a cold start of twelve workers took over two minutes)."""
     import triton
 
     from stitchflow.targets.gpu import cluster_dsm
@@ -537,14 +438,18 @@ def run(shapes=None, out_dir="bench_out", budget_s: float = 420.0, top_k: int = 
         except Exception as err:
             build["error"] = f"{type(err).__name__}: {str(err)[-400:]}"
 
-    builder = threading.Thread(target=build_dsm, daemon=True)
+    builder = threading.Thread(target=build_dsm if dsm else lambda: build.update(error="not built (--no-dsm)"),
+                               daemon=True)
     builder.start()
     ceilings = measure_ceilings()
     profile = profile_for(torch.cuda.get_device_name(), ceilings["copy_bw"], ceilings["gemm_flops"], ceilings["probes"])
     print("calibration probes:", {k: round(v, 3) if v < 10 else f"{v:.3g}" for k, v in ceilings["probes"].items()},
           flush=True)
     started = time.time()
-    failures, results = precompile(shapes or default_cases(), ceilings, top_k, checks)
+    if pool:
+        failures, results = precompile(shapes or default_cases(), ceilings, top_k, checks)
+    else:
+        failures, results = [], device_checks() if checks else []
     for failure in failures:
         print("precompile:", failure, flush=True)
     print(f"shortlists compiled, device checks run in {time.time() - started:.0f}s", flush=True)
@@ -598,6 +503,38 @@ def run(shapes=None, out_dir="bench_out", budget_s: float = 420.0, top_k: int = 
     return rows
 
 
+def _checks_line(checks: list[dict], earlier: dict | None) -> str:
+    if not checks:
+        old = earlier["checks"] if earlier else []
+        return ("Device correctness checks: not run in this run (each timed winner was checked against eager)"
+                + (f"; the earlier run: {sum(c['ok'] for c in old)}/{len(old)} passed." if old else "."))
+    failed = ", ".join(c["check"] + " " + format(c["rel_err"], ".1e") for c in checks if not c["ok"])
+    return f"Device correctness checks: {sum(c['ok'] for c in checks)}/{len(checks)} passed ({failed or 'all'})."
+
+
+def _earlier_dsm_lines(rows: list[dict], earlier: dict) -> list[str]:
+    """The cluster kernel's comparison from the earlier run for shapes whose row here has none."""
+    mine = {r["case"] for r in rows if _best_dsm(r) is None}
+    found = [(r, _best_dsm(r)) for r in earlier["rows"] if r["case"] in mine and _best_dsm(r)]
+    if not found:
+        return []
+    items = "; ".join(f"{r['case']}: {_us(d['seconds'])} µs (C{d['cluster']}) against our best plan then, "
+                      f"{_us(r['ours_kernel_s'])} µs, {r['ours_kernel_s'] / d['seconds']:.2f}×" for r, d in found)
+    return [f"Cluster/DSM kernel on shapes of this run, as measured in the earlier run ({earlier['meta']['date']}, "
+            f"plain calls; not rebuilt in this run): {items}.", ""]
+
+
+def rewrite_section(run_dir: str, earlier: str | None, benchmarks_md: str | None) -> str:
+    """The section again from a run's chains.json (e.g. fetched from the device), with the
+    cases of an earlier run that this one did not measure."""
+    data = json.loads((Path(run_dir) / "chains.json").read_text())
+    old = json.loads(Path(earlier).read_text()) if earlier else None
+    section = section_text(data["meta"], data["rows"], data["checks"], old)
+    if benchmarks_md:
+        update_benchmarks_md(Path(benchmarks_md), section)
+    return section
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="stitchflow bench chains", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench_out/chains", help="folder for chains.json, .csv and the md section")
@@ -607,15 +544,25 @@ def main(argv=None) -> int:
     parser.add_argument("--no-checks", action="store_true")
     parser.add_argument("--no-max-autotune", action="store_true", help="skip the max-autotune column (minutes)")
     parser.add_argument("--benchmarks-md", default=None, help="update this BENCHMARKS.md's section")
+    parser.add_argument("--cases", default="", help="comma-separated name prefixes: only these cases")
+    parser.add_argument("--no-pool", action="store_true", help="compile in the timing process (cold machines)")
+    parser.add_argument("--no-dsm", action="store_true", help="do not build or time the cluster kernel")
+    parser.add_argument("--section-from", default=None, help="only rewrite the section from DIR/chains.json")
+    parser.add_argument("--earlier", default=None, help="with --section-from: an older chains.json for missing cases")
     args = parser.parse_args(argv)
+    if args.section_from:
+        print(rewrite_section(args.section_from, args.earlier, args.benchmarks_md))
+        return 0
     if not torch.cuda.is_available():
         raise SystemExit("stitchflow bench chains needs a CUDA GPU")
     cases = default_cases()
     if args.quick:
         cases = [c for c in cases if c.max_autotune]
+    if args.cases:
+        cases = [c for c in cases if any(c.name.startswith(p) for p in args.cases.split(","))]
     cmd = "python -m stitchflow.bench.chains " + " ".join(argv or [])
     run(cases, args.out, args.budget, args.top_k, not args.no_checks, args.benchmarks_md, cmd.strip(),
-        not args.no_max_autotune)
+        not args.no_max_autotune, not args.no_pool, not args.no_dsm)
     return 0
 
 

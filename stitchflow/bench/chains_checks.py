@@ -1,0 +1,136 @@
+"""Correctness of the chain kernels and plans on the GPU, for `stitchflow bench chains`.
+
+Each check runs one kernel or plan at odd shapes (fp32 and bf16) and compares it with float64
+torch; the bench runs them before timing anything and reports them with its table.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+DEVICE = "cuda"
+
+
+def rel_err(out, ref) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def device_checks(dtypes=(torch.float32, torch.bfloat16)) -> list[dict]:
+    """The Triton kernels and library plans at odd shapes, fp32 and bf16, against float64 torch."""
+    from stitchflow.targets.gpu import chain_kernels as ck
+
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
+    results = []
+    for dtype, tol in ((dt, 1e-4 if dt == torch.float32 else 2e-2) for dt in dtypes):
+        M, K, N, L = 301, 200, 333, 77
+        a = torch.randn(M, K, device=DEVICE, generator=gen).to(dtype)
+        b, bu = (torch.randn(K, N, device=DEVICE, generator=gen).div(K ** 0.5).to(dtype) for _ in range(2))
+        d = torch.randn(N, L, device=DEVICE, generator=gen).div(N ** 0.5).to(dtype)
+        b1 = torch.randn(N, device=DEVICE, generator=gen).to(dtype)
+        r = torch.randn(M, N, device=DEVICE, generator=gen).to(dtype)
+        A, B, Bu, D, B1, R = (t.double() for t in (a, b, bu, d, b1, r))
+        h = F.gelu(A @ B + B1).to(dtype).double()
+        hg = (F.silu(A @ B).to(dtype).double() * (A @ Bu).to(dtype).double()).to(dtype).double()
+        cases = {
+            "chain gelu+bias": (lambda: ck.chain(a, b, d, act="gelu", bias1=b1, exact_fp32=True,
+                                                 tiles=ck.ChainTiles(64, 64, 64, 64))[0], h @ D),
+            "chain split_n=3": (lambda: ck.chain(a, b, d, act="gelu", bias1=b1, exact_fp32=True,
+                                                 tiles=ck.ChainTiles(32, 64, 64, 128, split_n=3))[0], h @ D),
+            "chain gated": (lambda: ck.chain(a, b, d, act="silu", bu=bu, exact_fp32=True,
+                                             tiles=ck.ChainTiles(64, 32, 64, 64))[0], hg @ D),
+            "gemm epilogue": (lambda: ck.gemm(a, b, epi=ck.Epilogue(0.5, True, "silu", True), bias=b1, residual=r,
+                                              exact_fp32=True, tiles=ck.GemmTiles(64, 64, 32))[0],
+                              F.silu(0.5 * (A @ B) + B1) + R),
+            "gemm split_k=4": (lambda: ck.gemm(a, b, epi=ck.Epilogue(act="relu"), exact_fp32=True,
+                                               tiles=ck.GemmTiles(64, 64, 32, split_k=4))[0], torch.relu(A @ B)),
+            "gemm rowmax": (lambda: ck.gemm(a, b, epi=ck.Epilogue(rowstat="max"), exact_fp32=True)[1],
+                            (A @ B).to(dtype).double().amax(1)),
+            "gemm gated": (lambda: ck.gemm(a, b, bu=bu, epi=ck.Epilogue(act="silu"), exact_fp32=True)[0],
+                           F.silu(A @ B) * (A @ Bu)),
+        }
+        a2, b2, d2 = a[:256, :128].contiguous(), b[:128, :256].contiguous(), d[:256, :64].contiguous()
+        A2, B2, D2 = (t.double() for t in (a2, b2, d2))
+        cases["chain even split_n=2"] = (lambda: ck.chain(a2, b2, d2, act="relu", exact_fp32=True,
+                                                          tiles=ck.ChainTiles(64, 64, 64, 64, split_n=2))[0],
+                                         torch.relu(A2 @ B2).to(dtype).double() @ D2)
+        cases["gemm even split_k=2"] = (lambda: ck.gemm(a2, b2, exact_fp32=True, tiles=ck.GemmTiles(64, 64, 32, 2))[0],
+                                        A2 @ B2)
+        cases.update(_new_kernel_checks(a, b, bu, d, b1, h, hg, D, dtype))
+        for name, (fn, ref) in cases.items():
+            try:
+                err, note = rel_err(fn(), ref), ""
+            except Exception as exc:  # a broken check is a failed check, not a lost run
+                err, note = float("nan"), f"{type(exc).__name__}: {str(exc)[:160]}"
+            results.append({"check": f"{name} {str(dtype)[6:]}", "rel_err": err, "ok": err < tol, "error": note})
+    return results
+
+
+def _new_kernel_checks(a, b, bu, d, b1, h, hg, D, dtype) -> dict:
+    """The persistent kernel (both orientations), the TMA GEMM, and the polynomial Φ of the GELU."""
+    from stitchflow.targets.gpu import chain_kernels as ck
+    from stitchflow.targets.gpu.chain_resident import ResidentTiles, resident_chain
+    from stitchflow.targets.gpu.gemm_tma import gemm_tma
+
+    a64, b64, d64 = a[:, :64].contiguous(), b[:64, :].contiguous(), d.contiguous()
+    h64 = F.gelu(a64.double() @ b64.double() + b1.double()).to(dtype).double()
+    x = torch.linspace(-12, 12, 1 << 20, device=DEVICE, dtype=torch.float64)
+    A8, B8 = a[:, :192].contiguous(), b[:192, :320].contiguous()  # rows 16-byte aligned, as TMA needs
+    return {
+        "resident gelu+bias": (lambda: resident_chain(a64, b64, d64, act="gelu", bias1=b1, exact_fp32=True,
+                                                      tiles=ResidentTiles(64, 64, 4))[0], h64 @ D),
+        "resident transposed": (lambda: resident_chain(a64, b64[:, :256], d64[:256], act="gelu", bias1=b1[:256],
+                                                       exact_fp32=True, tiles=ResidentTiles(64, transposed=True))[0],
+                                h64[:, :256] @ D[:256]),
+        "resident gated": (lambda: resident_chain(a64, b64, d64, act="silu", bu=bu[:64].contiguous(),
+                                                  exact_fp32=True, tiles=ResidentTiles(64, 128, 8))[0],
+                           (F.silu(a64.double() @ b64.double()).to(dtype).double() *
+                            (a64.double() @ bu[:64].double()).to(dtype).double()).to(dtype).double() @ D),
+        "tma gemm split_k=3": (lambda: gemm_tma(A8, B8, epi=ck.Epilogue(act="relu"), exact_fp32=True,
+                                                tiles=ck.GemmTiles(64, 64, 64, split_k=3))[0],
+                               torch.relu(A8.double() @ B8.double())),
+        **_library_plan_checks(a, b, bu, d, b1, h, hg, D, dtype),
+        "gelu polynomial": (lambda: ck.gemm(x.float()[:, None].contiguous(), torch.ones(1, 16, device=DEVICE),
+                                            epi=ck.Epilogue(act="gelu"), exact_fp32=True,
+                                            tiles=ck.GemmTiles(64, 16, 16))[0][:, 0],
+                            F.gelu(x.float().double())),
+    }
+
+
+def _library_plan_checks(a, b, bu, d, b1, h, hg, D, dtype) -> dict:
+    """cuBLAS GEMM1 with our act pass (gated too) or our act-on-load GEMM2, and cuDNN's conv."""
+    from stitchflow.targets.gpu import chain_kernels as ck
+    from stitchflow.targets.gpu.chain_cost import Plan
+    from stitchflow.targets.gpu.chains import Operands, conv_operands, run_plan
+
+    epi, pro = Plan("cublas_epi", "", ()), Plan("cublas_pro", "", (), gemm2=ck.GemmTiles(64, 64, 64))
+    x = torch.randn(3, 24, 13, 11, device=DEVICE).to(dtype)
+    w = torch.randn(40, 24, 3, 3, device=DEVICE).div(216 ** 0.5).to(dtype)
+    d2 = d[:40, :24].contiguous()
+    hc = F.gelu(F.conv2d(x.double(), w.double(), padding=1)).to(dtype).permute(0, 2, 3, 1).reshape(-1, 40)
+    conv = conv_operands(x, w, d2, padding=1, act="gelu")
+    return {
+        "cublas_epi gelu+bias": (lambda: run_plan(epi, Operands(a, b, d, bias1=b1, act="gelu"), True), h @ D),
+        "cublas_epi gated": (lambda: run_plan(epi, Operands(a, b, d, bu=bu, act="silu"), True), hg @ D),
+        "cublas_pro gelu+bias": (lambda: run_plan(pro, Operands(a, b, d, bias1=b1, act="gelu"), True), h @ D),
+        "conv cudnn+act pass": (lambda: run_plan(epi, conv, True), hc.double() @ d2.double()),
+        "conv cudnn+act on load": (lambda: run_plan(pro, conv, True), hc.double() @ d2.double()),
+    }
+
+
+def dsm_check() -> list[dict]:
+    from stitchflow.targets.gpu.cluster_dsm import dsm_chain
+
+    gen = torch.Generator(device=DEVICE).manual_seed(11)
+    out = []
+    for M, K, N, L, C in ((100, 96, 512, 128, 4), (129, 64, 1024, 64, 16), (64, 128, 256, 256, 2), (70, 32, 1024, 64, 8)):
+        a = torch.randn(M, K, device=DEVICE, generator=gen).bfloat16()
+        b = torch.randn(K, N, device=DEVICE, generator=gen).div(K ** 0.5).bfloat16()
+        d = torch.randn(N, L, device=DEVICE, generator=gen).div(N ** 0.5).bfloat16()
+        b1 = torch.randn(N, device=DEVICE, generator=gen).bfloat16()
+        b2 = torch.randn(L, device=DEVICE, generator=gen).bfloat16()
+        ref = F.gelu(a.double() @ b.double() + b1.double()).bfloat16().double() @ d.double() + b2.double()
+        err = rel_err(dsm_chain(a, b, d, act="gelu", bias1=b1, bias2=b2, cluster=C), ref)
+        out.append({"check": f"dsm M{M} K{K} N{N} L{L} C{C}", "rel_err": err, "ok": err < 2e-2})
+    return out
