@@ -9,7 +9,10 @@ orientation), elementwise nodes over C1's output (a bias add, one activation, an
 FFN a product with a second contraction C1' that shares A), then a contraction C2 whose reduce
 variable runs over the intermediate's last index: E = act(A·B + b)·D. `match_gemm_epilogues`
 finds single GEMMs followed by bias / activation / residual nodes. Plans come from chain_cost; on
-a GPU `autotune` times the shortlist and caches the winner per shape bucket on disk.
+a GPU `autotune` times the shortlist as CUDA-graph replays (`graph_bench`: launch gaps and Python
+stay out of the comparison) and caches the winner per shape bucket on disk. `conv_operands`
+describes a chain whose GEMM1 is a stride-1 convolution: matrix plans build im2col inside each
+call, the cublas_* plans run cuDNN's convolution instead.
 """
 
 from __future__ import annotations
@@ -313,12 +316,13 @@ def _library_gemm1(ops: Operands, fold_bias: bool, exact_fp32: bool):
     cuDNN runs fp32 convolutions in tf32 unless told otherwise: exact_fp32 tells it."""
     if ops.conv is not None:
         x = ops.conv.x.contiguous(memory_format=torch.channels_last)
-        tf32 = torch.backends.cudnn.allow_tf32
-        torch.backends.cudnn.allow_tf32 = tf32 and not (exact_fp32 and x.dtype == torch.float32)
-        try:
+        tf32 = torch.backends.cudnn.allow_tf32 and not (exact_fp32 and x.dtype == torch.float32)
+        # the context manager, not an assignment: once cuDNN's flags are locked (torch does so
+        # while some tests run), only `flags` may change them
+        cudnn = torch.backends.cudnn
+        with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic,
+                         allow_tf32=tf32):
             g = F.conv2d(x, ops.conv.weight, ops.bias1, padding=ops.conv.padding)
-        finally:
-            torch.backends.cudnn.allow_tf32 = tf32
         return g.permute(0, 2, 3, 1).reshape(-1, g.shape[1]), None
     if fold_bias and ops.bias1 is not None:
         return torch.addmm(ops.bias1, ops.a, ops.b), None
