@@ -245,13 +245,16 @@ class _Weighted(abc.ABC):
     def features(self, est: Estimate) -> tuple[float, ...]:
         """The quantities the model weighs (cycles, seconds of traffic, launches...)."""
 
-    def calibrate(self, samples: Sequence[tuple]):
+    def calibrate(self, samples: Sequence[tuple], relative: bool = False):
         """Fit non-negative scale factors by least squares: measured ~ weights . features.
-        A sample is (region Estimate or a configuration's list of them, measured value)."""
+        A sample is (region Estimate or a configuration's list of them, measured value);
+        `relative` weighs each sample by 1/measured (relative errors, whatever the sizes)."""
         if not samples:
             return self
         a = np.array([self.config_features(e) for e, _ in samples], dtype=float)
         y = np.array([m for _, m in samples], dtype=float)
+        if relative:
+            a, y = a / y[:, None], np.ones_like(y)
         cols = a.any(axis=0)  # a feature that never appears keeps its weight
         fitted, _ = nnls(a[:, cols], y)
         weights = np.array(self.weights, dtype=float)

@@ -137,13 +137,38 @@ def _densities(key: AppKey, blocks: Sequence[int | None]):
 
 def static_estimate(key: AppKey, target: str, config: Config, blocks=()) -> tuple[Estimate, float]:
     """(summed estimate, cost) of a configuration under the target's static model."""
+    total, cost, _ = region_estimates(key, target, config, blocks)
+    return total, cost
+
+
+def region_estimates(key: AppKey, target: str, config: Config, blocks=()):
+    """(summed estimate, cost, [(model, region estimates)]) under the target's static model."""
     captured, _, _ = load_app(key)
     model = model_for(target, _densities(key, tuple(blocks) or (config.block,)))
     ests = [model.estimate(captured.graph, g, config.options) for g in config.groups]
     total = ests[0]
     for e in ests[1:]:
         total = total + e
-    return total, model.total(ests)
+    return total, model.total(ests), (model, ests)
+
+
+def calibration_note(static: dict, value_of: dict) -> str | None:
+    """Fit the static model's weights to the simulated cycles (relative least squares, cost.calibrate)
+    and say how far the model was from the simulator before and after: the model ranks plans
+    for the integer program; this is how much to trust it on this app."""
+    sims = [c for c, v in value_of.items() if v.get("by") == "simulator" and v["value"] > 0]
+    if len(sims) < 2:
+        return None
+    model = static[sims[0]][2][0]
+    samples = [(static[c][2][1], value_of[c]["value"]) for c in sims]
+    fitted = model.calibrate(samples, relative=True)
+
+    def error(m) -> float:
+        return float(sorted(abs(m.total(e) / v - 1.0) for e, v in samples)[len(samples) // 2])
+
+    weights = ", ".join(f"{n} {w:.3g}" for n, w in zip(model.feature_names, fitted.weights))
+    return (f"static model calibrated on {len(samples)} simulated configurations: weights {weights}; median "
+            f"|static/simulated - 1| {error(model):.0%} before, {error(fitted):.0%} after")
 
 
 def simulator_available(target: str) -> bool:
@@ -266,7 +291,7 @@ def explore(app: str, dataset: str | None = None, target: str = "dataflow", orde
     configs, notes, auto_keys = configurations(key, target, list(orders), list(par), list(blocks), tuple(streamed))
     refused = _refusals(key, target, configs)
     configs = [c for c in configs if c not in refused]
-    static = {c: static_estimate(key, target, c, blocks) for c in configs}
+    static = {c: region_estimates(key, target, c, blocks) for c in configs}
     configs, same = _drop_same_streamed(configs, static)
     notes += same
     ests, costs = {c: static[c][0] for c in configs}, {c: static[c][1] for c in configs}
@@ -285,6 +310,8 @@ def explore(app: str, dataset: str | None = None, target: str = "dataflow", orde
     value_of = {c: measured[c.evaluation_key()] for c in result.kept}
     autos, auto_notes = _auto(configs, result.kept, value_of, auto_keys, costs)
     notes += auto_notes
+    calibrated = calibration_note(static, value_of)
+    notes += [calibrated] if calibrated else []
     rows = _rows(configs, ests, value_of, {p.config: p.reason for p in result.pruned}, autos)
     rows += [Row(str(c), c.name, len(c.groups), "best" if c.order is None else str(c.order),
                  "x".join(str(w) for _, w in c.par) or "1", c.block or 0, 0.0, 0.0, 0.0, None, None, "-",

@@ -95,6 +95,7 @@ def test_calibrate_recovers_scale_factors():
     samples = [(e, 3.0 * model.features(e)[0] + 0.5 * model.features(e)[1]) for e in ests]
     fitted = model.calibrate(samples)
     assert fitted.weights == pytest.approx((3.0, 0.5), rel=1e-6)
+    assert model.calibrate(samples, relative=True).weights == pytest.approx((3.0, 0.5), rel=1e-6)
     gpu = GpuCostModel(dens)
     samples = [([e], 2.0 * gpu.cost(e)) for e in ests]  # a configuration is a list of regions
     assert gpu.calibrate(samples).cost(ests[0]) == pytest.approx(2.0 * gpu.cost(ests[0]), rel=1e-6)

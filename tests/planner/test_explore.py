@@ -114,3 +114,4 @@ def test_auto_is_no_worse_on_the_sparse_autoencoder():
     result = explore("sae", size="small", out_dir=None, progress=False)
     (auto, best), = _auto_against_baselines(result).values()
     assert auto <= best * (1 + 1e-9)
+    assert any(n.startswith("static model calibrated on 5 simulated configurations") for n in result.notes)
