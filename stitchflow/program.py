@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -100,15 +101,19 @@ class Program:
 class _GraphReplay:
     """Replays a whole call of a CUDA program as one CUDA graph, so that the Python dispatch of
     every region, kernel and library call leaves the hot path (torch.compile's reduce-overhead
-    mode does the same). The first calls run normally (autotuning happens there); a capture
-    that fails (a host sync, a sparse op) is logged and the program keeps running normally."""
+    mode does the same). The first calls run normally (autotuning happens there); the second is
+    timed, the graph captured on the third is timed too and kept only if it is faster: a replay
+    copies the inputs in and clones the outputs out, which costs more than it saves when the
+    device, not the host, is the bottleneck. A capture that fails (a host sync, a sparse op) is
+    logged and the program keeps running normally."""
 
     WARMUP_CALLS = 2
 
     def __init__(self, prog: Program):
         self.prog = prog
         self.calls = 0
-        self.failed: str | None = None
+        self.failed: str | None = None  # why calls run without a graph (capture failed, not worth it)
+        self.plain_ms = float("inf")
         self.graph = None
         self.static_inputs: list[torch.Tensor] = []
         self.static_env: dict = {}
@@ -121,16 +126,29 @@ class _GraphReplay:
     def __call__(self, inputs):
         prog = self.prog
         self.calls += 1
-        if self.graph is None and self.calls <= self.WARMUP_CALLS:
+        if self.graph is None and self.calls < self.WARMUP_CALLS:
             return rebuild_outputs(prog.captured, prog._run(prog._bind(inputs)))
-        if self.graph is None and not self._capture(inputs):
-            return rebuild_outputs(prog.captured, prog._run(prog._bind(inputs)))
+        if self.graph is None and self.calls == self.WARMUP_CALLS:
+            self.plain_ms, env = _best_of(lambda: prog._run(prog._bind(inputs)))
+            return rebuild_outputs(prog.captured, env)
+        if self.graph is None:
+            if not self._capture(inputs):
+                return rebuild_outputs(prog.captured, prog._run(prog._bind(inputs)))
+            replay_ms, outputs = _best_of(lambda: self._replay(inputs))
+            if replay_ms > self.plain_ms:  # device-bound: the copies cost more than dispatch
+                self.graph, self.static_inputs, self.static_env = None, [], {}
+                self.failed = f"not worth a graph: a replay took {replay_ms:.3f} ms, a plain call {self.plain_ms:.3f} ms"
+                log.info("stitchflow: no CUDA graph, %s", self.failed)
+            return rebuild_outputs(prog.captured, outputs)
+        return rebuild_outputs(prog.captured, self._replay(inputs))
+
+    def _replay(self, inputs) -> dict:
+        prog = self.prog
         for static, x in zip(self.static_inputs, [x for x in inputs if isinstance(x, torch.Tensor)]):
             static.copy_(x)
         self.graph.replay()
         prog.regions_executed += len(prog._compiled)
-        outputs = {name: self.static_env[name].clone() for name in prog.graph.outputs}
-        return rebuild_outputs(prog.captured, outputs)
+        return {name: self.static_env[name].clone() for name in prog.graph.outputs}
 
     def _capture(self, inputs) -> bool:
         prog = self.prog
@@ -153,6 +171,18 @@ class _GraphReplay:
             log.info("stitchflow: CUDA graph capture failed, running without it: %s", self.failed)
             torch.cuda.synchronize()
             return False
+
+
+def _best_of(call, repeats: int = 3):
+    """(the shortest wall time in ms of `call` to the end of its device work, its last result)."""
+    best, result = float("inf"), None
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        result = call()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) * 1e3)
+    return best, result
 
 
 def _split_formats(model, formats: Mapping | None):

@@ -115,3 +115,18 @@ def test_export_fallback_captures_aten_graphs():
     prog = stitchflow.compile(model, (x,))
     assert_close(prog(x), model(x))
     assert sum(n.tag is not None and n.tag.kind == "linear" for n in prog.graph.nodes) >= 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("rows", [8, 8192])
+def test_cuda_graph_replay_is_timed_kept_or_declined_and_stays_correct(rows):
+    """A gpu program decides on its third call whether a CUDA-graph replay beats a plain call
+    (the replay copies inputs in and outputs out); either way every call equals eager."""
+    fn = lambda x, b: torch.nn.functional.gelu(x + b) * 2.0  # noqa: E731
+    make = lambda: (torch.randn(rows, 1024, device="cuda"), torch.randn(1024, device="cuda"))  # noqa: E731
+    prog = stitchflow.compile(fn, make(), target="gpu")
+    for _ in range(6):
+        args = make()
+        torch.testing.assert_close(prog(*args), fn(*args), rtol=1e-5, atol=1e-5)
+    replay = prog._replay
+    assert replay.graph is not None or replay.failed.startswith("not worth a graph")
