@@ -21,8 +21,8 @@ from . import kernels
 from . import storage as S
 from .graph import Dataflow, Prim
 from .ops import apply_op
-from .stream import (DONE, ELEM, EMPTY, STOP, Stream, ancestors, check_child, is_item, item_ordinal,
-                     item_parent, merge_items, root, unit_of, units)
+from .stream import (ELEM, EMPTY, STOP, Stream, ancestors, check_child, is_item, item_ordinal, merge_items,
+                     root, unit_of)
 
 FUNCS: dict[str, Callable] = {}
 
@@ -382,7 +382,6 @@ def accumulate(vals: Stream, crds: list[Stream], parent: Stream, p: Prim) -> S.S
     n_parent = int(np.count_nonzero(is_item(parent)))
     sizes = [n_parent] + [p.param("sizes")[k] for k in kept]
     kinds = (S.DENSE,) + (S.COMPRESSED,) * len(kept)
-    tile = p.param("tile") or ()
     dense_size = int(np.prod(sizes, dtype=np.float64)) if sizes else 1
     if reduced and values.ndim == 1 and dense_size <= DENSE_ACC_LIMIT:
         return _dense_accumulate(cols, values, sizes, kinds, p, reduced)

@@ -36,7 +36,7 @@ from ...ir.errors import TargetError
 from ...ir.graph import Graph
 from .graph import Builder, Dataflow, Output
 from .ops import PRODUCTS, zero_preserving
-from .rexpr import Konst, Leaf, Op, Red, View, all_vars, free, leaves, nested, replace
+from .rexpr import Konst, Leaf, Op, Red, View, all_vars, free, leaves, replace
 
 TRUE = True
 

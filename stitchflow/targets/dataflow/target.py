@@ -15,7 +15,7 @@ from . import order as O
 from .execute import execute
 from .graph import Dataflow
 from .lower import Lowerer
-from .rexpr import RegionExprs, View, views
+from .rexpr import RegionExprs, views
 
 
 class DataflowTarget:

@@ -39,7 +39,7 @@ import numpy as np
 from .graph import Prim
 from . import kernels
 from .kernels import merge_sorted, need_from_positions
-from .stream import DONE, ELEM, EMPTY, STOP, Stream, is_item, unit_of, units
+from .stream import DONE, ELEM, STOP, Stream, is_item, unit_of, units
 
 MEMORY_KINDS = ("scan", "read", "write")
 
@@ -348,14 +348,11 @@ def step_costs(p: Prim, ins, outs, n: int, emit, timing: Timing):
     on the steps that carry a tile (tile multiply 2b-1 / interval b, elementwise, reduce and
     array read b^2)."""
     ii, lat = timing.ii_of(p.kind), timing.lat_of(p.kind)
-    src = outs[0] if p.kind in ("alu", "read") else ins[0] if p.kind in ("reduce", "spacc", "buffer") else None
+    src = outs[0] if p.kind in ("alu", "read") else None  # reducers: _reduce_costs
     b = tile_size(src) if src is not None else 0
     if not b:
         return ii, lat
-    if p.kind in ("reduce", "spacc", "buffer"):
-        carry = _step_mask(ins[0].kind == ELEM, None, n)
-        t_ii, t_lat = ii, max(lat, b * b)
-    elif p.kind == "alu" and p.param("contract"):
+    if p.kind == "alu" and p.param("contract"):
         carry = outs[0].kind == ELEM
         t_ii, t_lat = max(ii, b), max(lat, 2 * b - 1)
     elif p.kind == "alu":
