@@ -85,6 +85,6 @@ def write_plot(rows, path: Path, title: str) -> Path:
     ax.set_ylabel(f"speedup over unfused ({rows[0].evaluated_by if rows else 'static'})")
     ax.set_title(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # long configuration names must not be cut
     plt.close(fig)
     return path
