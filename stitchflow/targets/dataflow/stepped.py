@@ -35,59 +35,67 @@ def _as_steps(x, n: int) -> np.ndarray:
     return np.asarray(x, np.int64) if isinstance(x, np.ndarray) else np.full(n, int(x), np.int64)
 
 
+class _Pool:
+    """Optional int64 arrays packed end to end: add() gives an array's offset (-1 for None,
+    the identity), array() the packed whole."""
+
+    def __init__(self):
+        self.parts: list = []
+        self.size = 0
+
+    def add(self, arr) -> int:
+        if arr is None:
+            return -1
+        self.parts.append(np.asarray(arr, np.int64))
+        self.size += len(self.parts[-1])
+        return self.size - len(self.parts[-1])
+
+    def array(self) -> np.ndarray:
+        return np.concatenate(self.parts + [np.zeros(0, np.int64)])
+
+
+def _offsets(sizes) -> np.ndarray:
+    return np.concatenate(([0], np.cumsum(np.asarray(sizes, np.int64)))).astype(np.int64)
+
+
 def _flatten(traced):
     """Everything the loop needs as flat arrays with offsets: per primitive its steps, start,
-    intervals and latencies; per input slot the stream, its need (-1 offset: identity) and,
-    for a channel, its dequeue record; per output the stream and emit (identity likewise);
-    per stream its stamps and the dequeue records of its consumers."""
+    intervals and latencies; per input slot the stream, its need (-1: identity) and, for a
+    channel, its dequeue record; per output the stream and emit (-1: identity); per stream its
+    stamps and the dequeue records of its consumers."""
     df, scheds, lengths = traced.df, traced.scheds, traced.lengths
     sid = {s: k for k, s in enumerate(s for p in df.prims for s in p.outs)}
     s_len = np.array([lengths[s] for s in sid], np.int64)
-    s_off = np.concatenate(([0], np.cumsum(s_len))).astype(np.int64)
     n = np.array([scheds[p.id].n for p in df.prims], np.int64)
     start = np.array([int(scheds[p.id].start) for p in df.prims], np.int64)
-    ii = np.concatenate([_as_steps(scheds[p.id].ii, scheds[p.id].n) for p in df.prims] + [np.zeros(0, np.int64)])
-    lat = np.concatenate([_as_steps(scheds[p.id].lat, scheds[p.id].n) for p in df.prims] + [np.zeros(0, np.int64)])
-    step_off = np.concatenate(([0], np.cumsum(n))).astype(np.int64)
-    in_ptr, in_stream, in_need, in_taken, needs = [0], [], [], [], []
+    ii, lat = _Pool(), _Pool()
+    for p in df.prims:
+        ii.add(_as_steps(scheds[p.id].ii, scheds[p.id].n))
+        lat.add(_as_steps(scheds[p.id].lat, scheds[p.id].n))
+    in_ptr, in_stream, in_need, in_taken, needs = [0], [], [], [], _Pool()
     taken_len, cons_of = [], {}
-    need_at = 0
     for p in df.prims:
         sc = scheds[p.id]
-        for slot, (s, nd) in enumerate(zip(p.ins, sc.need)):
+        for s, nd, channel in zip(p.ins, sc.need, sc.channel):
             in_stream.append(sid[s])
-            if nd is None:
-                in_need.append(-1)
-            else:
-                in_need.append(need_at)
-                needs.append(np.asarray(nd, np.int64))
-                need_at += len(nd)
-            if sc.channel[slot]:
-                in_taken.append(len(taken_len))
+            in_need.append(needs.add(nd))
+            in_taken.append(len(taken_len) if channel else -1)
+            if channel:
                 cons_of.setdefault(sid[s], []).append(len(taken_len))
                 taken_len.append(lengths[s])
-            else:
-                in_taken.append(-1)
         in_ptr.append(len(in_stream))
-    out_ptr, out_stream, out_emit, emits = [0], [], [], []
-    emit_at = 0
+    out_ptr, out_stream, out_emit, emits = [0], [], [], _Pool()
     for p in df.prims:
         for s, e in zip(p.outs, scheds[p.id].emit):
             out_stream.append(sid[s])
-            if e is None:
-                out_emit.append(-1)
-            else:
-                out_emit.append(emit_at)
-                emits.append(np.asarray(e, np.int64))
-                emit_at += len(e)
+            out_emit.append(emits.add(e))
         out_ptr.append(len(out_stream))
-    cons_ptr = np.concatenate(([0], np.cumsum([len(cons_of.get(k, ())) for k in range(len(sid))]))).astype(np.int64)
-    cons = np.array([c for k in range(len(sid)) for c in cons_of.get(k, ())], np.int64)
-    taken_off = np.concatenate(([0], np.cumsum(taken_len))).astype(np.int64)
+    consumers = [cons_of.get(k, ()) for k in range(len(sid))]
+    cons = np.array([c for cs in consumers for c in cs], np.int64)
     i64 = lambda xs: np.array(xs, np.int64)  # noqa: E731
-    cat = lambda xs: np.concatenate(xs + [np.zeros(0, np.int64)])  # noqa: E731
-    return (n, start, step_off, ii, lat, i64(in_ptr), i64(in_stream), i64(in_need), i64(in_taken), cat(needs),
-            i64(out_ptr), i64(out_stream), i64(out_emit), cat(emits), s_len, s_off, cons_ptr, cons, taken_off)
+    return (n, start, _offsets(n), ii.array(), lat.array(), i64(in_ptr), i64(in_stream), i64(in_need),
+            i64(in_taken), needs.array(), i64(out_ptr), i64(out_stream), i64(out_emit), emits.array(), s_len,
+            _offsets(s_len), _offsets([len(cs) for cs in consumers]), cons, _offsets(taken_len))
 
 
 @njit(cache=True, nogil=True)
