@@ -27,6 +27,7 @@ from .counters import Counters, count, total
 from .execute import FUNCS
 from .graph import Dataflow
 from .kernels import emit_times, fire_array, fire_scalar, ready_gather
+from .stepped import run_stepped
 from .stream import Stream
 from .timing import Context, Schedule, Timing, schedule
 
@@ -147,7 +148,8 @@ ENGINES = ("fast", "stepped", "reference")
 
 @dataclass
 class Traced:
-    """A region's schedules and streams' lengths, kept for the fixed point and the reference."""
+    """A region's schedules and streams' lengths, kept for the stepping engines (bounded
+    channels: stepped.py; the Python reference: cycle_engine.py)."""
 
     df: Dataflow
     scheds: dict
@@ -195,8 +197,6 @@ def run_region(df: Dataflow, env: dict, timing: Timing, engine: str = "fast", pr
     env.update({o.name: vals[o.stream] for o in df.outputs})
     if keep_all:
         if engine in ("fast", "stepped"):
-            from .stepped import run_stepped
-
             finish = run_stepped(traced, timing.channel_depth)
         else:
             from .cycle_engine import run_reference
