@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ...ir.errors import StitchflowError
 from .counters import Counters, count, total
 from .execute import FUNCS
 from .graph import Dataflow
@@ -32,7 +33,7 @@ from .stream import Stream
 from .timing import Context, Schedule, Timing, schedule
 
 
-class Deadlock(RuntimeError):
+class Deadlock(StitchflowError, RuntimeError):
     """Bounded channels too shallow for the graph: some primitive waits forever."""
 
 

@@ -178,3 +178,10 @@ def test_random_expressions_engines_agree(expr, m, k, n, d, fa, fc, fusion, dept
     res = both(prog, inputs, channel_depth=depth, memory_model=mem)
     if res is not None:
         assert_close(res.outputs, fn(*inputs))
+
+
+def test_cli_reports_a_deadlock_as_an_error(capsys):
+    from stitchflow.cli import main
+
+    assert main(["simulate", "gcn", "--dataset", "tiny", "--fusion", "partial", "--channel-depth", "8", "--json"]) == 2
+    assert "channels of depth 8 deadlock" in capsys.readouterr().err
