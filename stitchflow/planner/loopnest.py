@@ -40,6 +40,7 @@ import networkx as nx
 from ..ir.expr import Access, Call, Cast, Read
 from ..ir.graph import Graph
 from ..ir.index import Var, free_vars
+from ..ir.unify import VarClasses
 
 MAX_ORDERS = 16  # orders enumerated per region: enough to sweep, bounded for large regions
 
@@ -77,36 +78,6 @@ class LoopNest:
         return next(n for n in self.nests if n.node == node)
 
 
-class _UnionFind:
-    """Classes of (node, variable) keys. A union that would make two different variables of one
-    node the same is refused: a producer read at different coordinates by two consumers (GraphSAGE's
-    relu as relu[i,k] and relu[k,j]) is a separate copy per use in the target, not one variable."""
-
-    def __init__(self):
-        self.parent: dict = {}
-        self.members: dict = {}
-
-    def find(self, x):
-        if x not in self.parent:
-            self.parent[x] = x
-            self.members[x] = {x[0]: x[1]}
-        while self.parent[x] != x:
-            self.parent[x] = self.parent[self.parent[x]]
-            x = self.parent[x]
-        return x
-
-    def union(self, a, b) -> bool:
-        ra, rb = self.find(a), self.find(b)
-        if ra == rb:
-            return True
-        ma, mb = self.members[ra], self.members[rb]
-        if any(mb.get(node, var) != var for node, var in ma.items()):
-            return False
-        self.parent[ra] = rb  # the consumer's name survives: it reads better in reports
-        mb.update(ma)
-        return True
-
-
 @dataclass(frozen=True)
 class RegionVars:
     """Unified variables of a region: each node's local variables mapped to unified names."""
@@ -130,7 +101,7 @@ def unify(graph: Graph, nodes: Sequence[str]) -> RegionVars:
     read through an affine index (`T[j, 16*i+k]`) is covered by the consumer variables of that
     index; the first consumer in graph order decides."""
     members = set(nodes)
-    uf = _UnionFind()
+    uf = VarClasses()
     covered: dict[tuple[str, str], frozenset] = {}
     for name in nodes:
         node = graph.node_of[name]

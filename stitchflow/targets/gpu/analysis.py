@@ -19,6 +19,7 @@ import torch
 from ...ir.expr import Access, Call, Cast, Const, Read, reads
 from ...ir.graph import Graph, Node
 from ...ir.index import Lit, Mod, Sum, Var, rename
+from ...ir.unify import VarClasses
 
 GENERATED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
                     torch.int16, torch.int8, torch.uint8, torch.bool)
@@ -77,34 +78,6 @@ def node_refusal(graph: Graph, node: Node) -> str | None:
     if any(t.dtype not in GENERATED_DTYPES for t in types):
         return "dtype without a generated path"
     return None
-
-
-class _UnionFind:
-    """Union-find over (node, var) that keeps each class's member nodes, so that a union which
-    would put two variables of one node into one class can be refused."""
-
-    def __init__(self):
-        self.parent: dict = {}
-        self.members: dict = {}
-
-    def find(self, x):
-        if x not in self.parent:
-            self.parent[x] = x
-            self.members[x] = {x[0]}
-        while self.parent[x] != x:
-            self.parent[x] = self.parent[self.parent[x]]
-            x = self.parent[x]
-        return x
-
-    def conflicts(self, a, b) -> bool:
-        ra, rb = self.find(a), self.find(b)
-        return ra != rb and bool(self.members[ra] & self.members[rb])
-
-    def union(self, a, b):
-        ra, rb = self.find(a), self.find(b)
-        if ra != rb:
-            self.parent[rb] = ra
-            self.members[ra] |= self.members.pop(rb)
 
 
 @dataclass
@@ -172,14 +145,14 @@ def register_read(graph: Graph, consumer: Node, a: Access) -> bool:
     return True
 
 
-def unify(graph: Graph, nodes) -> _UnionFind:
+def unify(graph: Graph, nodes) -> VarClasses:
     """Axis classes. A consumer's variable and the producer variable it reads through a plain
     index must be one class (any other access of an intermediate cannot stay in registers).
     Variables that index the same dimension of the same input are joined too, where that
     puts no two variables of one node together: then a max over x[i,k] and an exp over
     x[i,j] walk the same axis, as a softmax needs."""
     names = {n.name for n in nodes}
-    uf = _UnionFind()
+    uf = VarClasses()
     external: dict = {}
     for n in nodes:
         for v, _ in n.dims:
@@ -205,12 +178,11 @@ def unify(graph: Graph, nodes) -> _UnionFind:
                 uf.union((producer.name, pv), (n.name, cv.name))
     for uses in external.values():
         for other in uses[1:]:
-            if not uf.conflicts(uses[0], other):
-                uf.union(uses[0], other)
+            uf.union(uses[0], other)  # refused (no-op) where it would join two variables of one node
     return uf
 
 
-def components(graph: Graph, nodes, uf: _UnionFind) -> list[list[Node]]:
+def components(graph: Graph, nodes, uf: VarClasses) -> list[list[Node]]:
     """Parts: nodes that share an axis class run in one loop nest, unless that nest would be
     a cross product (see _split_cross); independent parts can be packed."""
     out = []
@@ -220,7 +192,7 @@ def components(graph: Graph, nodes, uf: _UnionFind) -> list[list[Node]]:
     return sorted(out, key=lambda g: order[g[0].name])
 
 
-def _split_cross(graph: Graph, group: list[Node], uf: _UnionFind) -> list[list[Node]]:
+def _split_cross(graph: Graph, group: list[Node], uf: VarClasses) -> list[list[Node]]:
     """A part's loop nest is the product of its parallel axis classes, and every node is
     evaluated (and stored) at every point of it. Nodes that only share some classes through
     reading the same input (q·cos and -q[..., 64:] of a rotary embedding share the position
@@ -263,7 +235,7 @@ def _split_cross(graph: Graph, group: list[Node], uf: _UnionFind) -> list[list[N
     return parts
 
 
-def _spread(graph: Graph, nodes: list[Node], uf: _UnionFind) -> dict | None:
+def _spread(graph: Graph, nodes: list[Node], uf: VarClasses) -> dict | None:
     """Per node: how many points of the loop nest `nodes` would share evaluate it at once
     (the product of the parallel classes it does not index); None when they cannot share one."""
     try:
@@ -277,7 +249,7 @@ def _spread(graph: Graph, nodes: list[Node], uf: _UnionFind) -> dict | None:
     return out
 
 
-def _shared_class_groups(nodes, uf: _UnionFind) -> list[list[Node]]:
+def _shared_class_groups(nodes, uf: VarClasses) -> list[list[Node]]:
     """Groups of nodes that share an axis class."""
     owner: dict = {}
     groups: list[list[Node]] = []
@@ -346,7 +318,7 @@ def class_strides(graph: Graph, nodes, cls) -> tuple[dict, int]:
     return best, big_bytes
 
 
-def plan_part(graph: Graph, nodes: list[Node], uf: _UnionFind, outside_users: set) -> PartPlan:
+def plan_part(graph: Graph, nodes: list[Node], uf: VarClasses, outside_users: set) -> PartPlan:
     ids: dict = {}
     cls: dict = {}
     extents: dict = {}
