@@ -141,37 +141,49 @@ def _finish_tile(y, offs_m, offs_n, M, N, c_ptr, scm, scn, bias_ptr, res_ptr, sr
 
 
 @triton.jit
+def _grouped_tile(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program pid in grouped order: GROUP_M row tiles walk the same
+    weight columns together, so B stays in L2."""
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    group_rows = min(num_m - first_m, GROUP_M)
+    return first_m + (pid % width) % group_rows, (pid % width) // group_rows
+
+
+@triton.jit
+def _split_range(part, size, B: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr):
+    """[lo, hi) of a reduction dimension of `size` for split `part` of SPLIT. EVEN (size a
+    multiple of B * SPLIT): plain division, so the bounds keep size's divisibility and loads
+    along it need no mask (a bound built from min(lo + per, size) hides it and turns the
+    contiguous loads into scalar ones)."""
+    if EVEN:
+        per = size // SPLIT
+        lo = part * per
+        hi = lo + per
+    else:
+        per = tl.cdiv(tl.cdiv(size, B), SPLIT) * B
+        lo = part * per
+        hi = tl.minimum(lo + per, size)
+    return lo, hi
+
+
+@triton.jit
 def gemm_kernel(a_ptr, b_ptr, bu_ptr, c_ptr, bias_ptr, biasu_ptr, res_ptr, stat_ptr, rscale_ptr,
                 M, N, K, sam, sak, sbk, sbn, scm, scn, srm, srn, alpha,
                 ACT: tl.constexpr, PRO_ACT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
                 HAS_BIASU: tl.constexpr, HAS_RES: tl.constexpr, HAS_RSCALE: tl.constexpr, ROWSTAT: tl.constexpr,
                 SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    # Grouped ordering: GROUP_M row tiles walk the same weight columns together, so B stays in L2.
-    num_m = tl.cdiv(M, BM)
-    num_n = tl.cdiv(N, BN)
-    width = GROUP_M * num_n
-    first_m = (pid // width) * GROUP_M
-    group_rows = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % group_rows
-    pid_n = (pid % width) // group_rows
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    # EVEN_K (K a multiple of BK * SPLIT_K): no mask along K, A's contiguous dimension. A mask
-    # built from min(k_lo + k_per, K) hides K's divisibility and turns A's loads into scalar ones.
-    if EVEN_K:
-        k_per = K // SPLIT_K
-        k_lo = pid_k * k_per
-        k_hi = k_lo + k_per
-    else:
-        k_per = tl.cdiv(tl.cdiv(K, BK), SPLIT_K) * BK
-        k_lo = pid_k * k_per
-        k_hi = tl.minimum(k_lo + k_per, K)
+    k_lo, k_hi = _split_range(pid_k, K, BK, SPLIT_K, EVEN_K)  # EVEN_K: no mask along K, A's contiguous dim
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     accu = tl.zeros((BM, BN), dtype=tl.float32)
     if HAS_RSCALE:
@@ -243,14 +255,7 @@ def chain_kernel(a_ptr, b_ptr, bu_ptr, d_ptr, out_ptr, bias1_ptr, biasu_ptr, bia
     offs_k = tl.arange(0, BK)
     m_ok = offs_m < M
     l_ok = offs_l < L
-    if EVEN_N:  # N a multiple of BN * SPLIT_N: B's loads need no mask along N, its contiguous dimension
-        n_per = N // SPLIT_N
-        n_lo = pid_s * n_per
-        n_hi = n_lo + n_per
-    else:
-        n_per = tl.cdiv(tl.cdiv(N, BN), SPLIT_N) * BN
-        n_lo = pid_s * n_per
-        n_hi = tl.minimum(n_lo + n_per, N)
+    n_lo, n_hi = _split_range(pid_s, N, BN, SPLIT_N, EVEN_N)  # EVEN_N: no mask along N, B's contiguous dim
     if A_RESIDENT:  # K fits one tile: load the A row tile once and keep it for every N chunk
         a_res = tl.load(a_ptr + offs_m[:, None] * sam + offs_k[None, :] * sak,
                         mask=m_ok[:, None] & (offs_k < K)[None, :], other=0.0)

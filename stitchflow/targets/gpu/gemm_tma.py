@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .chain_kernels import (ACTS, ROWSTATS, Epilogue, GemmTiles, _finish_partials, _gemm_epilogue, _mma, _stat_buffer,
-                            dot_precision, interpreting)
+from .chain_kernels import (ACTS, ROWSTATS, Epilogue, GemmTiles, _finish_partials, _gemm_epilogue, _grouped_tile, _mma,
+                            _stat_buffer, dot_precision, interpreting)
 
 
 def tma_refusal(a: torch.Tensor, b: torch.Tensor, tiles: GemmTiles, bu: torch.Tensor | None = None) -> str | None:
@@ -47,15 +47,8 @@ def gemm_tma_kernel(a_desc, b_desc, bu_desc, c_ptr, bias_ptr, biasu_ptr, res_ptr
                     HAS_RES: tl.constexpr, ROWSTAT: tl.constexpr, SPLIT_K: tl.constexpr, PREC: tl.constexpr,
                     UPCAST: tl.constexpr, STAGES: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr, GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    num_m = tl.cdiv(M, BM)
-    num_n = tl.cdiv(N, BN)
-    width = GROUP_M * num_n
-    first_m = (pid // width) * GROUP_M
-    group_rows = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % group_rows
-    pid_n = (pid % width) // group_rows
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
     k_per = K // SPLIT_K
     k_lo = pid_k * k_per
     acc = tl.zeros((BM, BN), dtype=tl.float32)
