@@ -12,7 +12,7 @@ Writes chains.json, chains.csv and chains_section.md (the BENCHMARKS.md section)
 
 from __future__ import annotations
 
-from .chains_checks import device_checks, dsm_check, rel_err
+from .chains_checks import device_checks, dsm_check, rel_err, wgmma_checks
 from .report import replace_section, write_results
 
 import argparse
@@ -455,6 +455,8 @@ def run(shapes=None, out_dir="bench_out", budget_s: float = 420.0, top_k: int = 
     print(f"shortlists compiled, device checks run in {time.time() - started:.0f}s", flush=True)
     builder.join(timeout=min(240.0, max(5.0, budget.left() - 120)))  # nvcc: wait only while time is left
     dsm_ok = not builder.is_alive() and build["error"] is None
+    if checks:
+        results += wgmma_checks()
     if checks and dsm_ok:
         try:
             results += dsm_check()

@@ -134,3 +134,37 @@ def dsm_check() -> list[dict]:
         err = rel_err(dsm_chain(a, b, d, act="gelu", bias1=b1, bias2=b2, cluster=C), ref)
         out.append({"check": f"dsm M{M} K{K} N{N} L{L} C{C}", "rel_err": err, "ok": err < 2e-2})
     return out
+
+
+def wgmma_checks() -> list[dict]:
+    """The Gluon wgmma chain kernel (Hopper only): resident and streamed weights, every activation,
+    with and without bias, row counts that leave a partial last tile, bf16 and fp16."""
+    from stitchflow.targets.gpu.chain_wgmma import WgmmaTiles, chain_wgmma
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        return [{"check": "wgmma chain kernel", "rel_err": float("nan"), "ok": False, "error": "not a Hopper GPU"}]
+    gen = torch.Generator(device=DEVICE).manual_seed(13)
+    acts = {"gelu": F.gelu, "gelu_tanh": lambda v: F.gelu(v, approximate="tanh"), "silu": F.silu, "relu": torch.relu,
+            "none": lambda v: v}
+    out = []
+    for (M, K, N, L), tiles, act, dtype in (
+            ((1000, 64, 256, 64), WgmmaTiles(64, 128, 4, 2, 2, 2), "gelu", torch.bfloat16),
+            ((777, 64, 256, 64), WgmmaTiles(128, 64, 8, 3, 2, 1), "silu", torch.float16),
+            ((5000, 128, 512, 128), WgmmaTiles(64, 64, 4, 2, 2, 2), "gelu", torch.bfloat16),   # streamed
+            ((300, 32, 192, 16), WgmmaTiles(64, 64, 4, 2, 2, 2), "gelu_tanh", torch.bfloat16),
+            ((129, 256, 128, 256), WgmmaTiles(64, 64, 4, 2, 2, 1), "relu", torch.bfloat16),    # streamed
+            ((64, 64, 64, 64), WgmmaTiles(64, 64, 4, 2, 2, 2), "none", torch.bfloat16)):
+        a = torch.randn(M, K, device=DEVICE, generator=gen).to(dtype)
+        b = torch.randn(K, N, device=DEVICE, generator=gen).div(K ** 0.5).to(dtype)
+        d = torch.randn(N, L, device=DEVICE, generator=gen).div(N ** 0.5).to(dtype)
+        for bias in (False, True):
+            b1 = torch.randn(N, device=DEVICE, generator=gen).to(dtype) if bias else None
+            pre = a.double() @ b.double() + (b1.double() if bias else 0)
+            ref = acts[act](pre).to(dtype).double() @ d.double()
+            try:
+                err, note = rel_err(chain_wgmma(a, b, d, act=act, bias1=b1, tiles=tiles), ref), ""
+            except Exception as exc:  # a broken check is a failed check, not a lost run
+                err, note = float("nan"), f"{type(exc).__name__}: {str(exc)[:160]}"
+            name = f"wgmma {act}{'+bias' if bias else ''} M{M} K{K} N{N} L{L} {tiles} {str(dtype)[6:]}"
+            out.append({"check": name, "rel_err": err, "ok": err < 2e-2, "error": note})
+    return out

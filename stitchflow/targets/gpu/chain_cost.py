@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from . import cluster_dsm
 from .chain_kernels import ChainTiles, GemmTiles
 from .chain_resident import ResidentTiles, resident_refusal
+from .chain_wgmma import WgmmaTiles, is_resident, shape_refusal
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,7 @@ class Plan:
     levels: tuple[tuple[str, str], ...]       # tensor -> memory level
     chain: ChainTiles | None = None
     resident: ResidentTiles | None = None
+    wgmma: WgmmaTiles | None = None
     gemm1: GemmTiles | None = None
     gemm2: GemmTiles | None = None
     cluster: int = 0
@@ -162,6 +164,8 @@ class Plan:
             t = self.resident
             tiles = (f"bm{t.bm} bn{t.bn} w{t.num_warps} s{t.num_stages} x{t.programs_per_sm}/SM"
                      f"{' transposed' if t.transposed else ''}{' w-regs' if t.weights_in_registers else ''}")
+        elif self.kind == "wgmma":
+            tiles = str(self.wgmma).removeprefix("wgmma ")
         elif self.kind == "two_pass":
             g1, g2 = self.gemm1, self.gemm2
             tiles = (f"g1[{g1.bm}x{g1.bn}x{g1.bk} w{g1.num_warps} s{g1.num_stages}] "
@@ -515,6 +519,61 @@ def resident_plans(shape: ChainShape, profile: DeviceProfile) -> list[Plan]:
     return plans
 
 
+# The Gluon kernel's activation in FMA-pipe instructions per element (chain_wgmma._activation, counted in
+# its SASS): the degree-6 Φ, and the SFU's tanh. On the H100 the activation added to the kernel's time
+# (14.3 µs without, 20.4 µs with GELU on 16.8M elements): the model adds it too.
+WGMMA_ACT_INSTR = {"none": 0, "relu": 1, "gelu": 11, "gelu_tanh": 6, "silu": 8}
+# A row tile's load-compute-store latency that a lone program per SM leaves exposed (H100: one program
+# of 64-row tiles per SM ran 6-8 µs slower than two over ~8 tiles each).
+WGMMA_TILE_LATENCY = 0.8e-6
+
+
+def wgmma_registers(shape: ChainShape, t: WgmmaTiles, resident: bool) -> float:
+    """Registers per thread, fitted to ptxas's counts (chain_wgmma.compile_for_sm90; the test checks
+    the fit) over x, the accumulator elements per thread: the resident kernel holds two GEMM1
+    accumulators (the asynchronous pipeline), the streamed one a single one."""
+    x = (t.bm * t.bn + t.bm * shape.L) / (t.num_warps * 32)
+    return min(181.0, 2.5 * x - 2) if resident else 1.5 * x - 16
+
+
+def estimate_wgmma(shape: ChainShape, t: WgmmaTiles, profile: DeviceProfile) -> Estimate | None:
+    """chain_wgmma: A and E stream through HBM once; the weights are copied into shared memory once per
+    program (resident) or once per row tile (streamed, from L2). Measured on the H100 the parts add:
+    HBM time + max(MMA, weight traffic) + activation + the weights' first copy + launch."""
+    if shape_refusal(shape.K, shape.N, shape.L, t, shape.act, shape.gated, shape.elt):
+        return None
+    e, resident = shape.elt, is_resident(shape.K, shape.N, shape.L, t)
+    if wgmma_registers(shape, t, resident) * t.num_warps * 32 * t.programs_per_sm > profile.regs_per_sm:
+        return None  # fewer programs than the persistent grid would fit an SM: the grid runs in two waves
+    row_tiles = math.ceil(shape.M / t.bm)
+    programs = min(row_tiles, profile.sms * t.programs_per_sm)
+    weights = shape.weight_bytes * (programs if resident else row_tiles)
+    hbm = (shape.M * shape.K + shape.M * shape.L) * e + shape.weight_bytes
+    flops = 2 * row_tiles * t.bm * shape.N * (shape.K + shape.L)
+    times = {"hbm": hbm / profile.hbm_bw, "compute": flops / profile.mma_flops, "l2": weights / profile.l2_bw,
+             "act": shape.M * shape.N * WGMMA_ACT_INSTR[shape.act] / profile.alu_rate}
+    first_copy = profile.sms * t.programs_per_sm * shape.weight_bytes / profile.l2_bw if resident else 0.0
+    exposed = math.ceil(row_tiles / programs) * WGMMA_TILE_LATENCY if t.programs_per_sm == 1 else 0.0
+    seconds = (profile.launch + times["hbm"] + times["act"] + first_copy + exposed
+               + (times["compute"] if resident else max(times["compute"], times["l2"])))
+    return Estimate(seconds, (("hbm", hbm), ("l2", weights)), tuple(times.items()), programs,
+                    math.ceil(row_tiles / programs))
+
+
+def wgmma_plans(shape: ChainShape, profile: DeviceProfile) -> list[Plan]:
+    """The Hopper (Gluon, wgmma + TMA) chain kernel's plans; none on other GPUs."""
+    if not any(name in profile.name for name in ("H100", "H200", "H800", "H20", "GH200")):
+        return []
+    plans = []
+    for (bm, warps), bn, stages, per_sm in itertools.product(((64, 4), (128, 8)), (64, 128, 256), (2, 3), (1, 2)):
+        t = WgmmaTiles(bm, bn, warps, stages, 2, per_sm)
+        est = estimate_wgmma(shape, t, profile)
+        if est is not None:
+            weights = "smem" if is_resident(shape.K, shape.N, shape.L, t) else "smem ring from L2"
+            levels = (("A", "smem (TMA)"), ("B", weights), ("h", "registers"), ("D", weights), ("E", "hbm (TMA)"))
+            plans.append(Plan("wgmma", "m:S(persistent) n:T(unrolled) k:T l:T", levels, wgmma=t, estimate=est))
+    return plans
+
 def _gemm_options(M: int, N: int, K: int, profile: DeviceProfile, elt: int, gated: bool, split_ok: bool, keep: int):
     found = []
     for bm, bn, bk, warps, stages in itertools.product((16, 32, 64, 128), (16, 32, 64, 128, 256), (16, 32, 64, 128),
@@ -561,13 +620,16 @@ def cluster_plans(shape: ChainShape, profile: DeviceProfile) -> list[Plan]:
 
 
 def rank_plans(shape: ChainShape, profile: DeviceProfile,
-               kinds=("fused", "resident", "two_pass", "cluster", "cublas_epi", "cublas_pro", "library")) -> list[Plan]:
+               kinds=("fused", "resident", "wgmma", "two_pass", "cluster", "cublas_epi", "cublas_pro",
+                      "library")) -> list[Plan]:
     """Every legal plan that fits, cheapest first."""
     plans: list[Plan] = []
     if "fused" in kinds:
         plans += fused_plans(shape, profile)
     if "resident" in kinds:
         plans += resident_plans(shape, profile)
+    if "wgmma" in kinds and not shape.conv_in:
+        plans += wgmma_plans(shape, profile)
     if "two_pass" in kinds:
         plans += two_pass_plans(shape, profile)
     if "cluster" in kinds:
@@ -587,14 +649,15 @@ def rank_plans(shape: ChainShape, profile: DeviceProfile,
 
 
 def shortlist(shape: ChainShape, profile: DeviceProfile, k: int = 10,
-              kinds=("fused", "resident", "two_pass", "cublas_epi", "cublas_pro", "library")) -> list[Plan]:
+              kinds=("fused", "resident", "wgmma", "two_pass", "cublas_epi", "cublas_pro", "library")) -> list[Plan]:
     """The top k plans, keeping the best of each kind in view so profiling can correct the model."""
     ranked = rank_plans(shape, profile, kinds)
     chosen, seen = [], set()
     best_each = [p for p in (next((p for p in ranked if p.kind == kind), None) for kind in kinds) if p is not None]
     for plan in ranked:  # one plan per tile shape: pipelining depth alone rarely changes the ranking
         tiles = plan.chain or plan.gemm1 or plan.resident
-        key = (plan.kind, plan.cluster, tiles and dataclasses.replace(tiles, num_stages=0),
+        key = (plan.kind, plan.cluster, plan.wgmma and dataclasses.replace(plan.wgmma, a_stages=0),
+               tiles and dataclasses.replace(tiles, num_stages=0),
                plan.gemm2 and dataclasses.replace(plan.gemm2, num_stages=0))
         if key not in seen and len(chosen) < max(0, k - len(best_each)) and plan not in best_each:
             seen.add(key)

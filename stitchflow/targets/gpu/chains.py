@@ -33,6 +33,7 @@ from ...ir.index import Var
 from . import chain_cost, chain_kernels
 from .chain_kernels import ChainTiles, Epilogue, GemmTiles, interpreting
 from .chain_resident import ResidentTiles, resident_chain
+from .chain_wgmma import WgmmaTiles, chain_wgmma
 
 log = logging.getLogger("stitchflow.gpu.chains")
 ACT_TAGS = {"gelu", "silu", "relu", "sigmoid"}
@@ -356,6 +357,8 @@ def run_plan(plan: chain_cost.Plan, ops: Operands, exact_fp32: bool = False) -> 
         out, _ = resident_chain(ops.a, ops.b, ops.d, act=ops.act, bias1=ops.bias1, bu=ops.bu, biasu=ops.biasu,
                                 tiles=plan.resident, exact_fp32=exact_fp32)
         return out
+    if plan.kind == "wgmma":
+        return chain_wgmma(ops.a, ops.b, ops.d, act=ops.act, bias1=ops.bias1, tiles=plan.wgmma)
     if plan.kind == "two_pass":
         epi = Epilogue(bias=ops.bias1 is not None, act=ops.act)
         h, _ = chain_kernels.gemm(ops.a, ops.b, epi=epi, bias=ops.bias1, bu=ops.bu, biasu=ops.biasu,
@@ -402,7 +405,7 @@ def bucket_key(shape: chain_cost.ChainShape, device: str) -> str:
 
 def plan_to_json(plan: chain_cost.Plan) -> dict:
     out = {"kind": plan.kind, "schedule": plan.schedule, "levels": list(map(list, plan.levels)), "cluster": plan.cluster}
-    for name in ("chain", "resident", "gemm1", "gemm2"):
+    for name in ("chain", "resident", "wgmma", "gemm1", "gemm2"):
         value = getattr(plan, name)
         out[name] = dataclasses.asdict(value) if value is not None else None
     return out
@@ -413,6 +416,7 @@ def plan_from_json(data: dict) -> chain_cost.Plan:
         data["kind"], data["schedule"], tuple(map(tuple, data["levels"])),
         chain=ChainTiles(**data["chain"]) if data.get("chain") else None,
         resident=ResidentTiles(**data["resident"]) if data.get("resident") else None,
+        wgmma=WgmmaTiles(**data["wgmma"]) if data.get("wgmma") else None,
         gemm1=GemmTiles(**data["gemm1"]) if data.get("gemm1") else None,
         gemm2=GemmTiles(**data["gemm2"]) if data.get("gemm2") else None, cluster=data.get("cluster", 0))
 
@@ -463,7 +467,7 @@ def time_plan(plan: chain_cost.Plan, ops: Operands) -> float:
     return graph_bench(lambda: run_plan(plan, ops))[0]
 
 
-GPU_KINDS = ("fused", "resident", "two_pass", "cublas_epi", "cublas_pro", "library")
+GPU_KINDS = ("fused", "resident", "wgmma", "two_pass", "cublas_epi", "cublas_pro", "library")
 
 
 def autotune(ops: Operands, k: int = 10, profile=None, kinds=GPU_KINDS,
