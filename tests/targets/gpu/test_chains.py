@@ -214,7 +214,7 @@ def test_cluster_plans_follow_the_hardware():
 def test_shortlist_is_diverse_and_plans_round_trip():
     shape = chain_cost.ChainShape(16384, 128, 512, 128)
     short = chain_cost.shortlist(shape, H100, k=6)
-    kinds = {p.kind for p in chain_cost.rank_plans(shape, H100)}
+    kinds = {p.kind for p in chain_cost.rank_plans(shape, H100)} - {"cluster"}  # the cluster kernel is timed apart
     assert len(short) == max(6, len(kinds)) and {"fused", "library", "wgmma"} <= {p.kind for p in short}
     for plan in short:
         back = plan_from_json(plan_to_json(plan))
