@@ -19,6 +19,7 @@ import argparse
 import datetime
 import json
 import math
+import statistics
 import threading
 import time
 from dataclasses import dataclass
@@ -190,7 +191,8 @@ class Budget:
         return self.end - time.time()
 
 
-def _compiled_time(fn, args, ref, mode, budget: Budget, need: float):
+def _compiled_fn(fn, args, ref, mode, budget: Budget, need: float):
+    """(torch.compile'd callable or None, note)."""
     if budget.left() < need:
         return None, "skipped (time budget)"
     try:
@@ -199,10 +201,25 @@ def _compiled_time(fn, args, ref, mode, budget: Budget, need: float):
         start = time.time()
         out = compiled(*args)
         compile_s = time.time() - start
-        err = rel_err(out, ref)
-        return bench(lambda: compiled(*args)), f"compile {compile_s:.0f}s err {err:.1e}"
+        return (lambda: compiled(*args)), f"compile {compile_s:.0f}s err {rel_err(out, ref):.1e}"
     except Exception as err:  # report, do not stop the run
         return None, f"failed: {type(err).__name__}: {str(err)[:120]}"
+
+
+def _compiled_time(fn, args, ref, mode, budget: Budget, need: float):
+    call, note = _compiled_fn(fn, args, ref, mode, budget, need)
+    return (bench(call) if call else None), note
+
+
+def interleaved(fns: dict, rounds: int = 3) -> dict:
+    """Each competitor's median over `rounds`, timed in turn (A B C A B C ...): on the H100 the clock
+    drifts by about 5% over a minute of large GEMMs (torch.compile's FFN at M=4096 read 1499 µs in one
+    run and 1579 µs in the next), so timing one competitor after the other confounds drift with speed."""
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(bench(fn))
+    return {name: statistics.median(v) for name, v in times.items()}
 
 
 def run_case(case: ChainCase, p: dict, ceilings: dict, profile, budget: Budget, dsm_ready, top_k: int) -> dict:
@@ -212,16 +229,16 @@ def run_case(case: ChainCase, p: dict, ceilings: dict, profile, budget: Budget, 
     row = {"case": case.name, "M": case.M, "K": case.K, "N": case.N, "L": case.L, **floors(case, ceilings)}
     eager, args = eager_fn(case), args_of(case, p)
     ref = eager(*args)
-    row["eager_s"] = bench(lambda: eager(*args))
     ops = ours_operands(case, p)
     best, report = autotune(ops, k=top_k, profile=profile, use_cache=False)
     ours = ours_fn(case, best, p)
     row["ours_err"] = rel_err(ours(), ref)
     row["ours_ok"] = row["ours_err"] < 2e-2
-    row["ours_s"] = bench(ours)
     row.update(plan=str(best), model_first=report["first_choice"], model_first_s=report["first_choice_seconds"],
                best_profiled_s=report["seconds"], timed=report["timed"])
-    row["compile_s"], row["compile_note"] = _compiled_time(eager, args, ref, None, budget, 30)
+    compiled, row["compile_note"] = _compiled_fn(eager, args, ref, None, budget, 30)
+    final = interleaved({"eager_s": lambda: eager(*args), "ours_s": ours, **({"compile_s": compiled} if compiled else {})})
+    row.update(compile_s=None, **final)
     row["max_autotune_s"], row["max_autotune_note"] = None, "not run for this shape (compile time)"
     # Our best plan as the autotuner timed it (the conv case: im2col or cuDNN included), the
     # baseline the cluster kernel is compared with; the cluster kernel builds im2col in its call too.
@@ -373,7 +390,8 @@ def section_text(meta: dict, rows: list[dict], checks: list[dict], earlier: dict
              "triton.testing.do_bench over replays of a CUDA graph captured from the call, L2 flushed between "
              f"replays ({timing.get('graph', 0)} graph-timed, {timing.get('plain', 0)} fell back to plain calls); "
              "bf16 in and out, fp32 accumulation; our winner checked against eager. 'ours' = the winner among "
-             "the cost model's shortlist timed on the device, timed again (its plan shown); 'model 1st choice / "
+             "the cost model's shortlist timed on the device, timed again (its plan shown); eager, torch.compile "
+             "and ours: the median of three rounds timed in turn (clock drift); 'model 1st choice / "
              "best' = time of the model's top plan over the best timed plan. Cost-model calibration probes "
              "measured in the same run (not benchmark shapes): Triton GEMM rate "
              f"{probes.get('triton_mma_eff', 0):.2f}× cuBLAS, weight streaming Triton "
