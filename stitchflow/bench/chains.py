@@ -238,7 +238,8 @@ def run_case(case: ChainCase, p: dict, ceilings: dict, profile, budget: Budget, 
                best_profiled_s=report["seconds"], timed=report["timed"])
     compiled, row["compile_note"] = _compiled_fn(eager, args, ref, None, budget, 30)
     final = interleaved({"eager_s": lambda: eager(*args), "ours_s": ours, **({"compile_s": compiled} if compiled else {})})
-    row.update(compile_s=None, **final)
+    row["compile_s"] = None  # stays None when torch.compile failed or was skipped
+    row.update(final)
     row["max_autotune_s"], row["max_autotune_note"] = None, "not run for this shape (compile time)"
     # Our best plan as the autotuner timed it (the conv case: im2col or cuDNN included), the
     # baseline the cluster kernel is compared with; the cluster kernel builds im2col in its call too.
