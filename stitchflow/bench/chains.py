@@ -541,8 +541,9 @@ def _earlier_dsm_lines(rows: list[dict], earlier: dict) -> list[str]:
         return []
     items = "; ".join(f"{r['case']}: {_us(d['seconds'])} µs (C{d['cluster']}) against our best plan then, "
                       f"{_us(r['ours_kernel_s'])} µs, {r['ours_kernel_s'] / d['seconds']:.2f}×" for r, d in found)
+    timing = "CUDA-graph replays" if earlier["meta"].get("timing", {}).get("graph") else "plain calls"
     return [f"Cluster/DSM kernel on shapes of this run, as measured in the earlier run ({earlier['meta']['date']}, "
-            f"plain calls; not rebuilt in this run): {items}.", ""]
+            f"{earlier['meta']['device']}, {timing}; not rebuilt in this run): {items}.", ""]
 
 
 def rewrite_section(run_dir: str, earlier: str | None, benchmarks_md: str | None) -> str:
