@@ -158,6 +158,8 @@ def wgmma_checks() -> list[dict]:
         b = torch.randn(K, N, device=DEVICE, generator=gen).div(K ** 0.5).to(dtype)
         d = torch.randn(N, L, device=DEVICE, generator=gen).div(N ** 0.5).to(dtype)
         for bias in (False, True):
+            if bias:  # nn.Linear's layout: B = W1.t(), D = W2.t() (K-major in shared memory)
+                b, d = b.t().contiguous().t(), d.t().contiguous().t()
             b1 = torch.randn(N, device=DEVICE, generator=gen).to(dtype) if bias else None
             pre = a.double() @ b.double() + (b1.double() if bias else 0)
             ref = acts[act](pre).to(dtype).double() @ d.double()
@@ -165,6 +167,6 @@ def wgmma_checks() -> list[dict]:
                 err, note = rel_err(chain_wgmma(a, b, d, act=act, bias1=b1, tiles=tiles), ref), ""
             except Exception as exc:  # a broken check is a failed check, not a lost run
                 err, note = float("nan"), f"{type(exc).__name__}: {str(exc)[:160]}"
-            name = f"wgmma {act}{'+bias' if bias else ''} M{M} K{K} N{N} L{L} {tiles} {str(dtype)[6:]}"
+            name = f"wgmma {act}{'+bias, W.t()' if bias else ''} M{M} K{K} N{N} L{L} {tiles} {str(dtype)[6:]}"
             out.append({"check": name, "rel_err": err, "ok": err < 2e-2, "error": note})
     return out

@@ -92,19 +92,28 @@ def shape_refusal(K: int, N: int, L: int, tiles: WgmmaTiles, act: str, gated: bo
     return None
 
 
+def _tma_rows(t: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
+    """(the row-major tensor TMA reads, whether it is t transposed), or None when neither t nor t.T
+    is row-major with 16-byte-aligned rows. nn.Linear's weight arrives as w.t(): transposed."""
+    for base, transposed in ((t, False), (t.t(), True)):
+        if base.stride(1) == 1 and (base.stride(0) * base.element_size()) % 16 == 0 and base.data_ptr() % 16 == 0:
+            return base, transposed
+    return None
+
+
 def wgmma_refusal(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, tiles: WgmmaTiles, act: str) -> str | None:
     """Why this kernel cannot run the call (None: it can)."""
     if not (a.is_cuda and torch.cuda.get_device_capability(a.device)[0] == 9):
         return "needs a Hopper GPU (sm_90): Gluon's wgmma kernels have no interpreter"
     if not all(t.dtype in (torch.bfloat16, torch.float16) and t.dtype == a.dtype for t in (a, b, d)):
         return "operands must share one 16-bit dtype"
-    if any(t.stride(1) != 1 or (t.stride(0) * 2) % 16 or t.data_ptr() % 16 for t in (a, b, d)):
-        return "operands must be row-major with 16-byte-aligned rows (TMA)"
+    if any(_tma_rows(t) is None for t in (a, b, d)) or _tma_rows(a)[1]:
+        return "A must be row-major, B and D row-major or transposed row-major, with 16-byte-aligned rows (TMA)"
     return shape_refusal(a.shape[1], d.shape[0], d.shape[1], tiles, act)
 
 
 def compile_for_sm90(M: int, K: int, N: int, L: int, tiles: WgmmaTiles, act: str = "gelu",
-                     bias: bool = False) -> dict:
+                     bias: bool = False, linear_weights: bool = False) -> dict:
     """Compile the kernel for sm_90 without a GPU (Triton's ptxas): registers, spilled bytes and
     shared memory per program, from the cubin. Tests use it on CPU machines."""
     import subprocess
@@ -116,7 +125,11 @@ def compile_for_sm90(M: int, K: int, N: int, L: int, tiles: WgmmaTiles, act: str
     from triton.runtime.jit import mangle_type
 
     a = torch.empty(M, K, dtype=torch.bfloat16)
-    b, d, out = torch.empty(K, N, dtype=torch.bfloat16), torch.empty(N, L, dtype=torch.bfloat16), torch.empty(M, L)
+    if linear_weights:  # nn.Linear layouts: B = W1.t(), D = W2.t()
+        b, d = torch.empty(N, K, dtype=torch.bfloat16).t(), torch.empty(L, N, dtype=torch.bfloat16).t()
+    else:
+        b, d = torch.empty(K, N, dtype=torch.bfloat16), torch.empty(N, L, dtype=torch.bfloat16)
+    out = torch.empty(M, L)
     args, meta = launch_args(a, b, d, out.to(torch.bfloat16), torch.empty(N) if bias else None, act, tiles)
     names = list(chain_wgmma_kernel.arg_names)
     signature = {name: mangle_type(value) for name, value in zip(names, args)}
@@ -163,38 +176,53 @@ def _chunk_h(acc1, bias1_ptr, c, ACT: gl.constexpr, HAS_B1: gl.constexpr, BN: gl
 
 
 @gluon.jit
+def _operand(smem, i, TRANSPOSED: gl.constexpr):
+    """Slot i of a weight ring as the wgmma's [K, N]-shaped right operand. A transposed slot holds
+    rows of the row-major nn.Linear weight ([N, K]): wgmma reads it K-major, no copy."""
+    slot = smem.index(i)
+    if TRANSPOSED:
+        slot = slot.permute((1, 0))
+    return slot
+
+
+@gluon.jit
 def _resident_tile(a_tile, b_smem, d_smem, bias1_ptr, ACT: gl.constexpr, HAS_B1: gl.constexpr, BM: gl.constexpr,
-                   BN: gl.constexpr, L: gl.constexpr, NCH: gl.constexpr, WARPS: gl.constexpr):
+                   BN: gl.constexpr, L: gl.constexpr, NCH: gl.constexpr, WARPS: gl.constexpr, B_T: gl.constexpr,
+                   D_T: gl.constexpr):
     """E_tile = Σ_c act(A·B_c + b1_c)·D_c, every chunk of B and D resident in shared memory.
     Asynchronous wgmma: GEMM1 of chunk c+1 runs on the tensor cores during chunk c's activation."""
     mma1: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BN, 16])
     mma2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, L, 16])
     h_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma2, k_width=2)
     acc2 = gl.zeros([BM, L], gl.float32, mma2)
-    acc1 = warpgroup_mma(a_tile, b_smem.index(0), gl.zeros([BM, BN], gl.float32, mma1), use_acc=False, is_async=True)
+    acc1 = warpgroup_mma(a_tile, _operand(b_smem, 0, B_T), gl.zeros([BM, BN], gl.float32, mma1), use_acc=False,
+                         is_async=True)
     for c in gl.static_range(NCH):
         acc1 = warpgroup_mma_wait(num_outstanding=0 if c == 0 else 1, deps=[acc1])
         if c + 1 < NCH:
-            nxt = warpgroup_mma(a_tile, b_smem.index(c + 1), gl.zeros([BM, BN], gl.float32, mma1), use_acc=False,
-                                is_async=True)
+            nxt = warpgroup_mma(a_tile, _operand(b_smem, c + 1, B_T), gl.zeros([BM, BN], gl.float32, mma1),
+                                use_acc=False, is_async=True)
         h = _chunk_h(acc1, bias1_ptr, c, ACT, HAS_B1, BN, h_layout, a_tile.dtype)
-        acc2 = warpgroup_mma(h, d_smem.index(c), acc2, is_async=True)
+        acc2 = warpgroup_mma(h, _operand(d_smem, c, D_T), acc2, is_async=True)
         if c + 1 < NCH:
             acc1 = nxt
     return warpgroup_mma_wait(num_outstanding=0, deps=[acc2])
 
 
 @gluon.jit
-def _load_weights(b_desc, d_desc, b_smem, d_smem, bar, chunk, BN: gl.constexpr):
+def _load_weights(b_desc, d_desc, b_smem, d_smem, bar, chunk, BN: gl.constexpr, B_T: gl.constexpr,
+                  D_T: gl.constexpr):
+    """Chunk `chunk` of B (K×BN; transposed: rows chunk·BN.. of W1 [N, K]) and of D (BN×L; transposed:
+    columns of W2 [L, N]) into one ring slot, completing on `bar`."""
     mbarrier.expect(bar, b_desc.block_type.nbytes + d_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(b_desc, [0, chunk * BN], bar, b_smem)
-    tma.async_copy_global_to_shared(d_desc, [chunk * BN, 0], bar, d_smem)
+    tma.async_copy_global_to_shared(b_desc, [chunk * BN, 0] if B_T else [0, chunk * BN], bar, b_smem)
+    tma.async_copy_global_to_shared(d_desc, [0, chunk * BN] if D_T else [chunk * BN, 0], bar, d_smem)
 
 
 @gluon.jit
 def _streamed_tile(a_tile, b_smem, d_smem, w_bar, b_desc, d_desc, bias1_ptr, i, my_tiles, ACT: gl.constexpr,
                    HAS_B1: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, L: gl.constexpr, NCH: gl.constexpr,
-                   W_STAGES: gl.constexpr, WARPS: gl.constexpr):
+                   W_STAGES: gl.constexpr, WARPS: gl.constexpr, B_T: gl.constexpr, D_T: gl.constexpr):
     """The same sum with B and D streamed chunk by chunk through a ring of W_STAGES shared-memory
     slots (weights too large to stay); chunk g = i·NCH + c of this program lives in slot g % W_STAGES."""
     mma1: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BN, 16])
@@ -205,13 +233,14 @@ def _streamed_tile(a_tile, b_smem, d_smem, w_bar, b_desc, d_desc, bias1_ptr, i, 
         g = i * NCH + c
         ws = g % W_STAGES
         mbarrier.wait(w_bar.index(ws), (g // W_STAGES) & 1)
-        acc1 = warpgroup_mma(a_tile, b_smem.index(ws), gl.zeros([BM, BN], gl.float32, mma1), use_acc=False)
+        acc1 = warpgroup_mma(a_tile, _operand(b_smem, ws, B_T), gl.zeros([BM, BN], gl.float32, mma1), use_acc=False)
         h = _chunk_h(acc1, bias1_ptr, c, ACT, HAS_B1, BN, h_layout, a_tile.dtype)
-        acc2 = warpgroup_mma(h, d_smem.index(ws), acc2)
+        acc2 = warpgroup_mma(h, _operand(d_smem, ws, D_T), acc2)
         gl.thread_barrier()  # every warp is done with this slot: fetch the chunk W_STAGES ahead into it
         nxt = g + W_STAGES
         if nxt < my_tiles * NCH:
-            _load_weights(b_desc, d_desc, b_smem.index(ws), d_smem.index(ws), w_bar.index(ws), nxt % NCH, BN)
+            _load_weights(b_desc, d_desc, b_smem.index(ws), d_smem.index(ws), w_bar.index(ws), nxt % NCH, BN, B_T,
+                          D_T)
     return acc2
 
 
@@ -219,13 +248,13 @@ def _streamed_tile(a_tile, b_smem, d_smem, w_bar, b_desc, d_desc, bias1_ptr, i, 
 def chain_wgmma_kernel(a_desc, b_desc, d_desc, o_desc, bias1_ptr, M,
                        K: gl.constexpr, N: gl.constexpr, L: gl.constexpr, ACT: gl.constexpr, HAS_B1: gl.constexpr,
                        BM: gl.constexpr, BN: gl.constexpr, A_STAGES: gl.constexpr, W_STAGES: gl.constexpr,
-                       RESIDENT: gl.constexpr, num_warps: gl.constexpr):
+                       RESIDENT: gl.constexpr, B_T: gl.constexpr, D_T: gl.constexpr, num_warps: gl.constexpr):
     NCH: gl.constexpr = N // BN
     W_SLOTS: gl.constexpr = NCH if RESIDENT else W_STAGES
     dtype: gl.constexpr = a_desc.dtype
     a_smem = gl.allocate_shared_memory(dtype, [A_STAGES, BM, K], a_desc.layout)
-    b_smem = gl.allocate_shared_memory(dtype, [W_SLOTS, K, BN], b_desc.layout)
-    d_smem = gl.allocate_shared_memory(dtype, [W_SLOTS, BN, L], d_desc.layout)
+    b_smem = gl.allocate_shared_memory(dtype, [W_SLOTS] + b_desc.block_type.shape, b_desc.layout)
+    d_smem = gl.allocate_shared_memory(dtype, [W_SLOTS] + d_desc.block_type.shape, d_desc.layout)
     o_smem = gl.allocate_shared_memory(dtype, [BM, L], o_desc.layout)
     a_bar = gl.allocate_shared_memory(gl.int64, [A_STAGES, 1], mbarrier.MBarrierLayout())
     w_bar = gl.allocate_shared_memory(gl.int64, [W_SLOTS, 1], mbarrier.MBarrierLayout())
@@ -243,7 +272,7 @@ def chain_wgmma_kernel(a_desc, b_desc, d_desc, o_desc, bias1_ptr, M,
         tma.async_copy_global_to_shared(a_desc, [(pid + s * programs) * BM, 0], a_bar.index(s), a_smem.index(s),
                                         pred=s < my_tiles)
     for s in gl.static_range(W_SLOTS):  # resident: every chunk, once; streamed: the ring's first chunks
-        _load_weights(b_desc, d_desc, b_smem.index(s), d_smem.index(s), w_bar.index(s), s % NCH, BN)
+        _load_weights(b_desc, d_desc, b_smem.index(s), d_smem.index(s), w_bar.index(s), s % NCH, BN, B_T, D_T)
     if RESIDENT:
         for s in gl.static_range(NCH):
             mbarrier.wait(w_bar.index(s), 0)
@@ -253,10 +282,10 @@ def chain_wgmma_kernel(a_desc, b_desc, d_desc, o_desc, bias1_ptr, M,
         mbarrier.wait(a_bar.index(slot), (i // A_STAGES) & 1)
         if RESIDENT:
             acc2 = _resident_tile(a_smem.index(slot), b_smem, d_smem, bias1_ptr, ACT, HAS_B1, BM, BN, L, NCH,
-                                  num_warps)
+                                  num_warps, B_T, D_T)
         else:
             acc2 = _streamed_tile(a_smem.index(slot), b_smem, d_smem, w_bar, b_desc, d_desc, bias1_ptr, i, my_tiles,
-                                  ACT, HAS_B1, BM, BN, L, NCH, W_STAGES, num_warps)
+                                  ACT, HAS_B1, BM, BN, L, NCH, W_STAGES, num_warps, B_T, D_T)
         gl.thread_barrier()  # every warpgroup is done reading this A slot: refill it
         more = i + A_STAGES < my_tiles
         mbarrier.expect(a_bar.index(slot), a_desc.block_type.nbytes, pred=more)
@@ -283,11 +312,13 @@ def launch_args(a, b, d, out, bias1, act: str, tiles: WgmmaTiles) -> tuple[tuple
     """The kernel's arguments (also what tests compile for sm_90 without a GPU)."""
     M, K = a.shape
     N, L = d.shape
-    args = (_descriptor(a, [tiles.bm, K]), _descriptor(b, [K, tiles.bn]), _descriptor(d, [tiles.bn, L]),
-            _descriptor(out, [tiles.bm, L]), bias1 if bias1 is not None else a, M)
+    (b_rows, b_t), (d_rows, d_t) = _tma_rows(b), _tma_rows(d)
+    args = (_descriptor(a, [tiles.bm, K]), _descriptor(b_rows, [tiles.bn, K] if b_t else [K, tiles.bn]),
+            _descriptor(d_rows, [L, tiles.bn] if d_t else [tiles.bn, L]), _descriptor(out, [tiles.bm, L]),
+            bias1 if bias1 is not None else a, M)
     meta = dict(K=K, N=N, L=L, ACT=GLUON_ACTS[act], HAS_B1=bias1 is not None, BM=tiles.bm, BN=tiles.bn,
                 A_STAGES=tiles.a_stages, W_STAGES=tiles.w_stages, RESIDENT=is_resident(K, N, L, tiles),
-                num_warps=tiles.num_warps)
+                B_T=b_t, D_T=d_t, num_warps=tiles.num_warps)
     return args, meta
 
 

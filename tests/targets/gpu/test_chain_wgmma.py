@@ -35,16 +35,18 @@ def test_gelu_is_exact_to_a_tenth_of_bf16_rounding():
     assert np.all(kernel_gelu(far) <= 0) and np.all(np.abs(kernel_gelu(far)) < 1e-16)
 
 
-@pytest.mark.parametrize("shape,tiles,act,bias", [
-    ((65536, 64, 256, 64), WgmmaTiles(64, 128, 4, 2, 2, 2), "gelu", False),
-    ((65536, 64, 256, 64), WgmmaTiles(128, 64, 8, 2, 2, 1), "silu", True),
-    ((16384, 128, 512, 128), WgmmaTiles(64, 64, 4, 2, 2, 2), "gelu", True),   # streamed weights
-    ((1000, 32, 192, 16), WgmmaTiles(64, 64, 4, 3, 2, 2), "gelu_tanh", False),
+@pytest.mark.parametrize("shape,tiles,act,bias,linear", [
+    ((65536, 64, 256, 64), WgmmaTiles(64, 128, 4, 2, 2, 2), "gelu", False, False),
+    ((65536, 64, 256, 64), WgmmaTiles(128, 64, 8, 2, 2, 1), "silu", True, True),
+    ((16384, 128, 512, 128), WgmmaTiles(64, 64, 4, 2, 2, 2), "gelu", True, False),   # streamed weights
+    ((16384, 128, 512, 128), WgmmaTiles(64, 64, 4, 2, 2, 2), "relu", True, True),
+    ((1000, 32, 192, 16), WgmmaTiles(64, 64, 4, 3, 2, 2), "gelu_tanh", False, False),
 ])
-def test_kernel_compiles_for_sm90_without_spills(shape, tiles, act, bias):
+def test_kernel_compiles_for_sm90_without_spills(shape, tiles, act, bias, linear):
+    """linear: B and D as nn.Linear hands them over (W1.t(), W2.t()), read K-major from shared memory."""
     M, K, N, L = shape
     assert shape_refusal(K, N, L, tiles, act) is None
-    used = compile_for_sm90(M, K, N, L, tiles, act=act, bias=bias)
+    used = compile_for_sm90(M, K, N, L, tiles, act=act, bias=bias, linear_weights=linear)
     assert used["spilled"] == 0
     assert used["smem"] * tiles.programs_per_sm <= SMEM_BYTES
     # the cost model's register estimate decides whether programs_per_sm programs fit an SM: it must agree
