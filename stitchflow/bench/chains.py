@@ -265,7 +265,7 @@ def _warm_case(job) -> list[str]:
     """Worker: run every shortlisted plan of one case once, so its kernels land in Triton's disk
     cache and the timing process only loads them. Returns failures (reported, not fatal)."""
     case, ceilings, device_name, top_k = job
-    from stitchflow.targets.gpu import chain_cost
+    from stitchflow.targets.gpu import chain_cost, chain_plans
     from stitchflow.targets.gpu.chains import run_plan
 
     gen = torch.Generator(device=DEVICE).manual_seed(1)
@@ -273,7 +273,7 @@ def _warm_case(job) -> list[str]:
     ops = ours_operands(case, p)
     profile = chain_cost.profile_for(device_name, ceilings["copy_bw"], ceilings["gemm_flops"], ceilings["probes"])
     failures = []
-    for plan in chain_cost.shortlist(ops.shape(), profile, top_k):
+    for plan in chain_plans.shortlist(ops.shape(), profile, top_k):
         try:
             run_plan(plan, ops)
             torch.cuda.synchronize()

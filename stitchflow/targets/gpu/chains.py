@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from ...ir.expr import Call, Read
 from ...ir.graph import Graph, Node
 from ...ir.index import Var
-from . import chain_cost, chain_kernels
+from . import chain_cost, chain_kernels, chain_plans
 from .chain_kernels import ChainTiles, Epilogue, GemmTiles, interpreting
 from .chain_resident import ResidentTiles, resident_chain
 from .chain_wgmma import WgmmaTiles, chain_wgmma
@@ -380,7 +380,7 @@ def run_plan(plan: chain_cost.Plan, ops: Operands, exact_fp32: bool = False) -> 
 def default_plan(shape: chain_cost.ChainShape, profile=None, kinds=("fused", "resident", "two_pass")) -> chain_cost.Plan:
     """The cost model's first choice (what runs without profiling, e.g. under the interpreter)."""
     profile = profile or chain_cost.profile_for(_device_name())
-    return chain_cost.rank_plans(shape, profile, kinds)[0]
+    return chain_plans.rank_plans(shape, profile, kinds)[0]
 
 
 # ---------------------------------------------------------------- autotuning with an on-disk cache
@@ -484,7 +484,7 @@ def autotune(ops: Operands, k: int = 10, profile=None, kinds=GPU_KINDS,
         if hit is not None:
             return plan_from_json(hit["plan"]), hit
     timed = []
-    for plan in chain_cost.shortlist(shape, profile, k, kinds):
+    for plan in chain_plans.shortlist(shape, profile, k, kinds):
         try:
             seconds = time_plan(plan, ops)
         except Exception as err:  # a config can fail to compile (resources): skip it, say which

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stitchflow.targets.gpu import chain_cost, chain_kernels as ck
+from stitchflow.targets.gpu import chain_cost, chain_kernels as ck, chain_plans
 from stitchflow.targets.gpu.chains import Operands, conv_operands, im2col_nhwc, run_plan
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
@@ -74,7 +74,7 @@ def test_gated_library_plan_fuses_silu_and_product(dtype):
     ops = Operands(a=a, b=b, d=d, bu=bu, biasu=biasu, act="silu")
     h = F.silu(a.double() @ b.double()).to(dtype).double() * (a.double() @ bu.double() + biasu.double())
     assert rel_err(run_plan(plan("cublas_epi"), ops), h.to(dtype).double() @ d.double()) < TOL[dtype]
-    assert not chain_cost.cublas_pro_plans(ops.shape(), H200)  # the gate has no activation-on-load form
+    assert not chain_plans.cublas_pro_plans(ops.shape(), H200)  # the gate has no activation-on-load form
 
 
 def conv_chain_ref(x, w, b1, d, act):
@@ -127,11 +127,11 @@ def test_gated_eager_pays_two_elementwise_passes():
 def test_conv_plans_price_the_im2col_copy():
     """With a slow gather the cuDNN plans lead; with a free one the fused im2col plans come back."""
     shape = chain_cost.ChainShape(8 * 56 * 56, 576, 256, 64, 2, False, "gelu", 8 * 64 * 56 * 56)
-    assert chain_cost.rank_plans(shape, H200)[0].kind in ("cublas_epi", "cublas_pro")
-    fused = next(p for p in chain_cost.rank_plans(shape, H200) if p.kind == "fused")
+    assert chain_plans.rank_plans(shape, H200)[0].kind in ("cublas_epi", "cublas_pro")
+    fused = next(p for p in chain_plans.rank_plans(shape, H200) if p.kind == "fused")
     assert dict(fused.estimate.times)["im2col"] > shape.M * shape.K * 2 / H200.gather_bw
     fast_gather = chain_cost.profile_for("NVIDIA H200", 4.25e12, 800e12, {"gather_bw": 1e18})
-    fused_fast = next(p for p in chain_cost.rank_plans(shape, fast_gather) if p.chain == fused.chain)
+    fused_fast = next(p for p in chain_plans.rank_plans(shape, fast_gather) if p.chain == fused.chain)
     assert fused.estimate.seconds - fused_fast.estimate.seconds > 0.9 * shape.M * shape.K * 2 / H200.gather_bw
 
 
@@ -139,8 +139,8 @@ def test_probes_enter_the_profile():
     prof = chain_cost.profile_for("NVIDIA H200", 4e12, 7e14, {"triton_mma_eff": 0.5, "unknown": 3.0})
     assert prof.triton_mma_eff == 0.5 and prof.hbm_bw == 4e12 and prof.mma_flops == 7e14
     shape = chain_cost.ChainShape(4096, 4096, 4096, 4096)
-    slow = chain_cost.rank_plans(shape, prof, kinds=("two_pass",))[0].estimate.seconds
-    fast = chain_cost.rank_plans(shape, chain_cost.profile_for("NVIDIA H200", 4e12, 7e14, {"triton_mma_eff": 1.0}),
+    slow = chain_plans.rank_plans(shape, prof, kinds=("two_pass",))[0].estimate.seconds
+    fast = chain_plans.rank_plans(shape, chain_cost.profile_for("NVIDIA H200", 4e12, 7e14, {"triton_mma_eff": 1.0}),
                                  kinds=("two_pass",))[0].estimate.seconds
     assert slow > 1.5 * fast
 

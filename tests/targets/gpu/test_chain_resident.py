@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from stitchflow.targets.gpu import chain_cost
+from stitchflow.targets.gpu import chain_cost, chain_plans
 from stitchflow.targets.gpu.chain_kernels import Epilogue, GemmTiles, _normal_cdf
 from stitchflow.targets.gpu.chain_resident import ResidentTiles, resident_chain, resident_refusal
 from stitchflow.targets.gpu.gemm_tma import gemm_tma, tma_refusal
@@ -93,7 +93,7 @@ def test_tma_gemm_gated_and_split(dtype):
 def test_resident_plans_are_ranked_for_memory_bound_chains():
     profile = chain_cost.profile_for("NVIDIA H200", 4.25e12, 7.8e14)
     shape = chain_cost.ChainShape(65536, 64, 256, 64)
-    plans = chain_cost.resident_plans(shape, profile)
+    plans = chain_plans.resident_plans(shape, profile)
     assert plans and all(p.estimate.seconds > shape.flops / profile.mma_flops for p in plans)
-    assert not chain_cost.resident_plans(chain_cost.ChainShape(128, 4096, 16384, 4096), profile)  # K too large
-    assert {"resident", "fused", "library"} <= {p.kind for p in chain_cost.shortlist(shape, profile, 8)}
+    assert not chain_plans.resident_plans(chain_cost.ChainShape(128, 4096, 16384, 4096), profile)  # K too large
+    assert {"resident", "fused", "library"} <= {p.kind for p in chain_plans.shortlist(shape, profile, 8)}

@@ -7,7 +7,7 @@ import pytest
 import scipy.special
 import torch
 
-from stitchflow.targets.gpu import chain_cost
+from stitchflow.targets.gpu import chain_cost, chain_plans
 from stitchflow.targets.gpu.chain_wgmma import (PHI16_TAIL, SMEM_BYTES, WgmmaTiles, compile_for_sm90, is_resident,
                                                 shape_refusal, wgmma_refusal)
 from stitchflow.targets.gpu.chains import plan_from_json, plan_to_json
@@ -77,16 +77,16 @@ def test_refuses_cpu_tensors_and_fp32():
 
 def test_planner_offers_wgmma_on_hopper_only():
     shape = chain_cost.ChainShape(65536, 64, 256, 64)
-    ranked = chain_cost.rank_plans(shape, H100)
+    ranked = chain_plans.rank_plans(shape, H100)
     assert ranked[0].kind == "wgmma"  # the memory-bound chain: measured 20 µs against 30 for the Triton kernel
-    assert "wgmma" in [p.kind for p in chain_cost.shortlist(shape, H100, 8)]
-    assert not chain_cost.wgmma_plans(shape, chain_cost.profile_for("NVIDIA A100-SXM4-80GB"))
+    assert "wgmma" in [p.kind for p in chain_plans.shortlist(shape, H100, 8)]
+    assert not chain_plans.wgmma_plans(shape, chain_cost.profile_for("NVIDIA A100-SXM4-80GB"))
     gated = chain_cost.ChainShape(65536, 64, 256, 64, gated=True, act="silu")
-    assert not chain_cost.wgmma_plans(gated, H100)
+    assert not chain_plans.wgmma_plans(gated, H100)
 
 
 def test_wgmma_plan_survives_the_cache_format():
-    plan = next(p for p in chain_cost.rank_plans(chain_cost.ChainShape(16384, 128, 512, 128), H100)
+    plan = next(p for p in chain_plans.rank_plans(chain_cost.ChainShape(16384, 128, 512, 128), H100)
                 if p.kind == "wgmma")
     again = plan_from_json(plan_to_json(plan))
     assert again.wgmma == plan.wgmma and again.kind == "wgmma"

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import stitchflow
-from stitchflow.targets.gpu import chain_cost, chain_kernels as ck
+from stitchflow.targets.gpu import chain_cost, chain_plans, chain_kernels as ck
 from stitchflow.targets.gpu.chains import (Operands, compile_chain, default_plan, match_chains,
                                            match_gemm_epilogues, plan_from_json, plan_to_json, run_plan)
 
@@ -173,7 +173,7 @@ H100 = chain_cost.profile_for("NVIDIA H100 80GB HBM3")
 
 def test_cost_model_prefers_fusion_when_memory_bound():
     shape = chain_cost.ChainShape(65536, 64, 256, 64)
-    ranked = chain_cost.rank_plans(shape, H100)
+    ranked = chain_plans.rank_plans(shape, H100)
     assert ranked[0].kind in ("fused", "resident", "wgmma")
     library = next(p for p in ranked if p.kind == "library")
     assert library.estimate.seconds > 1.5 * ranked[0].estimate.seconds
@@ -182,19 +182,19 @@ def test_cost_model_prefers_fusion_when_memory_bound():
 
 def test_cost_model_decode_ffn_uses_global_intermediate_and_split():
     shape = chain_cost.ChainShape(128, 4096, 16384, 4096)
-    best = chain_cost.rank_plans(shape, H100, kinds=("fused", "resident", "two_pass"))[0]
+    best = chain_plans.rank_plans(shape, H100, kinds=("fused", "resident", "two_pass"))[0]
     assert best.kind == "two_pass"  # L=4096 cannot be one tile: fusing would recompute GEMM1 per l tile
     assert dict(best.levels)["h"] == "hbm"
     floor = shape.io_bytes / H100.hbm_bw
     assert floor <= best.estimate.seconds < 2.5 * floor
     # cuBLAS streams the weights faster than our Triton GEMMs (profile: library_stream_eff >
     # triton_stream_eff), so a library GEMM1 plan leads once those kinds are allowed
-    assert chain_cost.rank_plans(shape, H100)[0].kind in ("library", "cublas_epi")
+    assert chain_plans.rank_plans(shape, H100)[0].kind in ("library", "cublas_epi")
 
 
 def test_cost_model_respects_capacity():
     shape = chain_cost.ChainShape(4096, 256, 4096, 256)
-    for plan in chain_cost.fused_plans(shape, H100):
+    for plan in chain_plans.fused_plans(shape, H100):
         t = plan.chain
         smem = t.num_stages * (t.bm * t.bk + t.bk * t.bn) * 2 + 2 * t.bn * t.bl * 2 + t.bm * t.bn * 2
         assert smem <= H100.smem_per_block
@@ -205,16 +205,16 @@ def test_cost_model_respects_capacity():
 
 def test_cluster_plans_follow_the_hardware():
     shape = chain_cost.ChainShape(16384, 128, 2048, 128)
-    sizes = {p.cluster for p in chain_cost.cluster_plans(shape, H100)}
+    sizes = {p.cluster for p in chain_plans.cluster_plans(shape, H100)}
     assert sizes == {2, 4, 8, 16}
     assert chain_cost.cluster_usable_sms(H100, 16) == 112
-    assert not chain_cost.cluster_plans(chain_cost.ChainShape(128, 4096, 16384, 4096), H100)  # L too large
+    assert not chain_plans.cluster_plans(chain_cost.ChainShape(128, 4096, 16384, 4096), H100)  # L too large
 
 
 def test_shortlist_is_diverse_and_plans_round_trip():
     shape = chain_cost.ChainShape(16384, 128, 512, 128)
-    short = chain_cost.shortlist(shape, H100, k=6)
-    kinds = {p.kind for p in chain_cost.rank_plans(shape, H100)} - {"cluster"}  # the cluster kernel is timed apart
+    short = chain_plans.shortlist(shape, H100, k=6)
+    kinds = {p.kind for p in chain_plans.rank_plans(shape, H100)} - {"cluster"}  # the cluster kernel is timed apart
     assert len(short) == max(6, len(kinds)) and {"fused", "library", "wgmma"} <= {p.kind for p in short}
     for plan in short:
         back = plan_from_json(plan_to_json(plan))
