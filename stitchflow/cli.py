@@ -149,6 +149,8 @@ def _relative_error(actual, expected) -> float:
 
 def cmd_explain(args) -> int:
     _, _, prog = _compile(args)
+    if args.gpu_profile:
+        prog.options["gpu_profile"] = args.gpu_profile
     print(prog.explain())
     return 0
 
@@ -182,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_run)
     p = verbs.add_parser("explain", help="why each pair of neighbouring ops is or is not fused")
     _app_args(p)
+    p.add_argument("--gpu-profile", default=None, metavar="NAME",
+                   help="gpu target: rank chain plans for this GPU (e.g. 'H100', 'H200'; default: this machine's)")
     p.set_defaults(fn=cmd_explain)
     from .planner import explore as _explore
 

@@ -134,4 +134,8 @@ def explain_regions(graph: Graph, regions: tuple[Region, ...], fusion, target: s
 def explain_program(prog) -> str:
     # the values the plan was made with (inputs too) when the program keeps them, else parameters
     values = getattr(prog, "plan_values", None) or getattr(prog.captured, "param_values", None)
-    return explain_regions(prog.graph, prog.regions, prog.fusion, prog.target_name, values)
+    text = explain_regions(prog.graph, prog.regions, prog.fusion, prog.target_name, values)
+    target_lines = getattr(prog.target, "explain", None)  # what the target itself decides (gpu: chain plans)
+    if target_lines is not None:
+        text = "\n".join([text] + target_lines(prog.graph, prog.regions, prog.options))
+    return text

@@ -17,8 +17,11 @@ the mapping, for tests and experiments). Environment: STITCHFLOW_CACHE (default
 
 from __future__ import annotations
 
+import torch
+
 from ...ir.graph import Graph, Region
-from .chains import compile_chain, match_chains, match_gemm_epilogues
+from . import chain_cost, chain_plans
+from .chains import chain_shape, compile_chain, match_chains, match_gemm_epilogues
 from .grouping import TorchStep, fold_iotas, split_region
 from .rewrites import gather_one_hots
 from .runtime import LAUNCHES, GroupKernel, interpreting
@@ -59,6 +62,26 @@ class GpuTarget:
         run.kernels = [s for s in steps if isinstance(s, GroupKernel)]
         run.chains = chains
         return run
+
+    def explain(self, graph: Graph, regions, options: dict | None = None) -> list[str]:
+        """Each GEMM → act → GEMM chain inside a region: its shape and the cost model's ranking of
+        the plans on a GPU profile (options["gpu_profile"], else this machine's GPU, else an H100)."""
+        options = options or {}
+        name = options.get("gpu_profile") or (torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+        profile = chain_cost.profile_for(name or "NVIDIA H100 80GB HBM3")
+        lines = []
+        for region in regions:
+            for names in region_chains(graph, region):
+                shape = chain_shape(graph, names)
+                if shape is None:
+                    continue
+                lines.append(f"  {region.name}: {names[0]} .. {names[-1]}: M={shape.M} K={shape.K} N={shape.N} "
+                             f"L={shape.L} {shape.act}{' gated' if shape.gated else ''}, {8 * shape.elt}-bit")
+                lines += ["    " + line for line in chain_plans.explain_shape(shape, profile)]
+        if not lines:
+            return []
+        note = "" if name else " (no GPU here: --gpu-profile names another)"
+        return ["", f"chain plans on {profile.name}{note}, cheapest first (the autotuner times the shortlist):"] + lines
 
     @staticmethod
     def _stitched(graph: Graph, region: Region, options: dict) -> list:

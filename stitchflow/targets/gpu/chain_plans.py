@@ -108,9 +108,12 @@ def resident_plans(shape: ChainShape, profile: DeviceProfile) -> list[Plan]:
     return plans
 
 
+HOPPER_NAMES = ("H100", "H200", "H800", "H20", "GH200")
+
+
 def wgmma_plans(shape: ChainShape, profile: DeviceProfile) -> list[Plan]:
     """The Hopper (Gluon, wgmma + TMA) chain kernel's plans; none on other GPUs."""
-    if not any(name in profile.name for name in ("H100", "H200", "H800", "H20", "GH200")):
+    if not any(name in profile.name for name in HOPPER_NAMES):
         return []
     plans = []
     for (bm, warps), bn, stages, per_sm in itertools.product(((64, 4), (128, 8)), (64, 128, 256), (2, 3), (1, 2)):
@@ -222,3 +225,39 @@ def shortlist(shape: ChainShape, profile: DeviceProfile, k: int = 10,
             seen.add(key)
             chosen.append(plan)
     return sorted(chosen + best_each, key=_rank_key)
+
+
+# ---------------------------------------------------------------- explanations
+
+def _why_no_plan(kind: str, shape: ChainShape, profile: DeviceProfile) -> str:
+    from .chain_wgmma import shape_refusal
+
+    if kind == "wgmma":
+        if not any(n in profile.name for n in HOPPER_NAMES):
+            return f"needs a Hopper GPU; the profile is {profile.name}"
+        return shape_refusal(shape.K, shape.N, shape.L, WgmmaTiles(), shape.act, shape.gated, shape.elt) or \
+            "no tiling fits shared memory and registers"
+    if kind == "resident":
+        return resident_refusal(shape.K, shape.N, shape.L, None, shape.gated) or "no tiling fits"
+    if kind == "cluster":
+        return "no cluster size fits (cluster_dsm.supports)"
+    if kind == "cublas_pro" and shape.gated:
+        return "not for gated chains: the gate needs both GEMM1 outputs whole"
+    return "no tiling fits shared memory and registers"
+
+
+def explain_shape(shape: ChainShape, profile: DeviceProfile, top: int = 5) -> list[str]:
+    """The ranking for one chain: the best plans with their estimates and bounds, the best of every
+    other kind, and why a kind has no plan at all."""
+    ranked = rank_plans(shape, profile)
+    lines = [f"{i + 1}. {p}" for i, p in enumerate(ranked[:top])]
+    shown = {p.kind for p in ranked[:top]}
+    for kind in dict.fromkeys(p.kind for p in ranked[top:]):
+        if kind not in shown:
+            best = next(p for p in ranked if p.kind == kind)
+            lines.append(f"   best {kind}: {best}")
+    kinds = ("fused", "resident", "wgmma", "two_pass", "cluster", "cublas_epi", "cublas_pro", "library")
+    for kind in kinds:
+        if all(p.kind != kind for p in ranked):
+            lines.append(f"   no {kind} plan: {_why_no_plan(kind, shape, profile)}")
+    return lines

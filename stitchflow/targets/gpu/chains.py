@@ -224,6 +224,22 @@ def _epilogue_spec(graph: Graph, c: Contraction) -> ChainSpec:
     return ChainSpec(tuple(nodes), c, None, **spec)
 
 
+def chain_shape(graph: Graph, names) -> chain_cost.ChainShape | None:
+    """The chain's shape from the graph's types (None for a single GEMM with an epilogue)."""
+    spec = spec_for(graph, names)
+    if spec.second is None:
+        return None
+    a = graph.type_of[spec.first.a]
+    w1, w2 = graph.type_of[spec.first.w].shape, graph.type_of[spec.second.w].shape
+    K, N = (w1[1], w1[0]) if spec.first.w_transposed else w1
+    L = w2[0] if spec.second.w_transposed else w2[1]
+    M = 1
+    for d in a.shape[:-1]:
+        M *= d
+    return chain_cost.ChainShape(M, K, N, L, torch.empty((), dtype=a.dtype).element_size(), spec.up is not None,
+                                 spec.act)
+
+
 def spec_for(graph: Graph, names) -> ChainSpec:
     names = tuple(names)
     c1 = _contraction(graph.node_of[names[0]])

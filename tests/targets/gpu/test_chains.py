@@ -234,3 +234,16 @@ def test_even_shapes_take_the_unmasked_paths(dtype):
         assert rel_err(out, ref) < TOL[dtype]
     out, _ = ck.gemm(a, b, epi=ck.Epilogue(act="relu"), tiles=ck.GemmTiles(16, 32, 16, split_k=2), exact_fp32=True)
     assert rel_err(out, torch.relu(a.double() @ b.double())) < TOL[dtype]
+
+
+def test_explain_ranks_the_chain_plans_and_says_why_a_kind_is_missing():
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
+    prog = stitchflow.compile(model, [torch.randn(40, 32)], target="gpu", fusion="auto")
+    prog.options["gpu_profile"] = "H100"
+    text = prog.explain()
+    assert "chain plans on H100" in text and "M=40 K=32 N=64 L=16 gelu, 32-bit" in text
+    assert "1. " in text and "no wgmma plan: 16-bit operands only" in text
+    prog.options["gpu_profile"] = "NVIDIA A100-SXM4-80GB"
+    assert "no wgmma plan: needs a Hopper GPU" in prog.explain()
