@@ -10,7 +10,7 @@ bm, bn, stages, per_sm = (int(x) for x in (sys.argv[2:6] or (64, 128, 2, 2)))
 a = torch.randn(65536, 64, device="cuda", dtype=torch.bfloat16)
 b = (torch.randn(64, 256, device="cuda") / 8).to(torch.bfloat16)
 d = (torch.randn(256, 64, device="cuda") / 16).to(torch.bfloat16)
-tiles = WgmmaTiles(bm, bn, 4 if bm == 64 else 8, stages, 2, per_sm, True)
+tiles = WgmmaTiles(bm, bn, 4 if bm == 64 else 8, stages, 2, per_sm)
 for _ in range(3):
     chain_wgmma(a, b, d, act=act, tiles=tiles)
 torch.cuda.synchronize()
