@@ -12,8 +12,7 @@ from stitchflow.targets.gpu.chains import graph_bench
 
 SHAPES = {"65536x64-256-64": (65536, 64, 256, 64, ResidentTiles(bm=128, bn=256, num_warps=8, programs_per_sm=1)),
           "16384x128-512-128": (16384, 128, 512, 128, ResidentTiles(bm=128, bn=128, num_warps=8, programs_per_sm=1))}
-VARIANTS = [WgmmaTiles(64, 128, 4, 2, 2, 2), WgmmaTiles(64, 64, 4, 2, 2, 2), WgmmaTiles(64, 64, 4, 3, 2, 2),
-            WgmmaTiles(128, 128, 8, 2, 2, 1), WgmmaTiles(64, 256, 4, 2, 2, 1)]
+VARIANTS = [WgmmaTiles(64, 128, 4, 2, 2, 2), WgmmaTiles(64, 64, 4, 2, 2, 2)]
 ACTS = ("none", "gelu", "gelu_tanh")
 
 
