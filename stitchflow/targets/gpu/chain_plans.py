@@ -18,7 +18,7 @@ from .chain_cost import (ACT_INSTR, ChainShape, DeviceProfile, Estimate, Plan, _
                          estimate_resident, estimate_wgmma)
 from .chain_kernels import ChainTiles, GemmTiles
 from .chain_resident import ResidentTiles, resident_refusal
-from .chain_wgmma import WgmmaTiles, is_resident
+from .chain_wgmma import WgmmaTiles, gluon_refusal, is_resident
 
 
 def cublas_pro_plans(shape: ChainShape, profile: DeviceProfile, keep: int = 3) -> list[Plan]:
@@ -113,7 +113,7 @@ HOPPER_NAMES = ("H100", "H200", "H800", "H20", "GH200")
 
 def wgmma_plans(shape: ChainShape, profile: DeviceProfile) -> list[Plan]:
     """The Hopper (Gluon, wgmma + TMA) chain kernel's plans; none on other GPUs."""
-    if not any(name in profile.name for name in HOPPER_NAMES):
+    if not any(name in profile.name for name in HOPPER_NAMES) or gluon_refusal():
         return []
     plans = []
     for (bm, warps), bn, stages, per_sm in itertools.product(((64, 4), (128, 8)), (64, 128, 256), (2, 3), (1, 2)):
@@ -235,6 +235,8 @@ def _why_no_plan(kind: str, shape: ChainShape, profile: DeviceProfile) -> str:
     if kind == "wgmma":
         if not any(n in profile.name for n in HOPPER_NAMES):
             return f"needs a Hopper GPU; the profile is {profile.name}"
+        if gluon_refusal():
+            return gluon_refusal()
         return shape_refusal(shape.K, shape.N, shape.L, WgmmaTiles(), shape.act, shape.gated, shape.elt) or \
             "no tiling fits shared memory and registers"
     if kind == "resident":

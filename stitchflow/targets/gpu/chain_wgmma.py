@@ -1,4 +1,5 @@
-"""The chain E = act(A·B)·D as one Hopper kernel written in Gluon: weights in shared memory,
+"""The chain E = act(A·B)·D as one Hopper kernel written in Gluon (the kernel's code is in
+wgmma_kernel.py; this module plans, checks and launches it): weights in shared memory,
 A and E moved by the bulk tensor copy engine (TMA), both GEMMs on warpgroup MMA (wgmma).
 
 Why not the Triton kernels of `chain_resident`: for the memory-bound chains (65536×64→256→64)
@@ -22,17 +23,13 @@ A warp-specialised variant (a TMA loader warp, two or three consumer warpgroups 
 of the weights) was correct but slower (24.4 µs), and was removed.
 """
 
+
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
 import torch
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                                  warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 SMEM_BYTES = 227 * 1024          # an H100/H200 SM's shared memory for one block
 GLUON_ACTS = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4}
@@ -42,8 +39,8 @@ GLUON_ACTS = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4}
 # rounded to 16 bits before the second GEMM, so the degree-10 fit of chain_kernels._normal_cdf (fp32
 # accuracy, 10 FMAs) buys nothing here and costs four FMAs per element, where the activation, not
 # the tensor cores, bounds the memory-bound chains. tests/targets/gpu/test_chain_wgmma.py checks it.
-PHI16_TAIL = gl.constexpr((9.992875675379764e-06, -0.0003530318499542773, 0.00526978587731719, -0.04456448554992676,
-                           -0.47152072191238403, -1.1444188356399536, -1.000583529472351))
+PHI16_COEFFICIENTS = (9.992875675379764e-06, -0.0003530318499542773, 0.00526978587731719, -0.04456448554992676,
+                      -0.47152072191238403, -1.1444188356399536, -1.000583529472351)
 
 
 @dataclass(frozen=True)
@@ -112,6 +109,25 @@ def wgmma_refusal(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, tiles: Wgmm
     return shape_refusal(a.shape[1], d.shape[0], d.shape[1], tiles, act)
 
 
+def kernel_module():
+    """The Gluon kernel module; raises ValueError with the reason when this Triton has no usable
+    Gluon (the plans then go without the wgmma kind, see `gluon_refusal`)."""
+    try:
+        from . import wgmma_kernel
+    except (ImportError, AttributeError, TypeError) as err:
+        raise ValueError(f"Triton's Gluon API is not usable here: {type(err).__name__}: {err}") from err
+    return wgmma_kernel
+
+
+def gluon_refusal() -> str | None:
+    """None when the Gluon kernel module imports; else why not."""
+    try:
+        kernel_module()
+    except ValueError as err:
+        return str(err)
+    return None
+
+
 def compile_for_sm90(M: int, K: int, N: int, L: int, tiles: WgmmaTiles, act: str = "gelu",
                      bias: bool = False, linear_weights: bool = False) -> dict:
     """Compile the kernel for sm_90 without a GPU (Triton's ptxas): registers, spilled bytes and
@@ -131,11 +147,11 @@ def compile_for_sm90(M: int, K: int, N: int, L: int, tiles: WgmmaTiles, act: str
         b, d = torch.empty(K, N, dtype=torch.bfloat16), torch.empty(N, L, dtype=torch.bfloat16)
     out = torch.empty(M, L)
     args, meta = launch_args(a, b, d, out.to(torch.bfloat16), torch.empty(N) if bias else None, act, tiles)
-    names = list(chain_wgmma_kernel.arg_names)
-    signature = {name: mangle_type(value) for name, value in zip(names, args)}
+    fn = kernel_module().chain_wgmma_kernel
+    signature = {name: mangle_type(value) for name, value in zip(fn.arg_names, args)}
     signature["M"] = "i32"
     signature.update({name: "constexpr" for name in meta})
-    kernel = triton.compile(GluonASTSource(chain_wgmma_kernel, signature, meta), target=GPUTarget("cuda", 90, 32),
+    kernel = triton.compile(GluonASTSource(fn, signature, meta), target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": tiles.num_warps})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
@@ -145,174 +161,12 @@ def compile_for_sm90(M: int, K: int, N: int, L: int, tiles: WgmmaTiles, act: str
     field = {k: int(v) for k, v in re.findall(r"(REG|STACK|LOCAL):(\d+)", usage)}
     return {"registers": field["REG"], "spilled": field["STACK"] + field["LOCAL"], "smem": kernel.metadata.shared}
 
-
-@gluon.jit
-def _activation(x, ACT: gl.constexpr):
-    if ACT == 1:
-        x = gl.maximum(x, 0.0)
-    elif ACT == 2:  # GELU x·Φ(x), Φ to 16-bit resolution: Φ(-u) = 2^p(u), p of degree 6 (see PHI16_TAIL)
-        u = gl.minimum(gl.abs(x), 9.0)
-        p = u * PHI16_TAIL[0] + PHI16_TAIL[1]
-        for i in gl.static_range(2, 7):
-            p = p * u + PHI16_TAIL[i]
-        x = gl.maximum(x, 0.0) - gl.abs(x) * gl.exp2(p)  # x≥0: x - x·Φ(-x); x<0: x·Φ(x)
-    elif ACT == 3:  # 0.5·x·(1 + tanh(z)) with the SFU's tanh: one MUFU op per element
-        z = x * (0.7978845608028654 + 0.035677408136300125 * x * x)
-        t = gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [z], dtype=gl.float32, is_pure=True, pack=1)
-        x = 0.5 * x + 0.5 * x * t
-    elif ACT == 4:
-        x = gl.fdiv(x, 1.0 + gl.exp2(-1.4426950408889634 * x))
-    return x
-
-
-@gluon.jit
-def _chunk_h(acc1, bias1_ptr, c, ACT: gl.constexpr, HAS_B1: gl.constexpr, BN: gl.constexpr, h_layout: gl.constexpr,
-             dtype: gl.constexpr):
-    """h_c = act(acc1 + b1[c·BN:(c+1)·BN]) in 16 bits, laid out as the second wgmma's left operand."""
-    if HAS_B1:
-        cols = c * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, acc1.type.layout))
-        acc1 = acc1 + gl.load(bias1_ptr + cols).to(gl.float32)[None, :]
-    return gl.convert_layout(_activation(acc1, ACT).to(dtype), h_layout)
-
-
-@gluon.jit
-def _operand(smem, i, TRANSPOSED: gl.constexpr):
-    """Slot i of a weight ring as the wgmma's [K, N]-shaped right operand. A transposed slot holds
-    rows of the row-major nn.Linear weight ([N, K]): wgmma reads it K-major, no copy."""
-    slot = smem.index(i)
-    if TRANSPOSED:
-        slot = slot.permute((1, 0))
-    return slot
-
-
-@gluon.jit
-def _resident_tile(a_tile, b_smem, d_smem, bias1_ptr, ACT: gl.constexpr, HAS_B1: gl.constexpr, BM: gl.constexpr,
-                   BN: gl.constexpr, L: gl.constexpr, NCH: gl.constexpr, WARPS: gl.constexpr, B_T: gl.constexpr,
-                   D_T: gl.constexpr):
-    """E_tile = Σ_c act(A·B_c + b1_c)·D_c, every chunk of B and D resident in shared memory.
-    Asynchronous wgmma: GEMM1 of chunk c+1 runs on the tensor cores during chunk c's activation."""
-    mma1: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BN, 16])
-    mma2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, L, 16])
-    h_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma2, k_width=2)
-    acc2 = gl.zeros([BM, L], gl.float32, mma2)
-    acc1 = warpgroup_mma(a_tile, _operand(b_smem, 0, B_T), gl.zeros([BM, BN], gl.float32, mma1), use_acc=False,
-                         is_async=True)
-    for c in gl.static_range(NCH):
-        acc1 = warpgroup_mma_wait(num_outstanding=0 if c == 0 else 1, deps=[acc1])
-        if c + 1 < NCH:
-            nxt = warpgroup_mma(a_tile, _operand(b_smem, c + 1, B_T), gl.zeros([BM, BN], gl.float32, mma1),
-                                use_acc=False, is_async=True)
-        h = _chunk_h(acc1, bias1_ptr, c, ACT, HAS_B1, BN, h_layout, a_tile.dtype)
-        acc2 = warpgroup_mma(h, _operand(d_smem, c, D_T), acc2, is_async=True)
-        if c + 1 < NCH:
-            acc1 = nxt
-    return warpgroup_mma_wait(num_outstanding=0, deps=[acc2])
-
-
-@gluon.jit
-def _load_weights(b_desc, d_desc, b_smem, d_smem, bar, chunk, BN: gl.constexpr, B_T: gl.constexpr,
-                  D_T: gl.constexpr):
-    """Chunk `chunk` of B (K×BN; transposed: rows chunk·BN.. of W1 [N, K]) and of D (BN×L; transposed:
-    columns of W2 [L, N]) into one ring slot, completing on `bar`."""
-    mbarrier.expect(bar, b_desc.block_type.nbytes + d_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(b_desc, [chunk * BN, 0] if B_T else [0, chunk * BN], bar, b_smem)
-    tma.async_copy_global_to_shared(d_desc, [0, chunk * BN] if D_T else [chunk * BN, 0], bar, d_smem)
-
-
-@gluon.jit
-def _streamed_tile(a_tile, b_smem, d_smem, w_bar, b_desc, d_desc, bias1_ptr, i, my_tiles, ACT: gl.constexpr,
-                   HAS_B1: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, L: gl.constexpr, NCH: gl.constexpr,
-                   W_STAGES: gl.constexpr, WARPS: gl.constexpr, B_T: gl.constexpr, D_T: gl.constexpr):
-    """The same sum with B and D streamed chunk by chunk through a ring of W_STAGES shared-memory
-    slots (weights too large to stay); chunk g = i·NCH + c of this program lives in slot g % W_STAGES."""
-    mma1: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BN, 16])
-    mma2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, L, 16])
-    h_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma2, k_width=2)
-    acc2 = gl.zeros([BM, L], gl.float32, mma2)
-    for c in gl.static_range(NCH):
-        g = i * NCH + c
-        ws = g % W_STAGES
-        mbarrier.wait(w_bar.index(ws), (g // W_STAGES) & 1)
-        acc1 = warpgroup_mma(a_tile, _operand(b_smem, ws, B_T), gl.zeros([BM, BN], gl.float32, mma1), use_acc=False)
-        h = _chunk_h(acc1, bias1_ptr, c, ACT, HAS_B1, BN, h_layout, a_tile.dtype)
-        acc2 = warpgroup_mma(h, _operand(d_smem, ws, D_T), acc2)
-        gl.thread_barrier()  # every warp is done with this slot: fetch the chunk W_STAGES ahead into it
-        nxt = g + W_STAGES
-        if nxt < my_tiles * NCH:
-            _load_weights(b_desc, d_desc, b_smem.index(ws), d_smem.index(ws), w_bar.index(ws), nxt % NCH, BN, B_T,
-                          D_T)
-    return acc2
-
-
-@gluon.jit
-def chain_wgmma_kernel(a_desc, b_desc, d_desc, o_desc, bias1_ptr, M,
-                       K: gl.constexpr, N: gl.constexpr, L: gl.constexpr, ACT: gl.constexpr, HAS_B1: gl.constexpr,
-                       BM: gl.constexpr, BN: gl.constexpr, A_STAGES: gl.constexpr, W_STAGES: gl.constexpr,
-                       RESIDENT: gl.constexpr, B_T: gl.constexpr, D_T: gl.constexpr, num_warps: gl.constexpr):
-    NCH: gl.constexpr = N // BN
-    W_SLOTS: gl.constexpr = NCH if RESIDENT else W_STAGES
-    dtype: gl.constexpr = a_desc.dtype
-    a_smem = gl.allocate_shared_memory(dtype, [A_STAGES, BM, K], a_desc.layout)
-    b_smem = gl.allocate_shared_memory(dtype, [W_SLOTS] + b_desc.block_type.shape, b_desc.layout)
-    d_smem = gl.allocate_shared_memory(dtype, [W_SLOTS] + d_desc.block_type.shape, d_desc.layout)
-    o_smem = gl.allocate_shared_memory(dtype, [BM, L], o_desc.layout)
-    a_bar = gl.allocate_shared_memory(gl.int64, [A_STAGES, 1], mbarrier.MBarrierLayout())
-    w_bar = gl.allocate_shared_memory(gl.int64, [W_SLOTS, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(A_STAGES):
-        mbarrier.init(a_bar.index(s), count=1)
-    for s in gl.static_range(W_SLOTS):
-        mbarrier.init(w_bar.index(s), count=1)
-    fence_async_shared()
-
-    pid = gl.program_id(0)
-    programs = gl.num_programs(0)
-    my_tiles = (gl.cdiv(M, BM) - pid + programs - 1) // programs
-    for s in gl.static_range(A_STAGES):  # the first tiles' A, in flight before any math
-        mbarrier.expect(a_bar.index(s), a_desc.block_type.nbytes, pred=s < my_tiles)
-        tma.async_copy_global_to_shared(a_desc, [(pid + s * programs) * BM, 0], a_bar.index(s), a_smem.index(s),
-                                        pred=s < my_tiles)
-    for s in gl.static_range(W_SLOTS):  # resident: every chunk, once; streamed: the ring's first chunks
-        _load_weights(b_desc, d_desc, b_smem.index(s), d_smem.index(s), w_bar.index(s), s % NCH, BN, B_T, D_T)
-    if RESIDENT:
-        for s in gl.static_range(NCH):
-            mbarrier.wait(w_bar.index(s), 0)
-
-    for i in range(my_tiles):
-        slot = i % A_STAGES
-        mbarrier.wait(a_bar.index(slot), (i // A_STAGES) & 1)
-        if RESIDENT:
-            acc2 = _resident_tile(a_smem.index(slot), b_smem, d_smem, bias1_ptr, ACT, HAS_B1, BM, BN, L, NCH,
-                                  num_warps, B_T, D_T)
-        else:
-            acc2 = _streamed_tile(a_smem.index(slot), b_smem, d_smem, w_bar, b_desc, d_desc, bias1_ptr, i, my_tiles,
-                                  ACT, HAS_B1, BM, BN, L, NCH, W_STAGES, num_warps, B_T, D_T)
-        gl.thread_barrier()  # every warpgroup is done reading this A slot: refill it
-        more = i + A_STAGES < my_tiles
-        mbarrier.expect(a_bar.index(slot), a_desc.block_type.nbytes, pred=more)
-        tma.async_copy_global_to_shared(a_desc, [(pid + (i + A_STAGES) * programs) * BM, 0], a_bar.index(slot),
-                                        a_smem.index(slot), pred=more)
-        tma.store_wait(0)  # the previous tile's E has left o_smem
-        o_smem.store(acc2.to(dtype))
-        fence_async_shared()
-        gl.thread_barrier()
-        tma.async_copy_shared_to_global(o_desc, [(pid + i * programs) * BM, 0], o_smem)
-    tma.store_wait(0)
-    for s in gl.static_range(A_STAGES):
-        mbarrier.invalidate(a_bar.index(s))
-    for s in gl.static_range(W_SLOTS):
-        mbarrier.invalidate(w_bar.index(s))
-
-
-def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
-    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, dtype))
-
-
 def launch_args(a, b, d, out, bias1, act: str, tiles: WgmmaTiles) -> tuple[tuple, dict]:
     """The kernel's arguments (also what tests compile for sm_90 without a GPU)."""
     M, K = a.shape
     N, L = d.shape
     (b_rows, b_t), (d_rows, d_t) = _tma_rows(b), _tma_rows(d)
+    _descriptor = kernel_module().descriptor
     args = (_descriptor(a, [tiles.bm, K]), _descriptor(b_rows, [tiles.bn, K] if b_t else [K, tiles.bn]),
             _descriptor(d_rows, [L, tiles.bn] if d_t else [tiles.bn, L]), _descriptor(out, [tiles.bm, L]),
             bias1 if bias1 is not None else a, M)
@@ -320,7 +174,6 @@ def launch_args(a, b, d, out, bias1, act: str, tiles: WgmmaTiles) -> tuple[tuple
                 A_STAGES=tiles.a_stages, W_STAGES=tiles.w_stages, RESIDENT=is_resident(K, N, L, tiles),
                 B_T=b_t, D_T=d_t, num_warps=tiles.num_warps)
     return args, meta
-
 
 def chain_wgmma(a, b, d, *, act: str = "gelu", bias1=None, tiles: WgmmaTiles = WgmmaTiles(),
                 programs: int | None = None):
@@ -332,5 +185,5 @@ def chain_wgmma(a, b, d, *, act: str = "gelu", bias1=None, tiles: WgmmaTiles = W
     sms = torch.cuda.get_device_properties(a.device).multi_processor_count
     grid = (max(1, min(-(-a.shape[0] // tiles.bm), programs or sms * tiles.programs_per_sm)),)
     args, meta = launch_args(a, b, d, out, bias1, act, tiles)
-    chain_wgmma_kernel[grid](*args, **meta)
+    kernel_module().chain_wgmma_kernel[grid](*args, **meta)
     return out

@@ -8,7 +8,7 @@ import scipy.special
 import torch
 
 from stitchflow.targets.gpu import chain_cost, chain_plans
-from stitchflow.targets.gpu.chain_wgmma import (PHI16_TAIL, SMEM_BYTES, WgmmaTiles, compile_for_sm90, is_resident,
+from stitchflow.targets.gpu.chain_wgmma import (PHI16_COEFFICIENTS, SMEM_BYTES, WgmmaTiles, compile_for_sm90, is_resident,
                                                 shape_refusal, wgmma_refusal)
 from stitchflow.targets.gpu.chains import plan_from_json, plan_to_json
 
@@ -18,7 +18,7 @@ H100 = chain_cost.profile_for("NVIDIA H100 80GB HBM3")
 def kernel_gelu(x: np.ndarray) -> np.ndarray:
     """_activation's GELU step by step in float32, as the kernel evaluates it."""
     x = x.astype(np.float32)
-    c = [np.float32(v) for v in PHI16_TAIL.value]
+    c = [np.float32(v) for v in PHI16_COEFFICIENTS]
     u = np.minimum(np.abs(x), np.float32(9))
     p = u * c[0] + c[1]
     for ci in c[2:]:
