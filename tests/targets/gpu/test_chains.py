@@ -240,7 +240,7 @@ def test_explain_ranks_the_chain_plans_and_says_why_a_kind_is_missing():
     from torch import nn
 
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
-    prog = stitchflow.compile(model, [torch.randn(40, 32)], target="gpu", fusion="auto")
+    prog = stitchflow.compile(model, [torch.randn(2, 20, 32)], target="gpu", fusion="auto")  # M = 2·20 rows
     prog.options["gpu_profile"] = "H100"
     text = prog.explain()
     assert "chain plans on H100" in text and "M=40 K=32 N=64 L=16 gelu, 32-bit" in text
