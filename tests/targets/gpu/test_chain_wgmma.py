@@ -2,13 +2,19 @@
 (registers, spills, shared memory, through Triton's ptxas), its refusals and its plans. Gluon has
 no interpreter; the device checks (bench/chains_checks.py: wgmma_checks) run it against eager."""
 
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import scipy.special
 import torch
 
 from stitchflow.targets.gpu import chain_cost, chain_plans
-from stitchflow.targets.gpu.chain_wgmma import (PHI16_COEFFICIENTS, SMEM_BYTES, WgmmaTiles, compile_for_sm90, is_resident,
+from stitchflow.targets.gpu.chain_wgmma import (PHI16_COEFFICIENTS, SMEM_BYTES, WgmmaTiles, is_resident,
                                                 shape_refusal, wgmma_refusal)
 from stitchflow.targets.gpu.chains import plan_from_json, plan_to_json
 
@@ -35,18 +41,38 @@ def test_gelu_is_exact_to_a_tenth_of_bf16_rounding():
     assert np.all(kernel_gelu(far) <= 0) and np.all(np.abs(kernel_gelu(far)) < 1e-16)
 
 
-@pytest.mark.parametrize("shape,tiles,act,bias,linear", [
+COMPILED = [  # (shape, tiles, act, bias, linear): linear = B and D as nn.Linear hands them over (W1.t(), W2.t())
     ((65536, 64, 256, 64), WgmmaTiles(64, 128, 4, 2, 2, 2), "gelu", False, False),
     ((65536, 64, 256, 64), WgmmaTiles(128, 64, 8, 2, 2, 1), "silu", True, True),
     ((16384, 128, 512, 128), WgmmaTiles(64, 64, 4, 2, 2, 2), "gelu", True, False),   # streamed weights
     ((16384, 128, 512, 128), WgmmaTiles(64, 64, 4, 2, 2, 2), "relu", True, True),
     ((1000, 32, 192, 16), WgmmaTiles(64, 64, 4, 3, 2, 2), "gelu_tanh", False, False),
-])
-def test_kernel_compiles_for_sm90_without_spills(shape, tiles, act, bias, linear):
-    """linear: B and D as nn.Linear hands them over (W1.t(), W2.t()), read K-major from shared memory."""
-    M, K, N, L = shape
+]
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """compile_for_sm90 of every COMPILED case, in a fresh process: Triton's interpreter, which the
+    other tests of a session run, patches triton.language in place (nested jit calls never undo it),
+    and Gluon's compiler then fails on the patched builtins."""
+    cases = [(shape, dataclasses.asdict(t), act, bias, linear) for shape, t, act, bias, linear in COMPILED]
+    code = ("import json, sys\n"
+            "from stitchflow.targets.gpu.chain_wgmma import WgmmaTiles, compile_for_sm90\n"
+            "cases = json.loads(sys.stdin.read())\n"
+            "print(json.dumps([compile_for_sm90(*s, WgmmaTiles(**t), act=a, bias=b, linear_weights=l)"
+            " for s, t, a, b, l in cases]))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], input=json.dumps(cases), capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", range(len(COMPILED)))
+def test_kernel_compiles_for_sm90_without_spills(compiled, case):
+    (M, K, N, L), tiles, act, _, _ = COMPILED[case]
     assert shape_refusal(K, N, L, tiles, act) is None
-    used = compile_for_sm90(M, K, N, L, tiles, act=act, bias=bias, linear_weights=linear)
+    used = compiled[case]
     assert used["spilled"] == 0
     assert used["smem"] * tiles.programs_per_sm <= SMEM_BYTES
     # the cost model's register estimate decides whether programs_per_sm programs fit an SM: it must agree
