@@ -291,23 +291,23 @@ class BodyEmitter:
         return Val(self.k.src.let(code), kind, frozenset(deps))
 
 
+def substitute_expr(e, mapping: dict, ranges):
+    """e with the index expressions in `mapping` put in for their variables (every access)."""
+    if isinstance(e, Read):
+        a = e.access
+        return Read(Access(a.tensor, tuple(substitute(i, mapping, ranges) for i in a.indices)))
+    if isinstance(e, IndexValue):
+        return IndexValue(substitute(e.index, mapping, ranges))
+    if isinstance(e, Call):
+        return Call(e.op, tuple(substitute_expr(x, mapping, ranges) for x in e.args))
+    if isinstance(e, Cast):
+        return Cast(e.dtype, substitute_expr(e.arg, mapping, ranges))
+    return e
+
+
 def inline_body(producer, indices, ranges):
     """Substitute a read's index expressions for the producer's output variables."""
-    mapping = dict(zip(producer.out_vars, indices))
-
-    def sub(e):
-        if isinstance(e, Read):
-            a = e.access
-            return Read(Access(a.tensor, tuple(substitute(i, mapping, ranges) for i in a.indices)))
-        if isinstance(e, IndexValue):
-            return IndexValue(substitute(e.index, mapping, ranges))
-        if isinstance(e, Call):
-            return Call(e.op, tuple(sub(x) for x in e.args))
-        if isinstance(e, Cast):
-            return Cast(e.dtype, sub(e.arg))
-        return e
-
-    return sub(producer.body)
+    return substitute_expr(producer.body, dict(zip(producer.out_vars, indices)), ranges)
 
 
 def _promote(*vals: Val) -> str:

@@ -15,10 +15,10 @@ import dataclasses
 
 import torch
 
-from ...ir.expr import Access, Call, Cast, Const, IndexValue, Read
+from ...ir.expr import Call, Cast, Const, IndexValue, Read
 from ...ir.graph import Graph, Node
-from ...ir.index import Gather, Var, free_vars, substitute
-from .emit import inline_body
+from ...ir.index import Gather, Var, free_vars
+from .emit import inline_body, substitute_expr
 
 INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
@@ -67,11 +67,11 @@ def one_hot_gather(graph: Graph, node: Node) -> Node | None:
     at = {k: gathered}
     extent = ranges[k]
     in_range = Call("and", (Call("ge", (target, Const(0))), Call("lt", (target, Const(extent)))))
-    rest = [_substitute(_inline_reads_of(graph, c, k, ranges), at, ranges) for c in conjuncts if c is not eq]
+    rest = [substitute_expr(_inline_reads_of(graph, c, k, ranges), at, ranges) for c in conjuncts if c is not eq]
     cond = in_range
     for c in rest:
         cond = Call("and", (cond, c))
-    value = _substitute(_inline_reads_of(graph, select.args[1], k, ranges), at, ranges)
+    value = substitute_expr(_inline_reads_of(graph, select.args[1], k, ranges), at, ranges)
     new_body = _wrap(casts, _wrap(wcast, Call("where", (cond, value, select.args[2]))))
     dims = tuple((v, n) for v, n in node.dims if v != k)
     if k in _vars(new_body):
@@ -162,19 +162,6 @@ def _inline_reads_of(graph: Graph, e, k: str, ranges):
         return Call(e.op, tuple(_inline_reads_of(graph, a, k, ranges) for a in e.args))
     if isinstance(e, Cast):
         return Cast(e.dtype, _inline_reads_of(graph, e.arg, k, ranges))
-    return e
-
-
-def _substitute(e, mapping: dict, ranges):
-    if isinstance(e, Read):
-        a = e.access
-        return Read(Access(a.tensor, tuple(substitute(i, mapping, ranges) for i in a.indices)))
-    if isinstance(e, IndexValue):
-        return IndexValue(substitute(e.index, mapping, ranges))
-    if isinstance(e, Call):
-        return Call(e.op, tuple(_substitute(a, mapping, ranges) for a in e.args))
-    if isinstance(e, Cast):
-        return Cast(e.dtype, _substitute(e.arg, mapping, ranges))
     return e
 
 
