@@ -89,7 +89,7 @@ def shape_refusal(K: int, N: int, L: int, tiles: WgmmaTiles, act: str, gated: bo
     return None
 
 
-def _tma_rows(t: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
+def tma_rows(t: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
     """(the row-major tensor TMA reads, whether it is t transposed), or None when neither t nor t.T
     is row-major with 16-byte-aligned rows. nn.Linear's weight arrives as w.t(): transposed."""
     for base, transposed in ((t, False), (t.t(), True)):
@@ -104,7 +104,7 @@ def wgmma_refusal(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, tiles: Wgmm
         return "needs a Hopper GPU (sm_90): Gluon's wgmma kernels have no interpreter"
     if not all(t.dtype in (torch.bfloat16, torch.float16) and t.dtype == a.dtype for t in (a, b, d)):
         return "operands must share one 16-bit dtype"
-    if any(_tma_rows(t) is None for t in (a, b, d)) or _tma_rows(a)[1]:
+    if any(tma_rows(t) is None for t in (a, b, d)) or tma_rows(a)[1]:
         return "A must be row-major, B and D row-major or transposed row-major, with 16-byte-aligned rows (TMA)"
     return shape_refusal(a.shape[1], d.shape[0], d.shape[1], tiles, act)
 
@@ -132,6 +132,19 @@ def compile_for_sm90(M: int, K: int, N: int, L: int, tiles: WgmmaTiles, act: str
                      bias: bool = False, linear_weights: bool = False) -> dict:
     """Compile the kernel for sm_90 without a GPU (Triton's ptxas): registers, spilled bytes and
     shared memory per program, from the cubin. Tests use it on CPU machines."""
+    a = torch.empty(M, K, dtype=torch.bfloat16)
+    if linear_weights:  # nn.Linear layouts: B = W1.t(), D = W2.t()
+        b, d = torch.empty(N, K, dtype=torch.bfloat16).t(), torch.empty(L, N, dtype=torch.bfloat16).t()
+    else:
+        b, d = torch.empty(K, N, dtype=torch.bfloat16), torch.empty(N, L, dtype=torch.bfloat16)
+    out = torch.empty(M, L)
+    args, meta = launch_args(a, b, d, out.to(torch.bfloat16), torch.empty(N) if bias else None, act, tiles)
+    return compile_gluon_sm90(kernel_module().chain_wgmma_kernel, args, meta, tiles.num_warps, ints=("M",))
+
+
+def compile_gluon_sm90(fn, args: tuple, meta: dict, num_warps: int, ints: tuple[str, ...]) -> dict:
+    """Compile a Gluon kernel for sm_90 with Triton's ptxas (no GPU needed): registers, spilled
+    bytes and shared memory per program, read from the cubin. `ints` name the i32 scalar arguments."""
     import subprocess
     import tempfile
 
@@ -140,19 +153,11 @@ def compile_for_sm90(M: int, K: int, N: int, L: int, tiles: WgmmaTiles, act: str
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    a = torch.empty(M, K, dtype=torch.bfloat16)
-    if linear_weights:  # nn.Linear layouts: B = W1.t(), D = W2.t()
-        b, d = torch.empty(N, K, dtype=torch.bfloat16).t(), torch.empty(L, N, dtype=torch.bfloat16).t()
-    else:
-        b, d = torch.empty(K, N, dtype=torch.bfloat16), torch.empty(N, L, dtype=torch.bfloat16)
-    out = torch.empty(M, L)
-    args, meta = launch_args(a, b, d, out.to(torch.bfloat16), torch.empty(N) if bias else None, act, tiles)
-    fn = kernel_module().chain_wgmma_kernel
     signature = {name: mangle_type(value) for name, value in zip(fn.arg_names, args)}
-    signature["M"] = "i32"
+    signature.update({name: "i32" for name in ints})
     signature.update({name: "constexpr" for name in meta})
     kernel = triton.compile(GluonASTSource(fn, signature, meta), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": tiles.num_warps})
+                            options={"num_warps": num_warps})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
@@ -161,11 +166,12 @@ def compile_for_sm90(M: int, K: int, N: int, L: int, tiles: WgmmaTiles, act: str
     field = {k: int(v) for k, v in re.findall(r"(REG|STACK|LOCAL):(\d+)", usage)}
     return {"registers": field["REG"], "spilled": field["STACK"] + field["LOCAL"], "smem": kernel.metadata.shared}
 
+
 def launch_args(a, b, d, out, bias1, act: str, tiles: WgmmaTiles) -> tuple[tuple, dict]:
     """The kernel's arguments (also what tests compile for sm_90 without a GPU)."""
     M, K = a.shape
     N, L = d.shape
-    (b_rows, b_t), (d_rows, d_t) = _tma_rows(b), _tma_rows(d)
+    (b_rows, b_t), (d_rows, d_t) = tma_rows(b), tma_rows(d)
     _descriptor = kernel_module().descriptor
     args = (_descriptor(a, [tiles.bm, K]), _descriptor(b_rows, [tiles.bn, K] if b_t else [K, tiles.bn]),
             _descriptor(d_rows, [L, tiles.bn] if d_t else [tiles.bn, L]), _descriptor(out, [tiles.bm, L]),
