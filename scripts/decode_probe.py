@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from stitchflow.targets.gpu import chain_kernels as ck
-from stitchflow.targets.gpu.chains import graph_bench
+from stitchflow.targets.gpu.timing import graph_bench
 from stitchflow.targets.gpu.gemm_tma import gemm_tma
 from triton.testing import do_bench
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from stitchflow.targets.gpu import chain_kernels as ck
-from stitchflow.targets.gpu.chains import graph_bench
+from stitchflow.targets.gpu.timing import graph_bench
 
 M = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
 a = torch.randn(M, 4096, device="cuda").bfloat16()

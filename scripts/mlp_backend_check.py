@@ -5,7 +5,7 @@ from torch import nn
 
 import stitchflow
 from stitchflow.bench.chains_checks import wgmma_checks
-from stitchflow.targets.gpu.chains import graph_bench
+from stitchflow.targets.gpu.timing import graph_bench
 
 from triton.testing import do_bench
 

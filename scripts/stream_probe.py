@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from stitchflow.targets.gpu.chains import graph_bench
+from stitchflow.targets.gpu.timing import graph_bench
 from stitchflow.targets.gpu.stream_gemm import StreamTiles, stream_gemm
 
 T = StreamTiles

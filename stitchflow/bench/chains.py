@@ -12,7 +12,7 @@ Writes chains.json, chains.csv and chains_section.md (the BENCHMARKS.md section)
 
 from __future__ import annotations
 
-from .chains_checks import device_checks, dsm_check, rel_err, wgmma_checks
+from .chains_checks import device_checks, dsm_check, rel_err, stream_checks, wgmma_checks
 from .report import replace_section, write_results
 
 import argparse
@@ -66,7 +66,7 @@ TIMING = {"graph": 0, "plain": 0}  # how many measurements were graph replays / 
 
 def bench(fn) -> float:
     """Every competitor is timed the same way: median of CUDA-graph replays (chains.graph_bench)."""
-    from stitchflow.targets.gpu.chains import graph_bench
+    from stitchflow.targets.gpu.timing import graph_bench
 
     seconds, how = graph_bench(fn)
     TIMING[how] += 1
@@ -106,7 +106,15 @@ def calibration_probes(ceilings: dict, a, b) -> dict:
     lib_stream_s = bench(lambda: x16 @ b)
     x = torch.randn(4, 32, 64, 64, device=DEVICE).to(torch.bfloat16)
     gather_s = bench(lambda: im2col_nhwc(x, 3, 3, 1))
-    return {"triton_mma_eff": 2 * 8192 ** 3 / tri_s / ceilings["gemm_flops"],
+    from stitchflow.targets.gpu.chain_wgmma import gluon_refusal
+
+    gluon = {}
+    if torch.cuda.get_device_capability()[0] == 9 and gluon_refusal() is None:
+        from stitchflow.targets.gpu.stream_gemm import StreamTiles, stream_gemm
+
+        gluon_s = bench(lambda: stream_gemm(x16, b, tiles=StreamTiles(64, 64, 128, 8, 1, 4)))
+        gluon["gluon_stream_eff"] = weight_bytes / gluon_s / ceilings["copy_bw"]
+    return {**gluon, "triton_mma_eff": 2 * 8192 ** 3 / tri_s / ceilings["gemm_flops"],
             "triton_stream_eff": weight_bytes / tri_stream_s / ceilings["copy_bw"],
             "library_stream_eff": weight_bytes / lib_stream_s / ceilings["copy_bw"],
             "gather_bw": 4 * 64 * 64 * 9 * 32 * 2 / gather_s}
@@ -387,16 +395,18 @@ def section_text(meta: dict, rows: list[dict], checks: list[dict], earlier: dict
              f"Command: `{meta['command']}`. Device: {meta['device']}; {meta['date']}; torch {meta['torch']}, "
              f"triton {meta['triton']}. Ceilings measured in the same run: copy {meta['copy_bw'] / 1e12:.2f} TB/s "
              f"(read+write), bf16 GEMM 8192³ {meta['gemm_flops'] / 1e12:.0f} TFLOP/s. Every time (eager, "
-             "torch.compile, each candidate plan of ours, the cluster kernel) is the median of "
-             "triton.testing.do_bench over replays of a CUDA graph captured from the call, L2 flushed between "
-             f"replays ({timing.get('graph', 0)} graph-timed, {timing.get('plain', 0)} fell back to plain calls); "
+             "torch.compile, each candidate plan of ours, the cluster kernel) is the median over replays of a "
+             "CUDA graph captured from the call, L2 evicted clean before each replay by reading 256 MB "
+             "(targets/gpu/timing.py: do_bench's zeroing flush left dirty lines whose write-back added 9-10 µs "
+             f"to each 134 MB weight stream) ({timing.get('graph', 0)} graph-timed, {timing.get('plain', 0)} fell back to plain calls); "
              "bf16 in and out, fp32 accumulation; our winner checked against eager. 'ours' = the winner among "
              "the cost model's shortlist timed on the device, timed again (its plan shown); eager, torch.compile "
              "and ours: the median of three rounds timed in turn (clock drift); 'model 1st choice / "
              "best' = time of the model's top plan over the best timed plan. Cost-model calibration probes "
              "measured in the same run (not benchmark shapes): Triton GEMM rate "
              f"{probes.get('triton_mma_eff', 0):.2f}× cuBLAS, weight streaming Triton "
-             f"{probes.get('triton_stream_eff', 0):.2f}× / cuBLAS {probes.get('library_stream_eff', 0):.2f}× the "
+             f"{probes.get('triton_stream_eff', 0):.2f}× / cuBLAS {probes.get('library_stream_eff', 0):.2f}× / Gluon "
+             f"stream GEMM {probes.get('gluon_stream_eff', 0):.2f}× the "
              f"copy rate, im2col gather {probes.get('gather_bw', 0) / 1e12:.2f} TB/s written. Cluster/DSM: the "
              "CUDA cluster kernel where its shape limits allow, as speed-up over our best plan's time "
              "(>1 means the cluster kernel is faster).", ""]
@@ -476,6 +486,7 @@ def run(shapes=None, out_dir="bench_out", budget_s: float = 420.0, top_k: int = 
     dsm_ok = not builder.is_alive() and build["error"] is None
     if checks:
         results += wgmma_checks()
+        results += stream_checks()
     if checks and dsm_ok:
         try:
             results += dsm_check()

@@ -173,3 +173,41 @@ def wgmma_checks() -> list[dict]:
             name = f"wgmma {act}{'+bias, W.t()' if bias else ''} M{M} K{K} N{N} L{L} {tiles} {str(dtype)[6:]}"
             out.append({"check": name, "rel_err": err, "ok": err < 2e-2, "error": note})
     return out
+
+
+def stream_checks() -> list[dict]:
+    """The Gluon weight-streaming GEMM (Hopper only): odd M and N, bias, every activation, split-K
+    finished on the semaphores (called three times: they must come back to zero), row-major and
+    nn.Linear (W.t()) weights, bf16 and fp16."""
+    from stitchflow.targets.gpu.chain_wgmma import gluon_refusal
+    from stitchflow.targets.gpu.stream_gemm import StreamTiles, stream_gemm
+
+    if torch.cuda.get_device_capability()[0] != 9 or gluon_refusal():
+        print("stream checks skipped:", gluon_refusal() or "not a Hopper GPU (the plans leave the kind out too)")
+        return []
+    gen = torch.Generator(device=DEVICE).manual_seed(17)
+    acts = {"gelu": F.gelu, "gelu_tanh": lambda v: F.gelu(v, approximate="tanh"), "silu": F.silu, "relu": torch.relu,
+            "none": lambda v: v}
+    out = []
+    for (M, K, N), tiles, act, dtype in (
+            ((100, 512, 384), StreamTiles(128, 128, 64, 4, 1, 4), "gelu", torch.bfloat16),
+            ((16, 1024, 200), StreamTiles(64, 64, 128, 4, 2, 4), "silu", torch.float16),
+            ((130, 2048, 256), StreamTiles(128, 128, 64, 6, 4, 8), "none", torch.bfloat16),
+            ((1, 512, 136), StreamTiles(64, 256, 64, 4, 1, 8), "gelu_tanh", torch.bfloat16),
+            ((128, 4096, 1024), StreamTiles(128, 64, 64, 8, 2, 4), "relu", torch.bfloat16)):
+        a = torch.randn(M, K, device=DEVICE, generator=gen).to(dtype)
+        w = torch.randn(N, K, device=DEVICE, generator=gen).div(K ** 0.5).to(dtype)
+        for linear in (False, True):
+            b = w.t() if linear else w.t().contiguous()
+            bias = torch.randn(N, device=DEVICE, generator=gen).to(dtype) if linear else None
+            ref = acts[act](a.double() @ b.double() + (bias.double() if linear else 0))
+            try:
+                for _ in range(3):
+                    got = stream_gemm(a, b, act=act, bias=bias, tiles=tiles)
+                err, note = rel_err(got, ref), ""
+            except Exception as exc:  # a broken check is a failed check, not a lost run
+                err, note = float("nan"), f"{type(exc).__name__}: {str(exc)[:160]}"
+            name = f"stream {act}{'+bias, W.t()' if linear else ''} M{M} K{K} N{N} {tiles} {str(dtype)[6:]}"
+            out.append({"check": name, "rel_err": err, "ok": err < 2e-2, "error": note})
+    return out
+

@@ -15,10 +15,14 @@ import math
 from . import cluster_dsm
 from .chain_cost import (ACT_INSTR, ChainShape, DeviceProfile, Estimate, Plan, _library_gemm1, _pow2_ceil,
                          estimate_cluster, estimate_cublas_epi, estimate_fused, estimate_gemm, estimate_library,
-                         estimate_resident, estimate_wgmma)
+                         estimate_resident, estimate_stream_gemm, estimate_wgmma)
 from .chain_kernels import ChainTiles, GemmTiles
 from .chain_resident import ResidentTiles, resident_refusal
-from .chain_wgmma import WgmmaTiles, gluon_refusal, is_resident
+from .chain_wgmma import GLUON_ACTS, WgmmaTiles, gluon_refusal, is_resident
+from .stream_gemm import StreamTiles
+
+ALL_KINDS = ("fused", "resident", "wgmma", "stream", "two_pass", "cluster", "cublas_epi", "cublas_pro", "library")
+STREAM_MAX_ROWS = 256   # longer A is compute-bound: the library's persistent GEMMs own it
 
 
 def cublas_pro_plans(shape: ChainShape, profile: DeviceProfile, keep: int = 3) -> list[Plan]:
@@ -160,6 +164,51 @@ def two_pass_plans(shape: ChainShape, profile: DeviceProfile, keep: int = 6) -> 
     return plans
 
 
+def _stream_options(M: int, N: int, K: int, act: str, profile: DeviceProfile, elt: int, splits, keep: int):
+    found = []
+    bm = 64 if M <= 64 else 128
+    for bn, bk, split in itertools.product((128, 256, 64), (64, 128), splits):  # ties: measured order
+        warps = 8 if bm == 128 and (bn == 256 or split > 1) else 4   # split-K's finish holds two fp32 tiles
+        stages = max(2, min(8, (profile.smem_per_block - 1024) // ((bm + bn) * bk * 2)))
+        t = StreamTiles(bm, bn, bk, stages, split, warps)
+        est = estimate_stream_gemm(M, N, K, t, profile, elt, act)
+        if est is not None:
+            found.append((est.seconds, t, est))
+    return sorted(found, key=lambda x: x[0])[:keep]
+
+
+def stream_plans(shape: ChainShape, profile: DeviceProfile, keep: int = 3) -> list[Plan]:
+    """Two Gluon weight-streaming GEMMs (Hopper): act(A·B + b) in GEMM1's epilogue, split-K GEMM2."""
+    if stream_refusal_for(shape, profile):
+        return []
+    first = _stream_options(shape.M, shape.N, shape.K, shape.act, profile, shape.elt, (1,), keep)
+    second = _stream_options(shape.M, shape.L, shape.N, "none", profile, shape.elt, (1, 2, 4), keep)
+    levels = (("A", "smem (TMA)"), ("B", "smem ring (TMA)"), ("h", "hbm"), ("D", "smem ring (TMA)"), ("E", "hbm"))
+    plans = []
+    for (s1, t1, e1), (s2, t2, e2) in itertools.product(first, second):
+        est = Estimate(s1 + s2, tuple((f"g1.{k}", v) for k, v in e1.volumes) + tuple((f"g2.{k}", v) for k, v in
+                                                                                     e2.volumes),
+                       (("gemm1", s1), ("gemm2", s2)), e1.programs + e2.programs, max(e1.waves, e2.waves))
+        sched = f"G1[m:S n:S k:T] G2[m:S l:S n:{'S' if t2.split_k > 1 else 'T'}]"
+        plans.append(Plan("stream", sched, levels, streams=(t1, t2), estimate=est))
+    return plans
+
+
+def stream_refusal_for(shape: ChainShape, profile: DeviceProfile) -> str | None:
+    """Why a chain of this shape gets no stream plan (None: it can have one)."""
+    if not any(name in profile.name for name in HOPPER_NAMES):
+        return f"needs a Hopper GPU; the profile is {profile.name}"
+    if gluon_refusal():
+        return gluon_refusal()
+    if shape.gated or shape.conv_in:
+        return "gated and conv chains are not in the stream GEMM (one B operand, matrix A)"
+    if shape.act not in GLUON_ACTS or shape.elt != 2:
+        return f"activation {shape.act!r} or {8 * shape.elt}-bit operands are not in the stream GEMM"
+    if shape.M > STREAM_MAX_ROWS:
+        return f"M={shape.M} > {STREAM_MAX_ROWS}: compute-bound, not a weight stream"
+    return None
+
+
 def cluster_plans(shape: ChainShape, profile: DeviceProfile) -> list[Plan]:
     plans = []
     for size in cluster_dsm.CLUSTER_SIZES:
@@ -170,9 +219,7 @@ def cluster_plans(shape: ChainShape, profile: DeviceProfile) -> list[Plan]:
     return plans
 
 
-def rank_plans(shape: ChainShape, profile: DeviceProfile,
-               kinds=("fused", "resident", "wgmma", "two_pass", "cluster", "cublas_epi", "cublas_pro",
-                      "library")) -> list[Plan]:
+def rank_plans(shape: ChainShape, profile: DeviceProfile, kinds=ALL_KINDS) -> list[Plan]:
     """Every legal plan that fits, cheapest first."""
     plans: list[Plan] = []
     if "fused" in kinds:
@@ -183,6 +230,8 @@ def rank_plans(shape: ChainShape, profile: DeviceProfile,
         plans += wgmma_plans(shape, profile)
     if "two_pass" in kinds:
         plans += two_pass_plans(shape, profile)
+    if "stream" in kinds:
+        plans += stream_plans(shape, profile)
     if "cluster" in kinds:
         plans += cluster_plans(shape, profile)
     if "library" in kinds:
@@ -211,7 +260,7 @@ def _rank_key(plan: Plan) -> float:
 
 
 def shortlist(shape: ChainShape, profile: DeviceProfile, k: int = 10,
-              kinds=("fused", "resident", "wgmma", "two_pass", "cublas_epi", "cublas_pro", "library")) -> list[Plan]:
+              kinds=tuple(k for k in ALL_KINDS if k != "cluster")) -> list[Plan]:
     """The top k plans, keeping the best of each kind in view so profiling can correct the model."""
     ranked = rank_plans(shape, profile, kinds)
     chosen, seen = [], set()
@@ -220,7 +269,7 @@ def shortlist(shape: ChainShape, profile: DeviceProfile, k: int = 10,
         tiles = plan.chain or plan.gemm1 or plan.resident
         key = (plan.kind, plan.cluster, plan.wgmma and dataclasses.replace(plan.wgmma, a_stages=0),
                tiles and dataclasses.replace(tiles, num_stages=0),
-               plan.gemm2 and dataclasses.replace(plan.gemm2, num_stages=0))
+               plan.gemm2 and dataclasses.replace(plan.gemm2, num_stages=0), plan.streams)
         if key not in seen and len(chosen) < max(0, k - len(best_each)) and plan not in best_each:
             seen.add(key)
             chosen.append(plan)
@@ -239,6 +288,8 @@ def _why_no_plan(kind: str, shape: ChainShape, profile: DeviceProfile) -> str:
             return gluon_refusal()
         return shape_refusal(shape.K, shape.N, shape.L, WgmmaTiles(), shape.act, shape.gated, shape.elt) or \
             "no tiling fits shared memory and registers"
+    if kind == "stream":
+        return stream_refusal_for(shape, profile) or "no tiling fits shared memory"
     if kind == "resident":
         return resident_refusal(shape.K, shape.N, shape.L, None, shape.gated) or "no tiling fits"
     if kind == "cluster":
@@ -258,8 +309,7 @@ def explain_shape(shape: ChainShape, profile: DeviceProfile, top: int = 5) -> li
         if kind not in shown:
             best = next(p for p in ranked if p.kind == kind)
             lines.append(f"   best {kind}: {best}")
-    kinds = ("fused", "resident", "wgmma", "two_pass", "cluster", "cublas_epi", "cublas_pro", "library")
-    for kind in kinds:
+    for kind in ALL_KINDS:
         if all(p.kind != kind for p in ranked):
             lines.append(f"   no {kind} plan: {_why_no_plan(kind, shape, profile)}")
     return lines

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 SMEM_BYTES = 227 * 1024          # an H100/H200 SM's shared memory for one block
-GLUON_ACTS = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4}
+GLUON_ACTS = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4, "gelu_pairs": 5}
 
 # log2 Φ(-u) on [0, 9], minimax of degree 6 (highest power first), fp32 coefficients. Φ's relative
 # error is at most 4.1e-4 for x > -9, a tenth of a bf16 rounding step (3.9e-3): h = GELU(acc) is

@@ -34,6 +34,8 @@ from . import chain_cost, chain_kernels, chain_plans
 from .chain_kernels import ChainTiles, Epilogue, GemmTiles, interpreting
 from .chain_resident import ResidentTiles, resident_chain
 from .chain_wgmma import WgmmaTiles, chain_wgmma
+from .stream_gemm import StreamTiles, stream_gemm
+from .timing import graph_bench
 
 log = logging.getLogger("stitchflow.gpu.chains")
 ACT_TAGS = {"gelu", "silu", "relu", "sigmoid"}
@@ -375,6 +377,10 @@ def run_plan(plan: chain_cost.Plan, ops: Operands, exact_fp32: bool = False) -> 
         return out
     if plan.kind == "wgmma":
         return chain_wgmma(ops.a, ops.b, ops.d, act=ops.act, bias1=ops.bias1, tiles=plan.wgmma)
+    if plan.kind == "stream":
+        first, second = plan.streams
+        h = stream_gemm(ops.a, ops.b, act=ops.act, bias=ops.bias1, tiles=first)
+        return stream_gemm(h, ops.d, tiles=second)
     if plan.kind == "two_pass":
         epi = Epilogue(bias=ops.bias1 is not None, act=ops.act)
         h, _ = chain_kernels.gemm(ops.a, ops.b, epi=epi, bias=ops.bias1, bu=ops.bu, biasu=ops.biasu,
@@ -424,6 +430,7 @@ def plan_to_json(plan: chain_cost.Plan) -> dict:
     for name in ("chain", "resident", "wgmma", "gemm1", "gemm2"):
         value = getattr(plan, name)
         out[name] = dataclasses.asdict(value) if value is not None else None
+    out["streams"] = [dataclasses.asdict(t) for t in plan.streams] if plan.streams else None
     return out
 
 
@@ -434,7 +441,8 @@ def plan_from_json(data: dict) -> chain_cost.Plan:
         resident=ResidentTiles(**data["resident"]) if data.get("resident") else None,
         wgmma=WgmmaTiles(**data["wgmma"]) if data.get("wgmma") else None,
         gemm1=GemmTiles(**data["gemm1"]) if data.get("gemm1") else None,
-        gemm2=GemmTiles(**data["gemm2"]) if data.get("gemm2") else None, cluster=data.get("cluster", 0))
+        gemm2=GemmTiles(**data["gemm2"]) if data.get("gemm2") else None, cluster=data.get("cluster", 0),
+        streams=tuple(StreamTiles(**t) for t in data["streams"]) if data.get("streams") else None)
 
 
 def _read_cache() -> dict:
@@ -453,37 +461,11 @@ def _write_cache(key: str, entry: dict) -> None:
     tmp.replace(path)
 
 
-def graph_bench(fn, warmup: int = 2) -> tuple[float, str]:
-    """Median seconds of `fn` replayed from a CUDA graph (launch gaps and Python out of the
-    number; L2 flushed between replays by do_bench), and how it was timed. Falls back to timing
-    the plain calls, with more warm-up, when `fn` cannot be captured."""
-    from triton.testing import do_bench
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile, autotune and allocate outside the capture
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        seconds = do_bench(graph.replay, warmup=25, rep=100, return_mode="median") * 1e-3
-        del graph
-        return seconds, "graph"
-    except Exception as err:  # e.g. a host synchronisation inside fn
-        log.warning("graph capture failed (%s): timing plain calls", err)
-        torch.cuda.synchronize()
-        return do_bench(fn, warmup=50, rep=200, return_mode="median") * 1e-3, "plain"
-
-
 def time_plan(plan: chain_cost.Plan, ops: Operands) -> float:
     return graph_bench(lambda: run_plan(plan, ops))[0]
 
 
-GPU_KINDS = ("fused", "resident", "wgmma", "two_pass", "cublas_epi", "cublas_pro", "library")
+GPU_KINDS = tuple(k for k in chain_plans.ALL_KINDS if k != "cluster")
 
 
 def autotune(ops: Operands, k: int = 10, profile=None, kinds=GPU_KINDS,

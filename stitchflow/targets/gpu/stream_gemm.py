@@ -43,8 +43,13 @@ def shape_refusal(M: int, N: int, K: int, tiles: StreamTiles, act: str) -> str |
         return f"activation {act!r} is not in the stream GEMM's epilogue"
     if any(v & (v - 1) for v in (tiles.bm, tiles.bn, tiles.bk)) or tiles.bn > 256 or tiles.bk > 256:
         return "tiles must be powers of two with bn and bk at most 256 (one TMA box, one wgmma N)"
-    if tiles.bm % (16 * tiles.num_warps) and tiles.bm < 64:
-        return f"bm={tiles.bm} is under one warpgroup's 64 rows"
+    if tiles.num_warps % 4 or tiles.bm % (16 * tiles.num_warps):
+        return (f"bm={tiles.bm} must be a multiple of {16 * tiles.num_warps} rows: whole warpgroups of 4 warps, "
+                "16 rows per warp")
+    per_thread = tiles.bm * tiles.bn // (tiles.num_warps * 32)
+    if per_thread > (64 if tiles.split_k > 1 else 128):  # ptxas: 255 registers at these bounds, spills past them
+        return (f"{per_thread} accumulator elements per thread do not fit registers"
+                f"{' next to the split-K finish' if tiles.split_k > 1 else ''}: more warps or smaller tiles")
     if K % (tiles.bk * tiles.split_k):
         return f"K={K} is not a multiple of bk*split_k={tiles.bk * tiles.split_k}"
     if N % 8:
@@ -68,13 +73,18 @@ def stream_refusal(a: torch.Tensor, b: torch.Tensor, tiles: StreamTiles, act: st
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _workspace(device, split: int, m_tiles: int, n_tiles: int, bm: int, N: int):
-    """fp32 partials and zeroed per-tile semaphores for split-K; the kernel leaves the semaphores at
-    zero, so one workspace per (device, stream, shape) serves every call (CUDA-graph replays too)."""
-    key = (str(device), torch.cuda.current_stream(device).cuda_stream, split, m_tiles, n_tiles, bm, N)
+def _workspace(device, split: int, m_tiles: int, n_tiles: int, bm: int, bn: int):
+    """fp32 partials and zeroed per-tile semaphores for split-K. The kernel leaves the semaphores at
+    zero, so outside CUDA-graph capture one workspace per (device, stream, tiling) serves every call;
+    under capture each graph gets its own (its memory belongs to the graph's pool)."""
+    def fresh():
+        return (torch.empty(split * m_tiles * bm * n_tiles * bn, dtype=torch.float32, device=device),
+                torch.zeros(m_tiles * n_tiles, dtype=torch.int32, device=device))
+    if torch.cuda.is_current_stream_capturing():
+        return fresh()
+    key = (str(device), torch.cuda.current_stream(device).cuda_stream, split, m_tiles, n_tiles, bm, bn)
     if key not in _WORKSPACES:
-        _WORKSPACES[key] = (torch.empty(split * m_tiles * bm * N, dtype=torch.float32, device=device),
-                            torch.zeros(m_tiles * n_tiles, dtype=torch.int32, device=device))
+        _WORKSPACES[key] = fresh()
     return _WORKSPACES[key]
 
 
@@ -104,7 +114,7 @@ def stream_gemm(a, b, *, act: str = "none", bias=None, tiles: StreamTiles = Stre
     out = torch.empty((M, N), dtype=a.dtype, device=a.device)
     workspace = None
     if tiles.split_k > 1:
-        workspace = _workspace(a.device, tiles.split_k, -(-M // tiles.bm), -(-N // tiles.bn), tiles.bm, N)
+        workspace = _workspace(a.device, tiles.split_k, -(-M // tiles.bm), -(-N // tiles.bn), tiles.bm, tiles.bn)
     args, meta, grid = launch_args(a, b, out, bias, act, tiles, workspace)
     stream_module().stream_gemm_kernel[grid](*args, **meta)
     return out

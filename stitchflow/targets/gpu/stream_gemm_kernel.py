@@ -80,9 +80,10 @@ def stream_gemm_kernel(a_desc, b_desc, c_ptr, bias_ptr, ws_ptr, count_ptr, M, N,
     if SPLIT == 1:
         _epilogue_store(acc, c_ptr, bias_ptr, rows, cols, M, N, ACT, HAS_BIAS)
     else:
-        # workspace [SPLIT, M_tiles·BM, N] in fp32; tiles are whole, so no masks
-        stride = gl.num_programs(1) * BM * N
-        offsets = rows[:, None] * N + cols[None, :]
+        # workspace [SPLIT, M_tiles·BM, N_tiles·BN] in fp32: whole tiles, no masks
+        padded_n = gl.num_programs(0) * BN
+        stride = gl.num_programs(1) * BM * padded_n
+        offsets = rows[:, None] * padded_n + cols[None, :]
         gl.store(ws_ptr + split * stride + offsets, acc)
         gl.thread_barrier()  # every thread's partial is written before the count says so
         tile = pid_m * gl.num_programs(0) + pid_n

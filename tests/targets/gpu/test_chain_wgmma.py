@@ -3,10 +3,6 @@
 no interpreter; the device checks (bench/chains_checks.py: wgmma_checks) run it against eager."""
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -51,21 +47,15 @@ COMPILED = [  # (shape, tiles, act, bias, linear): linear = B and D as nn.Linear
 
 
 @pytest.fixture(scope="module")
-def compiled():
-    """compile_for_sm90 of every COMPILED case, in a fresh process: Triton's interpreter, which the
-    other tests of a session run, patches triton.language in place (nested jit calls never undo it),
-    and Gluon's compiler then fails on the patched builtins."""
+def compiled(fresh_python):
+    """compile_for_sm90 of every COMPILED case, in a fresh process (conftest.run_fresh says why)."""
     cases = [(shape, dataclasses.asdict(t), act, bias, linear) for shape, t, act, bias, linear in COMPILED]
     code = ("import json, sys\n"
             "from stitchflow.targets.gpu.chain_wgmma import WgmmaTiles, compile_for_sm90\n"
             "cases = json.loads(sys.stdin.read())\n"
             "print(json.dumps([compile_for_sm90(*s, WgmmaTiles(**t), act=a, bias=b, linear_weights=l)"
             " for s, t, a, b, l in cases]))\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", code], input=json.dumps(cases), capture_output=True, text=True,
-                          env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return fresh_python(code, cases)
 
 
 @pytest.mark.parametrize("case", range(len(COMPILED)))
