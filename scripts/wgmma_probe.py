@@ -39,7 +39,7 @@ def main():
                     want = fn(a.float() @ b.float()).to(torch.bfloat16).float() @ d.float()
                     err = ((out.float() - want).abs().max() / want.abs().max()).item()
                     rows.append((f"{t} {act} err={err:.1e}", graph_bench(lambda: chain_wgmma(a, b, d, act=act, tiles=t))[0]))
-                except ValueError as e:  # report and go on: a probe
+                except Exception as e:  # report and go on: a probe
                     rows.append((f"{t} {act} FAILED {type(e).__name__}: {str(e)[:200]}", float("nan")))
         base = min(rows[0][1], rows[1][1])
         print(f"\n## {name}  ({torch.cuda.get_device_name()})")
