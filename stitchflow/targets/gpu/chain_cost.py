@@ -438,10 +438,10 @@ def _dtype_of(elt: int):
 
 # ---------------------------------------------------------------- the Hopper (Gluon) chain kernel
 
-# The Gluon kernel's activation in FMA-pipe instructions per element (chain_wgmma._activation, counted in
-# its SASS): the degree-6 Φ, and the SFU's tanh. On the H100 the activation added to the kernel's time
-# (14.3 µs without, 20.4 µs with GELU on 16.8M elements): the model adds it too.
-WGMMA_ACT_INSTR = {"none": 0, "relu": 1, "gelu": 11, "gelu_tanh": 6, "silu": 8}
+# The Gluon kernel's activation in FMA-pipe instructions per element (counted in its SASS): GELU in
+# packed halves (wgmma_kernel._gelu_pairs_asm), and the SFU's tanh. On the H100 the activation added to
+# the kernel's time (13.4 µs without, 18.7 µs with GELU on 16.8M elements): the model adds it too.
+WGMMA_ACT_INSTR = {"none": 0, "relu": 1, "gelu": 7.5, "gelu_tanh": 6, "silu": 8}
 # A row tile's load-compute-store latency that a lone program per SM leaves exposed (H100: one program
 # of 64-row tiles per SM ran 6-8 µs slower than two over ~8 tiles each); and the wait of each streamed
 # weight chunk (two-slot ring, synchronous wgmma, a block barrier per chunk: H100, the streamed plans

@@ -12,24 +12,28 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                   warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .chain_wgmma import PHI16_COEFFICIENTS
+from .chain_wgmma import PHI16_COEFFICIENTS, PHI_PAIRS_CLAMP, PHI_PAIRS_COEFFICIENTS
 
 PHI16_TAIL = gl.constexpr(PHI16_COEFFICIENTS)
 
 
 def _gelu_pairs_asm(out: str) -> str:
-    """PTX for two GELUs at once: Φ's polynomial and 2^p in packed half precision (two lanes per
-    instruction), the product with x in fp32, both results rounded into one 32-bit register of `out`
-    (bf16x2 or f16x2), the layout the second wgmma reads."""
+    """PTX for two GELUs at once (chain_wgmma.PHI_PAIRS_COEFFICIENTS): |x| clamped, log2 Φ(-|x|) and
+    its power of two in packed half precision (two lanes per instruction), x·Φ(x) = max(x, 0) - |x|·2^p
+    in fp32, both results rounded into one 32-bit register of `out` (bf16x2 or f16x2), the layout
+    the second wgmma reads. Operands: $1, $2 the two fp32 inputs, $0 the packed result."""
     import numpy as np
 
-    halves = [int(np.float16(c).view(np.uint16)) for c in PHI16_COEFFICIENTS]
-    pair = [f"0x{h:04X}{h:04X}" for h in halves]
-    horner = "".join(f"mov.b32 c, {pair[i]}; fma.rn.f16x2 p, p, u, c; " for i in range(2, 7))
+    def pair(value: float) -> str:
+        half = int(np.float16(value).view(np.uint16))
+        return f"0x{half:04X}{half:04X}"
+
+    c = PHI_PAIRS_COEFFICIENTS
+    horner = "".join(f"mov.b32 c, {pair(ci)}; fma.rn.f16x2 p, p, u, c; " for ci in c[2:])
     return ("{ .reg .b32 xh, u, p, c, e; .reg .b16 e_lo, e_hi; .reg .f32 e0, e1, y0, y1, n0, n1; "
-            "cvt.rn.f16x2.f32 xh, $2, $1; and.b32 u, xh, 0x7FFF7FFF; mov.b32 c, 0x48804880; min.f16x2 u, u, c; "
-            f"mov.b32 c, {pair[0]}; mov.b32 p, {pair[1]}; fma.rn.f16x2 p, c, u, p; {horner}"
-            "ex2.approx.f16x2 e, p; mov.b32 {e_lo, e_hi}, e; cvt.f32.f16 e0, e_lo; cvt.f32.f16 e1, e_hi; "
+            f"cvt.rn.f16x2.f32 xh, $2, $1; and.b32 u, xh, 0x7FFF7FFF; mov.b32 c, {pair(PHI_PAIRS_CLAMP)}; "
+            f"min.f16x2 u, u, c; mov.b32 c, {pair(c[0])}; mov.b32 p, {pair(c[1])}; fma.rn.f16x2 p, c, u, p; "
+            f"{horner}ex2.approx.f16x2 e, p; mov.b32 {{e_lo, e_hi}}, e; cvt.f32.f16 e0, e_lo; cvt.f32.f16 e1, e_hi; "
             "max.f32 y0, $1, 0f00000000; max.f32 y1, $2, 0f00000000; abs.f32 n0, $1; abs.f32 n1, $2; "
             "neg.f32 n0, n0; neg.f32 n1, n1; fma.rn.f32 y0, n0, e0, y0; fma.rn.f32 y1, n1, e1, y1; "
             f"cvt.rn.{out}.f32 $0, y1, y0; }}")
@@ -65,9 +69,9 @@ def _chunk_h(acc1, bias1_ptr, c, ACT: gl.constexpr, HAS_B1: gl.constexpr, BN: gl
     if HAS_B1:
         cols = c * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, acc1.type.layout))
         acc1 = acc1 + gl.load(bias1_ptr + cols).to(gl.float32)[None, :]
-    if ACT == 5 and dtype == gl.bfloat16:
+    if ACT == 2 and dtype == gl.bfloat16:  # GELU two elements per instruction (see _gelu_pairs_asm)
         h = gl.inline_asm_elementwise(GELU_PAIRS_BF16, "=r,f,f", [acc1], dtype=gl.bfloat16, is_pure=True, pack=2)
-    elif ACT == 5:
+    elif ACT == 2:
         h = gl.inline_asm_elementwise(GELU_PAIRS_F16, "=r,f,f", [acc1], dtype=gl.float16, is_pure=True, pack=2)
     else:
         h = _activation(acc1, ACT).to(dtype)

@@ -10,8 +10,8 @@ import scipy.special
 import torch
 
 from stitchflow.targets.gpu import chain_cost, chain_plans
-from stitchflow.targets.gpu.chain_wgmma import (PHI16_COEFFICIENTS, SMEM_BYTES, WgmmaTiles, is_resident,
-                                                shape_refusal, wgmma_refusal)
+from stitchflow.targets.gpu.chain_wgmma import (PHI16_COEFFICIENTS, PHI_PAIRS_CLAMP, PHI_PAIRS_COEFFICIENTS,
+                                                SMEM_BYTES, WgmmaTiles, is_resident, shape_refusal, wgmma_refusal)
 from stitchflow.targets.gpu.chains import plan_from_json, plan_to_json
 
 H100 = chain_cost.profile_for("NVIDIA H100 80GB HBM3")
@@ -35,6 +35,36 @@ def test_gelu_is_exact_to_a_tenth_of_bf16_rounding():
     assert rel[np.abs(x) > 1e-6].max() < 5e-4  # bf16's rounding step is 3.9e-3
     far = np.linspace(-40, -9, 1001)  # the tail stays tiny and keeps its sign
     assert np.all(kernel_gelu(far) <= 0) and np.all(np.abs(kernel_gelu(far)) < 1e-16)
+
+
+def to_bf16(v: np.ndarray) -> np.ndarray:
+    return torch.from_numpy(np.asarray(v, dtype=np.float64)).to(torch.bfloat16).double().numpy()
+
+
+def pairs_gelu(x: np.ndarray) -> np.ndarray:
+    """The chain kernel's packed GELU (wgmma_kernel._gelu_pairs_asm) step by step: every f16x2
+    operation rounds to float16, the final product runs in fp32, the result rounds to bf16."""
+    def h(v):
+        return np.asarray(v, dtype=np.float64).astype(np.float16).astype(np.float64)
+    c = [h(v) for v in PHI_PAIRS_COEFFICIENTS]
+    u = np.minimum(np.abs(h(x)), h(PHI_PAIRS_CLAMP))
+    p = h(c[0] * u + c[1])
+    for ci in c[2:]:
+        p = h(p * u + ci)
+    e = h(np.exp2(p))
+    return to_bf16(np.maximum(x, 0) - np.abs(x) * e)
+
+
+def test_packed_gelu_is_as_close_to_exact_as_eager():
+    x = np.linspace(-9, 12, 400001)
+    exact = x * scipy.special.ndtr(x)
+    big = np.abs(exact) > 1e-3
+    steps = np.abs(pairs_gelu(x) - exact)[big] / (np.abs(exact[big]) * 2.0 ** -8)  # in bf16 rounding steps
+    xb = to_bf16(x)  # eager rounds A·B to bf16, then takes an fp32 GELU
+    eager = np.abs(to_bf16(xb * scipy.special.ndtr(xb)) - exact)[big] / (np.abs(exact[big]) * 2.0 ** -8)
+    assert steps.mean() < 0.45 and steps.max() < 3.0
+    assert steps.mean() < eager.mean() and steps.max() < eager.max()
+    assert np.all(np.abs(pairs_gelu(np.linspace(-40, -5.5, 101))) < 4e-8 * 40)  # the clamped tail stays tiny
 
 
 COMPILED = [  # (shape, tiles, act, bias, linear): linear = B and D as nn.Linear hands them over (W1.t(), W2.t())
