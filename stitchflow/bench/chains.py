@@ -112,7 +112,7 @@ def calibration_probes(ceilings: dict, a, b) -> dict:
     if torch.cuda.get_device_capability()[0] == 9 and gluon_refusal() is None:
         from stitchflow.targets.gpu.stream_gemm import StreamTiles, stream_gemm
 
-        gluon_s = bench(lambda: stream_gemm(x16, b, tiles=StreamTiles(64, 64, 128, 8, 1, 4)))
+        gluon_s = bench(lambda: stream_gemm(x16, b, tiles=StreamTiles(64, 64, 128, 6, 1, 4)))
         gluon["gluon_stream_eff"] = weight_bytes / gluon_s / ceilings["copy_bw"]
     return {**gluon, "triton_mma_eff": 2 * 8192 ** 3 / tri_s / ceilings["gemm_flops"],
             "triton_stream_eff": weight_bytes / tri_stream_s / ceilings["copy_bw"],
