@@ -2,7 +2,8 @@
 
 A config tiles a part's iteration space as [BP parallel points] x [BL local points] per step;
 `split` cuts the local axes across that many programs (partial reductions then go through
-global memory and a second launch). `candidates` returns a small autotuning space, the
+global memory and a second launch; with `coop`, the programs of a row keep their pieces in
+registers and meet at a barrier inside the one launch). `candidates` returns a small autotuning space, the
 heuristic favourite first (the interpreter, and runs with autotuning off, take that one).
 """
 
@@ -25,10 +26,12 @@ class Config:
     num_warps: int = 4
     persistent: int = 0  # >0: this many programs loop over the row blocks (rows stay L2-resident)
     prefetch: bool = False  # chunk loops load the next chunk before computing the current one
+    coop: bool = False  # split rows meet at an in-kernel barrier, each piece held in registers (GPU only)
 
     def __str__(self) -> str:
         tail = f"_G{self.persistent}" if self.persistent else ""
         tail += "_PF" if self.prefetch else ""
+        tail += "_C" if self.coop else ""
         return f"BP{self.BP}_BL{self.BL}_S{self.split}_W{self.num_warps}{tail}"
 
 
@@ -61,9 +64,34 @@ def programs(plan: PartPlan, cfg: Config) -> int:
 
 def phases(plan: PartPlan, cfg: Config) -> int:
     """Launches: one, unless split reductions must meet in global memory between stages."""
-    if cfg.split > 1 and plan.reductions:
+    if cfg.split > 1 and plan.reductions and not cfg.coop:
         return plan.final_stage + 1
     return 1
+
+
+def coop_refusal(plan: PartPlan, cfg: Config) -> str | None:
+    """Why a cooperative split cannot run this part (None: it can)."""
+    if cfg.split < 2 or cfg.persistent:
+        return "a cooperative split needs split > 1 and no persistent grid"
+    if not plan.reductions or any(plan.stage[r.name] >= plan.final_stage for r in plan.reductions):
+        return "every reduction must feed a later stage (per-row results alone use the phased split)"
+    if n_chunks(plan, cfg) != 1:
+        return f"each program's piece ({split_len(plan, cfg)} elements) must be one chunk of BL={cfg.BL}"
+    return None
+
+
+def _coop(plan: PartPlan) -> list[Config]:
+    """Long rows split over 2-8 programs that each hold their piece in registers: the row is read
+    once, where a chunk loop reads it twice (the second time from L2 only while the rows in flight
+    fit there). The programs of a row are adjacent in the grid and exchange their partial
+    statistics through global memory at a barrier."""
+    out = []
+    for split, warps in ((4, 16), (8, 8), (8, 16), (2, 16), (16, 8)):
+        BL = pow2(cdiv(plan.L_total, split))
+        cfg = dataclasses.replace(_fix(plan, 1, BL, split, warps), coop=True)
+        if BL <= MAX_ROW_IN_REGISTERS and coop_refusal(plan, cfg) is None:
+            out.append(cfg)
+    return out
 
 
 def _warps(tile: int, elem_bytes: int) -> int:
@@ -115,6 +143,7 @@ def _row_reduction(plan: PartPlan, sms: int) -> list[Config]:
             out.append(dataclasses.replace(_fix(plan, 1, BL), persistent=grid))
         out.append(dataclasses.replace(_fix(plan, 1, 8192, warps=8), persistent=2 * sms))
         out += [dataclasses.replace(c, prefetch=True) for c in out[:]]
+        out += _coop(plan)
     if cdiv(P, out[0].BP) < 2 * sms and L >= 8192:  # under two waves: split rows over programs
         for waves in (2, 4):
             out.append(_fix(plan, 1, min(pow2(L), 4096), cdiv(waves * sms, P)))
@@ -146,8 +175,8 @@ def _unique(configs: list[Config]) -> list[Config]:
 
 def candidates(plan: PartPlan, sms: int = 132, override: dict | None = None) -> list[Config]:
     """Autotuning space for a part; `override` (from compile options) pins any of
-    block_p / block_l / split / num_warps / persistent / prefetch, which tests use to reach every
-    code path."""
+    block_p / block_l / split / num_warps / persistent / prefetch / coop, which tests use to reach
+    every code path."""
     if not plan.reductions:
         space = _elementwise(plan, sms)
     elif plan.p_contiguous:
@@ -163,5 +192,6 @@ def candidates(plan: PartPlan, sms: int = 132, override: dict | None = None) -> 
             split = cdiv(plan.L_total, max(1, min(BL, pow2(plan.L_total))))
         cfg = _fix(plan, BP, BL, split, override.get("num_warps"))
         space = [dataclasses.replace(cfg, persistent=override.get("persistent", 0) if cfg.split == 1 else 0,
-                                     prefetch=bool(override.get("prefetch", False)))]
+                                     prefetch=bool(override.get("prefetch", False)),
+                                     coop=bool(override.get("coop", False)))]
     return space

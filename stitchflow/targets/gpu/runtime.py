@@ -105,7 +105,8 @@ class Launch:
         ins = [env[t] for t in spec.inputs]
         device = ins[0].device if ins else torch.device("cuda")
         outs = [torch.empty(shape, dtype=dt, device=device) for shape, dt in self.out_specs]
-        args = ins + outs + [torch.empty(n, dtype=dt, device=device) for _, n, dt in spec.buffers]
+        args = ins + outs + [(torch.zeros if dt == torch.int32 else torch.empty)(n, dtype=dt, device=device)
+                             for _, n, dt in spec.buffers]  # int32: a cooperative split's row counters
         if self.fast is not None:
             for phase, runner in enumerate(self.fast):
                 runner(*args, phase)
@@ -133,9 +134,16 @@ class GroupKernel:
         self.chosen: list[Config] | None = None
 
     def _space(self, plan: PartPlan, sms: int) -> list[Config]:
-        override = {k: self.options[k] for k in ("block_p", "block_l", "split", "num_warps", "persistent", "prefetch")
+        override = {k: self.options[k] for k in ("block_p", "block_l", "split", "num_warps", "persistent", "prefetch",
+                                                  "coop")
                     if k in self.options}
         space = candidates(plan, sms, override or None)
+        if interpreting() or self.packed:  # the interpreter runs programs one at a time: nobody to wait for
+            if any(c.coop for c in space) and override and override.get("coop"):
+                raise ValueError("a cooperative split (coop) needs a GPU: its programs wait for each other, and "
+                                 "the interpreter runs them one at a time" if interpreting() else
+                                 "a cooperative split cannot share a launch with packed parts")
+            space = [c for c in space if not c.coop]
         if self.packed:  # packed parts share one launch: no phase barriers
             space = [c for c in space if c.split == 1 or not plan.reductions] or [
                 candidates(plan, sms, {"split": 1, "block_l": 1 << 15})[0]]

@@ -1,0 +1,110 @@
+"""Cooperative row splits (mapping.Config.coop): the programs of a long row keep their pieces in
+registers and meet at an in-kernel barrier. The interpreter runs programs one at a time, so on
+CPU the generated kernels are compiled for sm_90 (a fresh process without the interpreter) and
+the refusals checked; on a GPU they are run against eager."""
+
+import os
+import tempfile
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("STITCHFLOW_CACHE", tempfile.mkdtemp(prefix="stitchflow-test-cache-"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import stitchflow  # noqa: E402
+from stitchflow.bench.stitching_patterns import PATTERNS, as_tuple, relative_error, tolerance  # noqa: E402
+from stitchflow.targets.gpu.mapping import Config, candidates, coop_refusal  # noqa: E402
+
+COMPILE = """
+import json, re, subprocess, sys, tempfile
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import stitchflow
+from stitchflow.bench.stitching_patterns import PATTERNS
+from stitchflow.targets.gpu.codegen import build_kernel, contiguous_strides
+from stitchflow.targets.gpu.mapping import Config
+from stitchflow.targets.gpu.runtime import load_source
+
+TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.int32: "*i32"}
+out = []
+for name, shape, dtype, cfg in json.loads(sys.stdin.read()):
+    dtype = getattr(torch, dtype)
+    args = PATTERNS[name].make(tuple(shape), dtype, "cpu", torch.Generator().manual_seed(0))
+    prog = stitchflow.compile(PATTERNS[name].module(), args, target="gpu", fusion="full")
+    (k,) = [k for run in prog._compiled for k in run.kernels]
+    strides = {t: contiguous_strides(k.graph.type_of[t].shape) for t in k.inputs}
+    spec = build_kernel(k.graph, [(k.plans[0], Config(**cfg))], strides, False, k.title, k.group_names)
+    fn = load_source(spec.source).kernel
+    dts = [k.graph.type_of[t].dtype for t in spec.inputs + spec.outputs] + [b[2] for b in spec.buffers]
+    sig = {n: TYPES[d] for n, d in zip(fn.arg_names, dts)}
+    sig["PHASE"] = "constexpr"
+    kernel = triton.compile(ASTSource(fn, sig, constexprs={"PHASE": 0}), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": spec.num_warps})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([f"{triton.__path__[0]}/backends/nvidia/bin/cuobjdump", "--dump-resource-usage",
+                                f.name], capture_output=True, text=True).stdout
+    field = {key: int(v) for key, v in re.findall(r"(REG|STACK|LOCAL):(\\d+)", usage)}
+    out.append({"phases": spec.phases, "counters": [b[1] for b in spec.buffers if b[2] == torch.int32],
+                "spilled": field["STACK"] + field["LOCAL"], "barriers": spec.source.count("atomic_add"),
+                "acquire_loads": kernel.asm["ptx"].count("ld.global.gpu.acquire")})
+print(json.dumps(out))
+"""
+
+CASES = [  # pattern, shape, dtype, config, barriers (one per stage whose reductions feed a later one)
+    ("softmax_long_rows", (4, 65536), "float32", Config(1, 16384, 4, 16, coop=True), 1),
+    ("softmax_long_rows", (3, 40000), "float32", Config(1, 8192, 5, 8, coop=True), 1),
+    ("add_layernorm_gelu", (2, 50000), "bfloat16", Config(1, 8192, 7, 16, coop=True), 2),
+]
+
+
+def test_coop_kernels_compile_for_sm90_in_one_launch(fresh_python):
+    payload = [(name, shape, dtype, dict(vars(cfg))) for name, shape, dtype, cfg, _ in CASES]
+    for (name, shape, _, _, barriers), got in zip(CASES, fresh_python(COMPILE, payload)):
+        assert got["phases"] == 1 and got["spilled"] == 0
+        assert got["counters"] == [shape[0]]           # one arrival counter per row
+        assert got["barriers"] == 2 * barriers          # an arrival and a polling read per barrier
+        assert got["acquire_loads"] == barriers         # the poll is an acquiring load, not an atomic
+
+
+def _plan(name, shape):
+    args = PATTERNS[name].make(shape, torch.float32, "cpu", torch.Generator().manual_seed(0))
+    prog = stitchflow.compile(PATTERNS[name].module(), args, target="gpu", fusion="full")
+    (k,) = [k for run in prog._compiled for k in run.kernels]
+    return k.plans[0]
+
+
+def test_long_rows_get_coop_candidates_and_the_rest_say_why_not():
+    long_rows = _plan("softmax_long_rows", (4, 65536))
+    coop = [c for c in candidates(long_rows) if c.coop]
+    assert coop and all(coop_refusal(long_rows, c) is None for c in coop)
+    assert not [c for c in candidates(_plan("softmax_long_rows", (4, 1000))) if c.coop]
+    assert "split > 1" in coop_refusal(long_rows, Config(1, 65536, 1, 16, coop=True))
+    assert "must be one chunk" in coop_refusal(long_rows, Config(1, 4096, 4, 16, coop=True))
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the interpreter's refusal")
+def test_coop_is_refused_under_the_interpreter():
+    args = PATTERNS["softmax_long_rows"].make((3, 700), torch.float32, "cpu", torch.Generator().manual_seed(0))
+    prog = stitchflow.compile(PATTERNS["softmax_long_rows"].module(), args, target="gpu", fusion="full",
+                              options={"block_l": 512, "split": 2, "coop": True})
+    with pytest.raises(ValueError, match="needs a GPU"):
+        prog(*args)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="needs a CUDA GPU (the programs of a row run at once)")
+@pytest.mark.parametrize("name,shape,dtype,cfg,_", CASES)
+def test_coop_split_equals_eager_on_gpu(name, shape, dtype, cfg, _):
+    dtype = getattr(torch, dtype)
+    module = PATTERNS[name].module()
+    options = {"block_p": 1, "block_l": cfg.BL, "split": cfg.split, "num_warps": cfg.num_warps, "coop": True}
+    for seed in (0, 1):  # twice: the row counters start from zero on every call
+        args = PATTERNS[name].make(shape, dtype, "cuda", torch.Generator(device="cuda").manual_seed(seed))
+        prog = stitchflow.compile(module, args, target="gpu", fusion="full", options=options)
+        for _ in range(2):
+            for o, r in zip(as_tuple(prog(*args)), as_tuple(module(*args))):
+                assert relative_error(o, r) <= tolerance(dtype)
