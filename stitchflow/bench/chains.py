@@ -419,12 +419,20 @@ def section_text(meta: dict, rows: list[dict], checks: list[dict], earlier: dict
     if earlier:
         lines += _earlier_dsm_lines(rows, earlier)
         if old:
-            lines += [f"Shapes not measured in this run, from the run of {earlier['meta']['date']} (copy "
-                      f"{earlier['meta']['copy_bw'] / 1e12:.2f} TB/s, GEMM {earlier['meta']['gemm_flops'] / 1e12:.0f}"
-                      " TFLOP/s; every time a median of plain calls, no CUDA graph, so the candidate columns carry "
-                      "launch noise; plans from round one's kinds, before cublas_epi/cublas_pro):", ""]
+            lines += [f"Shapes not measured in this run, from an earlier run ({_run_description(earlier['meta'])}):",
+                      ""]
             lines += table_lines(old) + [""]
     return "\n".join(lines)
+
+
+def _run_description(meta: dict) -> str:
+    """How an earlier run measured, from its own record."""
+    timing = meta.get("timing", {})
+    how = ("CUDA-graph replays" if timing.get("graph") else "plain calls, no CUDA graph (launch noise in the "
+           "candidate columns)")
+    flush = meta.get("flush", "L2 zeroed between timings (triton.testing.do_bench; before the clean flush)")
+    return (f"{meta['date']}, {meta['device']}, `{meta['command']}`; copy {meta['copy_bw'] / 1e12:.2f} TB/s, GEMM "
+            f"{meta['gemm_flops'] / 1e12:.0f} TFLOP/s; {how}; {flush}")
 
 
 def update_benchmarks_md(path: Path, section: str) -> None:
@@ -495,7 +503,8 @@ def run(shapes=None, out_dir="bench_out", budget_s: float = 420.0, top_k: int = 
     for c in results:
         print(f"check {c['check']}: rel err {c['rel_err']:.2e} {'ok' if c['ok'] else 'FAIL'}", flush=True)
     meta = {"command": command, "device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-            "torch": torch.__version__, "triton": triton.__version__, "dsm_build": build["error"] or "ok", **ceilings}
+            "torch": torch.__version__, "triton": triton.__version__, "dsm_build": build["error"] or "ok",
+            "flush": "L2 evicted clean (256 MB read) before each timing", **ceilings}
     rows, weights = [], {}
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     for case in shapes or default_cases():
