@@ -80,17 +80,29 @@ def coop_refusal(plan: PartPlan, cfg: Config) -> str | None:
     return None
 
 
-def _coop(plan: PartPlan) -> list[Config]:
-    """Long rows split over 2-8 programs that each hold their piece in registers: the row is read
+def max_coop_split(sms: int) -> int:
+    """The most programs one row may be split over: all of them must run at once, and a GPU
+    holds at least one program per SM (a few SMs spare for other streams' work)."""
+    return max(2, min(128, sms - 4))
+
+
+def _coop(plan: PartPlan, sms: int) -> list[Config]:
+    """Long rows split over programs that each hold their piece in registers, so the row is read
     once, where a chunk loop reads it twice (the second time from L2 only while the rows in flight
     fit there). The programs of a row are adjacent in the grid and exchange their partial
-    statistics through global memory at a barrier."""
+    statistics through global memory at a barrier. Column reductions (the parallel axis
+    contiguous) split their long reduced axis the same way, over tiles 32 columns wide."""
     out = []
-    for split, warps in ((4, 16), (8, 8), (8, 16), (2, 16), (16, 8)):
-        BL = pow2(cdiv(plan.L_total, split))
-        cfg = dataclasses.replace(_fix(plan, 1, BL, split, warps), coop=True)
-        if BL <= MAX_ROW_IN_REGISTERS and coop_refusal(plan, cfg) is None:
-            out.append(cfg)
+    if plan.p_contiguous:
+        shapes = [(32, 512, 8), (32, 512, 16), (32, 1024, 16), (64, 256, 8)]
+    else:
+        shapes = [(1, 16384, 16), (1, 8192, 8), (1, 8192, 16), (1, 4096, 8), (1, 32768, 16)]
+    for BP, BL, warps in shapes:
+        split = cdiv(plan.L_total, BL)
+        if 2 <= split <= max_coop_split(sms):
+            cfg = dataclasses.replace(_fix(plan, BP, BL, split, warps), coop=True)
+            if coop_refusal(plan, cfg) is None:
+                out.append(cfg)
     return out
 
 
@@ -143,7 +155,7 @@ def _row_reduction(plan: PartPlan, sms: int) -> list[Config]:
             out.append(dataclasses.replace(_fix(plan, 1, BL), persistent=grid))
         out.append(dataclasses.replace(_fix(plan, 1, 8192, warps=8), persistent=2 * sms))
         out += [dataclasses.replace(c, prefetch=True) for c in out[:]]
-        out += _coop(plan)
+        out += _coop(plan, sms)
     if cdiv(P, out[0].BP) < 2 * sms and L >= 8192:  # under two waves: split rows over programs
         for waves in (2, 4):
             out.append(_fix(plan, 1, min(pow2(L), 4096), cdiv(waves * sms, P)))
@@ -161,6 +173,8 @@ def _column_reduction(plan: PartPlan, sms: int) -> list[Config]:
         blocks = cdiv(plan.P_total, min(BP, pow2(plan.P_total)))
         split = cdiv(waves * sms, blocks)
         out.append(_fix(plan, BP, BL, split, warps))
+    if plan.L_total >= 16384:  # long columns: read once, held in registers across the programs
+        out += _coop(plan, sms)
     return _unique(out)
 
 

@@ -14,7 +14,7 @@ import torch  # noqa: E402
 
 import stitchflow  # noqa: E402
 from stitchflow.bench.stitching_patterns import PATTERNS, as_tuple, relative_error, tolerance  # noqa: E402
-from stitchflow.targets.gpu.mapping import Config, candidates, coop_refusal  # noqa: E402
+from stitchflow.targets.gpu.mapping import Config, candidates, coop_refusal, max_coop_split  # noqa: E402
 
 COMPILE = """
 import json, re, subprocess, sys, tempfile
@@ -54,18 +54,20 @@ for name, shape, dtype, cfg in json.loads(sys.stdin.read()):
 print(json.dumps(out))
 """
 
-CASES = [  # pattern, shape, dtype, config, barriers (one per stage whose reductions feed a later one)
-    ("softmax_long_rows", (4, 65536), "float32", Config(1, 16384, 4, 16, coop=True), 1),
-    ("softmax_long_rows", (3, 40000), "float32", Config(1, 8192, 5, 8, coop=True), 1),
-    ("add_layernorm_gelu", (2, 50000), "bfloat16", Config(1, 8192, 7, 16, coop=True), 2),
+CASES = [  # pattern, shape, dtype, config, (barriers: one per stage feeding a later one, row blocks)
+    ("softmax_long_rows", (4, 65536), "float32", Config(1, 16384, 4, 16, coop=True), (1, 4)),
+    ("softmax_long_rows", (3, 40000), "float32", Config(1, 8192, 5, 8, coop=True), (1, 3)),
+    ("add_layernorm_gelu", (2, 50000), "bfloat16", Config(1, 8192, 7, 16, coop=True), (2, 2)),
+    ("column_standardize", (8200, 96), "float32", Config(32, 512, 17, 8, coop=True), (2, 3)),  # tiles 32 columns wide
+    ("batchnorm_train", (4, 24, 30, 30), "float32", Config(1, 512, 8, 4, coop=True), (2, 24)),  # rows are (N, H, W)
 ]
 
 
 def test_coop_kernels_compile_for_sm90_in_one_launch(fresh_python):
     payload = [(name, shape, dtype, dict(vars(cfg))) for name, shape, dtype, cfg, _ in CASES]
-    for (name, shape, _, _, barriers), got in zip(CASES, fresh_python(COMPILE, payload)):
+    for (name, shape, _, _, (barriers, blocks)), got in zip(CASES, fresh_python(COMPILE, payload)):
         assert got["phases"] == 1 and got["spilled"] == 0
-        assert got["counters"] == [shape[0]]           # one arrival counter per row
+        assert got["counters"] == [blocks]             # one arrival counter per block of rows
         assert got["barriers"] == 2 * barriers          # an arrival and a polling read per barrier
         assert got["acquire_loads"] == barriers         # the poll is an acquiring load, not an atomic
 
@@ -83,6 +85,9 @@ def test_long_rows_get_coop_candidates_and_the_rest_say_why_not():
     assert coop and all(coop_refusal(long_rows, c) is None for c in coop)
     assert not [c for c in candidates(_plan("softmax_long_rows", (4, 1000))) if c.coop]
     assert "split > 1" in coop_refusal(long_rows, Config(1, 65536, 1, 16, coop=True))
+    columns = _plan("column_standardize", (65536, 1024))
+    assert [c for c in candidates(columns) if c.coop and c.BP == 32]
+    assert all(c.split <= max_coop_split(132) for c in candidates(columns) + candidates(long_rows))
     assert "must be one chunk" in coop_refusal(long_rows, Config(1, 4096, 4, 16, coop=True))
 
 
