@@ -106,7 +106,7 @@ def test_coop_is_refused_under_the_interpreter():
 def test_coop_split_equals_eager_on_gpu(name, shape, dtype, cfg, _):
     dtype = getattr(torch, dtype)
     module = PATTERNS[name].module()
-    options = {"block_p": 1, "block_l": cfg.BL, "split": cfg.split, "num_warps": cfg.num_warps, "coop": True}
+    options = {"block_p": cfg.BP, "block_l": cfg.BL, "split": cfg.split, "num_warps": cfg.num_warps, "coop": True}
     for seed in (0, 1):  # twice: the row counters start from zero on every call
         args = PATTERNS[name].make(shape, dtype, "cuda", torch.Generator().manual_seed(seed))
         prog = stitchflow.compile(module, args, target="gpu", fusion="full", options=options)
