@@ -218,6 +218,9 @@ class PartKernel(SplitStitching):
 
     # ------------------------------------------------------------ program structure
     def emit(self) -> None:
+        if self.cfg.coop and self.cfg.persistent:
+            self.program_coop_persistent()
+            return
         if self.cfg.coop:
             self.prologue(0)
             self.program_coop()

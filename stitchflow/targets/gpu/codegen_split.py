@@ -5,14 +5,84 @@ and combine them while their pieces stay in registers."""
 
 from __future__ import annotations
 
-from .emit import Scope
-from .mapping import pow2
+from .emit import Scope, Source
+from .mapping import pow2, split_len
 
 
 class SplitStitching:
     """Needs from its host: src, arg, plan, cfg, split, nodes, need_mask_p, and the stage
     methods (stage_loop, emit_ready_rows, store_rows, coord, _online_total, _reduce,
     _finish_reduction, _neutral)."""
+
+    def program_coop_persistent(self) -> None:
+        """The cooperative split on a persistent grid: `persistent // split` groups of `split`
+        programs walk the row blocks, and each program loads its piece of the next row block
+        before it works on (and waits for) the current one, so the loads of the next rows are in
+        flight while the current rows' programs wait at their barriers (with one program per SM,
+        a barrier otherwise leaves DRAM idle)."""
+        plan, cfg, e = self.plan, self.cfg, self.src.emit
+        nblocks = -(-plan.P_total // cfg.BP)
+        groups = min(nblocks, cfg.persistent // self.split)  # as mapping.programs launches
+        e(f"pid_s = pid % {self.split}")
+        e(f"grp = pid // {self.split}")
+        e(f"lo = pid_s * {split_len(plan, cfg)}")
+        e(f"hi = tl.minimum(lo + {split_len(plan, cfg)}, {plan.L_total})")
+        loads = self._piece_loads()
+        carried = self._row_prefetch(loads, "grp")
+        e(f"for pid_p in range(grp, {nblocks}, {groups}):")
+        self.src.depth += 1
+        following = self._row_prefetch(loads, f"pid_p + {groups}")
+        self._row_start("pid_p")
+        current = [self.src.let(name, "cur") for name in carried]
+        root = Scope()
+        for c in self.plan.P:
+            self.coord(c, root)
+        e("l0 = lo")
+        self.chunk_scope = self.chunk(root)
+        self._use_prefetched(self.chunk_scope, loads, current)
+        self._coop_stages(root)
+        for name, code in zip(carried, following):
+            e(f"{name} = {code}")
+        self.src.depth -= 1
+
+    def _row_start(self, block: str, force_mask: bool = False) -> None:
+        """p (and mask_p) for row block `block`."""
+        base = f"({block}).to(tl.int64)" if self.wide else f"({block})"
+        self.src.emit(f"p = {base} * {self.cfg.BP} + tl.arange(0, {self.cfg.BP})[:, None]")
+        if self.need_mask_p or force_mask:
+            self.src.emit(f"mask_p = p < {self.plan.P_total}")
+
+    def _row_prefetch(self, loads: list, block: str) -> list[str]:
+        """Issue this program's piece loads for row block `block` (masked: it may lie past the
+        last row) and return their raw values."""
+        self._row_start(block, force_mask=True)
+        saved, self.need_mask_p = self.need_mask_p, True
+        root = Scope()
+        for c in self.plan.P:
+            self.coord(c, root)
+        codes = self._prefetch(root, loads, "lo")
+        self.need_mask_p = saved
+        return codes
+
+    def _piece_loads(self) -> list:
+        """The loads of the first stage's reductions over a program's piece, found by emitting
+        them once into scratch source that is then dropped."""
+        real, self.src = self.src, Source()
+        self.src.count, self.src.depth = real.count, real.depth
+        self.body.log = []
+        try:
+            root = Scope()
+            for c in self.plan.P:
+                self.coord(c, root)
+            self.src.emit("l0 = lo")
+            self.chunk_scope = self.chunk(root)
+            first = min(self.plan.stage[r.name] for r in self.plan.reductions)
+            self.stage_loop(root, [r for r in self.plan.reductions if self.plan.stage[r.name] == first], [],
+                            partial=True)
+            found = {entry[0]: entry for entry in self.body.log if "l" in entry[4]}
+        finally:
+            self.body.log, self.src, self.chunk_scope = None, real, None
+        return list(found.values())
 
     def program_coop(self) -> None:
         """All stages in one launch: each program reduces its piece of the row (kept in registers,
@@ -21,6 +91,10 @@ class SplitStitching:
         for c in self.plan.P:
             self.coord(c, root)
         self.chunk_scope = None
+        self._coop_stages(root)
+
+    def _coop_stages(self, root: Scope) -> None:
+        """Every stage of one row block: reduce the piece, publish, wait, combine; then store."""
         final = self.plan.final_stage
         self.emit_ready_rows(root, 0)
         barriers = 0

@@ -57,6 +57,8 @@ def n_chunks(plan: PartPlan, cfg: Config) -> int:
 
 def programs(plan: PartPlan, cfg: Config) -> int:
     blocks = cdiv(plan.P_total, cfg.BP)
+    if cfg.persistent and cfg.coop:  # whole groups of `split` programs
+        return cfg.split * min(blocks, cfg.persistent // cfg.split)
     if cfg.persistent:
         return min(blocks, cfg.persistent)
     return blocks * cfg.split
@@ -71,8 +73,10 @@ def phases(plan: PartPlan, cfg: Config) -> int:
 
 def coop_refusal(plan: PartPlan, cfg: Config) -> str | None:
     """Why a cooperative split cannot run this part (None: it can)."""
-    if cfg.split < 2 or cfg.persistent:
-        return "a cooperative split needs split > 1 and no persistent grid"
+    if cfg.split < 2:
+        return "a cooperative split needs split > 1"
+    if cfg.persistent % cfg.split:
+        return f"a persistent grid of {cfg.persistent} does not hold whole rows of {cfg.split} programs"
     if not plan.reductions or any(plan.stage[r.name] >= plan.final_stage for r in plan.reductions):
         return "every reduction must feed a later stage (per-row results alone use the phased split)"
     if n_chunks(plan, cfg) != 1:
@@ -101,6 +105,16 @@ def _coop(plan: PartPlan, sms: int) -> list[Config]:
         split = cdiv(plan.L_total, BL)
         if 2 <= split <= max_coop_split(sms):
             cfg = dataclasses.replace(_fix(plan, BP, BL, split, warps), coop=True)
+            if coop_refusal(plan, cfg) is None:
+                out.append(cfg)
+    # persistent groups that prefetch the next row's piece: as many whole rows as the SMs hold, pieces small
+    # enough that two (the current and the next) fit registers
+    pieces = [(32, 512, 16), (32, 256, 8)] if plan.p_contiguous else [(1, 8192, 16), (1, 4096, 8), (1, 8192, 8)]
+    for BP, BL, warps in pieces:
+        split = cdiv(plan.L_total, BL)
+        groups = max_coop_split(sms) // split if split >= 2 else 0
+        if groups >= 1:
+            cfg = dataclasses.replace(_fix(plan, BP, BL, split, warps), coop=True, persistent=groups * split)
             if coop_refusal(plan, cfg) is None:
                 out.append(cfg)
     return out
@@ -205,7 +219,8 @@ def candidates(plan: PartPlan, sms: int = 132, override: dict | None = None) -> 
         if not plan.reductions and "split" not in override:
             split = cdiv(plan.L_total, max(1, min(BL, pow2(plan.L_total))))
         cfg = _fix(plan, BP, BL, split, override.get("num_warps"))
-        space = [dataclasses.replace(cfg, persistent=override.get("persistent", 0) if cfg.split == 1 else 0,
+        coop = bool(override.get("coop", False))
+        space = [dataclasses.replace(cfg, persistent=override.get("persistent", 0) if cfg.split == 1 or coop else 0,
                                      prefetch=bool(override.get("prefetch", False)),
-                                     coop=bool(override.get("coop", False)))]
+                                     coop=coop)]
     return space

@@ -60,6 +60,10 @@ CASES = [  # pattern, shape, dtype, config, (barriers: one per stage feeding a l
     ("add_layernorm_gelu", (2, 50000), "bfloat16", Config(1, 8192, 7, 16, coop=True), (2, 2)),
     ("column_standardize", (8200, 96), "float32", Config(32, 512, 17, 8, coop=True), (2, 3)),  # tiles 32 columns wide
     ("batchnorm_train", (4, 24, 30, 30), "float32", Config(1, 512, 8, 4, coop=True), (2, 24)),  # rows are (N, H, W)
+    # persistent groups that prefetch their next row's piece
+    ("softmax_long_rows", (37, 65536), "float32", Config(1, 8192, 8, 8, persistent=40, coop=True), (1, 37)),
+    ("column_standardize", (8200, 200), "float32", Config(32, 512, 17, 16, persistent=34, coop=True), (2, 7)),
+    ("add_layernorm_gelu", (9, 20000), "bfloat16", Config(1, 4096, 5, 4, persistent=15, coop=True), (2, 9)),
 ]
 
 
@@ -106,7 +110,8 @@ def test_coop_is_refused_under_the_interpreter():
 def test_coop_split_equals_eager_on_gpu(name, shape, dtype, cfg, _):
     dtype = getattr(torch, dtype)
     module = PATTERNS[name].module()
-    options = {"block_p": cfg.BP, "block_l": cfg.BL, "split": cfg.split, "num_warps": cfg.num_warps, "coop": True}
+    options = {"block_p": cfg.BP, "block_l": cfg.BL, "split": cfg.split, "num_warps": cfg.num_warps, "coop": True,
+               "persistent": cfg.persistent}
     for seed in (0, 1):  # twice: the row counters start from zero on every call
         args = PATTERNS[name].make(shape, dtype, "cuda", torch.Generator().manual_seed(seed))
         prog = stitchflow.compile(module, args, target="gpu", fusion="full", options=options)
