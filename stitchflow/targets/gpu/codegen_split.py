@@ -5,6 +5,8 @@ and combine them while their pieces stay in registers."""
 
 from __future__ import annotations
 
+import re
+
 from .emit import Scope, Source
 from .mapping import pow2, split_len
 
@@ -28,7 +30,7 @@ class SplitStitching:
         e(f"lo = pid_s * {split_len(plan, cfg)}")
         e(f"hi = tl.minimum(lo + {split_len(plan, cfg)}, {plan.L_total})")
         loads = self._piece_loads()
-        carried = self._row_prefetch(loads, "grp")
+        carried = self._first_prefetch(loads)
         e(f"for pid_p in range(grp, {nblocks}, {groups}):")
         self.src.depth += 1
         following = self._row_prefetch(loads, f"pid_p + {groups}")
@@ -44,6 +46,20 @@ class SplitStitching:
         for name, code in zip(carried, following):
             e(f"{name} = {code}")
         self.src.depth -= 1
+
+    def _first_prefetch(self, loads: list) -> list[str]:
+        """The first row block's piece, before the loop. Its coordinates get names of their own:
+        a name assigned both before and inside the loop would be carried around it, and the
+        carried index and mask tiles made the kernel spill."""
+        real, self.src = self.src, Source()
+        self.src.count, self.src.depth = real.count, real.depth
+        try:
+            carried = self._row_prefetch(loads, "grp")
+        finally:
+            scratch, self.src = self.src, real
+        real.count = scratch.count
+        real.lines += [re.sub(r"\b(p|l|mask_p|mask_l)\b", r"\1_first", line) for line in scratch.lines]
+        return carried
 
     def _row_start(self, block: str, force_mask: bool = False) -> None:
         """p (and mask_p) for row block `block`."""

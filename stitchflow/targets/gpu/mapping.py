@@ -108,8 +108,9 @@ def _coop(plan: PartPlan, sms: int) -> list[Config]:
             if coop_refusal(plan, cfg) is None:
                 out.append(cfg)
     # persistent groups that prefetch the next row's piece: as many whole rows as the SMs hold, pieces small
-    # enough that two (the current and the next) fit registers
-    pieces = [(32, 512, 16), (32, 256, 8)] if plan.p_contiguous else [(1, 8192, 16), (1, 4096, 8), (1, 8192, 8)]
+    # enough that two (the current and the next) and the store's addresses fit registers (sm_90: no spills)
+    pieces = ([(16, 512, 8), (16, 1024, 16)] if plan.p_contiguous else
+              [(1, 8192, 16), (1, 4096, 8), (1, 8192, 8), (1, 4096, 4)])
     for BP, BL, warps in pieces:
         split = cdiv(plan.L_total, BL)
         groups = max_coop_split(sms) // split if split >= 2 else 0

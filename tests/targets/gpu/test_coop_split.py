@@ -62,7 +62,7 @@ CASES = [  # pattern, shape, dtype, config, (barriers: one per stage feeding a l
     ("batchnorm_train", (4, 24, 30, 30), "float32", Config(1, 512, 8, 4, coop=True), (2, 24)),  # rows are (N, H, W)
     # persistent groups that prefetch their next row's piece
     ("softmax_long_rows", (37, 65536), "float32", Config(1, 8192, 8, 8, persistent=40, coop=True), (1, 37)),
-    ("column_standardize", (8200, 200), "float32", Config(32, 512, 17, 16, persistent=34, coop=True), (2, 7)),
+    ("column_standardize", (8200, 200), "float32", Config(16, 512, 17, 8, persistent=34, coop=True), (2, 13)),
     ("add_layernorm_gelu", (9, 20000), "bfloat16", Config(1, 4096, 5, 4, persistent=15, coop=True), (2, 9)),
 ]
 
