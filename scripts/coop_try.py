@@ -1,0 +1,18 @@
+import sys, traceback, torch, stitchflow
+from stitchflow.bench.stitching_patterns import PATTERNS
+from triton.testing import do_bench
+for name, cfg in [("softmax_long_rows", (1, 8192, 8, 8, 128)), ("column_standardize", (16, 512, 128, 8, 128)), ("batchnorm_train", (1, 4096, 49, 8, 98)), ("column_center", (16, 1024, 64, 16, 128))]:
+    pattern = PATTERNS[name]
+    args = pattern.make(pattern.large, pattern.dtype, "cuda", torch.Generator().manual_seed(0))
+    bp, bl, split, warps, pers = cfg
+    options = {"block_p": bp, "block_l": bl, "split": split, "num_warps": warps, "coop": True, "persistent": pers, "cuda_graphs": False}
+    try:
+        prog = stitchflow.compile(pattern.module(), args, target="gpu", fusion="full", options=options)
+        out = prog(*args); ref = pattern.module()(*args)
+        o = out[0] if isinstance(out, tuple) else out; r = ref[0] if isinstance(ref, tuple) else ref
+        err = ((o.float() - r.float()).norm() / r.float().norm()).item()
+        t = do_bench(lambda: prog(*args), warmup=5, rep=50, return_mode="median") * 1e3
+        print(f"{name} {cfg}: {t:.1f} us err {err:.1e}", flush=True)
+    except Exception as e:
+        print(f"{name} {cfg}: FAIL {type(e).__name__}: {str(e)[:1500]}", flush=True)
+        traceback.print_exc(limit=3)
