@@ -1,11 +1,17 @@
 import sys, traceback, torch, stitchflow
 from stitchflow.bench.stitching_patterns import PATTERNS
 from triton.testing import do_bench
-for name, cfg in [("softmax_long_rows", (1, 8192, 8, 8, 128)), ("column_standardize", (16, 512, 128, 8, 128)), ("batchnorm_train", (1, 4096, 49, 8, 98)), ("column_center", (16, 1024, 64, 16, 128))]:
+CONFIGS = [("softmax_long_rows", (1, 8192, 8, 8, 0)), ("softmax_long_rows", (1, 8192, 8, 8, 512)),
+           ("softmax_long_rows", (1, 4096, 16, 8, 512)), ("softmax_long_rows", (1, 4096, 16, 4, 1024)),
+           ("column_standardize", (32, 1024, 64, 16, 0)), ("column_standardize", (16, 512, 128, 8, 256)),
+           ("column_standardize", (16, 512, 128, 8, 512)), ("batchnorm_train", (1, 4096, 49, 8, 392)),
+           ("batchnorm_train", (1, 4096, 49, 4, 392)), ("column_center", (16, 512, 128, 8, 512))]
+for name, cfg in CONFIGS:
     pattern = PATTERNS[name]
     args = pattern.make(pattern.large, pattern.dtype, "cuda", torch.Generator().manual_seed(0))
     bp, bl, split, warps, pers = cfg
-    options = {"block_p": bp, "block_l": bl, "split": split, "num_warps": warps, "coop": True, "persistent": pers, "cuda_graphs": False}
+    options = {"block_p": bp, "block_l": bl, "split": split, "num_warps": warps, "coop": True, "persistent": pers,
+               "cuda_graphs": False}
     try:
         prog = stitchflow.compile(pattern.module(), args, target="gpu", fusion="full", options=options)
         out = prog(*args); ref = pattern.module()(*args)
