@@ -18,10 +18,10 @@ class SplitStitching:
 
     def program_coop_persistent(self) -> None:
         """The cooperative split on a persistent grid: `persistent // split` groups of `split`
-        programs walk the row blocks, and each program loads its piece of the next row block
-        before it works on (and waits for) the current one, so the loads of the next rows are in
-        flight while the current rows' programs wait at their barriers (with one program per SM,
-        a barrier otherwise leaves DRAM idle)."""
+        programs walk the row blocks, and each program issues the loads of its piece of the next
+        row block right after arriving at the current row's last barrier, so they are in flight
+        while it waits, combines and stores (with few programs per SM, a barrier otherwise leaves
+        DRAM idle). Not before the arrival: its release waits for the thread's loads in flight."""
         plan, cfg, e = self.plan, self.cfg, self.src.emit
         nblocks = -(-plan.P_total // cfg.BP)
         groups = min(nblocks, cfg.persistent // self.split)  # as mapping.programs launches
@@ -33,16 +33,20 @@ class SplitStitching:
         carried = self._first_prefetch(loads)
         e(f"for pid_p in range(grp, {nblocks}, {groups}):")
         self.src.depth += 1
-        following = self._row_prefetch(loads, f"pid_p + {groups}")
         self._row_start("pid_p")
         current = [self.src.let(name, "cur") for name in carried]
+        following: list[str] = []
+
+        def prefetch_next():  # after the arrival: a release waits for this thread's loads in flight
+            following.extend(self._row_prefetch(loads, f"pid_p + {groups}"))
+            self._row_start("pid_p")
         root = Scope()
         for c in self.plan.P:
             self.coord(c, root)
         e("l0 = lo")
         self.chunk_scope = self.chunk(root)
         self._use_prefetched(self.chunk_scope, loads, current)
-        self._coop_stages(root)
+        self._coop_stages(root, prefetch_next)
         for name, code in zip(carried, following):
             e(f"{name} = {code}")
         self.src.depth -= 1
@@ -109,11 +113,13 @@ class SplitStitching:
         self.chunk_scope = None
         self._coop_stages(root)
 
-    def _coop_stages(self, root: Scope) -> None:
-        """Every stage of one row block: reduce the piece, publish, wait, combine; then store."""
+    def _coop_stages(self, root: Scope, while_waiting=None) -> None:
+        """Every stage of one row block: reduce the piece, publish, wait, combine; then store.
+        `while_waiting` emits work to issue after the last barrier's arrival, before its wait."""
         final = self.plan.final_stage
         self.emit_ready_rows(root, 0)
         barriers = 0
+        last = max(self.plan.stage[r.name] for r in self.plan.reductions)
         for s in range(final + 1):
             reds = [r for r in self.plan.reductions if self.plan.stage[r.name] == s]
             full_outs = [o for o in self.plan.outputs if o not in self.plan.row_level] if s == final else []
@@ -121,13 +127,13 @@ class SplitStitching:
                 self.stage_loop(root, reds, full_outs, partial=s < final)
             if reds and s < final:
                 barriers += 1
-                self.row_barrier(barriers * self.split)
+                self.row_barrier(barriers * self.split, while_waiting if s == last else None)
                 for r in reds:
                     self.combine_partials(r, root)
             self.emit_ready_rows(root, s + 1)
         self.store_rows(root)
 
-    def row_barrier(self, target: int) -> None:
+    def row_barrier(self, target: int, while_waiting=None) -> None:
         """Wait until the row's counter reaches `target` (every program of the row arrived, once
         per barrier). The block barrier orders this program's partial stores before its
         arrival, which releases them; the acquiring reads make the others' visible. The
@@ -136,6 +142,8 @@ class SplitStitching:
         e, cnt = self.src.emit, self.arg["cnt"]
         e("tl.debug_barrier()")
         e(f"arrived = tl.atomic_add({cnt} + pid_p, 1, sem='acq_rel', scope='gpu') + 1")
+        if while_waiting is not None:
+            while_waiting()
         e(f"while arrived < {target}:")
         e(f"    arrived = tl.atomic_add({cnt} + pid_p, 0, sem='acquire', scope='gpu')")
 
