@@ -95,7 +95,11 @@ def _coop(plan: PartPlan, sms: int) -> list[Config]:
     once, where a chunk loop reads it twice (the second time from L2 only while the rows in flight
     fit there). The programs of a row are adjacent in the grid and exchange their partial
     statistics through global memory at a barrier. Column reductions (the parallel axis
-    contiguous) split their long reduced axis the same way, over tiles 32 columns wide."""
+    contiguous) split their long reduced axis the same way, over tiles 32 columns wide.
+
+    A persistent grid (`persistent` with `coop`, options only) walks the row blocks and loads
+    its next piece while the current row waits; on the H100 it ran 10-40% slower than these
+    (scripts/coop_try.py, BENCHMARKS.md), so the autotuner does not try it."""
     out = []
     if plan.p_contiguous:
         shapes = [(32, 512, 8), (32, 512, 16), (32, 1024, 16), (64, 256, 8)]
@@ -105,17 +109,6 @@ def _coop(plan: PartPlan, sms: int) -> list[Config]:
         split = cdiv(plan.L_total, BL)
         if 2 <= split <= max_coop_split(sms):
             cfg = dataclasses.replace(_fix(plan, BP, BL, split, warps), coop=True)
-            if coop_refusal(plan, cfg) is None:
-                out.append(cfg)
-    # persistent groups that prefetch the next row's piece: as many whole rows as the SMs hold, pieces small
-    # enough that two (the current and the next) and the store's addresses fit registers (sm_90: no spills)
-    pieces = ([(16, 512, 8), (16, 1024, 16)] if plan.p_contiguous else
-              [(1, 8192, 16), (1, 4096, 8), (1, 8192, 8), (1, 4096, 4)])
-    for BP, BL, warps in pieces:
-        split = cdiv(plan.L_total, BL)
-        groups = max_coop_split(sms) // split if split >= 2 else 0
-        if groups >= 1:
-            cfg = dataclasses.replace(_fix(plan, BP, BL, split, warps), coop=True, persistent=groups * split)
             if coop_refusal(plan, cfg) is None:
                 out.append(cfg)
     return out
