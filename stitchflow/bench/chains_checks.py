@@ -136,19 +136,29 @@ def dsm_check() -> list[dict]:
     return out
 
 
+TORCH_ACTS = {"gelu": F.gelu, "gelu_tanh": lambda v: F.gelu(v, approximate="tanh"), "silu": F.silu,
+              "relu": torch.relu, "none": lambda v: v}
+
+
+def _gluon_unavailable(what: str) -> bool:
+    """True (and says why) when the Gluon kernels cannot run here."""
+    from stitchflow.targets.gpu.chain_wgmma import gluon_refusal
+
+    if torch.cuda.get_device_capability()[0] != 9 or gluon_refusal():
+        print(f"{what} checks skipped:", gluon_refusal() or "not a Hopper GPU (the plans leave the kind out too)")
+        return True
+    return False
+
+
 def wgmma_checks() -> list[dict]:
     """The Gluon wgmma chain kernel (Hopper only): resident and streamed weights, every activation,
     with and without bias, row counts that leave a partial last tile, bf16 and fp16."""
     from stitchflow.targets.gpu.chain_wgmma import WgmmaTiles, chain_wgmma
 
-    from stitchflow.targets.gpu.chain_wgmma import gluon_refusal
-
-    if torch.cuda.get_device_capability()[0] != 9 or gluon_refusal():
-        print("wgmma checks skipped:", gluon_refusal() or "not a Hopper GPU (the plans leave the kind out too)")
+    if _gluon_unavailable("wgmma"):
         return []
     gen = torch.Generator(device=DEVICE).manual_seed(13)
-    acts = {"gelu": F.gelu, "gelu_tanh": lambda v: F.gelu(v, approximate="tanh"), "silu": F.silu, "relu": torch.relu,
-            "none": lambda v: v}
+    acts = TORCH_ACTS
     out = []
     for (M, K, N, L), tiles, act, dtype in (
             ((1000, 64, 256, 64), WgmmaTiles(64, 128, 4, 2, 2, 2), "gelu", torch.bfloat16),
@@ -179,15 +189,12 @@ def stream_checks() -> list[dict]:
     """The Gluon weight-streaming GEMM (Hopper only): odd M and N, bias, every activation, split-K
     finished on the semaphores (called three times: they must come back to zero), row-major and
     nn.Linear (W.t()) weights, bf16 and fp16."""
-    from stitchflow.targets.gpu.chain_wgmma import gluon_refusal
     from stitchflow.targets.gpu.stream_gemm import StreamTiles, stream_gemm
 
-    if torch.cuda.get_device_capability()[0] != 9 or gluon_refusal():
-        print("stream checks skipped:", gluon_refusal() or "not a Hopper GPU (the plans leave the kind out too)")
+    if _gluon_unavailable("stream"):
         return []
     gen = torch.Generator(device=DEVICE).manual_seed(17)
-    acts = {"gelu": F.gelu, "gelu_tanh": lambda v: F.gelu(v, approximate="tanh"), "silu": F.silu, "relu": torch.relu,
-            "none": lambda v: v}
+    acts = TORCH_ACTS
     out = []
     for (M, K, N), tiles, act, dtype in (
             ((100, 512, 384), StreamTiles(128, 128, 64, 4, 1, 4), "gelu", torch.bfloat16),
