@@ -1,6 +1,13 @@
-import sys, traceback, torch, stitchflow
+"""Device probe: stitching patterns at the bench's shapes under pinned cooperative splits, persistent or not
+(µs and error against eager). Not a test: prints a line per config."""
+import traceback
+
+import torch
+
+import stitchflow
 from stitchflow.bench.stitching_patterns import PATTERNS
 from triton.testing import do_bench
+
 CONFIGS = [("softmax_long_rows", (1, 8192, 8, 8, 0)), ("softmax_long_rows", (1, 8192, 8, 8, 512)),
            ("softmax_long_rows", (1, 4096, 16, 8, 512)), ("softmax_long_rows", (1, 4096, 16, 4, 1024)),
            ("column_standardize", (32, 1024, 64, 16, 0)), ("column_standardize", (16, 512, 128, 8, 256)),
