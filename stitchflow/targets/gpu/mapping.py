@@ -10,6 +10,7 @@ heuristic favourite first (the interpreter, and runs with autotuning off, take t
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 from .analysis import PartPlan
@@ -85,9 +86,10 @@ def coop_refusal(plan: PartPlan, cfg: Config) -> str | None:
 
 
 def max_coop_split(sms: int) -> int:
-    """The most programs one row may be split over: all of them must run at once, and a GPU
-    holds at least one program per SM (a few SMs spare for other streams' work)."""
-    return max(2, min(128, sms - 4))
+    """The most programs one row may be split over. All of them must run at once; a GPU holds at
+    least one program per SM, and half the SMs leaves room for other streams' kernels (or an MPS
+    share) without a row's programs waiting on each other forever."""
+    return max(2, min(64, sms // 2))
 
 
 def _coop(plan: PartPlan, sms: int) -> list[Config]:
@@ -101,8 +103,10 @@ def _coop(plan: PartPlan, sms: int) -> list[Config]:
     its next piece while the current row waits; on the H100 it ran 10-40% slower than these
     (scripts/coop_try.py, BENCHMARKS.md), so the autotuner does not try it."""
     out = []
+    if os.environ.get("STITCHFLOW_COOP", "1") == "0":  # the escape hatch (README)
+        return []
     if plan.p_contiguous:
-        shapes = [(32, 512, 8), (32, 512, 16), (32, 1024, 16), (64, 256, 8)]
+        shapes = [(32, 1024, 16), (32, 1024, 8), (16, 2048, 16)]
     else:
         shapes = [(1, 16384, 16), (1, 8192, 8), (1, 8192, 16), (1, 4096, 8), (1, 32768, 16)]
     for BP, BL, warps in shapes:
