@@ -91,7 +91,7 @@ def test_long_rows_get_coop_candidates_and_the_rest_say_why_not():
     assert "split > 1" in coop_refusal(long_rows, Config(1, 65536, 1, 16, coop=True))
     columns = _plan("column_standardize", (65536, 1024))
     assert [c for c in candidates(columns) if c.coop and c.BP == 32]
-    assert all(c.split <= max_coop_split(132) for c in candidates(columns) + candidates(long_rows))
+    assert all(c.split <= max_coop_split(132) for c in candidates(columns) + candidates(long_rows) if c.coop)
     assert "must be one chunk" in coop_refusal(long_rows, Config(1, 4096, 4, 16, coop=True))
 
 
