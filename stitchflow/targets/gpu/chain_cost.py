@@ -503,9 +503,10 @@ STREAM_SPLIT_COST = 2.5e-6
 
 def estimate_stream_gemm(M: int, N: int, K: int, t: StreamTiles, profile: DeviceProfile, elt: int,
                          act: str = "none") -> Estimate | None:
-    """stream_gemm: B read once at `gluon_stream_eff` of the copy rate (a TMA ring keeps stages-1
-    slices in flight per program); A re-read from L2 by every column of tiles; split-K partials
-    through L2. The bandwidths scale with the SMs the grid keeps busy."""
+    """stream_gemm: B read from HBM once at `gluon_stream_eff` of the copy rate (a TMA ring keeps
+    stages-1 slices in flight per program), and from L2 by every row tile; A re-read from L2 by
+    every column of tiles; split-K partials through L2. The bandwidths scale with the SMs the grid
+    keeps busy."""
     if stream_shape_refusal(M, N, K, t, act) or elt != 2:
         return None
     m_t, n_t = math.ceil(M / t.bm), math.ceil(N / t.bn)
@@ -515,7 +516,7 @@ def estimate_stream_gemm(M: int, N: int, K: int, t: StreamTiles, profile: Device
     share = min(1.0, programs / profile.sms) if waves == 1 else programs / (waves * profile.sms * per_sm)
     weights, partials = K * N * elt, (2 * t.split_k * m_t * t.bm * n_t * t.bn * 4 if t.split_k > 1 else 0)
     hbm = weights + (M * K + M * N) * elt
-    l2 = n_t * m_t * t.bm * K * elt + weights + partials
+    l2 = n_t * m_t * t.bm * K * elt + m_t * weights + partials  # each row tile reads every weight tile
     flops = 2 * m_t * t.bm * n_t * t.bn * K
     times = {"hbm": hbm / (profile.hbm_bw * profile.gluon_stream_eff * share), "l2": l2 / (profile.l2_bw * share),
              "compute": flops / (profile.mma_flops * share)}
