@@ -167,9 +167,11 @@ def two_pass_plans(shape: ChainShape, profile: DeviceProfile, keep: int = 6) -> 
 
 def _stream_options(M: int, N: int, K: int, act: str, profile: DeviceProfile, elt: int, splits, keep: int):
     found = []
-    # bm=64 on 128 rows: two row tiles read each weight tile, the second time from L2, and fill the
-    # SMs without split-K (what max-autotune's Triton GEMM2 does for the decode FFN)
-    for bm, bn, bk, split in itertools.product((128, 64) if M > 64 else (64,), (128, 256, 64), (64, 128), splits):
+    # one row tile: 64-row tiles on 128 rows (two tiles read each weight tile, filling the SMs without
+    # split-K, as max-autotune's Triton GEMM2 does) ran slower on the H100: GEMM2 60.7 µs against 57.0
+    # with split-K 2, GEMM1 61-98 against 52.7 (scripts/stream_probe.py)
+    bm = 64 if M <= 64 else 128
+    for bn, bk, split in itertools.product((128, 256, 64), (64, 128), splits):  # ties: measured order
         stages = max(2, min(8, (profile.smem_per_block - 1024) // ((bm + bn) * bk * 2)))
         # the fewest warps whose accumulators fit registers (H100: 128x64 split-K 2 ran 56.0 µs with 4
         # warps, 4-5% slower with 8)
