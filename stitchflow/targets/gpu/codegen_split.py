@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import re
 
-from .emit import Scope, Source
+from ...ir.expr import Call, Cast, Const, Read
+from .emit import Scope, Source, Val
 from .mapping import pow2, split_len
 
 
@@ -119,19 +120,52 @@ class SplitStitching:
         final = self.plan.final_stage
         self.emit_ready_rows(root, 0)
         barriers = 0
-        last = max(self.plan.stage[r.name] for r in self.plan.reductions)
+        variances = centred_variances(self.graph, self.plan)  # met at their mean's barrier
+        waits = [self.plan.stage[r.name] for r in self.plan.reductions if r.name not in variances]
         for s in range(final + 1):
-            reds = [r for r in self.plan.reductions if self.plan.stage[r.name] == s]
+            reds = [r for r in self.plan.reductions if self.plan.stage[r.name] == s and r.name not in variances]
             full_outs = [o for o in self.plan.outputs if o not in self.plan.row_level] if s == final else []
             if reds or full_outs:
                 self.stage_loop(root, reds, full_outs, partial=s < final)
             if reds and s < final:
+                riding = [(v, m, c) for v, (m, c) in variances.items() if self.plan.stage[m] == s]
+                for var, mean, _ in riding:
+                    self._piece_variance(var, mean)
                 barriers += 1
-                self.row_barrier(barriers * self.split, while_waiting if s == last else None)
+                self.row_barrier(barriers * self.split, while_waiting if s == max(waits) else None)
                 for r in reds:
                     self.combine_partials(r, root)
+                for var, mean, scale in riding:
+                    self._combine_variance(var, mean, scale, root)
             self.emit_ready_rows(root, s + 1)
         self.store_rows(root)
+
+    def _piece_variance(self, var: str, mean: str) -> None:
+        """This piece's own centred sum of squares (the variance's body taken about the piece's
+        mean, from registers), published as the variance's partial."""
+        e, scope = self.src.emit, self.chunk_scope
+        r_mean, r_var = self.graph.node_of[mean], self.graph.node_of[var]
+        local = self.src.let(self._reduce(r_mean, self._masked_body(r_mean, scope)), "r")
+        count = self.src.let("tl.maximum(hi - lo, 1)", "n")
+        own = self.src.let(f"{local} * ({self.plan.L_total} / {count})", "mu")  # the mean as if this piece were all
+        sub = Scope(scope, chunk=True)
+        sub.values[("node", mean)] = Val(own, "f", frozenset({"p"}))
+        e(f"# {var}: about this piece's mean, corrected at the combine (Chan et al.)")
+        self.store_partial(r_var, self.src.let(self._reduce(r_var, self._masked_body(r_var, sub)), "r"))
+
+    def _combine_variance(self, var: str, mean: str, scale: float, root: Scope) -> None:
+        """sum over all of c·(x - mean)² = sum over pieces of [c·(x - mean_s)² + c·n_s·(mean_s - mean)²]."""
+        r_mean, r_var = self.graph.node_of[mean], self.graph.node_of[var]
+        sums, squares = self._load_partials(r_mean), self._load_partials(r_var)
+        n = self.plan.L_total
+        s = self.src.let(f"tl.arange(0, {pow2(self.split)})[None, :]", "s")
+        count = self.src.let(f"tl.minimum({split_len(self.plan, self.cfg)}, tl.maximum({n} - {s} * "
+                             f"{split_len(self.plan, self.cfg)}, 0)).to(tl.float32)", "n")
+        whole = root.get(("node", mean)).code
+        own = self.src.let(f"tl.where({count} > 0, {sums} * ({n} / tl.maximum({count}, 1.0)), {whole})", "mu")
+        spread = self.src.let(f"tl.sum({count} * ({own} - {whole}) * ({own} - {whole}), axis=1, keep_dims=True)", "r")
+        total = self.src.let(f"tl.sum({squares}, axis=1, keep_dims=True) + {scale!r} * {spread}", "r")
+        self._finish_reduction(r_var, total, root)
 
     def row_barrier(self, target: int, while_waiting=None) -> None:
         """Wait until the row's counter reaches `target` (every program of the row arrived, once
@@ -167,3 +201,58 @@ class SplitStitching:
         else:
             value = self.src.let(self._reduce(r, parts), "r")
         self._finish_reduction(r, value, root)
+
+
+# ---------------------------------------------------------------- centred variances
+
+def _bare(e):
+    while isinstance(e, Cast):
+        e = e.arg
+    return e
+
+
+def _scaled(e):
+    """(inner, c) for c·inner or inner·c, else None."""
+    e = _bare(e)
+    if isinstance(e, Call) and e.op == "mul":
+        a, b = (_bare(x) for x in e.args)
+        if isinstance(b, Const):
+            return a, float(b.value)
+        if isinstance(a, Const):
+            return b, float(a.value)
+    return None
+
+
+def _through(graph, e):
+    """Follow reads of elementwise nodes to the expression they stand for."""
+    e = _bare(e)
+    while isinstance(e, Read) and e.access.tensor in graph.node_of and graph.node_of[e.access.tensor].reduce is None:
+        e = _bare(graph.node_of[e.access.tensor].body)
+    return e
+
+
+def centred_variances(graph, plan) -> dict[str, tuple[str, float]]:
+    """Reductions of the form sum c·(x - m)² whose m is this part's earlier reduction
+    sum x/n (n the reduced extent): variance -> (its mean, c). A cooperative split meets them at
+    their mean's barrier: each piece centres on its own mean and the combine adds the spread
+    of the pieces' means (Chan, Golub, LeVeque), so the variance needs no barrier of its own."""
+    found = {}
+    stage, reductions = plan.stage, {r.name for r in plan.reductions}
+    for r in plan.reductions:
+        scaled = _scaled(r.body) if r.reduce == "sum" else None
+        square = _through(graph, scaled[0]) if scaled else None
+        if not (isinstance(square, Call) and square.op == "mul" and _bare(square.args[0]) == _bare(square.args[1])):
+            continue
+        centred = _through(graph, square.args[0])
+        if not (isinstance(centred, Call) and centred.op == "sub" and isinstance(_bare(centred.args[1]), Read)):
+            continue
+        mean = _bare(centred.args[1]).access.tensor
+        x = _bare(centred.args[0])
+        if mean not in reductions or stage[mean] >= stage[r.name] or not isinstance(x, Read):
+            continue
+        of_mean = _scaled(graph.node_of[mean].body)
+        if (of_mean and isinstance(of_mean[0], Read) and of_mean[0].access.tensor == x.access.tensor
+                and abs(of_mean[1] * plan.L_total - 1) < 1e-6):
+            found[r.name] = (mean, scaled[1])
+    return found
+

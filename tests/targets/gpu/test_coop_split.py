@@ -54,16 +54,17 @@ for name, shape, dtype, cfg in json.loads(sys.stdin.read()):
 print(json.dumps(out))
 """
 
-CASES = [  # pattern, shape, dtype, config, (barriers: one per stage feeding a later one, row blocks)
+CASES = [  # pattern, shape, dtype, config, (barriers: one per stage feeding a later one, but a centred
+    # variance meets at its mean's, row blocks)
     ("softmax_long_rows", (4, 65536), "float32", Config(1, 16384, 4, 16, coop=True), (1, 4)),
     ("softmax_long_rows", (3, 40000), "float32", Config(1, 8192, 5, 8, coop=True), (1, 3)),
-    ("add_layernorm_gelu", (2, 50000), "bfloat16", Config(1, 8192, 7, 16, coop=True), (2, 2)),
-    ("column_standardize", (8200, 96), "float32", Config(32, 512, 17, 8, coop=True), (2, 3)),  # tiles 32 columns wide
-    ("batchnorm_train", (4, 24, 30, 30), "float32", Config(1, 512, 8, 4, coop=True), (2, 24)),  # rows are (N, H, W)
+    ("add_layernorm_gelu", (2, 50000), "bfloat16", Config(1, 8192, 7, 16, coop=True), (1, 2)),
+    ("column_standardize", (8200, 96), "float32", Config(32, 512, 17, 8, coop=True), (1, 3)),  # tiles 32 columns wide
+    ("batchnorm_train", (4, 24, 30, 30), "float32", Config(1, 512, 8, 4, coop=True), (1, 24)),  # rows are (N, H, W)
     # persistent groups that prefetch their next row's piece
     ("softmax_long_rows", (37, 65536), "float32", Config(1, 8192, 8, 8, persistent=40, coop=True), (1, 37)),
-    ("column_standardize", (8200, 200), "float32", Config(16, 512, 17, 8, persistent=34, coop=True), (2, 13)),
-    ("add_layernorm_gelu", (9, 20000), "bfloat16", Config(1, 4096, 5, 4, persistent=15, coop=True), (2, 9)),
+    ("column_standardize", (8200, 200), "float32", Config(16, 512, 17, 8, persistent=34, coop=True), (1, 13)),
+    ("add_layernorm_gelu", (9, 20000), "bfloat16", Config(1, 4096, 5, 8, persistent=15, coop=True), (1, 9)),
 ]
 
 
@@ -93,6 +94,22 @@ def test_long_rows_get_coop_candidates_and_the_rest_say_why_not():
     assert [c for c in candidates(columns) if c.coop and c.BP == 32]
     assert all(c.split <= max_coop_split(132) for c in candidates(columns) + candidates(long_rows) if c.coop)
     assert "must be one chunk" in coop_refusal(long_rows, Config(1, 4096, 4, 16, coop=True))
+
+
+def test_centred_variances_are_found_where_they_are():
+    from stitchflow.targets.gpu.codegen_split import centred_variances
+
+    found = {}
+    for name, shape in (("column_standardize", (64, 16)), ("batchnorm_train", (2, 3, 4, 4)),
+                        ("add_layernorm_gelu", (4, 32)), ("softmax_long_rows", (3, 700)), ("rmsnorm_residual", (7, 33))):
+        args = PATTERNS[name].make(shape, torch.float32, "cpu", torch.Generator().manual_seed(0))
+        prog = stitchflow.compile(PATTERNS[name].module(), args, target="gpu", fusion="full")
+        (k,) = [k for run in prog._compiled for k in run.kernels]
+        found[name] = centred_variances(k.graph, k.plans[0])
+    assert found["column_standardize"] == {"mean_1": ("mean", 1 / 64)}
+    assert found["batchnorm_train"] == {"mean_1": ("mean", 1 / 32)}
+    assert found["add_layernorm_gelu"] == {"layer_norm_var": ("layer_norm_mean", 1 / 32)}
+    assert found["softmax_long_rows"] == {} and found["rmsnorm_residual"] == {}  # no centring: nothing to meet
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the interpreter's refusal")
