@@ -8,12 +8,8 @@ import stitchflow
 from stitchflow.bench.stitching_patterns import PATTERNS
 from triton.testing import do_bench
 
-CONFIGS = [("softmax_long_rows", (1, 8192, 8, 8, 0)), ("softmax_long_rows", (1, 8192, 8, 8, 264)),
-           ("softmax_long_rows", (1, 8192, 8, 8, 392)), ("softmax_long_rows", (1, 4096, 16, 8, 256)),
-           ("softmax_long_rows", (1, 4096, 16, 4, 384)),
-           ("column_center", (32, 1024, 64, 8, 0)), ("column_center", (16, 1024, 64, 8, 128)),
-           ("column_center", (16, 1024, 64, 8, 192)), ("column_standardize", (16, 1024, 64, 8, 128)),
-           ("batchnorm_train", (1, 8192, 25, 8, 250)), ("batchnorm_train", (1, 4096, 49, 4, 245))]
+CONFIGS = [("batchnorm_train", (1, 8192, 25, 8, 0)), ("batchnorm_train", (1, 32768, 7, 16, 0)),
+           ("batchnorm_train", (1, 4096, 49, 8, 0)), ("column_standardize", (32, 1024, 64, 8, 0))]
 for name, cfg in CONFIGS:
     pattern = PATTERNS[name]
     args = pattern.make(pattern.large, pattern.dtype, "cuda", torch.Generator().manual_seed(0))
