@@ -86,6 +86,11 @@ def save_choice(key: str, choice: list, timings: dict) -> None:
     tmp.replace(path)
 
 
+# Part of every autotuning cache key: bump it when generated code changes what a config means, so that
+# configs chosen for older code are timed again (4: cooperative splits, variances at their mean's barrier).
+CODEGEN_VERSION = 4
+
+
 class Launch:
     """A built kernel: allocates outputs and scratch, launches every phase. After the first
     launch through Triton's JIT (which compiles), later launches call the compiled kernel
@@ -189,7 +194,7 @@ class GroupKernel:
     def _cache_key(self, sig, env) -> str:
         dev = torch.cuda.get_device_name(env[sig[0][0]].device)
         text = "\n".join(str(n) + str(self.graph.type_of[n.name]) for p in self.plans for n in p.nodes)
-        return hashlib.sha256(f"{dev}|{sig}|{text}".encode()).hexdigest()[:32]
+        return hashlib.sha256(f"{CODEGEN_VERSION}|{dev}|{sig}|{text}".encode()).hexdigest()[:32]
 
     def _tune(self, configs, strides, env, key) -> Launch:
         from triton.testing import do_bench

@@ -55,16 +55,16 @@ print(json.dumps(out))
 """
 
 CASES = [  # pattern, shape, dtype, config, (barriers: one per stage feeding a later one, but a centred
-    # variance meets at its mean's, row blocks)
+    # variance of column blocks meets at its mean's, row blocks)
     ("softmax_long_rows", (4, 65536), "float32", Config(1, 16384, 4, 16, coop=True), (1, 4)),
     ("softmax_long_rows", (3, 40000), "float32", Config(1, 8192, 5, 8, coop=True), (1, 3)),
-    ("add_layernorm_gelu", (2, 50000), "bfloat16", Config(1, 8192, 7, 16, coop=True), (1, 2)),
+    ("add_layernorm_gelu", (2, 50000), "bfloat16", Config(1, 8192, 7, 16, coop=True), (2, 2)),
     ("column_standardize", (8200, 96), "float32", Config(32, 512, 17, 8, coop=True), (1, 3)),  # tiles 32 columns wide
-    ("batchnorm_train", (4, 24, 30, 30), "float32", Config(1, 512, 8, 4, coop=True), (1, 24)),  # rows are (N, H, W)
+    ("batchnorm_train", (4, 24, 30, 30), "float32", Config(1, 512, 8, 4, coop=True), (2, 24)),  # rows are (N, H, W)
     # persistent groups that prefetch their next row's piece
     ("softmax_long_rows", (37, 65536), "float32", Config(1, 8192, 8, 8, persistent=40, coop=True), (1, 37)),
     ("column_standardize", (8200, 200), "float32", Config(16, 512, 17, 8, persistent=34, coop=True), (1, 13)),
-    ("add_layernorm_gelu", (9, 20000), "bfloat16", Config(1, 4096, 5, 8, persistent=15, coop=True), (1, 9)),
+    ("add_layernorm_gelu", (9, 20000), "bfloat16", Config(1, 4096, 5, 8, persistent=15, coop=True), (2, 9)),
 ]
 
 
