@@ -8,8 +8,7 @@ import stitchflow
 from stitchflow.bench.stitching_patterns import PATTERNS
 from triton.testing import do_bench
 
-CONFIGS = [("batchnorm_train", (1, 8192, 25, 8, 0)), ("batchnorm_train", (1, 32768, 7, 16, 0)),
-           ("batchnorm_train", (1, 4096, 49, 8, 0)), ("column_standardize", (32, 1024, 64, 8, 0))]
+CONFIGS = [("batchnorm_train", (1, 8192, 25, 8, 0)), ("column_standardize", (32, 1024, 64, 8, 0))]
 for name, cfg in CONFIGS:
     pattern = PATTERNS[name]
     args = pattern.make(pattern.large, pattern.dtype, "cuda", torch.Generator().manual_seed(0))
