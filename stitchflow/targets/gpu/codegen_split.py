@@ -1,7 +1,12 @@
 """Stitching through global memory when a part's rows are split across programs (codegen's
 PartKernel mixes this in): partial reductions go to a buffer, then either the next launch
 (PHASE) combines them, or, cooperatively, the programs of a row meet at an in-kernel barrier
-and combine them while their pieces stay in registers."""
+and combine them while their pieces stay in registers.
+
+Cooperative kernels: `program_coop` (a row block per program group, the default) and
+`program_coop_persistent` (groups walk the row blocks, prefetching; an option, slower on the
+H100). For column blocks, a centred variance meets at its mean's barrier (`centred_variances`).
+The barrier itself is `row_barrier`."""
 
 from __future__ import annotations
 
@@ -13,9 +18,9 @@ from .mapping import pow2, split_len
 
 
 class SplitStitching:
-    """Needs from its host: src, arg, plan, cfg, split, nodes, need_mask_p, and the stage
-    methods (stage_loop, emit_ready_rows, store_rows, coord, _online_total, _reduce,
-    _finish_reduction, _neutral)."""
+    """Needs from its host: src, arg, graph, plan, cfg, split, nodes, wide, need_mask_p, body,
+    chunk_scope, and the stage methods (stage_loop, emit_ready_rows, store_rows, coord, chunk,
+    _prefetch, _use_prefetched, _masked_body, _online_total, _reduce, _finish_reduction)."""
 
     def program_coop_persistent(self) -> None:
         """The cooperative split on a persistent grid: `persistent // split` groups of `split`
