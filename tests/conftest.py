@@ -1,5 +1,6 @@
 """Shared fixtures: seeded generators, sparse matrices of several densities, tolerances."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -52,3 +53,19 @@ def run_fresh(code: str, payload) -> object:
 @pytest.fixture(scope="session")
 def fresh_python():
     return run_fresh
+
+
+@pytest.fixture(scope="session")
+def compile_sm90(fresh_python):
+    """compile_sm90(module, tiles_class, cases): each case (shape, tiles, act, bias, linear_weights)
+    through `module`'s compile_for_sm90 in a fresh process; their resource reports, in order."""
+    def run(module: str, tiles_class: str, cases) -> list[dict]:
+        payload = [(shape, dataclasses.asdict(t), act, bias, linear) for shape, t, act, bias, linear in cases]
+        code = ("import json, sys\n"
+                f"from {module} import {tiles_class}, compile_for_sm90\n"
+                "cases = json.loads(sys.stdin.read())\n"
+                f"print(json.dumps([compile_for_sm90(*s, {tiles_class}(**t), act=a, bias=b, linear_weights=l)"
+                " for s, t, a, b, l in cases]))\n")
+        return fresh_python(code, payload)
+    return run
+

@@ -323,7 +323,8 @@ class PartKernel(SplitStitching):
             self.src.emit("mask_l = l < hi")
         return scope
 
-    def stage_loop(self, root: Scope, reds, full_outs, partial: bool) -> None:
+    def stage_loop(self, root: Scope, reds, full_outs, partial: bool) -> dict:
+        """Emit one stage; returns each reduction's value over this program's rows (a split's own part)."""
         e = self.src.emit
         online = self.plan.online or {}
         looped = not self.single_chunk
@@ -370,6 +371,7 @@ class PartKernel(SplitStitching):
                 self.store_partial(r, results[r.name])
             elif looped:
                 self._finish_reduction(r, results[r.name], root)
+        return results
 
     def _chunk_loops(self) -> list[tuple[str, bool]]:
         """(loop header, masked) per chunk loop. When the local extent is no multiple of the

@@ -132,12 +132,11 @@ class SplitStitching:
         for s in range(final + 1):
             reds = [r for r in self.plan.reductions if self.plan.stage[r.name] == s and r.name not in variances]
             full_outs = [o for o in self.plan.outputs if o not in self.plan.row_level] if s == final else []
-            if reds or full_outs:
-                self.stage_loop(root, reds, full_outs, partial=s < final)
+            own = self.stage_loop(root, reds, full_outs, partial=s < final) if reds or full_outs else {}
             if reds and s < final:
                 riding = [(v, m, c) for v, (m, c) in variances.items() if self.plan.stage[m] == s]
                 for var, mean, _ in riding:
-                    self._piece_variance(var, mean)
+                    self._piece_variance(var, mean, own[mean])
                 barriers += 1
                 self.row_barrier(barriers * self.split, while_waiting if s == max(waits) else None)
                 for r in reds:
@@ -147,12 +146,12 @@ class SplitStitching:
             self.emit_ready_rows(root, s + 1)
         self.store_rows(root)
 
-    def _piece_variance(self, var: str, mean: str) -> None:
+    def _piece_variance(self, var: str, mean: str, local: str) -> None:
         """This piece's own centred sum of squares (the variance's body taken about the piece's
-        mean, from registers), published as the variance's partial."""
+        mean, from registers), published as the variance's partial. `local`: the mean's
+        reduction over this piece, as the stage computed it."""
         e, scope = self.src.emit, self.chunk_scope
-        r_mean, r_var = self.graph.node_of[mean], self.graph.node_of[var]
-        local = self.src.let(self._reduce(r_mean, self._masked_body(r_mean, scope)), "r")
+        r_var = self.graph.node_of[var]
         count = self.src.let("tl.maximum(hi - lo, 1)", "n")
         own = self.src.let(f"{local} * ({self.plan.L_total} / {count})", "mu")  # the mean as if this piece were all
         sub = Scope(scope, chunk=True)

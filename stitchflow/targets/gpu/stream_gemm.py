@@ -127,10 +127,10 @@ def stream_module():
 
 
 def compile_for_sm90(M: int, N: int, K: int, tiles: StreamTiles, act: str = "gelu", bias: bool = False,
-                     linear_weight: bool = False) -> dict:
+                     linear_weights: bool = False) -> dict:
     """Compile for sm_90 without a GPU: registers, spilled bytes and shared memory per program."""
     a = torch.empty(M, K, dtype=torch.bfloat16)
-    b = torch.empty(N, K, dtype=torch.bfloat16).t() if linear_weight else torch.empty(K, N, dtype=torch.bfloat16)
+    b = torch.empty(N, K, dtype=torch.bfloat16).t() if linear_weights else torch.empty(K, N, dtype=torch.bfloat16)
     out = torch.empty(M, N, dtype=torch.bfloat16)
     ws = (torch.empty(1), torch.empty(1, dtype=torch.int32)) if tiles.split_k > 1 else None
     args, meta, _ = launch_args(a, b, out, torch.empty(N) if bias else None, act, tiles, ws)

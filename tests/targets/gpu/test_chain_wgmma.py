@@ -2,7 +2,6 @@
 (registers, spills, shared memory, through Triton's ptxas), its refusals and its plans. Gluon has
 no interpreter; the device checks (bench/chains_checks.py: wgmma_checks) run it against eager."""
 
-import dataclasses
 
 import numpy as np
 import pytest
@@ -77,15 +76,9 @@ COMPILED = [  # (shape, tiles, act, bias, linear): linear = B and D as nn.Linear
 
 
 @pytest.fixture(scope="module")
-def compiled(fresh_python):
+def compiled(compile_sm90):
     """compile_for_sm90 of every COMPILED case, in a fresh process (conftest.run_fresh says why)."""
-    cases = [(shape, dataclasses.asdict(t), act, bias, linear) for shape, t, act, bias, linear in COMPILED]
-    code = ("import json, sys\n"
-            "from stitchflow.targets.gpu.chain_wgmma import WgmmaTiles, compile_for_sm90\n"
-            "cases = json.loads(sys.stdin.read())\n"
-            "print(json.dumps([compile_for_sm90(*s, WgmmaTiles(**t), act=a, bias=b, linear_weights=l)"
-            " for s, t, a, b, l in cases]))\n")
-    return fresh_python(code, cases)
+    return compile_sm90("stitchflow.targets.gpu.chain_wgmma", "WgmmaTiles", COMPILED)
 
 
 @pytest.mark.parametrize("case", range(len(COMPILED)))

@@ -26,14 +26,8 @@ COMPILED = [  # (M, N, K), tiles, act, bias, linear weight (nn.Linear's W.t())
 
 
 @pytest.fixture(scope="module")
-def compiled(fresh_python):
-    cases = [(shape, dataclasses.asdict(t), act, bias, linear) for shape, t, act, bias, linear in COMPILED]
-    code = ("import json, sys\n"
-            "from stitchflow.targets.gpu.stream_gemm import StreamTiles, compile_for_sm90\n"
-            "cases = json.loads(sys.stdin.read())\n"
-            "print(json.dumps([compile_for_sm90(*s, StreamTiles(**t), act=a, bias=b, linear_weight=l)"
-            " for s, t, a, b, l in cases]))\n")
-    return fresh_python(code, cases)
+def compiled(compile_sm90):
+    return compile_sm90("stitchflow.targets.gpu.stream_gemm", "StreamTiles", COMPILED)
 
 
 @pytest.mark.parametrize("case", range(len(COMPILED)))
