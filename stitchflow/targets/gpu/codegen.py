@@ -119,6 +119,7 @@ class KernelSpec:
     grid: int
     phases: int
     num_warps: int
+    coop_group: int = 0  # programs of a cooperative split that must all be resident at once (0: none)
 
 
 def contiguous_strides(shape) -> tuple[int, ...]:
@@ -150,6 +151,7 @@ class PartKernel(SplitStitching):
         self.need_mask_p = plan.P_total % cfg.BP != 0
         self.need_mask_l = plan.L_total % cfg.BL != 0
         self.reduction_phases = phases(plan, cfg) > 1
+        self.load_hint: str | None = None  # eviction policy of loads along the local axes (emit.raw_load)
         self._canon: dict = {}
 
     # ------------------------------------------------------------ coordinates and masks
@@ -175,6 +177,27 @@ class PartKernel(SplitStitching):
             code = f"({code} % {self.plan.extents[c]})"
         val = Val(self.src.let(code, "c"), "i", frozenset({dep}))
         scope.values[("coord", c)] = val
+        return val
+
+    def coord_run(self, outer, inner, scope: Scope) -> Val:
+        """One coordinate over the adjacent axes outer..inner of a tile axis (outer varying slowest),
+        as if they were one axis: (flat // stride of inner) % (their extents' product)."""
+        found = scope.get(("run", outer, inner))
+        if found is not None:
+            return found
+        axes, flat, dep = (self.plan.P, "p", "p") if outer in self.plan.P else (self.plan.L, "l", "l")
+        a, b = axes.index(outer), axes.index(inner)
+        below = 1
+        for other in axes[b + 1:]:
+            below *= self.plan.extents[other]
+        extent = 1
+        for c in axes[a:b + 1]:
+            extent *= self.plan.extents[c]
+        code = flat if below == 1 else f"({flat} // {below})"
+        if a > 0:
+            code = f"({code} % {extent})"
+        val = Val(self.src.let(code, "c"), "i", frozenset({dep}))
+        scope.values[("run", outer, inner)] = val
         return val
 
     def mask(self, deps, scope: Scope) -> str | None:
@@ -537,8 +560,9 @@ def build_kernel(graph: Graph, parts: list[tuple[PartPlan, Config]], strides: di
     lines += _dispatch(params, grids, name)
     n_phases = max(phases(p, c) for p, c in parts)
     warps = max(c.num_warps for _, c in parts)
+    group = max((c.split for _, c in parts if c.coop), default=0)
     return KernelSpec("\n".join(lines) + "\n", name, tuple(inputs), tuple(outputs),
-                      tuple(buffers), sum(grids), n_phases, warps)
+                      tuple(buffers), sum(grids), n_phases, warps, group)
 
 
 def kernel_name(title: str) -> str:

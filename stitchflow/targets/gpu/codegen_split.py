@@ -10,6 +10,7 @@ The barrier itself is `row_barrier`."""
 
 from __future__ import annotations
 
+import os
 import re
 
 from ...ir.expr import Call, Cast, Const, Read
@@ -127,9 +128,13 @@ class SplitStitching:
         barriers = 0
         # centred variances met at their mean's barrier: column blocks only for now. column_standardize went from
         # 288 to 259 µs (H100), but batch norm's (N, H, W) rows took 3.4 ms instead of 0.21 (not understood yet)
-        variances = centred_variances(self.graph, self.plan) if self.plan.p_contiguous else {}
+        # (from registers: a piece re-read chunk by chunk takes its variance in a stage of its own)
+        one_piece = (self.plan.p_contiguous or os.environ.get("STITCHFLOW_CHAN_ROWS") == "1") and self.single_chunk
+        variances = centred_variances(self.graph, self.plan) if one_piece else {}
         waits = [self.plan.stage[r.name] for r in self.plan.reductions if r.name not in variances]
         for s in range(final + 1):
+            if not self.single_chunk:  # pieces re-read after each barrier: keep them in L2 until the last read
+                self.load_hint = "evict_first" if s == final else "evict_last"
             reds = [r for r in self.plan.reductions if self.plan.stage[r.name] == s and r.name not in variances]
             full_outs = [o for o in self.plan.outputs if o not in self.plan.row_level] if s == final else []
             own = self.stage_loop(root, reds, full_outs, partial=s < final) if reds or full_outs else {}
@@ -144,6 +149,7 @@ class SplitStitching:
                 for var, mean, scale in riding:
                     self._combine_variance(var, mean, scale, root)
             self.emit_ready_rows(root, s + 1)
+        self.load_hint = None
         self.store_rows(root)
 
     def _piece_variance(self, var: str, mean: str, local: str) -> None:

@@ -137,7 +137,14 @@ class BodyEmitter:
         shape = self.k.graph.type_of[tensor].shape
         strides = self.k.strides[tensor]
         terms, deps = [], frozenset()
-        for idx, size, stride in zip(indices, shape, strides):
+        runs, merged = self._contiguous_runs(indices, shape, strides, node)
+        for (outer, inner), stride in runs:
+            v = self.k.coord_run(outer, inner, scope)
+            deps |= v.deps
+            terms.append(v.code if stride == 1 else f"{v.code} * {stride}")
+        for k, (idx, size, stride) in enumerate(zip(indices, shape, strides)):
+            if k in merged:
+                continue
             v = self.index(idx, node, scope)
             lo, hi = bounds(idx, node.extents)
             if gathered_tensors(idx):  # a gathered index is data: it may be negative too
@@ -157,6 +164,37 @@ class BodyEmitter:
             if size > 1 and code != "0":
                 terms.append(code if stride == 1 else f"{code} * {stride}")
         return Val(" + ".join(terms) if terms else "0", "i", deps)
+
+    def _contiguous_runs(self, indices, shape, strides, node) -> tuple[list, set]:
+        """Runs of adjacent axes of one tile axis that the tensor lays out contiguously (stride of
+        the outer = extent of the inner x stride of the inner), e.g. batch norm's H and W: each run
+        addresses as one coordinate, (flat // inner) % extent, instead of one div/mod pair per axis
+        (with 64 elements per thread the per-axis index math made ptxas spill). Returns
+        [((outer class, inner class), stride of the inner)] and the merged index positions."""
+        plan = self.k.plan
+        axes = {}  # position in `indices` -> (tile axis, position in it)
+        for k, (idx, size) in enumerate(zip(indices, shape)):
+            if isinstance(idx, Var) and size > 1:
+                c = plan.cls[(node.name, idx.name)]
+                if plan.extents[c] == size:  # no clamping
+                    group = plan.L if c in plan.L else plan.P
+                    axes[k] = (group, group.index(c))
+        by_place = {(id(g), i): k for k, (g, i) in axes.items()}
+        runs, merged = [], set()
+        for k, (group, i) in sorted(axes.items(), key=lambda kv: kv[1][1]):
+            if k in merged:
+                continue
+            run = [k]
+            while (id(group), i + len(run)) in by_place:
+                nxt = by_place[(id(group), i + len(run))]
+                inner = group[i + len(run)]
+                if strides[run[-1]] != plan.extents[inner] * strides[nxt]:
+                    break
+                run.append(nxt)
+            if len(run) > 1:
+                runs.append(((group[i], group[i + len(run) - 1]), strides[run[-1]]))
+                merged.update(run)
+        return runs, merged
 
     def load(self, tensor: str, indices, node, scope: Scope, as_index: bool = False) -> Val:
         key = self.load_key(tensor, indices, node)
@@ -185,6 +223,8 @@ class BodyEmitter:
         if checks:  # out-of-range lanes read 0 (their values are discarded)
             mask = self.k.src.let(" & ".join(([mask] if mask else []) + checks), "m")
         mask_arg = f", mask={mask}, other=0" if mask else ""
+        hint = getattr(self.k, "load_hint", None)
+        mask_arg += f", eviction_policy='{hint}'" if hint and "l" in off.deps else ""
         code = f"tl.load({self.k.arg[tensor]} + {off.code}{mask_arg})" if off.code != "0" or mask else \
             f"tl.load({self.k.arg[tensor]})"
         return code, off.deps

@@ -80,8 +80,9 @@ def coop_refusal(plan: PartPlan, cfg: Config) -> str | None:
         return f"a persistent grid of {cfg.persistent} does not hold whole rows of {cfg.split} programs"
     if not plan.reductions or any(plan.stage[r.name] >= plan.final_stage for r in plan.reductions):
         return "every reduction must feed a later stage (per-row results alone use the phased split)"
-    if n_chunks(plan, cfg) != 1:
-        return f"each program's piece ({split_len(plan, cfg)} elements) must be one chunk of BL={cfg.BL}"
+    if cfg.persistent and n_chunks(plan, cfg) != 1:
+        return (f"a persistent cooperative split prefetches whole pieces: {split_len(plan, cfg)} elements must be "
+                f"one chunk of BL={cfg.BL}")
     return None
 
 
@@ -90,6 +91,15 @@ def max_coop_split(sms: int) -> int:
     least one program per SM, and half the SMs leaves room for other streams' kernels (or an MPS
     share) without a row's programs waiting on each other forever."""
     return max(2, min(64, sms // 2))
+
+
+def resident_per_sm(num_warps: int, registers: int, shared: int) -> int:
+    """Programs one Hopper SM holds at once: 64 warps, 64K registers (allocated per warp in
+    units of 256), 227 KB of shared memory (1 KB reserved per program), at most 32 programs."""
+    per_warp = -(-registers * 32 // 256) * 256
+    by_regs = 65536 // max(1, per_warp * num_warps)
+    by_smem = 233472 // (shared + 1024)
+    return max(0, min(32, 64 // num_warps, by_regs, by_smem))
 
 
 def _coop(plan: PartPlan, sms: int) -> list[Config]:
@@ -115,6 +125,29 @@ def _coop(plan: PartPlan, sms: int) -> list[Config]:
             cfg = dataclasses.replace(_fix(plan, BP, BL, split, warps), coop=True)
             if coop_refusal(plan, cfg) is None:
                 out.append(cfg)
+    return out + _coop_reread(plan, sms)
+
+
+MAX_REREAD_SPLIT = 256
+
+
+def _coop_reread(plan: PartPlan, sms: int) -> list[Config]:
+    """Cooperative splits whose pieces span several chunks: a program holds one chunk at a time
+    and reads its piece again after each barrier, from L2 (the first reads ask L2 to keep the
+    lines, the last to drop them). Few registers let several programs share an SM, so one
+    program's barrier wait overlaps another's loads; the pieces are sized so that what the
+    resident programs touch stays well inside L2 (50 MB). Groups over `max_coop_split` programs
+    are checked against the compiled kernel's occupancy before launch (runtime)."""
+    if plan.p_contiguous:  # (BP, BL, piece rows, warps)
+        shapes = [(32, 128, 512, 8), (32, 64, 256, 4), (32, 128, 1024, 16), (64, 64, 512, 8)]
+    else:
+        shapes = [(1, 4096, 16384, 8), (1, 2048, 8192, 4), (1, 4096, 32768, 16)]
+    out = []
+    for BP, BL, piece, warps in shapes:
+        split = cdiv(plan.L_total, piece)
+        cfg = dataclasses.replace(_fix(plan, BP, BL, split, warps), coop=True)
+        if 2 <= split <= MAX_REREAD_SPLIT and n_chunks(plan, cfg) > 1 and coop_refusal(plan, cfg) is None:
+            out.append(cfg)
     return out
 
 

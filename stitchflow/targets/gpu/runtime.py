@@ -24,7 +24,7 @@ from ...ir.graph import Graph
 from ...ir.interpret import eval_node
 from .analysis import PartPlan
 from .codegen import KernelSpec, build_kernel, kernel_inputs
-from .mapping import Config, candidates
+from .mapping import Config, candidates, max_coop_split, resident_per_sm
 
 log = logging.getLogger("stitchflow.gpu")
 
@@ -116,6 +116,8 @@ class Launch:
             for phase, runner in enumerate(self.fast):
                 runner(*args, phase)
         else:
+            if spec.coop_group and not interpreting() and spec.coop_group > max_coop_split(_sms(device)):
+                self._check_residency(args, device)
             compiled = [self.module.kernel[self.grid](*args, PHASE=phase, num_warps=spec.num_warps)
                         for phase in range(spec.phases)]
             if self.fast_ok and all(c is not None for c in compiled):
@@ -123,6 +125,22 @@ class Launch:
         LAUNCHES[self.title] += spec.phases
         for name, value in zip(spec.outputs, outs):
             env[name] = value
+
+
+    def _check_residency(self, args, device) -> None:
+        """A cooperative split over more programs than one per SM on half the SMs waits forever
+        unless the GPU holds the whole group at once: compile first, and refuse (ValueError, which
+        the autotuner skips) unless the occupancy leaves room for twice the group."""
+        kernel = self.module.kernel.warmup(*args, grid=self.grid, PHASE=0, num_warps=self.spec.num_warps)
+        kernel._init_handles()
+        per_sm = resident_per_sm(self.spec.num_warps, kernel.n_regs, kernel.metadata.shared)
+        if self.spec.coop_group * 2 > per_sm * _sms(device):
+            raise ValueError(f"a cooperative split of {self.spec.coop_group} programs needs them all resident, but "
+                             f"{kernel.n_regs} registers per thread leave {per_sm} per SM")
+
+
+def _sms(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 class GroupKernel:

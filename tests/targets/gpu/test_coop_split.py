@@ -14,7 +14,8 @@ import torch  # noqa: E402
 
 import stitchflow  # noqa: E402
 from stitchflow.bench.stitching_patterns import PATTERNS, as_tuple, relative_error, tolerance  # noqa: E402
-from stitchflow.targets.gpu.mapping import Config, candidates, coop_refusal, max_coop_split  # noqa: E402
+from stitchflow.targets.gpu.mapping import (MAX_REREAD_SPLIT, Config, candidates, coop_refusal, max_coop_split,  # noqa: E402
+                                            n_chunks, resident_per_sm)  # noqa: E402
 
 COMPILE = """
 import json, re, subprocess, sys, tempfile
@@ -61,6 +62,10 @@ CASES = [  # pattern, shape, dtype, config, (barriers: one per stage feeding a l
     ("add_layernorm_gelu", (2, 50000), "bfloat16", Config(1, 8192, 7, 16, coop=True), (2, 2)),
     ("column_standardize", (8200, 96), "float32", Config(32, 512, 17, 8, coop=True), (1, 3)),  # tiles 32 columns wide
     ("batchnorm_train", (4, 24, 30, 30), "float32", Config(1, 512, 8, 4, coop=True), (2, 24)),  # rows are (N, H, W)
+    # pieces of several chunks, read again from L2 after each barrier (a variance then has its own)
+    ("column_standardize", (8200, 96), "float32", Config(32, 128, 17, 8, coop=True), (2, 3)),
+    ("batchnorm_train", (4, 24, 30, 30), "float32", Config(1, 512, 4, 4, coop=True), (2, 24)),
+    ("softmax_long_rows", (3, 40000), "float32", Config(1, 4096, 3, 8, coop=True), (1, 3)),
     # persistent groups that prefetch their next row's piece
     ("softmax_long_rows", (37, 65536), "float32", Config(1, 8192, 8, 8, persistent=40, coop=True), (1, 37)),
     ("column_standardize", (8200, 200), "float32", Config(16, 512, 17, 8, persistent=34, coop=True), (1, 13)),
@@ -92,8 +97,13 @@ def test_long_rows_get_coop_candidates_and_the_rest_say_why_not():
     assert "split > 1" in coop_refusal(long_rows, Config(1, 65536, 1, 16, coop=True))
     columns = _plan("column_standardize", (65536, 1024))
     assert [c for c in candidates(columns) if c.coop and c.BP == 32]
-    assert all(c.split <= max_coop_split(132) for c in candidates(columns) + candidates(long_rows) if c.coop)
-    assert "must be one chunk" in coop_refusal(long_rows, Config(1, 4096, 4, 16, coop=True))
+    for c in candidates(columns) + candidates(long_rows):
+        if c.coop and n_chunks(columns if c.BP > 1 else long_rows, c) == 1:  # the piece stays in registers
+            assert c.split <= max_coop_split(132)
+        elif c.coop:  # the piece is re-read from L2; its group's residency is checked at launch
+            assert c.split <= MAX_REREAD_SPLIT
+    assert [c for c in candidates(columns) if c.coop and n_chunks(columns, c) > 1]
+    assert "must be one chunk" in coop_refusal(long_rows, Config(1, 4096, 4, 16, persistent=8, coop=True))
 
 
 def test_centred_variances_are_found_where_they_are():
@@ -136,3 +146,10 @@ def test_coop_split_equals_eager_on_gpu(name, shape, dtype, cfg, _):
         for _ in range(2):
             for o, r in zip(as_tuple(prog(*args)), as_tuple(module(*args))):
                 assert relative_error(o, r) <= tolerance(dtype)
+
+
+def test_resident_programs_per_sm_follow_hoppers_limits():
+    assert resident_per_sm(8, 32, 0) == 8          # 64 warps
+    assert resident_per_sm(4, 255, 0) == 2         # registers: 8192 per warp, 64K per SM
+    assert resident_per_sm(1, 16, 100_000) == 2    # shared memory
+    assert resident_per_sm(1, 16, 0) == 32         # the per-SM program limit
