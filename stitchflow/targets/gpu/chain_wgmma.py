@@ -44,16 +44,13 @@ PHI16_COEFFICIENTS = (9.992875675379764e-06, -0.0003530318499542773, 0.005269785
 
 # The chain kernel's h = GELU(acc) in packed half precision, two elements per instruction
 # (wgmma_kernel._gelu_pairs_asm): log2 Φ(-u), u = |x|, by a cubic evaluated in f16x2, fitted to the
-# GELU's error in bf16 rounding steps (not to log2 Φ: where GELU is tiny its error does not count).
-# Its leading coefficient is negative, so past the fit (u > 4) p only falls, to -inf for u = inf, and
+# GELU's error in bf16 rounding steps (not to log2 Φ: where GELU is tiny, its error does not count).
+# The leading coefficient is negative, so past the fit (u > 4) p only falls, to -inf at u = inf, and
 # 2^p underflows to 0: no clamp. Against float64, emulated over x in [-9, 12]: mean 0.44 and at most
 # 2.8 bf16 steps of |GELU| where |GELU| > 1e-3 (eager, which rounds A·B to bf16 before its GELU: mean
-# 0.64, at most 7.5). Per pair of elements: 14 instructions, two of them MUFU ex2 (the degree-4 fit
-# with a clamp took 16).
+# 0.64, at most 7.5). 14 instructions per pair of elements, two of them MUFU ex2; the degree-4 fit on
+# [0, 5.5] with a clamp took 16 (65536×64→256→64: 17.0-17.4 µs against 17.8, H100).
 PHI_PAIRS_COEFFICIENTS = (-0.01594003239937775, -0.535585631431372, -1.0899659684582512, -1.0105377217930211)
-PHI_PAIRS_CLAMP = None
-if __import__("os").environ.get("STITCHFLOW_GELU_OLD") == "1":  # probe only: the previous form
-    PHI_PAIRS_COEFFICIENTS, PHI_PAIRS_CLAMP = (0.0017134703, -0.029720427, -0.49810737, -1.1274617, -1.002314), 5.5
 
 
 @dataclass(frozen=True)
@@ -64,23 +61,16 @@ class WgmmaTiles:
     a_stages: int = 2
     w_stages: int = 2              # ring of weight chunks when B and D do not stay resident
     programs_per_sm: int = 2
-    groups: int = 1                # >1: that many warpgroups per program walk their own tiles, one copy of the weights
-    pingpong: bool = False         # two groups that take turns at the tensor cores
 
     def __str__(self) -> str:
-        tail = (f"g{self.groups}" + ("pp" if self.pingpong else "")) if self.groups > 1 else f"x{self.programs_per_sm}/SM"
-        return f"wgmma bm{self.bm} bn{self.bn} w{self.num_warps} a{self.a_stages} ws{self.w_stages} {tail}"
-
-
-# Registers per thread of a warpgroup in the grouped kernel (65536 per SM over 128·groups threads,
-# in steps of 8), and whether its GEMM1 runs a chunk ahead (a second accumulator: only with room)
-GROUP_REGS = {2: 240, 3: 168, 4: 128}
+        return (f"wgmma bm{self.bm} bn{self.bn} w{self.num_warps} a{self.a_stages} ws{self.w_stages} "
+                f"x{self.programs_per_sm}/SM")
 
 
 def smem_bytes(K: int, N: int, L: int, tiles: WgmmaTiles, resident: bool) -> int:
     chunks = N // tiles.bn if resident else tiles.w_stages
     weights = chunks * (K * tiles.bn + tiles.bn * L) * 2
-    return weights + tiles.groups * (tiles.a_stages * tiles.bm * K * 2 + tiles.bm * L * 2) + 1024
+    return weights + tiles.a_stages * tiles.bm * K * 2 + tiles.bm * L * 2 + 1024
 
 
 def is_resident(K: int, N: int, L: int, tiles: WgmmaTiles) -> bool:
@@ -106,12 +96,6 @@ def shape_refusal(K: int, N: int, L: int, tiles: WgmmaTiles, act: str, gated: bo
         return f"N={N} is not a multiple of the chunk bn={tiles.bn}"
     if smem_bytes(K, N, L, tiles, False) * tiles.programs_per_sm > SMEM_BYTES:
         return "the A ring and two weight chunks do not fit shared memory"
-    if tiles.groups > 1 and (tiles.groups not in GROUP_REGS or tiles.num_warps != 4 or tiles.programs_per_sm != 1):
-        return f"grouped programs: 2-4 warpgroups of 4 warps, one program per SM (got {tiles})"
-    if tiles.pingpong and tiles.groups != 2:
-        return "ping-pong takes two warpgroups"
-    if tiles.groups > 1 and not is_resident(K, N, L, tiles):
-        return "grouped warpgroups share resident weights, and these do not fit shared memory"
     return None
 
 
@@ -165,11 +149,10 @@ def compile_for_sm90(M: int, K: int, N: int, L: int, tiles: WgmmaTiles, act: str
         b, d = torch.empty(K, N, dtype=torch.bfloat16), torch.empty(N, L, dtype=torch.bfloat16)
     out = torch.empty(M, L)
     args, meta = launch_args(a, b, d, out.to(torch.bfloat16), torch.empty(N) if bias else None, act, tiles)
-    kernel, options = kernel_for(tiles)
-    return compile_gluon_sm90(kernel, args, meta, tiles.num_warps, ints=("M",), **options)
+    return compile_gluon_sm90(kernel_module().chain_wgmma_kernel, args, meta, tiles.num_warps, ints=("M",))
 
 
-def compile_gluon_sm90(fn, args: tuple, meta: dict, num_warps: int, ints: tuple[str, ...], **options) -> dict:
+def compile_gluon_sm90(fn, args: tuple, meta: dict, num_warps: int, ints: tuple[str, ...]) -> dict:
     """Compile a Gluon kernel for sm_90 with Triton's ptxas (no GPU needed): registers, spilled
     bytes and shared memory per program, read from the cubin. `ints` name the i32 scalar arguments."""
     import subprocess
@@ -184,7 +167,7 @@ def compile_gluon_sm90(fn, args: tuple, meta: dict, num_warps: int, ints: tuple[
     signature.update({name: "i32" for name in ints})
     signature.update({name: "constexpr" for name in meta})
     kernel = triton.compile(GluonASTSource(fn, signature, meta), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": num_warps, **options})
+                            options={"num_warps": num_warps})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
@@ -204,21 +187,9 @@ def launch_args(a, b, d, out, bias1, act: str, tiles: WgmmaTiles) -> tuple[tuple
             _descriptor(d_rows, [L, tiles.bn] if d_t else [tiles.bn, L]), _descriptor(out, [tiles.bm, L]),
             bias1 if bias1 is not None else a, M)
     meta = dict(K=K, N=N, L=L, ACT=GLUON_ACTS[act], HAS_B1=bias1 is not None, BM=tiles.bm, BN=tiles.bn,
-                A_STAGES=tiles.a_stages, B_T=b_t, D_T=d_t, num_warps=tiles.num_warps)
-    if tiles.groups > 1:
-        meta.update(GROUPS=tiles.groups, GROUP_REGS=GROUP_REGS[tiles.groups], AHEAD=tiles.groups == 2,
-                    PINGPONG=tiles.pingpong)
-    else:
-        meta.update(W_STAGES=tiles.w_stages, RESIDENT=is_resident(K, N, L, tiles))
+                A_STAGES=tiles.a_stages, W_STAGES=tiles.w_stages, RESIDENT=is_resident(K, N, L, tiles),
+                B_T=b_t, D_T=d_t, num_warps=tiles.num_warps)
     return args, meta
-
-
-def kernel_for(tiles: WgmmaTiles):
-    """(the Gluon kernel for these tiles, extra launch options)."""
-    module = kernel_module()
-    if tiles.groups > 1:
-        return module.chain_wgmma_groups_kernel, {"maxnreg": GROUP_REGS[tiles.groups]}
-    return module.chain_wgmma_kernel, {}
 
 def chain_wgmma(a, b, d, *, act: str = "gelu", bias1=None, tiles: WgmmaTiles = WgmmaTiles(),
                 programs: int | None = None):
@@ -228,8 +199,7 @@ def chain_wgmma(a, b, d, *, act: str = "gelu", bias1=None, tiles: WgmmaTiles = W
         raise ValueError(refusal)
     out = torch.empty((a.shape[0], d.shape[1]), dtype=a.dtype, device=a.device)
     sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-    grid = (max(1, min(-(-a.shape[0] // (tiles.bm * tiles.groups)), programs or sms * tiles.programs_per_sm)),)
+    grid = (max(1, min(-(-a.shape[0] // tiles.bm), programs or sms * tiles.programs_per_sm)),)
     args, meta = launch_args(a, b, d, out, bias1, act, tiles)
-    kernel, options = kernel_for(tiles)
-    kernel[grid](*args, **meta, **options)
+    kernel_module().chain_wgmma_kernel[grid](*args, **meta)
     return out

@@ -10,7 +10,6 @@ The barrier itself is `row_barrier`."""
 
 from __future__ import annotations
 
-import os
 import re
 
 from ...ir.expr import Call, Cast, Const, Read
@@ -126,10 +125,13 @@ class SplitStitching:
         final = self.plan.final_stage
         self.emit_ready_rows(root, 0)
         barriers = 0
-        # centred variances met at their mean's barrier: column blocks only for now. column_standardize went from
-        # 288 to 259 µs (H100), but batch norm's (N, H, W) rows took 3.4 ms instead of 0.21 (not understood yet)
-        # (from registers: a piece re-read chunk by chunk takes its variance in a stage of its own)
-        one_piece = (self.plan.p_contiguous or os.environ.get("STITCHFLOW_CHAN_ROWS") == "1") and self.single_chunk
+        # centred variances met at their mean's barrier: column blocks whose piece stays in registers only.
+        # column_standardize went from 288 to 259 µs (H100). Batch norm's (N, H, W) rows took 3.4 ms instead of
+        # 0.21: its 32768-element pieces made ptxas spill (32 registers, ~800 spill stores; per-axis index math,
+        # since merged by emit._contiguous_runs), and with 16384-element pieces a device probe of the rewrite
+        # did not finish in 120 s (not understood). A piece re-read chunk by chunk (a cooperative split over
+        # several chunks, options only) takes its variance in a stage of its own.
+        one_piece = self.plan.p_contiguous and self.single_chunk
         variances = centred_variances(self.graph, self.plan) if one_piece else {}
         waits = [self.plan.stage[r.name] for r in self.plan.reductions if r.name not in variances]
         for s in range(final + 1):

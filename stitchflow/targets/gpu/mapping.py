@@ -109,45 +109,27 @@ def _coop(plan: PartPlan, sms: int) -> list[Config]:
     statistics through global memory at a barrier. Column reductions (the parallel axis
     contiguous) split their long reduced axis the same way, over tiles 32 columns wide.
 
-    A persistent grid (`persistent` with `coop`, options only) walks the row blocks and loads
-    its next piece while the current row waits; on the H100 it ran 10-40% slower than these
-    (scripts/coop_try.py, BENCHMARKS.md), so the autotuner does not try it."""
+    Options only, each slower on the H100 than these, so the autotuner does not try them:
+    - a persistent grid (`persistent` with `coop`) walks the row blocks and loads its next piece
+      while the current row waits: 10-40% slower (scripts/coop_try.py, BENCHMARKS.md);
+    - pieces of several chunks (BL below the piece) hold one chunk at a time and read the piece
+      again from L2 after each barrier (first reads evict_last, the last evict_first), so several
+      programs share an SM: 8-40% slower (scripts/coop_reread_probe.py).
+    Groups over `max_coop_split` programs (pinned by options) are checked against the compiled
+    kernel's occupancy before launch (runtime.Launch)."""
     out = []
     if os.environ.get("STITCHFLOW_COOP", "1") == "0":  # the escape hatch (README)
         return []
     if plan.p_contiguous:
         shapes = [(32, 1024, 16), (32, 1024, 8), (16, 2048, 16)]
     else:
-        shapes = [(1, 16384, 16), (1, 8192, 8), (1, 8192, 16), (1, 4096, 8), (1, 32768, 16)]
+        shapes = [(1, 16384, 16), (1, 16384, 8), (1, 8192, 8), (1, 8192, 16), (1, 4096, 8), (1, 4096, 4), (1, 32768, 16)]
     for BP, BL, warps in shapes:
         split = cdiv(plan.L_total, BL)
         if 2 <= split <= max_coop_split(sms):
             cfg = dataclasses.replace(_fix(plan, BP, BL, split, warps), coop=True)
             if coop_refusal(plan, cfg) is None:
                 out.append(cfg)
-    return out + _coop_reread(plan, sms)
-
-
-MAX_REREAD_SPLIT = 256
-
-
-def _coop_reread(plan: PartPlan, sms: int) -> list[Config]:
-    """Cooperative splits whose pieces span several chunks: a program holds one chunk at a time
-    and reads its piece again after each barrier, from L2 (the first reads ask L2 to keep the
-    lines, the last to drop them). Few registers let several programs share an SM, so one
-    program's barrier wait overlaps another's loads; the pieces are sized so that what the
-    resident programs touch stays well inside L2 (50 MB). Groups over `max_coop_split` programs
-    are checked against the compiled kernel's occupancy before launch (runtime)."""
-    if plan.p_contiguous:  # (BP, BL, piece rows, warps)
-        shapes = [(32, 128, 512, 8), (32, 64, 256, 4), (32, 128, 1024, 16), (64, 64, 512, 8)]
-    else:
-        shapes = [(1, 4096, 16384, 8), (1, 2048, 8192, 4), (1, 4096, 32768, 16)]
-    out = []
-    for BP, BL, piece, warps in shapes:
-        split = cdiv(plan.L_total, piece)
-        cfg = dataclasses.replace(_fix(plan, BP, BL, split, warps), coop=True)
-        if 2 <= split <= MAX_REREAD_SPLIT and n_chunks(plan, cfg) > 1 and coop_refusal(plan, cfg) is None:
-            out.append(cfg)
     return out
 
 

@@ -87,8 +87,9 @@ def save_choice(key: str, choice: list, timings: dict) -> None:
 
 
 # Part of every autotuning cache key: bump it when generated code changes what a config means, so that
-# configs chosen for older code are timed again (4: cooperative splits, variances at their mean's barrier).
-CODEGEN_VERSION = 4
+# configs chosen for older code are timed again (4: cooperative splits, variances at their mean's barrier;
+# 5: contiguous axis runs addressed as one coordinate).
+CODEGEN_VERSION = 5
 
 
 class Launch:

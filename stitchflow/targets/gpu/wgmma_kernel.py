@@ -12,7 +12,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                   warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .chain_wgmma import PHI16_COEFFICIENTS, PHI_PAIRS_CLAMP, PHI_PAIRS_COEFFICIENTS
+from .chain_wgmma import PHI16_COEFFICIENTS, PHI_PAIRS_COEFFICIENTS
 
 PHI16_TAIL = gl.constexpr(PHI16_COEFFICIENTS)
 
@@ -21,7 +21,8 @@ def _gelu_pairs_asm(out: str) -> str:
     """PTX for two GELUs at once (chain_wgmma.PHI_PAIRS_COEFFICIENTS): log2 Φ(-|x|) and its power of
     two in packed half precision (two lanes per instruction), x·Φ(x) = max(x, 0) - |x|·2^p in fp32,
     both results rounded into one 32-bit register of `out` (bf16x2 or f16x2), the layout the second
-    wgmma reads. Operands: $1, $2 the two fp32 inputs, $0 the packed result."""
+    wgmma reads. Operands: $1, $2 the two fp32 inputs, $0 the packed result. An infinite x gives NaN
+    (inf·0 in the fp32 product)."""
     import numpy as np
 
     def pair(value: float) -> str:
@@ -29,10 +30,9 @@ def _gelu_pairs_asm(out: str) -> str:
         return f"0x{half:04X}{half:04X}"
 
     c = PHI_PAIRS_COEFFICIENTS
-    clamp = f"mov.b32 c, {pair(PHI_PAIRS_CLAMP)}; min.f16x2 u, u, c; " if PHI_PAIRS_CLAMP else ""
     horner = "".join(f"mov.b32 c, {pair(ci)}; fma.rn.f16x2 p, p, u, c; " for ci in c[2:])
     return ("{ .reg .b32 xh, u, p, c, e; .reg .b16 e_lo, e_hi; .reg .f32 e0, e1, y0, y1, n0, n1; "
-            f"cvt.rn.f16x2.f32 xh, $2, $1; and.b32 u, xh, 0x7FFF7FFF; {clamp}"
+            "cvt.rn.f16x2.f32 xh, $2, $1; and.b32 u, xh, 0x7FFF7FFF; "
             f"mov.b32 c, {pair(c[0])}; mov.b32 p, {pair(c[1])}; fma.rn.f16x2 p, c, u, p; "
             f"{horner}ex2.approx.f16x2 e, p; mov.b32 {{e_lo, e_hi}}, e; cvt.f32.f16 e0, e_lo; cvt.f32.f16 e1, e_hi; "
             "max.f32 y0, $1, 0f00000000; max.f32 y1, $2, 0f00000000; abs.f32 n0, $1; abs.f32 n1, $2; "
@@ -90,57 +90,23 @@ def _operand(smem, i, TRANSPOSED: gl.constexpr):
 
 
 @gluon.jit
-def _await_chunk(w_bar, i):
-    """Wait for weight slot i's one and only copy (a no-op once it has landed; none without barriers)."""
-    if w_bar is not None:
-        mbarrier.wait(w_bar.index(i), 0)
-
-
-@gluon.jit
-def _load_resident(b_desc, d_desc, b_smem, d_smem, w_bar, NCH: gl.constexpr, BN: gl.constexpr, B_T: gl.constexpr,
-                   D_T: gl.constexpr):
-    """Every chunk of B (barrier c), then of D (barrier NCH + c): in the order the first tile uses them,
-    each on its own barrier, so that its first GEMM starts when B's first chunk has landed (every
-    program fetches the weights from L2 at once when the kernel starts)."""
-    for c in gl.static_range(NCH):
-        mbarrier.expect(w_bar.index(c), b_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(b_desc, [c * BN, 0] if B_T else [0, c * BN], w_bar.index(c), b_smem.index(c))
-    for c in gl.static_range(NCH):
-        mbarrier.expect(w_bar.index(NCH + c), d_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(d_desc, [0, c * BN] if D_T else [c * BN, 0], w_bar.index(NCH + c),
-                                        d_smem.index(c))
-
-
-@gluon.jit
 def _resident_tile(a_tile, b_smem, d_smem, bias1_ptr, ACT: gl.constexpr, HAS_B1: gl.constexpr, BM: gl.constexpr,
                    BN: gl.constexpr, L: gl.constexpr, NCH: gl.constexpr, WARPS: gl.constexpr, B_T: gl.constexpr,
-                   D_T: gl.constexpr, AHEAD: gl.constexpr = True, w_bar=None):
+                   D_T: gl.constexpr):
     """E_tile = Σ_c act(A·B_c + b1_c)·D_c, every chunk of B and D resident in shared memory.
-    Asynchronous wgmma: GEMM1 of chunk c+1 runs on the tensor cores during chunk c's activation
-    (AHEAD; without it, one GEMM1 accumulator fewer, for warpgroups that overlap each other)."""
+    Asynchronous wgmma: GEMM1 of chunk c+1 runs on the tensor cores during chunk c's activation."""
     mma1: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BN, 16])
     mma2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, L, 16])
     h_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma2, k_width=2)
     acc2 = gl.zeros([BM, L], gl.float32, mma2)
-    if not AHEAD:
-        for c in gl.static_range(NCH):
-            acc1 = warpgroup_mma(a_tile, _operand(b_smem, c, B_T), gl.zeros([BM, BN], gl.float32, mma1),
-                                 use_acc=False, is_async=True)
-            acc1 = warpgroup_mma_wait(num_outstanding=0, deps=[acc1])
-            h = _chunk_h(acc1, bias1_ptr, c, ACT, HAS_B1, BN, h_layout, a_tile.dtype)
-            acc2 = warpgroup_mma(h, _operand(d_smem, c, D_T), acc2, is_async=True)
-        return warpgroup_mma_wait(num_outstanding=0, deps=[acc2])
-    _await_chunk(w_bar, 0)
     acc1 = warpgroup_mma(a_tile, _operand(b_smem, 0, B_T), gl.zeros([BM, BN], gl.float32, mma1), use_acc=False,
                          is_async=True)
     for c in gl.static_range(NCH):
         acc1 = warpgroup_mma_wait(num_outstanding=0 if c == 0 else 1, deps=[acc1])
         if c + 1 < NCH:
-            _await_chunk(w_bar, c + 1)
             nxt = warpgroup_mma(a_tile, _operand(b_smem, c + 1, B_T), gl.zeros([BM, BN], gl.float32, mma1),
                                 use_acc=False, is_async=True)
         h = _chunk_h(acc1, bias1_ptr, c, ACT, HAS_B1, BN, h_layout, a_tile.dtype)
-        _await_chunk(w_bar, NCH + c)
         acc2 = warpgroup_mma(h, _operand(d_smem, c, D_T), acc2, is_async=True)
         if c + 1 < NCH:
             acc1 = nxt
@@ -195,11 +161,10 @@ def chain_wgmma_kernel(a_desc, b_desc, d_desc, o_desc, bias1_ptr, M,
     d_smem = gl.allocate_shared_memory(dtype, [W_SLOTS] + d_desc.block_type.shape, d_desc.layout)
     o_smem = gl.allocate_shared_memory(dtype, [BM, L], o_desc.layout)
     a_bar = gl.allocate_shared_memory(gl.int64, [A_STAGES, 1], mbarrier.MBarrierLayout())
-    W_BARS: gl.constexpr = 2 * NCH if RESIDENT else W_STAGES  # resident: one per chunk of B, then of D
-    w_bar = gl.allocate_shared_memory(gl.int64, [W_BARS, 1], mbarrier.MBarrierLayout())
+    w_bar = gl.allocate_shared_memory(gl.int64, [W_SLOTS, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(A_STAGES):
         mbarrier.init(a_bar.index(s), count=1)
-    for s in gl.static_range(W_BARS):
+    for s in gl.static_range(W_SLOTS):
         mbarrier.init(w_bar.index(s), count=1)
     fence_async_shared()
 
@@ -210,18 +175,18 @@ def chain_wgmma_kernel(a_desc, b_desc, d_desc, o_desc, bias1_ptr, M,
         mbarrier.expect(a_bar.index(s), a_desc.block_type.nbytes, pred=s < my_tiles)
         tma.async_copy_global_to_shared(a_desc, [(pid + s * programs) * BM, 0], a_bar.index(s), a_smem.index(s),
                                         pred=s < my_tiles)
-    if RESIDENT:  # every chunk, once
-        _load_resident(b_desc, d_desc, b_smem, d_smem, w_bar, NCH, BN, B_T, D_T)
-    else:  # the ring's first chunks
-        for s in gl.static_range(W_SLOTS):
-            _load_weights(b_desc, d_desc, b_smem.index(s), d_smem.index(s), w_bar.index(s), s, BN, B_T, D_T)
+    for s in gl.static_range(W_SLOTS):  # resident: every chunk, once; streamed: the ring's first chunks
+        _load_weights(b_desc, d_desc, b_smem.index(s), d_smem.index(s), w_bar.index(s), s % NCH, BN, B_T, D_T)
+    if RESIDENT:
+        for s in gl.static_range(NCH):
+            mbarrier.wait(w_bar.index(s), 0)
 
     for i in range(my_tiles):
         slot = i % A_STAGES
         mbarrier.wait(a_bar.index(slot), (i // A_STAGES) & 1)
         if RESIDENT:
             acc2 = _resident_tile(a_smem.index(slot), b_smem, d_smem, bias1_ptr, ACT, HAS_B1, BM, BN, L, NCH,
-                                  num_warps, B_T, D_T, True, w_bar)
+                                  num_warps, B_T, D_T)
         else:
             acc2 = _streamed_tile(a_smem.index(slot), b_smem, d_smem, w_bar, b_desc, d_desc, bias1_ptr, i, my_tiles,
                                   ACT, HAS_B1, BM, BN, L, NCH, W_STAGES, num_warps, B_T, D_T)
@@ -238,175 +203,10 @@ def chain_wgmma_kernel(a_desc, b_desc, d_desc, o_desc, bias1_ptr, M,
     tma.store_wait(0)
     for s in gl.static_range(A_STAGES):
         mbarrier.invalidate(a_bar.index(s))
-    for s in gl.static_range(W_BARS):
+    for s in gl.static_range(W_SLOTS):
         mbarrier.invalidate(w_bar.index(s))
 
 
 def descriptor(t, block: list[int]) -> TensorDescriptor:
     dtype = gl.bfloat16 if str(t.dtype) == "torch.bfloat16" else gl.float16
     return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, dtype))
-
-
-@gluon.jit
-def _group_tiles(a_desc, o_desc, b_smem, d_smem, a_smem, a_bar, o_smem, bias1_ptr, M, part: gl.constexpr,
-                 GROUPS: gl.constexpr, ACT: gl.constexpr, HAS_B1: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                 L: gl.constexpr, NCH: gl.constexpr, A_STAGES: gl.constexpr, B_T: gl.constexpr, D_T: gl.constexpr,
-                 AHEAD: gl.constexpr):
-    """One warpgroup's share of a program's tiles (`chain_wgmma_groups_kernel`): its own A ring,
-    barriers and output buffer, the weights shared. Its thread barriers sync its own 4 warps only
-    (Triton turns them into named barriers inside a warp-specialised region)."""
-    dtype: gl.constexpr = a_desc.dtype
-    vpid = gl.program_id(0) * GROUPS + part
-    vprograms = gl.num_programs(0) * GROUPS
-    my_tiles = (gl.cdiv(M, BM) - vpid + vprograms - 1) // vprograms
-    for s in gl.static_range(A_STAGES):
-        mbarrier.expect(a_bar.index(part * A_STAGES + s), a_desc.block_type.nbytes, pred=s < my_tiles)
-        tma.async_copy_global_to_shared(a_desc, [(vpid + s * vprograms) * BM, 0], a_bar.index(part * A_STAGES + s),
-                                        a_smem.index(part * A_STAGES + s), pred=s < my_tiles)
-    out = o_smem.index(part)
-    for i in range(my_tiles):
-        slot = part * A_STAGES + i % A_STAGES
-        mbarrier.wait(a_bar.index(slot), (i // A_STAGES) & 1)
-        acc2 = _resident_tile(a_smem.index(slot), b_smem, d_smem, bias1_ptr, ACT, HAS_B1, BM, BN, L, NCH, 4, B_T, D_T,
-                              AHEAD)
-        gl.thread_barrier()  # this warpgroup is done reading the A slot: refill it
-        more = i + A_STAGES < my_tiles
-        mbarrier.expect(a_bar.index(slot), a_desc.block_type.nbytes, pred=more)
-        tma.async_copy_global_to_shared(a_desc, [(vpid + (i + A_STAGES) * vprograms) * BM, 0], a_bar.index(slot),
-                                        a_smem.index(slot), pred=more)
-        tma.store_wait(0)
-        out.store(acc2.to(dtype))
-        fence_async_shared()
-        gl.thread_barrier()
-        tma.async_copy_shared_to_global(o_desc, [(vpid + i * vprograms) * BM, 0], out)
-    tma.store_wait(0)
-
-
-@gluon.jit
-def _pingpong_tiles(a_desc, o_desc, b_smem, d_smem, a_smem, a_bar, o_smem, turn, bias1_ptr, M, part: gl.constexpr,
-                    ACT: gl.constexpr, HAS_B1: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, L: gl.constexpr,
-                    NCH: gl.constexpr, A_STAGES: gl.constexpr, B_T: gl.constexpr, D_T: gl.constexpr):
-    """One of two warpgroups that take turns at the tensor cores (CUTLASS's ping-pong): a warpgroup
-    issues its wgmmas only on its turn and hands the turn over at once, then waits for them and
-    runs its activation (or its epilogue) while the other's wgmmas run. Left to themselves, two
-    warpgroups with the same work fall into step: both at the MUFU for the activation, then both
-    at the tensor cores. Per tile, turn c issues GEMM1 of chunk c and GEMM2 of chunk c-1; turn NCH
-    the last GEMM2. Both warpgroups take the same number of turns (a row tile past the end is
-    computed on stale data and not stored), so neither waits for a turn that never comes."""
-    mma1: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
-    mma2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, L, 16])
-    h_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma2, k_width=2)
-    dtype: gl.constexpr = a_desc.dtype
-    pid = gl.program_id(0)
-    programs = gl.num_programs(0)
-    ntiles = gl.cdiv(M, BM)
-    steps = gl.cdiv(ntiles, 2 * programs)
-    for s in gl.static_range(A_STAGES):
-        tile = (s * programs + pid) * 2 + part
-        mbarrier.expect(a_bar.index(part * A_STAGES + s), a_desc.block_type.nbytes, pred=tile < ntiles)
-        tma.async_copy_global_to_shared(a_desc, [tile * BM, 0], a_bar.index(part * A_STAGES + s),
-                                        a_smem.index(part * A_STAGES + s), pred=tile < ntiles)
-    out = o_smem.index(part)
-    turns = 0
-    for i in range(steps):
-        tile = (i * programs + pid) * 2 + part
-        slot = part * A_STAGES + i % A_STAGES
-        mbarrier.wait(a_bar.index(slot), (i // A_STAGES) & 1, pred=tile < ntiles)
-        a_tile = a_smem.index(slot)
-        acc2 = gl.zeros([BM, L], gl.float32, mma2)
-        h = gl.zeros([BM, BN], dtype, h_layout)
-        for c in gl.static_range(NCH + 1):
-            mbarrier.wait(turn.index(part), turns & 1)
-            turns += 1
-            if c < NCH:
-                acc1 = warpgroup_mma(a_tile, _operand(b_smem, c, B_T), gl.zeros([BM, BN], gl.float32, mma1),
-                                     use_acc=False, is_async=True)
-            if c > 0:
-                acc2 = warpgroup_mma(h, _operand(d_smem, c - 1, D_T), acc2, is_async=True)
-            mbarrier.arrive(turn.index(1 - part), count=1)
-            if c < NCH:
-                acc1 = warpgroup_mma_wait(num_outstanding=1 if c > 0 else 0, deps=[acc1])
-                h = _chunk_h(acc1, bias1_ptr, c, ACT, HAS_B1, BN, h_layout, dtype)
-        acc2 = warpgroup_mma_wait(num_outstanding=0, deps=[acc2])
-        gl.thread_barrier()  # this warpgroup's wgmmas are done with the A slot: refill it
-        more = (i + A_STAGES) * programs * 2 + pid * 2 + part < ntiles
-        mbarrier.expect(a_bar.index(slot), a_desc.block_type.nbytes, pred=more)
-        tma.async_copy_global_to_shared(a_desc, [((i + A_STAGES) * programs + pid) * 2 * BM + part * BM, 0],
-                                        a_bar.index(slot), a_smem.index(slot), pred=more)
-        if tile < ntiles:
-            tma.store_wait(0)
-            out.store(acc2.to(dtype))
-            fence_async_shared()
-            gl.thread_barrier()
-            tma.async_copy_shared_to_global(o_desc, [tile * BM, 0], out)
-    tma.store_wait(0)
-
-
-@gluon.jit
-def chain_wgmma_groups_kernel(a_desc, b_desc, d_desc, o_desc, bias1_ptr, M,
-                              K: gl.constexpr, N: gl.constexpr, L: gl.constexpr, ACT: gl.constexpr,
-                              HAS_B1: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, A_STAGES: gl.constexpr,
-                              GROUPS: gl.constexpr, GROUP_REGS: gl.constexpr, AHEAD: gl.constexpr,
-                              PINGPONG: gl.constexpr, B_T: gl.constexpr, D_T: gl.constexpr,
-                              num_warps: gl.constexpr):
-    """The resident chain with GROUPS warpgroups per program that each walk their own row tiles
-    against one shared copy of the weights (the `x/SM` of `chain_wgmma_kernel` without a copy
-    of the weights per program): while one warpgroup's wgmmas run, another computes its
-    activation or stores its tile, the warp schedulers interleaving them."""
-    NCH: gl.constexpr = N // BN
-    dtype: gl.constexpr = a_desc.dtype
-    a_smem = gl.allocate_shared_memory(dtype, [GROUPS * A_STAGES, BM, K], a_desc.layout)
-    b_smem = gl.allocate_shared_memory(dtype, [NCH] + b_desc.block_type.shape, b_desc.layout)
-    d_smem = gl.allocate_shared_memory(dtype, [NCH] + d_desc.block_type.shape, d_desc.layout)
-    o_smem = gl.allocate_shared_memory(dtype, [GROUPS, BM, L], o_desc.layout)
-    a_bar = gl.allocate_shared_memory(gl.int64, [GROUPS * A_STAGES, 1], mbarrier.MBarrierLayout())
-    w_bar = gl.allocate_shared_memory(gl.int64, [NCH, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(GROUPS * A_STAGES):
-        mbarrier.init(a_bar.index(s), count=1)
-    for s in gl.static_range(NCH):
-        mbarrier.init(w_bar.index(s), count=1)
-    fence_async_shared()
-    for s in gl.static_range(NCH):
-        _load_weights(b_desc, d_desc, b_smem.index(s), d_smem.index(s), w_bar.index(s), s, BN, B_T, D_T)
-    for s in gl.static_range(NCH):
-        mbarrier.wait(w_bar.index(s), 0)
-    # literal tuples: a constexpr passed through a concatenated tuple reaches the workers as an int32
-    if PINGPONG:
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(turn.index(0), count=1)
-        mbarrier.init(turn.index(1), count=1)
-        fence_async_shared()
-        mbarrier.arrive(turn.index(0), count=1)  # the first turn is warpgroup 0's
-        gl.warp_specialize([
-            (_pingpong_tiles, (a_desc, o_desc, b_smem, d_smem, a_smem, a_bar, o_smem, turn, bias1_ptr, M, 0, ACT,
-                               HAS_B1, BM, BN, L, NCH, A_STAGES, B_T, D_T)),
-            (_pingpong_tiles, (a_desc, o_desc, b_smem, d_smem, a_smem, a_bar, o_smem, turn, bias1_ptr, M, 1, ACT,
-                               HAS_B1, BM, BN, L, NCH, A_STAGES, B_T, D_T)),
-        ], [4], [GROUP_REGS])
-    elif GROUPS == 2:
-        gl.warp_specialize([
-            (_group_tiles, (a_desc, o_desc, b_smem, d_smem, a_smem, a_bar, o_smem, bias1_ptr, M, 0, GROUPS, ACT,
-                        HAS_B1, BM, BN, L, NCH, A_STAGES, B_T, D_T, AHEAD)),
-            (_group_tiles, (a_desc, o_desc, b_smem, d_smem, a_smem, a_bar, o_smem, bias1_ptr, M, 1, GROUPS, ACT,
-                        HAS_B1, BM, BN, L, NCH, A_STAGES, B_T, D_T, AHEAD)),
-        ], [4], [GROUP_REGS])
-    elif GROUPS == 3:
-        gl.warp_specialize([
-            (_group_tiles, (a_desc, o_desc, b_smem, d_smem, a_smem, a_bar, o_smem, bias1_ptr, M, 0, GROUPS, ACT,
-                        HAS_B1, BM, BN, L, NCH, A_STAGES, B_T, D_T, AHEAD)),
-            (_group_tiles, (a_desc, o_desc, b_smem, d_smem, a_smem, a_bar, o_smem, bias1_ptr, M, 1, GROUPS, ACT,
-                        HAS_B1, BM, BN, L, NCH, A_STAGES, B_T, D_T, AHEAD)),
-            (_group_tiles, (a_desc, o_desc, b_smem, d_smem, a_smem, a_bar, o_smem, bias1_ptr, M, 2, GROUPS, ACT,
-                        HAS_B1, BM, BN, L, NCH, A_STAGES, B_T, D_T, AHEAD)),
-        ], [4, 4], [GROUP_REGS, GROUP_REGS])
-    else:
-        gl.warp_specialize([
-            (_group_tiles, (a_desc, o_desc, b_smem, d_smem, a_smem, a_bar, o_smem, bias1_ptr, M, 0, GROUPS, ACT,
-                        HAS_B1, BM, BN, L, NCH, A_STAGES, B_T, D_T, AHEAD)),
-            (_group_tiles, (a_desc, o_desc, b_smem, d_smem, a_smem, a_bar, o_smem, bias1_ptr, M, 1, GROUPS, ACT,
-                        HAS_B1, BM, BN, L, NCH, A_STAGES, B_T, D_T, AHEAD)),
-            (_group_tiles, (a_desc, o_desc, b_smem, d_smem, a_smem, a_bar, o_smem, bias1_ptr, M, 2, GROUPS, ACT,
-                        HAS_B1, BM, BN, L, NCH, A_STAGES, B_T, D_T, AHEAD)),
-            (_group_tiles, (a_desc, o_desc, b_smem, d_smem, a_smem, a_bar, o_smem, bias1_ptr, M, 3, GROUPS, ACT,
-                        HAS_B1, BM, BN, L, NCH, A_STAGES, B_T, D_T, AHEAD)),
-        ], [4, 4, 4], [GROUP_REGS, GROUP_REGS, GROUP_REGS])

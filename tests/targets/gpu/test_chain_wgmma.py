@@ -9,7 +9,7 @@ import scipy.special
 import torch
 
 from stitchflow.targets.gpu import chain_cost, chain_plans
-from stitchflow.targets.gpu.chain_wgmma import (PHI16_COEFFICIENTS, PHI_PAIRS_CLAMP, PHI_PAIRS_COEFFICIENTS,
+from stitchflow.targets.gpu.chain_wgmma import (PHI16_COEFFICIENTS, PHI_PAIRS_COEFFICIENTS,
                                                 SMEM_BYTES, WgmmaTiles, is_resident, shape_refusal, wgmma_refusal)
 from stitchflow.targets.gpu.chains import plan_from_json, plan_to_json
 
@@ -47,8 +47,6 @@ def pairs_gelu(x: np.ndarray) -> np.ndarray:
         return np.asarray(v, dtype=np.float64).astype(np.float16).astype(np.float64)
     c = [h(v) for v in PHI_PAIRS_COEFFICIENTS]
     u = np.abs(h(x))
-    if PHI_PAIRS_CLAMP:
-        u = np.minimum(u, h(PHI_PAIRS_CLAMP))
     p = h(c[0] * u + c[1])
     for ci in c[2:]:
         p = h(p * u + ci)

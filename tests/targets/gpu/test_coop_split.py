@@ -14,8 +14,8 @@ import torch  # noqa: E402
 
 import stitchflow  # noqa: E402
 from stitchflow.bench.stitching_patterns import PATTERNS, as_tuple, relative_error, tolerance  # noqa: E402
-from stitchflow.targets.gpu.mapping import (MAX_REREAD_SPLIT, Config, candidates, coop_refusal, max_coop_split,  # noqa: E402
-                                            n_chunks, resident_per_sm)  # noqa: E402
+from stitchflow.targets.gpu.mapping import (Config, candidates, coop_refusal, max_coop_split, n_chunks,  # noqa: E402
+                                            resident_per_sm)  # noqa: E402
 
 COMPILE = """
 import json, re, subprocess, sys, tempfile
@@ -62,6 +62,8 @@ CASES = [  # pattern, shape, dtype, config, (barriers: one per stage feeding a l
     ("add_layernorm_gelu", (2, 50000), "bfloat16", Config(1, 8192, 7, 16, coop=True), (2, 2)),
     ("column_standardize", (8200, 96), "float32", Config(32, 512, 17, 8, coop=True), (1, 3)),  # tiles 32 columns wide
     ("batchnorm_train", (4, 24, 30, 30), "float32", Config(1, 512, 8, 4, coop=True), (2, 24)),  # rows are (N, H, W)
+    # the bench's shape: 64 elements per thread, which spilled while H and W had index math of their own
+    ("batchnorm_train", (64, 256, 56, 56), "float32", Config(1, 16384, 13, 8, coop=True), (2, 256)),
     # pieces of several chunks, read again from L2 after each barrier (a variance then has its own)
     ("column_standardize", (8200, 96), "float32", Config(32, 128, 17, 8, coop=True), (2, 3)),
     ("batchnorm_train", (4, 24, 30, 30), "float32", Config(1, 512, 4, 4, coop=True), (2, 24)),
@@ -97,12 +99,9 @@ def test_long_rows_get_coop_candidates_and_the_rest_say_why_not():
     assert "split > 1" in coop_refusal(long_rows, Config(1, 65536, 1, 16, coop=True))
     columns = _plan("column_standardize", (65536, 1024))
     assert [c for c in candidates(columns) if c.coop and c.BP == 32]
-    for c in candidates(columns) + candidates(long_rows):
-        if c.coop and n_chunks(columns if c.BP > 1 else long_rows, c) == 1:  # the piece stays in registers
-            assert c.split <= max_coop_split(132)
-        elif c.coop:  # the piece is re-read from L2; its group's residency is checked at launch
-            assert c.split <= MAX_REREAD_SPLIT
-    assert [c for c in candidates(columns) if c.coop and n_chunks(columns, c) > 1]
+    for c in candidates(columns) + candidates(long_rows):  # pieces held in registers, groups that always fit
+        assert not c.coop or (c.split <= max_coop_split(132) and n_chunks(columns if c.BP > 1 else long_rows, c) == 1)
+    assert coop_refusal(columns, Config(32, 128, 64, 8, coop=True)) is None  # re-read from L2: an option
     assert "must be one chunk" in coop_refusal(long_rows, Config(1, 4096, 4, 16, persistent=8, coop=True))
 
 

@@ -212,6 +212,19 @@ def test_head_split_attention_scores_run_as_one_einsum():
     assert gemm.dense_gemm
 
 
+def test_contiguous_axes_address_as_one_coordinate():
+    """Batch norm's statistics run over (N, H, W): H and W, adjacent and laid out contiguously, are
+    addressed as one coordinate (l % (H·W)), not one div/mod per axis; N stays on its own."""
+    module = PATTERNS["batchnorm_train"].module()
+    args = _inputs("batchnorm_train", (3, 5, 7, 9), torch.float32)
+    prog = stitchflow.compile(module, args, target="gpu", fusion="full")
+    _check(prog, module, args, torch.float32)
+    (k,) = _kernels(prog)
+    source = next(iter(k._built.values())).spec.source
+    assert "% 63)" in source and "// 63)" in source  # H·W = 63: the run's coordinate, and N's
+    assert "% 7)" not in source and "% 9)" not in source  # no per-axis index math left
+
+
 def test_generated_kernels_are_named_after_their_group():
     """Profiles list each generated kernel under its group's name, not all as `kernel`."""
     from stitchflow.targets.gpu.codegen import kernel_name
