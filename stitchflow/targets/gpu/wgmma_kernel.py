@@ -149,55 +149,6 @@ def _streamed_tile(a_tile, b_smem, d_smem, w_bar, b_desc, d_desc, bias1_ptr, i, 
 
 
 @gluon.jit
-def _refill(b_desc, d_desc, b_smem, d_smem, w_bar, r, total, NCH: gl.constexpr, BN: gl.constexpr,
-            W_STAGES: gl.constexpr, B_T: gl.constexpr, D_T: gl.constexpr):
-    """Chunk r's slot is free (every warp has retired the wgmmas that read it): fetch the chunk
-    W_STAGES ahead into it, if this program has one."""
-    gl.thread_barrier()
-    nxt = r + W_STAGES
-    if nxt < total:
-        ws = r % W_STAGES
-        _load_weights(b_desc, d_desc, b_smem.index(ws), d_smem.index(ws), w_bar.index(ws), nxt % NCH, BN, B_T, D_T)
-
-
-@gluon.jit
-def _streamed_tile_ahead(a_tile, b_smem, d_smem, w_bar, b_desc, d_desc, bias1_ptr, i, my_tiles, ACT: gl.constexpr,
-                         HAS_B1: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, L: gl.constexpr,
-                         NCH: gl.constexpr, W_STAGES: gl.constexpr, WARPS: gl.constexpr, B_T: gl.constexpr,
-                         D_T: gl.constexpr):
-    """`_streamed_tile` with GEMM1 a chunk ahead, as `_resident_tile`: GEMM1 of chunk g+1 and GEMM2
-    of chunk g-1 run on the tensor cores during chunk g's activation. A slot is refilled once the
-    wgmmas that read it have retired: at chunk g's wait, everything but GEMM2 of chunk g-1 has, so
-    the slot of chunk g-2 is refilled then (and the tile's last two after its final wait)."""
-    mma1: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BN, 16])
-    mma2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, L, 16])
-    h_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma2, k_width=2)
-    total = my_tiles * NCH
-    g0 = i * NCH
-    acc2 = gl.zeros([BM, L], gl.float32, mma2)
-    mbarrier.wait(w_bar.index(g0 % W_STAGES), (g0 // W_STAGES) & 1)
-    acc1 = warpgroup_mma(a_tile, _operand(b_smem, g0 % W_STAGES, B_T), gl.zeros([BM, BN], gl.float32, mma1),
-                         use_acc=False, is_async=True)
-    for c in gl.static_range(NCH):
-        g = g0 + c
-        acc1 = warpgroup_mma_wait(num_outstanding=0 if c == 0 else 1, deps=[acc1])
-        if c >= 2:
-            _refill(b_desc, d_desc, b_smem, d_smem, w_bar, g - 2, total, NCH, BN, W_STAGES, B_T, D_T)
-        if c + 1 < NCH:
-            mbarrier.wait(w_bar.index((g + 1) % W_STAGES), ((g + 1) // W_STAGES) & 1)
-            nxt = warpgroup_mma(a_tile, _operand(b_smem, (g + 1) % W_STAGES, B_T),
-                                gl.zeros([BM, BN], gl.float32, mma1), use_acc=False, is_async=True)
-        h = _chunk_h(acc1, bias1_ptr, c, ACT, HAS_B1, BN, h_layout, a_tile.dtype)
-        acc2 = warpgroup_mma(h, _operand(d_smem, g % W_STAGES, D_T), acc2, is_async=True)
-        if c + 1 < NCH:
-            acc1 = nxt
-    acc2 = warpgroup_mma_wait(num_outstanding=0, deps=[acc2])
-    for c in gl.static_range(max(0, NCH - 2), NCH):
-        _refill(b_desc, d_desc, b_smem, d_smem, w_bar, g0 + c, total, NCH, BN, W_STAGES, B_T, D_T)
-    return acc2
-
-
-@gluon.jit
 def chain_wgmma_kernel(a_desc, b_desc, d_desc, o_desc, bias1_ptr, M,
                        K: gl.constexpr, N: gl.constexpr, L: gl.constexpr, ACT: gl.constexpr, HAS_B1: gl.constexpr,
                        BM: gl.constexpr, BN: gl.constexpr, A_STAGES: gl.constexpr, W_STAGES: gl.constexpr,
