@@ -16,6 +16,8 @@ Each part (connected loop nest, analysis.PartPlan) becomes a `@triton.jit` funct
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -161,43 +163,23 @@ class PartKernel(SplitStitching):
         return self._canon[node.name]
 
     def coord(self, c, scope: Scope) -> Val:
-        found = scope.get(("coord", c))
-        if found is not None:
-            return found
-        if c in self.plan.P:
-            axes, flat, dep = self.plan.P, "p", "p"
-        else:
-            axes, flat, dep = self.plan.L, "l", "l"
-        k = axes.index(c)
-        inner = 1
-        for other in axes[k + 1:]:
-            inner *= self.plan.extents[other]
-        code = flat if inner == 1 else f"({flat} // {inner})"
-        if k > 0:
-            code = f"({code} % {self.plan.extents[c]})"
-        val = Val(self.src.let(code, "c"), "i", frozenset({dep}))
-        scope.values[("coord", c)] = val
-        return val
+        return self.coord_run(c, c, scope)
 
     def coord_run(self, outer, inner, scope: Scope) -> Val:
-        """One coordinate over the adjacent axes outer..inner of a tile axis (outer varying slowest),
-        as if they were one axis: (flat // stride of inner) % (their extents' product)."""
-        found = scope.get(("run", outer, inner))
+        """The coordinate of tile axis class `outer`, or one over the adjacent classes outer..inner
+        (outer varying slowest) as if they were one axis: (flat // extent below inner) % their
+        extents' product, the modulo dropped for the outermost class."""
+        found = scope.get(("coord", outer, inner))
         if found is not None:
             return found
         axes, flat, dep = (self.plan.P, "p", "p") if outer in self.plan.P else (self.plan.L, "l", "l")
         a, b = axes.index(outer), axes.index(inner)
-        below = 1
-        for other in axes[b + 1:]:
-            below *= self.plan.extents[other]
-        extent = 1
-        for c in axes[a:b + 1]:
-            extent *= self.plan.extents[c]
+        below = math.prod(self.plan.extents[other] for other in axes[b + 1:])
         code = flat if below == 1 else f"({flat} // {below})"
         if a > 0:
-            code = f"({code} % {extent})"
+            code = f"({code} % {math.prod(self.plan.extents[c] for c in axes[a:b + 1])})"
         val = Val(self.src.let(code, "c"), "i", frozenset({dep}))
-        scope.values[("run", outer, inner)] = val
+        scope.values[("coord", outer, inner)] = val
         return val
 
     def mask(self, deps, scope: Scope) -> str | None:
