@@ -128,9 +128,11 @@ class SplitStitching:
         # centred variances met at their mean's barrier: column blocks whose piece stays in registers only.
         # column_standardize went from 288 to 259 µs (H100). Batch norm's (N, H, W) rows took 3.4 ms instead of
         # 0.21: its 32768-element pieces made ptxas spill (32 registers, ~800 spill stores; per-axis index math,
-        # since merged by emit._contiguous_runs), and with 16384-element pieces a device probe of the rewrite
-        # did not finish in 120 s (not understood). A piece re-read chunk by chunk (a cooperative split over
-        # several chunks, options only) takes its variance in a stage of its own.
+        # since merged by emit._contiguous_runs). With the index math merged, 16384-element pieces still spill
+        # with the rewrite (the piece and its centred copy both live: 255 registers and 68 spills at 8 warps),
+        # and a device probe of it, which first compiled the spilling 32768-element variant, did not finish in
+        # 120 s. A piece re-read chunk by chunk (a cooperative split over several chunks, options only) takes
+        # its variance in a stage of its own.
         one_piece = self.plan.p_contiguous and self.single_chunk
         variances = centred_variances(self.graph, self.plan) if one_piece else {}
         waits = [self.plan.stage[r.name] for r in self.plan.reductions if r.name not in variances]
