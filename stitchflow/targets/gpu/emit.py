@@ -172,23 +172,22 @@ class BodyEmitter:
         (with 64 elements per thread the per-axis index math made ptxas spill). Returns
         [((outer class, inner class), stride of the inner)] and the merged index positions."""
         plan = self.k.plan
-        axes = {}  # position in `indices` -> (tile axis, position in it)
+        groups = {"p": plan.P, "l": plan.L}
+        place = {}  # (tile axis, position in it) -> position in `indices`
         for k, (idx, size) in enumerate(zip(indices, shape)):
             if isinstance(idx, Var) and size > 1:
                 c = plan.cls[(node.name, idx.name)]
                 if plan.extents[c] == size:  # no clamping
-                    group = plan.L if c in plan.L else plan.P
-                    axes[k] = (group, group.index(c))
-        by_place = {(id(g), i): k for k, (g, i) in axes.items()}
+                    axis = "p" if c in plan.P else "l"
+                    place[(axis, groups[axis].index(c))] = k
         runs, merged = [], set()
-        for k, (group, i) in sorted(axes.items(), key=lambda kv: kv[1][1]):
+        for (axis, i), k in sorted(place.items(), key=lambda item: item[0][1]):
             if k in merged:
                 continue
-            run = [k]
-            while (id(group), i + len(run)) in by_place:
-                nxt = by_place[(id(group), i + len(run))]
-                inner = group[i + len(run)]
-                if strides[run[-1]] != plan.extents[inner] * strides[nxt]:
+            run, group = [k], groups[axis]
+            while (axis, i + len(run)) in place:
+                nxt = place[(axis, i + len(run))]
+                if strides[run[-1]] != plan.extents[group[i + len(run)]] * strides[nxt]:
                     break
                 run.append(nxt)
             if len(run) > 1:
@@ -223,8 +222,8 @@ class BodyEmitter:
         if checks:  # out-of-range lanes read 0 (their values are discarded)
             mask = self.k.src.let(" & ".join(([mask] if mask else []) + checks), "m")
         mask_arg = f", mask={mask}, other=0" if mask else ""
-        hint = getattr(self.k, "load_hint", None)
-        mask_arg += f", eviction_policy='{hint}'" if hint and "l" in off.deps else ""
+        if self.k.load_hint and "l" in off.deps:  # pieces re-read from L2 (codegen_split._coop_stages)
+            mask_arg += f", eviction_policy='{self.k.load_hint}'"
         code = f"tl.load({self.k.arg[tensor]} + {off.code}{mask_arg})" if off.code != "0" or mask else \
             f"tl.load({self.k.arg[tensor]})"
         return code, off.deps

@@ -127,7 +127,6 @@ class Launch:
         for name, value in zip(spec.outputs, outs):
             env[name] = value
 
-
     def _check_residency(self, args, device) -> None:
         """A cooperative split over more programs than one per SM on half the SMs waits forever
         unless the GPU holds the whole group at once: compile first, and refuse (ValueError, which
