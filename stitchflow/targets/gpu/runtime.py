@@ -191,7 +191,7 @@ class GroupKernel:
     def _build(self, env, sig) -> Launch:
         strides = {t: s for t, s, _ in sig}
         on_gpu = sig and sig[0][2] == "cuda" and not interpreting()
-        sms = torch.cuda.get_device_properties(env[sig[0][0]].device).multi_processor_count if on_gpu else 132
+        sms = _sms(env[sig[0][0]].device) if on_gpu else 132
         spaces = [self._space(p, sms) for p in self.plans]
         variants = max(len(s) for s in spaces)
         configs = [[s[min(v, len(s) - 1)] for s in spaces] for v in range(variants)]
