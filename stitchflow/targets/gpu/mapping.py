@@ -28,11 +28,13 @@ class Config:
     persistent: int = 0  # >0: this many programs loop over the row blocks (rows stay L2-resident)
     prefetch: bool = False  # chunk loops load the next chunk before computing the current one
     coop: bool = False  # split rows meet at an in-kernel barrier, each piece held in registers (GPU only)
+    tma: bool = False  # with coop and persistent: the next piece streams into shared memory by TMA (Hopper, Gluon)
 
     def __str__(self) -> str:
         tail = f"_G{self.persistent}" if self.persistent else ""
         tail += "_PF" if self.prefetch else ""
         tail += "_C" if self.coop else ""
+        tail += "_T" if self.tma else ""
         return f"BP{self.BP}_BL{self.BL}_S{self.split}_W{self.num_warps}{tail}"
 
 
@@ -80,6 +82,8 @@ def coop_refusal(plan: PartPlan, cfg: Config) -> str | None:
         return f"a persistent grid of {cfg.persistent} does not hold whole rows of {cfg.split} programs"
     if not plan.reductions or any(plan.stage[r.name] >= plan.final_stage for r in plan.reductions):
         return "every reduction must feed a later stage (per-row results alone use the phased split)"
+    if cfg.tma and not cfg.persistent:
+        return "TMA-fed pieces need a persistent grid (programs walk the row blocks)"
     if cfg.persistent and n_chunks(plan, cfg) != 1:
         return (f"a persistent cooperative split prefetches whole pieces: {split_len(plan, cfg)} elements must be "
                 f"one chunk of BL={cfg.BL}")
@@ -116,7 +120,11 @@ def _coop(plan: PartPlan, sms: int) -> list[Config]:
       again from L2 after each barrier (first reads evict_last, the last evict_first), so several
       programs share an SM: 8-40% slower (scripts/coop_reread_probe.py).
     Groups over `max_coop_split` programs (pinned by options) are checked against the compiled
-    kernel's occupancy before launch (runtime.Launch)."""
+    kernel's occupancy before launch (runtime.Launch).
+
+    Column blocks also get TMA-fed configs (codegen_tma, Hopper only; the runtime drops them
+    elsewhere): a persistent grid of whole groups, one or two programs per SM, whose next piece
+    streams into shared memory while the current one waits."""
     out = []
     if os.environ.get("STITCHFLOW_COOP", "1") == "0":  # the escape hatch (README)
         return []
@@ -130,6 +138,15 @@ def _coop(plan: PartPlan, sms: int) -> list[Config]:
             cfg = dataclasses.replace(_fix(plan, BP, BL, split, warps), coop=True)
             if coop_refusal(plan, cfg) is None:
                 out.append(cfg)
+    if plan.p_contiguous:
+        for BP, BL, warps, per_sm in ((32, 1024, 8, 1), (32, 512, 4, 2)):
+            split = cdiv(plan.L_total, BL)
+            if 2 <= split <= sms * per_sm // 2 and plan.L_total % split == 0:
+                groups = sms * per_sm // split
+                cfg = dataclasses.replace(_fix(plan, BP, BL, split, warps), coop=True, persistent=groups * split,
+                                          tma=True)
+                if coop_refusal(plan, cfg) is None:
+                    out.append(cfg)
     return out
 
 
@@ -216,7 +233,7 @@ def _unique(configs: list[Config]) -> list[Config]:
 
 def candidates(plan: PartPlan, sms: int = 132, override: dict | None = None) -> list[Config]:
     """Autotuning space for a part; `override` (from compile options) pins any of
-    block_p / block_l / split / num_warps / persistent / prefetch / coop, which tests use to reach
+    block_p / block_l / split / num_warps / persistent / prefetch / coop / tma, which tests use to reach
     every code path."""
     if not plan.reductions:
         space = _elementwise(plan, sms)
@@ -235,5 +252,5 @@ def candidates(plan: PartPlan, sms: int = 132, override: dict | None = None) -> 
         coop = bool(override.get("coop", False))
         space = [dataclasses.replace(cfg, persistent=override.get("persistent", 0) if cfg.split == 1 or coop else 0,
                                      prefetch=bool(override.get("prefetch", False)),
-                                     coop=coop)]
+                                     coop=coop, tma=coop and bool(override.get("tma", False)))]
     return space

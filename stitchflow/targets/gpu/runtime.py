@@ -88,8 +88,8 @@ def save_choice(key: str, choice: list, timings: dict) -> None:
 
 # Part of every autotuning cache key: bump it when generated code changes what a config means, so that
 # configs chosen for older code are timed again (4: cooperative splits, variances at their mean's barrier;
-# 5: contiguous axis runs addressed as one coordinate).
-CODEGEN_VERSION = 5
+# 5: contiguous axis runs addressed as one coordinate; 6: TMA-fed cooperative column pieces).
+CODEGEN_VERSION = 6
 
 
 class Launch:
@@ -104,7 +104,8 @@ class Launch:
         self.out_specs = [(graph.type_of[t].shape, graph.type_of[t].dtype) for t in spec.outputs]
         self.grid = (spec.grid,)
         self.fast: list | None = None  # one compiled-kernel runner per phase
-        self.fast_ok = not interpreting()
+        self.fast_ok = not interpreting() and not spec.tma  # descriptors go through the JIT's launcher
+        self.resident_checked = False
 
     def __call__(self, env) -> None:
         spec = self.spec
@@ -113,12 +114,15 @@ class Launch:
         outs = [torch.empty(shape, dtype=dt, device=device) for shape, dt in self.out_specs]
         args = ins + outs + [(torch.zeros if dt == torch.int32 else torch.empty)(n, dtype=dt, device=device)
                              for _, n, dt in spec.buffers]  # int32: a cooperative split's row counters
+        args += [tma_descriptor(env[t], box) for t, box in spec.tma]
         if self.fast is not None:
             for phase, runner in enumerate(self.fast):
                 runner(*args, phase)
         else:
-            if spec.coop_group and not interpreting() and spec.coop_group > max_coop_split(_sms(device)):
+            if not self.resident_checked and spec.coop_group and not interpreting() and (
+                    spec.tma or spec.coop_group > max_coop_split(_sms(device))):
                 self._check_residency(args, device)
+            self.resident_checked = True  # once: TMA-fed kernels come here on every call
             compiled = [self.module.kernel[self.grid](*args, PHASE=phase, num_warps=spec.num_warps)
                         for phase in range(spec.phases)]
             if self.fast_ok and all(c is not None for c in compiled):
@@ -139,6 +143,16 @@ class Launch:
                              f"{kernel.n_regs} registers per thread leave {per_sm} per SM")
 
 
+def tma_descriptor(t: torch.Tensor, box: tuple[int, int]):
+    """A Hopper TMA descriptor of 2-D `t` in `box` tiles, with the shared-memory layout the
+    kernel allocates its buffers in (Gluon; imported here only for TMA-fed kernels)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    dtype = {torch.float32: gl.float32, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[t.dtype]
+    return TensorDescriptor.from_tensor(t, list(box), gl.NVMMASharedLayout.get_default_for(list(box), dtype))
+
+
 def _sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -156,11 +170,15 @@ class GroupKernel:
         self.tuned_us: float | None = None
         self.chosen: list[Config] | None = None
 
-    def _space(self, plan: PartPlan, sms: int) -> list[Config]:
+    def _space(self, plan: PartPlan, sms: int, hopper: bool) -> list[Config]:
         override = {k: self.options[k] for k in ("block_p", "block_l", "split", "num_warps", "persistent", "prefetch",
-                                                  "coop")
+                                                  "coop", "tma")
                     if k in self.options}
         space = candidates(plan, sms, override or None)
+        if not hopper:  # TMA-fed pieces are Gluon kernels for sm_90 and later
+            if override and override.get("tma"):
+                raise ValueError("TMA-fed cooperative pieces (tma) need a Hopper GPU (sm_90 or later)")
+            space = [c for c in space if not c.tma]
         if interpreting() or self.packed:  # the interpreter runs programs one at a time: nobody to wait for
             if any(c.coop for c in space) and override and override.get("coop"):
                 raise ValueError("a cooperative split (coop) needs a GPU: its programs wait for each other, and "
@@ -192,7 +210,8 @@ class GroupKernel:
         strides = {t: s for t, s, _ in sig}
         on_gpu = sig and sig[0][2] == "cuda" and not interpreting()
         sms = _sms(env[sig[0][0]].device) if on_gpu else 132
-        spaces = [self._space(p, sms) for p in self.plans]
+        hopper = on_gpu and torch.cuda.get_device_capability(env[sig[0][0]].device)[0] >= 9
+        spaces = [self._space(p, sms, hopper) for p in self.plans]
         variants = max(len(s) for s in spaces)
         configs = [[s[min(v, len(s) - 1)] for s in spaces] for v in range(variants)]
         if not on_gpu or not self.options.get("autotune", True) or variants == 1:

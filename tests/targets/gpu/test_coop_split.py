@@ -100,7 +100,7 @@ def test_long_rows_get_coop_candidates_and_the_rest_say_why_not():
     columns = _plan("column_standardize", (65536, 1024))
     assert [c for c in candidates(columns) if c.coop and c.BP == 32]
     for c in candidates(columns) + candidates(long_rows):  # pieces held in registers, groups that always fit
-        assert not c.coop or (c.split <= max_coop_split(132) and n_chunks(columns if c.BP > 1 else long_rows, c) == 1)
+        assert not c.coop or c.tma or (c.split <= max_coop_split(132) and n_chunks(columns if c.BP > 1 else long_rows, c) == 1)
     assert coop_refusal(columns, Config(32, 128, 64, 8, coop=True)) is None  # re-read from L2: an option
     assert "must be one chunk" in coop_refusal(long_rows, Config(1, 4096, 4, 16, persistent=8, coop=True))
 

@@ -1,0 +1,129 @@
+"""Device probe: can a cooperative column kernel keep DRAM busy through its barriers if the next piece streams into
+shared memory while the current one, in registers, waits? column_center (y = x - mean over rows) by hand in Gluon
+on the bench's 65536x1024 fp32 tensor: a persistent grid of GROUPS groups of SPLIT programs walks the column blocks;
+each program's piece (BP columns x ROWS rows) arrives by TMA, moves to registers, is summed and published; the
+program arrives at the block's counter, issues the TMA loads of its next piece, waits, combines everyone's sums and
+stores x - mean from registers. Prints do_bench medians against torch's copy. Not a test."""
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.testing import do_bench
+
+R, C = 65536, 1024
+BOX = gl.constexpr(256)  # TMA box rows (at most 256)
+
+
+@gluon.jit
+def center_tma(x_desc, y, cnt, part, BP: gl.constexpr, ROWS: gl.constexpr, SPLIT: gl.constexpr,
+               GROUPS: gl.constexpr, LANES_C: gl.constexpr, num_cols: gl.constexpr, num_rows: gl.constexpr, num_warps: gl.constexpr):
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // BP, BP // 4], [num_warps, 1], [1, 0])
+    plane: gl.constexpr = gl.BlockedLayout([1, 1], [32 // LANES_C, LANES_C], [num_warps, 1], [1, 0])
+    NBOX: gl.constexpr = ROWS // BOX
+    nblk: gl.constexpr = num_cols // BP
+    smem = gl.allocate_shared_memory(gl.float32, [ROWS, BP], x_desc.layout)
+    bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(bar, count=1)
+    fence_async_shared()
+    pid = gl.program_id(0)
+    g = pid // SPLIT
+    s = pid % SPLIT
+    row0 = s * ROWS
+    mbarrier.expect(bar, ROWS * BP * 4)
+    for b in gl.static_range(NBOX):
+        tma.async_copy_global_to_shared(x_desc, [row0 + b * BOX, g * BP], bar, smem.slice(b * BOX, BOX))
+    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))[:, None]
+    cols = gl.arange(0, BP, layout=gl.SliceLayout(0, layout))[None, :]
+    k = gl.arange(0, SPLIT, layout=gl.SliceLayout(1, plane))[:, None]
+    kc = gl.arange(0, BP, layout=gl.SliceLayout(0, plane))[None, :]
+    it = 0
+    for blk in range(g, nblk, GROUPS):
+        mbarrier.wait(bar, it & 1)
+        v = smem.load(layout)
+        gl.thread_barrier()
+        fence_async_shared()
+        own = gl.sum(v, axis=0) * (1.0 / num_rows)
+        own = gl.convert_layout(own, gl.SliceLayout(0, plane))
+        gl.store(part + s * num_cols + blk * BP + gl.arange(0, BP, layout=gl.SliceLayout(0, plane)), own)
+        gl.thread_barrier()
+        arrived = gl.atomic_add(cnt + blk, 1, sem="acq_rel", scope="gpu") + 1
+        nxt = blk + GROUPS
+        if nxt < nblk:  # the next piece streams in while this one waits, combines and stores
+            mbarrier.expect(bar, ROWS * BP * 4)
+            for b in gl.static_range(NBOX):
+                tma.async_copy_global_to_shared(x_desc, [row0 + b * BOX, nxt * BP], bar, smem.slice(b * BOX, BOX))
+        while arrived < SPLIT:
+            arrived = gl.atomic_add(cnt + blk, 0, sem="acquire", scope="gpu")
+        parts = gl.load(part + k * num_cols + blk * BP + kc, cache_modifier=".cg")
+        mean = gl.convert_layout(gl.sum(parts, axis=0), gl.SliceLayout(0, layout))
+        gl.store(y + rows * num_cols + blk * BP + cols, v - mean[None, :])
+        it += 1
+    mbarrier.invalidate(bar)
+
+
+@triton.jit
+def center_persistent(x, y, cnt, part, BP: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr,
+                      GROUPS: tl.constexpr, num_cols: tl.constexpr, num_rows: tl.constexpr):
+    """The same walk over column blocks without the prefetch: the piece loads into registers after the previous
+    block's stores (what a persistent grid alone saves is the programs' exit and dispatch)."""
+    pid = tl.program_id(0)
+    g, s = pid // SPLIT, pid % SPLIT
+    p0 = tl.arange(0, BP)[:, None]
+    r = s * ROWS + tl.arange(0, ROWS)[None, :]
+    k = tl.arange(0, SPLIT)[None, :]
+    for blk in range(g, num_cols // BP, GROUPS):
+        p = blk * BP + p0
+        v = tl.load(x + r * num_cols + p)
+        tl.store(part + s * num_cols + p, tl.sum(v, axis=1, keep_dims=True) * (1.0 / num_rows))
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt + blk, 1, sem="acq_rel", scope="gpu") + 1
+        while arrived < SPLIT:
+            arrived = tl.atomic_add(cnt + blk, 0, sem="acquire", scope="gpu")
+        mean = tl.sum(tl.load(part + k * num_cols + p, cache_modifier=".cg"), axis=1, keep_dims=True)
+        tl.store(y + r * num_cols + p, v - mean)
+
+
+def main():
+    x = torch.randn(R, C, device="cuda")
+    y = torch.empty_like(x)
+    floor = 2 * x.numel() * 4
+    copy = do_bench(lambda: y.copy_(x), warmup=5, rep=50, return_mode="median") * 1e-3
+    print(f"torch copy {copy * 1e6:.1f} us ({floor / copy / 1e12:.2f} TB/s)", flush=True)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for bp, rows, warps, per_sm in ((32, 1024, 8, 1), (32, 1024, 16, 1), (64, 512, 8, 1), (32, 512, 4, 2),
+                                    (16, 2048, 8, 1)):
+        split = R // rows
+        groups = max(1, sms * per_sm // split)
+        layout = gl.NVMMASharedLayout.get_default_for([BOX.value, bp], gl.float32)
+        desc = TensorDescriptor.from_tensor(x, [BOX.value, bp], layout)
+        cnt = torch.zeros(C // bp, dtype=torch.int32, device="cuda")
+        part = torch.empty(split, C, device="cuda")
+
+        def run():
+            cnt.zero_()
+            center_tma[(groups * split,)](desc, y, cnt, part, BP=bp, ROWS=rows, SPLIT=split, GROUPS=groups, LANES_C=min(bp, 32),
+                                          num_cols=C, num_rows=R, num_warps=warps)
+        try:
+            t = do_bench(run, warmup=5, rep=50, return_mode="median") * 1e-3
+        except Exception as exc:  # noqa: BLE001 - a probe reports and goes on
+            print(f"{bp}x{rows} w{warps}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            continue
+        ok = torch.allclose(y, x - x.mean(0, keepdim=True), atol=1e-5)
+        if bp == 32 and rows == 1024:
+            def plain():
+                cnt.zero_()
+                center_persistent[(groups * split,)](x, y, cnt, part, BP=bp, ROWS=rows, SPLIT=split, GROUPS=groups,
+                                                     num_cols=C, num_rows=R, num_warps=warps)
+            tp = do_bench(plain, warmup=5, rep=50, return_mode="median") * 1e-3
+            okp = torch.allclose(y, x - x.mean(0, keepdim=True), atol=1e-5)
+            print(f"center persistent, no prefetch, {groups} groups of {split}, pieces {bp}x{rows} w{warps}: "
+                  f"{tp * 1e6:.1f} us, {copy / tp:.0%} of copy, correct={okp}", flush=True)
+        print(f"center TMA-prefetched, {groups} groups of {split}, pieces {bp}x{rows} w{warps}: {t * 1e6:.1f} us, "
+              f"{copy / t:.0%} of copy, correct={ok}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

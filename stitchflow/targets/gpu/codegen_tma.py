@@ -1,0 +1,134 @@
+"""Cooperative column splits whose next piece streams into shared memory by TMA while the
+current one waits at its barrier (Hopper; the kernel is translated to Gluon, gluon_dialect).
+
+A cooperative program holds its piece (BP columns x `split_len` rows) in registers from the load
+until the barrier releases it; with one such program per SM, the SM reads nothing while it waits,
+and the whole GPU moves in waves of load, wait, store. Measured on the H100 (column_center,
+65536x1024 fp32, `scripts/coop_timeline_probe.py`): 88% of SM time busy, a third of it waiting;
+74% of copy bandwidth. Here a persistent grid of groups walks the column blocks, and each program
+issues the TMA copies of its next piece into shared memory right after arriving at the last
+barrier, so DRAM serves them during the wait, the combine and the stores (the registers hold the
+current piece, shared memory the next): 85-86% of copy in the hand-written probe
+(`scripts/column_tma_probe.py`).
+
+Needs (else `GluonRefusal`, which the autotuner skips): one parallel and one reduced axis, the
+pieces read from row-major [L, P] inputs at their own coordinates, no partial tiles, pieces of
+one chunk, a persistent cooperative grid."""
+
+from __future__ import annotations
+
+from ...ir.expr import Var
+from .emit import Scope
+from .gluon_dialect import GluonRefusal
+from .mapping import split_len
+
+TMA_BOX_ROWS = 256  # a TMA box spans at most 256 elements per dimension
+TMA_SMEM_BYTES = 200 * 1024  # the pieces' buffers, leaving room for reductions' scratch in 227 KB
+TMA_DTYPES = {"torch.float32": 4, "torch.bfloat16": 2, "torch.float16": 2}
+
+
+def tma_box(plan, cfg) -> tuple[int, int]:
+    return min(TMA_BOX_ROWS, split_len(plan, cfg)), cfg.BP
+
+
+class TmaStitching:
+    """Mixed into PartKernel next to SplitStitching (whose stages and barrier it reuses)."""
+
+    def tma_tensors(self) -> list[str]:
+        """The inputs whose pieces arrive by TMA, in order; raises GluonRefusal when the part
+        cannot take this path."""
+        plan, cfg = self.plan, self.cfg
+        if self.interpret:
+            raise GluonRefusal("TMA pieces need a Hopper GPU (the interpreter runs no Gluon)")
+        if not (cfg.coop and cfg.persistent and self.single_chunk):
+            raise GluonRefusal("TMA pieces need a persistent cooperative split whose pieces are one chunk")
+        if len(plan.P) != 1 or len(plan.L) != 1 or not plan.p_contiguous:
+            raise GluonRefusal("TMA pieces need one contiguous parallel axis and one reduced axis")
+        piece = split_len(plan, cfg)
+        if self.need_mask_p or plan.L_total % piece or piece % tma_box(plan, cfg)[0]:
+            raise GluonRefusal(f"TMA pieces need whole tiles: {plan.P_total} columns by {cfg.BP}, "
+                               f"{plan.L_total} rows by {piece}")
+        tensors: list[str] = []
+        for _, tensor, idx, node, _ in self._piece_loads():
+            why = self._tma_refusal(tensor, idx, node)
+            if why:
+                raise GluonRefusal(why)
+            if tensor not in tensors:
+                tensors.append(tensor)
+        smem = sum(piece * cfg.BP * TMA_DTYPES[str(self.graph.type_of[t].dtype)] for t in tensors)
+        if smem > TMA_SMEM_BYTES:
+            raise GluonRefusal(f"TMA pieces need {smem} bytes of shared memory, over {TMA_SMEM_BYTES}")
+        return tensors
+
+    def _tma_refusal(self, tensor: str, idx, node) -> str | None:
+        plan = self.plan
+        ty = self.graph.type_of[tensor]
+        if tensor in self.group_names:
+            return f"{tensor} is computed in this kernel, not read from memory"
+        if str(ty.dtype) not in TMA_DTYPES or self.cfg.BP * TMA_DTYPES[str(ty.dtype)] < 16:
+            return f"{tensor}: TMA boxes need 16-byte rows of a float type, not {self.cfg.BP} x {ty.dtype}"
+        if tuple(ty.shape) != (plan.L_total, plan.P_total) or tuple(self.strides[tensor]) != (plan.P_total, 1):
+            return f"{tensor} is not a row-major [{plan.L_total}, {plan.P_total}] tensor"
+        axes = [plan.cls.get((node.name, i.name)) if isinstance(i, Var) else None for i in idx]
+        if axes != [plan.L[0], plan.P[0]]:
+            return f"{tensor} is not read at its own (row, column) coordinates"
+        return None
+
+    def program_coop_tma(self) -> None:
+        """The persistent cooperative program: a barrier-tracked TMA load of the first piece, then
+        per column block: wait for the piece, move it to registers, free the buffer, run the
+        stages (SplitStitching._coop_stages), and after the last arrival start the next piece."""
+        plan, cfg, e = self.plan, self.cfg, self.src.emit
+        nblocks = plan.P_total // cfg.BP
+        groups = min(nblocks, cfg.persistent // self.split)
+        piece = split_len(plan, cfg)
+        e(f"pid_s = pid % {self.split}")
+        e(f"grp = pid // {self.split}")
+        e(f"lo = pid_s * {piece}")
+        e(f"hi = tl.minimum(lo + {piece}, {plan.L_total})")
+        loads = self._piece_loads()
+        tensors = list(dict.fromkeys(t for _, t, _, _, _ in loads))
+        smem = {t: f"smem{k}" for k, t in enumerate(tensors)}
+        e("bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())")
+        for t in tensors:
+            desc = self.arg["tma:" + t]
+            e(f"{smem[t]} = gl.allocate_shared_memory({desc}.dtype, [{piece}, {cfg.BP}], {desc}.layout)")
+        e("mbarrier.init(bar, count=1)")
+        e("fence_async_shared()")
+        self._tma_fetch(tensors, smem, "grp")
+        e("it = 0")
+        e(f"for pid_p in range(grp, {nblocks}, {groups}):")
+        self.src.depth += 1
+        self._row_start("pid_p")
+        root = Scope()
+        for c in plan.P:
+            self.coord(c, root)
+        e("l0 = lo")
+        self.chunk_scope = self.chunk(root)
+        e("mbarrier.wait(bar, it & 1)")
+        current = [self.src.let(f"{smem[t]}.permute((1, 0)).load(LAYOUT)", "cur") for _, t, _, _, _ in loads]
+        e("gl.thread_barrier()  # every warp holds its share of the piece: the buffers may refill")
+        e("fence_async_shared()")
+        self._use_prefetched(self.chunk_scope, loads, current)
+
+        def fetch_next():  # after the arrival: issued before it (right after the piece moved to registers),
+            # the release waited for the copies and both column patterns fell back to the register split's times
+            e(f"if pid_p + {groups} < {nblocks}:")
+            self.src.depth += 1
+            self._tma_fetch(tensors, smem, f"pid_p + {groups}")
+            self.src.depth -= 1
+        self._coop_stages(root, fetch_next)
+        e("it += 1")
+        self.src.depth -= 1
+        e("mbarrier.invalidate(bar)")
+
+    def _tma_fetch(self, tensors: list[str], smem: dict, block: str) -> None:
+        """TMA copies of this program's piece of column block `block`, completing on `bar`."""
+        e, (rows, cols) = self.src.emit, tma_box(self.plan, self.cfg)
+        piece = split_len(self.plan, self.cfg)
+        nbytes = sum(piece * cols * TMA_DTYPES[str(self.graph.type_of[t].dtype)] for t in tensors)
+        e(f"mbarrier.expect(bar, {nbytes})")
+        for t in tensors:
+            for r0 in range(0, piece, rows):
+                e(f"tma.async_copy_global_to_shared({self.arg['tma:' + t]}, [lo + {r0}, ({block}) * {cols}], bar, "
+                  f"{smem[t]}.slice({r0}, {rows}))")

@@ -1,0 +1,149 @@
+"""TMA-fed cooperative column pieces (codegen_tma, gluon_dialect): the generated Triton source is
+translated to Gluon, whose persistent programs stream their next piece into shared memory while
+the current one waits at its barrier. On CPU: the translation, the refusals, and sm_90 compiles
+(a fresh process without the interpreter); on a Hopper GPU: equality with eager."""
+
+import os
+import tempfile
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("STITCHFLOW_CACHE", tempfile.mkdtemp(prefix="stitchflow-test-cache-"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import stitchflow  # noqa: E402
+from stitchflow.bench.stitching_patterns import PATTERNS, as_tuple, relative_error, tolerance  # noqa: E402
+from stitchflow.targets.gpu.codegen import build_kernel, contiguous_strides  # noqa: E402
+from stitchflow.targets.gpu.gluon_dialect import GluonRefusal, blocked_layout, to_gluon  # noqa: E402
+from stitchflow.targets.gpu.mapping import Config, candidates, coop_refusal  # noqa: E402
+
+COMPILE = """
+import json, sys
+import torch
+import stitchflow
+from stitchflow.bench.stitching_patterns import PATTERNS
+from stitchflow.targets.gpu.chain_wgmma import compile_gluon_sm90
+from stitchflow.targets.gpu.codegen import build_kernel, contiguous_strides
+from stitchflow.targets.gpu.mapping import Config
+from stitchflow.targets.gpu.runtime import load_source, tma_descriptor
+
+out = []
+for name, shape, dtype, cfg in json.loads(sys.stdin.read()):
+    dtype = getattr(torch, dtype)
+    args = PATTERNS[name].make(tuple(shape), dtype, "cpu", torch.Generator().manual_seed(0))
+    prog = stitchflow.compile(PATTERNS[name].module(), args, target="gpu", fusion="full")
+    (k,) = [k for run in prog._compiled for k in run.kernels]
+    strides = {t: contiguous_strides(k.graph.type_of[t].shape) for t in k.inputs}
+    spec = build_kernel(k.graph, [(k.plans[0], Config(**cfg))], strides, False, k.title, k.group_names)
+    typed = lambda t: torch.empty(k.graph.type_of[t].shape, dtype=k.graph.type_of[t].dtype)
+    kernel_args = [typed(t) for t in spec.inputs + spec.outputs] + [torch.empty(n, dtype=dt) for _, n, dt in
+                                                                     spec.buffers]
+    kernel_args += [tma_descriptor(typed(t), box) for t, box in spec.tma]
+    report = compile_gluon_sm90(load_source(spec.source).kernel, tuple(kernel_args), {"PHASE": 0}, spec.num_warps,
+                                ints=())
+    report.update(grid=spec.grid, tma=[list(box) for _, box in spec.tma], copies=spec.source.count("async_copy"),
+                  arrivals=spec.source.count("sem='acq_rel'"))
+    out.append(report)
+print(json.dumps(out))
+"""
+
+BENCH = (65536, 1024)
+CASES = [  # pattern, shape, dtype, config (a persistent grid of whole groups), TMA copies in the source
+    ("column_center", BENCH, "float32", Config(32, 1024, 64, 8, persistent=128, coop=True, tma=True), 8),
+    ("column_standardize", BENCH, "float32", Config(32, 1024, 64, 8, persistent=128, coop=True, tma=True), 8),
+    ("column_standardize", BENCH, "float32", Config(32, 512, 128, 4, persistent=256, coop=True, tma=True), 4),
+    ("column_center", (8192, 96), "bfloat16", Config(32, 512, 16, 4, persistent=128, coop=True, tma=True), 4),
+    ("column_standardize", (4096, 160), "float32", Config(32, 128, 32, 4, persistent=64, coop=True, tma=True), 2),
+]
+
+
+def _kernel(name, shape, dtype=torch.float32, strides=None):
+    args = PATTERNS[name].make(shape, dtype, "cpu", torch.Generator().manual_seed(0))
+    prog = stitchflow.compile(PATTERNS[name].module(), args, target="gpu", fusion="full")
+    (k,) = [k for run in prog._compiled for k in run.kernels]
+    return k, strides or {t: contiguous_strides(k.graph.type_of[t].shape) for t in k.inputs}
+
+
+def test_tma_kernels_compile_for_sm90_without_spills(fresh_python):
+    payload = [(name, shape, dtype, dict(vars(cfg))) for name, shape, dtype, cfg, _ in CASES]
+    for (_, shape, dtype, cfg, copies), got in zip(CASES, fresh_python(COMPILE, payload)):
+        assert got["spilled"] == 0
+        assert got["tma"] == [[min(256, cfg.BL), cfg.BP]]
+        assert got["copies"] == copies               # the first piece, and the next one after the arrival
+        assert got["arrivals"] == 1                  # the variance meets at its mean's barrier
+        assert got["grid"] == cfg.split * min(shape[1] // cfg.BP, cfg.persistent // cfg.split)
+        assert got["smem"] >= cfg.BL * cfg.BP * (2 if dtype == "bfloat16" else 4)  # the piece's buffer
+
+
+def test_the_generated_source_becomes_gluon_with_one_layout():
+    k, strides = _kernel("column_center", BENCH)
+    spec = build_kernel(k.graph, [(k.plans[0], CASES[0][3])], strides, False, k.title, k.group_names)
+    src = spec.source
+    assert "@triton.jit" not in src and "tl." not in src and "@gluon.jit" in src
+    assert "gl.arange(0, 32, layout=gl.SliceLayout(1, LAYOUT))[:, None]" in src
+    assert "smem0.permute((1, 0)).load(LAYOUT)" in src
+    assert src.index("sem='acq_rel'") < src.index("if pid_p + 2 < 32:") < src.index("while arrived < 64")
+    assert spec.tma == (("x", (256, 32)),) and spec.grid == 128
+
+
+def test_translation_lays_out_fills_and_refuses_what_gluon_lacks():
+    from stitchflow.targets.gpu.codegen import APPROX_PTX, HEADER
+
+    module = HEADER.format(title="t", approx=APPROX_PTX)
+    body = ("@triton.jit\ndef f(x):\n    a = tl.full([32, 1], 0.0, tl.float32)\n"
+            "    b = tl.broadcast_to(a, [32, 64])\n    tl.debug_barrier()\n")
+    out = to_gluon(module + body, blocked_layout(32, 8, 4))
+    assert "gl.full([32, 1], 0.0, gl.float32, layout=LAYOUT)" in out and "_broadcast_to(a, [32, 64])" in out
+    assert "gl.thread_barrier()" in out
+    assert "threads_per_warp=[8, 4]" in blocked_layout(32, 8, 4) and "[8, 1]" in blocked_layout(32, 4, 2)
+    with pytest.raises(GluonRefusal, match="tl.sigmoid"):
+        to_gluon(module + "@triton.jit\ndef g(x):\n    return tl.sigmoid(x)\n", "L")
+    with pytest.raises(GluonRefusal, match="libdevice"):
+        to_gluon(module + "@triton.jit\ndef g(x):\n    return libdevice.pow(x, 2.0)\n", "L")
+
+
+@pytest.mark.parametrize("name,shape,cfg,strides,why", [
+    ("batchnorm_train", (4, 24, 30, 30), Config(1, 512, 8, 4, persistent=128, coop=True, tma=True), None,
+     "one contiguous parallel axis"),
+    ("column_center", (1000, 96), Config(32, 128, 8, 4, persistent=64, coop=True, tma=True), None, "whole tiles"),
+    ("column_center", (4096, 96), Config(32, 4096, 1, 4, persistent=64, coop=True, tma=True), None, "shared memory"),
+    ("column_center", (4096, 64), Config(32, 512, 8, 4, persistent=64, coop=True, tma=True), {"x": (1, 4096)},
+     "not a row-major"),
+    ("column_center", (4096, 64), Config(32, 512, 8, 4, coop=True, tma=True), None, "persistent"),
+])
+def test_parts_the_tma_path_cannot_take_are_refused_with_the_reason(name, shape, cfg, strides, why):
+    k, strides = _kernel(name, shape, strides=strides)
+    with pytest.raises(GluonRefusal, match=why):
+        build_kernel(k.graph, [(k.plans[0], cfg)], strides, False, k.title, k.group_names)
+    with pytest.raises(GluonRefusal, match="interpreter"):  # under the interpreter: never
+        build_kernel(k.graph, [(k.plans[0], CASES[0][3])], strides, True, k.title, k.group_names)
+
+
+def test_column_blocks_get_tma_candidates_of_whole_resident_groups():
+    k, _ = _kernel("column_standardize", BENCH)
+    tma = [c for c in candidates(k.plans[0], 132) if c.tma]
+    assert {(c.BP, c.BL, c.num_warps) for c in tma} == {(32, 1024, 8), (32, 512, 4)}
+    for c in tma:
+        assert coop_refusal(k.plans[0], c) is None and c.persistent % c.split == 0
+        assert c.persistent <= 132 * (2 if c.num_warps == 4 else 1)
+    rows, _ = _kernel("softmax_long_rows", (4, 65536))
+    assert not [c for c in candidates(rows.plans[0], 132) if c.tma]
+    assert "persistent grid" in coop_refusal(k.plans[0], Config(32, 1024, 64, 8, coop=True, tma=True))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+                    or torch.cuda.get_device_capability()[0] < 9, reason="needs a Hopper GPU (TMA, Gluon)")
+@pytest.mark.parametrize("name,shape,dtype,cfg,_", CASES)
+def test_tma_split_equals_eager_on_hopper(name, shape, dtype, cfg, _):
+    dtype = getattr(torch, dtype)
+    module = PATTERNS[name].module()
+    options = {"block_p": cfg.BP, "block_l": cfg.BL, "split": cfg.split, "num_warps": cfg.num_warps, "coop": True,
+               "persistent": cfg.persistent, "tma": True}
+    for seed in (0, 1):
+        args = PATTERNS[name].make(shape, dtype, "cuda", torch.Generator().manual_seed(seed))
+        prog = stitchflow.compile(module, args, target="gpu", fusion="full", options=options)
+        for _ in range(2):  # the counters and the pieces' barrier start afresh on every call
+            for o, r in zip(as_tuple(prog(*args)), as_tuple(module(*args))):
+                assert relative_error(o, r) <= tolerance(dtype)
+        assert [c.tma for c in prog._compiled[0].kernels[0].chosen] == [True]
