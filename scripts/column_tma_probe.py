@@ -4,6 +4,9 @@ on the bench's 65536x1024 fp32 tensor: a persistent grid of GROUPS groups of SPL
 each program's piece (BP columns x ROWS rows) arrives by TMA, moves to registers, is summed and published; the
 program arrives at the block's counter, issues the TMA loads of its next piece, waits, combines everyone's sums and
 stores x - mean from registers. Prints do_bench medians against torch's copy. Not a test."""
+import itertools
+import sys
+
 import torch
 import triton
 import triton.language as tl
@@ -18,7 +21,7 @@ BOX = gl.constexpr(256)  # TMA box rows (at most 256)
 
 
 @gluon.jit
-def center_tma(x_desc, y, cnt, part, BP: gl.constexpr, ROWS: gl.constexpr, SPLIT: gl.constexpr,
+def center_tma(x_desc, y, cnt, part, tagged, MODE: gl.constexpr, BP: gl.constexpr, ROWS: gl.constexpr, SPLIT: gl.constexpr,
                GROUPS: gl.constexpr, LANES_C: gl.constexpr, num_cols: gl.constexpr, num_rows: gl.constexpr, num_warps: gl.constexpr):
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // BP, BP // 4], [num_warps, 1], [1, 0])
     plane: gl.constexpr = gl.BlockedLayout([1, 1], [32 // LANES_C, LANES_C], [num_warps, 1], [1, 0])
@@ -45,23 +48,95 @@ def center_tma(x_desc, y, cnt, part, BP: gl.constexpr, ROWS: gl.constexpr, SPLIT
         v = smem.load(layout)
         gl.thread_barrier()
         fence_async_shared()
+        nxt = blk + GROUPS
+        if MODE >= 1:  # the next piece right away (MODE 1: the counter's release may then wait for it)
+            if nxt < nblk:
+                mbarrier.expect(bar, ROWS * BP * 4)
+                for b in gl.static_range(NBOX):
+                    tma.async_copy_global_to_shared(x_desc, [row0 + b * BOX, nxt * BP], bar, smem.slice(b * BOX, BOX))
         own = gl.sum(v, axis=0) * (1.0 / num_rows)
         own = gl.convert_layout(own, gl.SliceLayout(0, plane))
+        kcols = blk * BP + gl.arange(0, BP, layout=gl.SliceLayout(0, plane))
+        if MODE == 2:  # no counter: partials tagged by a sentinel NaN the buffer starts with, polled until none is left
+            own = gl.where(own == own, own, float("nan"))
+            gl.store(tagged + s * num_cols + kcols, own.to(gl.int32, bitcast=True))
+            raw = gl.load(tagged + k * num_cols + blk * BP + kc, volatile=True)
+            while gl.max(gl.max((raw == 0x7FBADBAD).to(gl.int32), axis=1), axis=0) > 0:
+                raw = gl.load(tagged + k * num_cols + blk * BP + kc, volatile=True)
+            parts = raw.to(gl.float32, bitcast=True)
+        else:
+            gl.store(part + s * num_cols + kcols, own)
+            gl.thread_barrier()
+            arrived = gl.atomic_add(cnt + blk, 1, sem="acq_rel", scope="gpu") + 1
+            if MODE == 0:  # the next piece streams in while this one waits, combines and stores
+                if nxt < nblk:
+                    mbarrier.expect(bar, ROWS * BP * 4)
+                    for b in gl.static_range(NBOX):
+                        tma.async_copy_global_to_shared(x_desc, [row0 + b * BOX, nxt * BP], bar,
+                                                        smem.slice(b * BOX, BOX))
+            while arrived < SPLIT:
+                arrived = gl.atomic_add(cnt + blk, 0, sem="acquire", scope="gpu")
+            parts = gl.load(part + k * num_cols + blk * BP + kc, cache_modifier=".cg")
+        mean = gl.convert_layout(gl.sum(parts, axis=0), gl.SliceLayout(0, layout))
+        gl.store(y + rows * num_cols + blk * BP + cols, v - mean[None, :])
+        it += 1
+    mbarrier.invalidate(bar)
+
+
+@gluon.jit
+def center_tma_ring(x_desc, y, cnt, part, BP: gl.constexpr, ROWS: gl.constexpr, SPLIT: gl.constexpr,
+                    GROUPS: gl.constexpr, STAGES: gl.constexpr, LANES_C: gl.constexpr, num_cols: gl.constexpr,
+                    num_rows: gl.constexpr, num_warps: gl.constexpr):
+    """center_tma with a ring of STAGES shared-memory pieces: up to STAGES pieces in flight while one waits."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // BP, BP // 4], [num_warps, 1], [1, 0])
+    plane: gl.constexpr = gl.BlockedLayout([1, 1], [32 // LANES_C, LANES_C], [num_warps, 1], [1, 0])
+    NBOX: gl.constexpr = ROWS // BOX
+    nblk: gl.constexpr = num_cols // BP
+    smem = gl.allocate_shared_memory(gl.float32, [STAGES, ROWS, BP], x_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for st in gl.static_range(STAGES):
+        mbarrier.init(bars.index(st), count=1)
+    fence_async_shared()
+    pid = gl.program_id(0)
+    g = pid // SPLIT
+    s = pid % SPLIT
+    row0 = s * ROWS
+    for st in gl.static_range(STAGES):
+        first = g + st * GROUPS
+        if first < nblk:
+            mbarrier.expect(bars.index(st), ROWS * BP * 4)
+            for b in gl.static_range(NBOX):
+                tma.async_copy_global_to_shared(x_desc, [row0 + b * BOX, first * BP], bars.index(st),
+                                                smem.index(st).slice(b * BOX, BOX))
+    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))[:, None]
+    cols = gl.arange(0, BP, layout=gl.SliceLayout(0, layout))[None, :]
+    k = gl.arange(0, SPLIT, layout=gl.SliceLayout(1, plane))[:, None]
+    kc = gl.arange(0, BP, layout=gl.SliceLayout(0, plane))[None, :]
+    it = 0
+    for blk in range(g, nblk, GROUPS):
+        slot = it % STAGES
+        mbarrier.wait(bars.index(slot), (it // STAGES) & 1)
+        v = smem.index(slot).load(layout)
+        gl.thread_barrier()
+        fence_async_shared()
+        own = gl.convert_layout(gl.sum(v, axis=0) * (1.0 / num_rows), gl.SliceLayout(0, plane))
         gl.store(part + s * num_cols + blk * BP + gl.arange(0, BP, layout=gl.SliceLayout(0, plane)), own)
         gl.thread_barrier()
         arrived = gl.atomic_add(cnt + blk, 1, sem="acq_rel", scope="gpu") + 1
-        nxt = blk + GROUPS
-        if nxt < nblk:  # the next piece streams in while this one waits, combines and stores
-            mbarrier.expect(bar, ROWS * BP * 4)
+        nxt = blk + STAGES * GROUPS
+        if nxt < nblk:
+            mbarrier.expect(bars.index(slot), ROWS * BP * 4)
             for b in gl.static_range(NBOX):
-                tma.async_copy_global_to_shared(x_desc, [row0 + b * BOX, nxt * BP], bar, smem.slice(b * BOX, BOX))
+                tma.async_copy_global_to_shared(x_desc, [row0 + b * BOX, nxt * BP], bars.index(slot),
+                                                smem.index(slot).slice(b * BOX, BOX))
         while arrived < SPLIT:
             arrived = gl.atomic_add(cnt + blk, 0, sem="acquire", scope="gpu")
         parts = gl.load(part + k * num_cols + blk * BP + kc, cache_modifier=".cg")
         mean = gl.convert_layout(gl.sum(parts, axis=0), gl.SliceLayout(0, layout))
         gl.store(y + rows * num_cols + blk * BP + cols, v - mean[None, :])
         it += 1
-    mbarrier.invalidate(bar)
+    for st in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(st))
 
 
 @triton.jit
@@ -93,18 +168,21 @@ def main():
     copy = do_bench(lambda: y.copy_(x), warmup=5, rep=50, return_mode="median") * 1e-3
     print(f"torch copy {copy * 1e6:.1f} us ({floor / copy / 1e12:.2f} TB/s)", flush=True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for bp, rows, warps, per_sm in ((32, 1024, 8, 1), (32, 1024, 16, 1), (64, 512, 8, 1), (32, 512, 4, 2),
-                                    (16, 2048, 8, 1)):
+    if "--ring" in sys.argv:
+        return ring(x, y, copy, sms)
+    for (bp, rows, warps, per_sm), mode in itertools.product(((32, 1024, 8, 1), (32, 512, 4, 2)), (0, 1, 2)):
         split = R // rows
         groups = max(1, sms * per_sm // split)
         layout = gl.NVMMASharedLayout.get_default_for([BOX.value, bp], gl.float32)
         desc = TensorDescriptor.from_tensor(x, [BOX.value, bp], layout)
         cnt = torch.zeros(C // bp, dtype=torch.int32, device="cuda")
         part = torch.empty(split, C, device="cuda")
+        tagged = torch.empty(split, C, dtype=torch.int32, device="cuda")
 
         def run():
             cnt.zero_()
-            center_tma[(groups * split,)](desc, y, cnt, part, BP=bp, ROWS=rows, SPLIT=split, GROUPS=groups, LANES_C=min(bp, 32),
+            tagged.fill_(0x7FBADBAD)
+            center_tma[(groups * split,)](desc, y, cnt, part, tagged, MODE=mode, BP=bp, ROWS=rows, SPLIT=split, GROUPS=groups, LANES_C=min(bp, 32),
                                           num_cols=C, num_rows=R, num_warps=warps)
         try:
             t = do_bench(run, warmup=5, rep=50, return_mode="median") * 1e-3
@@ -112,7 +190,7 @@ def main():
             print(f"{bp}x{rows} w{warps}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
             continue
         ok = torch.allclose(y, x - x.mean(0, keepdim=True), atol=1e-5)
-        if bp == 32 and rows == 1024:
+        if bp == 32 and rows == 1024 and mode == 0:
             def plain():
                 cnt.zero_()
                 center_persistent[(groups * split,)](x, y, cnt, part, BP=bp, ROWS=rows, SPLIT=split, GROUPS=groups,
@@ -121,7 +199,34 @@ def main():
             okp = torch.allclose(y, x - x.mean(0, keepdim=True), atol=1e-5)
             print(f"center persistent, no prefetch, {groups} groups of {split}, pieces {bp}x{rows} w{warps}: "
                   f"{tp * 1e6:.1f} us, {copy / tp:.0%} of copy, correct={okp}", flush=True)
-        print(f"center TMA-prefetched, {groups} groups of {split}, pieces {bp}x{rows} w{warps}: {t * 1e6:.1f} us, "
+        print(f"mode {mode}: center TMA-prefetched, {groups} groups of {split}, pieces {bp}x{rows} w{warps}: {t * 1e6:.1f} us, "
+              f"{copy / t:.0%} of copy, correct={ok}", flush=True)
+
+    ring(x, y, copy, sms)
+
+
+def ring(x, y, copy, sms):
+    for bp, rows, warps, per_sm, stages in ((32, 1024, 8, 1, 1), (32, 512, 8, 1, 2), (32, 512, 8, 1, 3),
+                                            (16, 1024, 8, 1, 2), (32, 256, 4, 2, 3), (32, 256, 4, 2, 2)):
+        split = R // rows
+        groups = max(1, sms * per_sm // split)
+        layout = gl.NVMMASharedLayout.get_default_for([BOX.value, bp], gl.float32)
+        desc = TensorDescriptor.from_tensor(x, [min(BOX.value, rows), bp], layout)
+        cnt = torch.zeros(C // bp, dtype=torch.int32, device="cuda")
+        part = torch.empty(split, C, device="cuda")
+
+        def run():
+            cnt.zero_()
+            center_tma_ring[(groups * split,)](desc, y, cnt, part, BP=bp, ROWS=rows, SPLIT=split, GROUPS=groups,
+                                               STAGES=stages, LANES_C=min(bp, 32), num_cols=C, num_rows=R,
+                                               num_warps=warps)
+        try:
+            t = do_bench(run, warmup=5, rep=50, return_mode="median") * 1e-3
+        except Exception as exc:  # noqa: BLE001 - a probe reports and goes on
+            print(f"ring {bp}x{rows} w{warps} s{stages}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            continue
+        ok = torch.allclose(y, x - x.mean(0, keepdim=True), atol=1e-5)
+        print(f"ring of {stages}: {groups} groups of {split}, pieces {bp}x{rows} w{warps}: {t * 1e6:.1f} us, "
               f"{copy / t:.0%} of copy, correct={ok}", flush=True)
 
 

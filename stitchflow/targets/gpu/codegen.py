@@ -156,7 +156,7 @@ class PartKernel(SplitStitching, TmaStitching):
         self.split = cfg.split
         self.single_chunk = n_chunks(plan, cfg) == 1
         self.need_mask_p = plan.P_total % cfg.BP != 0
-        self.need_mask_l = plan.L_total % cfg.BL != 0
+        self.need_mask_l = plan.L_total % cfg.BL != 0 or split_len(plan, cfg) % cfg.BL != 0  # TMA pieces
         self.reduction_phases = phases(plan, cfg) > 1
         self.load_hint: str | None = None  # eviction policy of loads along the local axes (emit.raw_load)
         self._canon: dict = {}

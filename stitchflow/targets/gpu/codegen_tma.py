@@ -28,7 +28,9 @@ TMA_DTYPES = {"torch.float32": 4, "torch.bfloat16": 2, "torch.float16": 2}
 
 
 def tma_box(plan, cfg) -> tuple[int, int]:
-    return min(TMA_BOX_ROWS, split_len(plan, cfg)), cfg.BP
+    """Rows and columns of one TMA copy: a piece takes BL // rows of them (rows past the piece,
+    read but masked, belong to the next piece or lie past the tensor, which TMA fills with zeros)."""
+    return min(TMA_BOX_ROWS, cfg.BL), cfg.BP
 
 
 class TmaStitching:
@@ -45,9 +47,9 @@ class TmaStitching:
         if len(plan.P) != 1 or len(plan.L) != 1 or not plan.p_contiguous:
             raise GluonRefusal("TMA pieces need one contiguous parallel axis and one reduced axis")
         piece = split_len(plan, cfg)
-        if self.need_mask_p or plan.L_total % piece or piece % tma_box(plan, cfg)[0]:
-            raise GluonRefusal(f"TMA pieces need whole tiles: {plan.P_total} columns by {cfg.BP}, "
-                               f"{plan.L_total} rows by {piece}")
+        if self.need_mask_p or piece > cfg.BL or cfg.BL % tma_box(plan, cfg)[0]:
+            raise GluonRefusal(f"TMA pieces need whole column tiles and pieces within the tile: {plan.P_total} "
+                               f"columns by {cfg.BP}, pieces of {piece} rows in tiles of {cfg.BL}")
         tensors: list[str] = []
         for _, tensor, idx, node, _ in self._piece_loads():
             why = self._tma_refusal(tensor, idx, node)
@@ -55,7 +57,7 @@ class TmaStitching:
                 raise GluonRefusal(why)
             if tensor not in tensors:
                 tensors.append(tensor)
-        smem = sum(piece * cfg.BP * TMA_DTYPES[str(self.graph.type_of[t].dtype)] for t in tensors)
+        smem = sum(cfg.BL * cfg.BP * TMA_DTYPES[str(self.graph.type_of[t].dtype)] for t in tensors)
         if smem > TMA_SMEM_BYTES:
             raise GluonRefusal(f"TMA pieces need {smem} bytes of shared memory, over {TMA_SMEM_BYTES}")
         return tensors
@@ -92,7 +94,7 @@ class TmaStitching:
         e("bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())")
         for t in tensors:
             desc = self.arg["tma:" + t]
-            e(f"{smem[t]} = gl.allocate_shared_memory({desc}.dtype, [{piece}, {cfg.BP}], {desc}.layout)")
+            e(f"{smem[t]} = gl.allocate_shared_memory({desc}.dtype, [{cfg.BL}, {cfg.BP}], {desc}.layout)")
         e("mbarrier.init(bar, count=1)")
         e("fence_async_shared()")
         self._tma_fetch(tensors, smem, "grp")
@@ -125,10 +127,9 @@ class TmaStitching:
     def _tma_fetch(self, tensors: list[str], smem: dict, block: str) -> None:
         """TMA copies of this program's piece of column block `block`, completing on `bar`."""
         e, (rows, cols) = self.src.emit, tma_box(self.plan, self.cfg)
-        piece = split_len(self.plan, self.cfg)
-        nbytes = sum(piece * cols * TMA_DTYPES[str(self.graph.type_of[t].dtype)] for t in tensors)
-        e(f"mbarrier.expect(bar, {nbytes})")
+        nbytes = sum(self.cfg.BL * cols * TMA_DTYPES[str(self.graph.type_of[t].dtype)] for t in tensors)
+        e(f"mbarrier.expect(bar, {nbytes})")  # zero-filled rows past the tensor count too
         for t in tensors:
-            for r0 in range(0, piece, rows):
+            for r0 in range(0, self.cfg.BL, rows):
                 e(f"tma.async_copy_global_to_shared({self.arg['tma:' + t]}, [lo + {r0}, ({block}) * {cols}], bar, "
                   f"{smem[t]}.slice({r0}, {rows}))")

