@@ -21,7 +21,7 @@ BOX = gl.constexpr(256)  # TMA box rows (at most 256)
 
 
 @gluon.jit
-def center_tma(x_desc, y, cnt, part, tagged, MODE: gl.constexpr, BP: gl.constexpr, ROWS: gl.constexpr, SPLIT: gl.constexpr,
+def center_tma(x_desc, y, cnt, part, tagged, base, MODE: gl.constexpr, STORE_CS: gl.constexpr, BP: gl.constexpr, ROWS: gl.constexpr, SPLIT: gl.constexpr,
                GROUPS: gl.constexpr, LANES_C: gl.constexpr, num_cols: gl.constexpr, num_rows: gl.constexpr, num_warps: gl.constexpr):
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // BP, BP // 4], [num_warps, 1], [1, 0])
     plane: gl.constexpr = gl.BlockedLayout([1, 1], [32 // LANES_C, LANES_C], [num_warps, 1], [1, 0])
@@ -74,11 +74,14 @@ def center_tma(x_desc, y, cnt, part, tagged, MODE: gl.constexpr, BP: gl.constexp
                     for b in gl.static_range(NBOX):
                         tma.async_copy_global_to_shared(x_desc, [row0 + b * BOX, nxt * BP], bar,
                                                         smem.slice(b * BOX, BOX))
-            while arrived < SPLIT:
+            while arrived < base + SPLIT:
                 arrived = gl.atomic_add(cnt + blk, 0, sem="acquire", scope="gpu")
             parts = gl.load(part + k * num_cols + blk * BP + kc, cache_modifier=".cg")
         mean = gl.convert_layout(gl.sum(parts, axis=0), gl.SliceLayout(0, layout))
-        gl.store(y + rows * num_cols + blk * BP + cols, v - mean[None, :])
+        if STORE_CS:
+            gl.store(y + rows * num_cols + blk * BP + cols, v - mean[None, :], cache_modifier=".cs")
+        else:
+            gl.store(y + rows * num_cols + blk * BP + cols, v - mean[None, :])
         it += 1
     mbarrier.invalidate(bar)
 
@@ -170,7 +173,8 @@ def main():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     if "--ring" in sys.argv:
         return ring(x, y, copy, sms)
-    for (bp, rows, warps, per_sm), mode in itertools.product(((32, 1024, 8, 1), (32, 512, 4, 2)), (0, 1, 2)):
+    for (bp, rows, warps, per_sm), mode, store_cs, reset in itertools.product(
+            ((32, 1024, 8, 1),), (0,), (False, True), (True, False)):
         split = R // rows
         groups = max(1, sms * per_sm // split)
         layout = gl.NVMMASharedLayout.get_default_for([BOX.value, bp], gl.float32)
@@ -178,31 +182,20 @@ def main():
         cnt = torch.zeros(C // bp, dtype=torch.int32, device="cuda")
         part = torch.empty(split, C, device="cuda")
         tagged = torch.empty(split, C, dtype=torch.int32, device="cuda")
+        calls = [0]
 
         def run():
-            cnt.zero_()
-            tagged.fill_(0x7FBADBAD)
-            center_tma[(groups * split,)](desc, y, cnt, part, tagged, MODE=mode, BP=bp, ROWS=rows, SPLIT=split, GROUPS=groups, LANES_C=min(bp, 32),
-                                          num_cols=C, num_rows=R, num_warps=warps)
-        try:
-            t = do_bench(run, warmup=5, rep=50, return_mode="median") * 1e-3
-        except Exception as exc:  # noqa: BLE001 - a probe reports and goes on
-            print(f"{bp}x{rows} w{warps}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-            continue
-        ok = torch.allclose(y, x - x.mean(0, keepdim=True), atol=1e-5)
-        if bp == 32 and rows == 1024 and mode == 0:
-            def plain():
+            if reset:  # a memset per call, as the runtime does
                 cnt.zero_()
-                center_persistent[(groups * split,)](x, y, cnt, part, BP=bp, ROWS=rows, SPLIT=split, GROUPS=groups,
-                                                     num_cols=C, num_rows=R, num_warps=warps)
-            tp = do_bench(plain, warmup=5, rep=50, return_mode="median") * 1e-3
-            okp = torch.allclose(y, x - x.mean(0, keepdim=True), atol=1e-5)
-            print(f"center persistent, no prefetch, {groups} groups of {split}, pieces {bp}x{rows} w{warps}: "
-                  f"{tp * 1e6:.1f} us, {copy / tp:.0%} of copy, correct={okp}", flush=True)
-        print(f"mode {mode}: center TMA-prefetched, {groups} groups of {split}, pieces {bp}x{rows} w{warps}: {t * 1e6:.1f} us, "
-              f"{copy / t:.0%} of copy, correct={ok}", flush=True)
-
-    ring(x, y, copy, sms)
+            base = 0 if reset else calls[0] * split  # else: counters only grow, each call waits for its own round
+            calls[0] += 1
+            center_tma[(groups * split,)](desc, y, cnt, part, tagged, base, MODE=mode, STORE_CS=store_cs, BP=bp,
+                                          ROWS=rows, SPLIT=split, GROUPS=groups, LANES_C=min(bp, 32), num_cols=C,
+                                          num_rows=R, num_warps=warps)
+        t = do_bench(run, warmup=5, rep=100, return_mode="median") * 1e-3
+        ok = torch.allclose(y, x - x.mean(0, keepdim=True), atol=1e-5)
+        print(f"center TMA-prefetched, pieces {bp}x{rows} w{warps}, streaming stores {store_cs}, counters reset by a "
+              f"memset {reset}: {t * 1e6:.1f} us, {copy / t:.0%} of copy, correct={ok}", flush=True)
 
 
 def ring(x, y, copy, sms):

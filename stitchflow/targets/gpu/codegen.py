@@ -523,7 +523,7 @@ def build_kernel(graph: Graph, parts: list[tuple[PartPlan, Config]], strides: di
     for k, t in enumerate(outputs):
         arg[t] = f"out{k}_{_ident(t)}"
         strides = {**strides, t: contiguous_strides(graph.type_of[t].shape)}
-    buffers = []  # (name, elements, dtype): partial reductions; int32 ones are zeroed counters
+    buffers = []  # (name, elements, dtype): partial reductions; int64 ones are counters (runtime.Launch)
     for plan, cfg in parts:
         if phases(plan, cfg) > 1 or cfg.coop:
             for r in plan.reductions:
@@ -533,7 +533,7 @@ def build_kernel(graph: Graph, parts: list[tuple[PartPlan, Config]], strides: di
                     buffers.append((r.name, cfg.split * plan.P_total, dt))
         if cfg.coop:
             arg["cnt"] = arg["buf:rows_arrived"] = f"buf{len(buffers)}_rows_arrived"
-            buffers.append(("rows_arrived", -(-plan.P_total // cfg.BP), torch.int32))
+            buffers.append(("rows_arrived", -(-plan.P_total // cfg.BP), torch.int64))
     wide = _needs_int64(graph, inputs + outputs, strides)
     tma = _tma_inputs(graph, parts, arg, strides, interpret, wide, group_names)
     params = [arg[t] for t in inputs] + [arg[t] for t in outputs] + [arg["buf:" + b[0]] for b in buffers]

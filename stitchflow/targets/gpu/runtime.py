@@ -106,14 +106,15 @@ class Launch:
         self.fast: list | None = None  # one compiled-kernel runner per phase
         self.fast_ok = not interpreting() and not spec.tma  # descriptors go through the JIT's launcher
         self.resident_checked = False
+        self.counters: dict = {}  # (device, stream) -> the row counters (see _counters)
 
     def __call__(self, env) -> None:
         spec = self.spec
         ins = [env[t] for t in spec.inputs]
         device = ins[0].device if ins else torch.device("cuda")
         outs = [torch.empty(shape, dtype=dt, device=device) for shape, dt in self.out_specs]
-        args = ins + outs + [(torch.zeros if dt == torch.int32 else torch.empty)(n, dtype=dt, device=device)
-                             for _, n, dt in spec.buffers]  # int32: a cooperative split's row counters
+        args = ins + outs + [self._counters(n, device) if dt == torch.int64 else torch.empty(n, dtype=dt, device=device)
+                             for _, n, dt in spec.buffers]
         args += [tma_descriptor(env[t], box) for t, box in spec.tma]
         if self.fast is not None:
             for phase, runner in enumerate(self.fast):
@@ -130,6 +131,16 @@ class Launch:
         LAUNCHES[self.title] += spec.phases
         for name, value in zip(spec.outputs, outs):
             env[name] = value
+
+    def _counters(self, n: int, device) -> torch.Tensor:
+        """A cooperative split's row counters, zeroed once per stream: launches only add to them
+        (codegen_split.row_barrier). One set per stream, so that calls on two streams, which
+        may overlap, never share them."""
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        found = self.counters.get((device, stream))
+        if found is None:
+            found = self.counters[(device, stream)] = torch.zeros(n, dtype=torch.int64, device=device)
+        return found
 
     def _check_residency(self, args, device) -> None:
         """A cooperative split over more programs than one per SM on half the SMs waits forever

@@ -28,7 +28,7 @@ from stitchflow.targets.gpu.codegen import build_kernel, contiguous_strides
 from stitchflow.targets.gpu.mapping import Config
 from stitchflow.targets.gpu.runtime import load_source
 
-TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.int32: "*i32"}
+TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.int64: "*i64"}
 out = []
 for name, shape, dtype, cfg in json.loads(sys.stdin.read()):
     dtype = getattr(torch, dtype)
@@ -49,8 +49,9 @@ for name, shape, dtype, cfg in json.loads(sys.stdin.read()):
         usage = subprocess.run([f"{triton.__path__[0]}/backends/nvidia/bin/cuobjdump", "--dump-resource-usage",
                                 f.name], capture_output=True, text=True).stdout
     field = {key: int(v) for key, v in re.findall(r"(REG|STACK|LOCAL):(\\d+)", usage)}
-    out.append({"phases": spec.phases, "counters": [b[1] for b in spec.buffers if b[2] == torch.int32],
-                "spilled": field["STACK"] + field["LOCAL"], "barriers": spec.source.count("atomic_add"),
+    out.append({"phases": spec.phases, "counters": [b[1] for b in spec.buffers if b[2] == torch.int64],
+                "spilled": field["STACK"] + field["LOCAL"], "barriers": spec.source.count("sem='acq_rel'"),
+                "bases": spec.source.count("launch_base = "),
                 "acquire_loads": kernel.asm["ptx"].count("ld.global.gpu.acquire")})
 print(json.dumps(out))
 """
@@ -79,8 +80,9 @@ def test_coop_kernels_compile_for_sm90_in_one_launch(fresh_python):
     payload = [(name, shape, dtype, dict(vars(cfg))) for name, shape, dtype, cfg, _ in CASES]
     for (name, shape, _, _, (barriers, blocks)), got in zip(CASES, fresh_python(COMPILE, payload)):
         assert got["phases"] == 1 and got["spilled"] == 0
-        assert got["counters"] == [blocks]             # one arrival counter per block of rows
-        assert got["barriers"] == 2 * barriers          # an arrival and a polling read per barrier
+        assert got["counters"] == [blocks]             # one arrival counter per block of rows, never reset
+        assert got["barriers"] == barriers              # an arrival per barrier
+        assert got["bases"] == 1                        # the first arrival tells which launch this is
         assert got["acquire_loads"] == barriers         # the poll is an acquiring load, not an atomic
 
 
@@ -139,12 +141,15 @@ def test_coop_split_equals_eager_on_gpu(name, shape, dtype, cfg, _):
     module = PATTERNS[name].module()
     options = {"block_p": cfg.BP, "block_l": cfg.BL, "split": cfg.split, "num_warps": cfg.num_warps, "coop": True,
                "persistent": cfg.persistent}
-    for seed in (0, 1):  # twice: the row counters start from zero on every call
+    for seed in (0, 1):  # twice, and two calls each: every launch must find its own round of the counters
         args = PATTERNS[name].make(shape, dtype, "cuda", torch.Generator().manual_seed(seed))
         prog = stitchflow.compile(module, args, target="gpu", fusion="full", options=options)
         for _ in range(2):
             for o, r in zip(as_tuple(prog(*args)), as_tuple(module(*args))):
                 assert relative_error(o, r) <= tolerance(dtype)
+        counters = [c for run in prog._compiled for k in run.kernels for launch in k._built.values()
+                    for c in launch.counters.values()]
+        assert counters and all(int(c.min()) == int(c.max()) > 0 for c in counters)  # every row: all arrivals
 
 
 def test_resident_programs_per_sm_follow_hoppers_limits():
@@ -152,3 +157,19 @@ def test_resident_programs_per_sm_follow_hoppers_limits():
     assert resident_per_sm(4, 255, 0) == 2         # registers: 8192 per warp, 64K per SM
     assert resident_per_sm(1, 16, 100_000) == 2    # shared memory
     assert resident_per_sm(1, 16, 0) == 32         # the per-SM program limit
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="needs a CUDA GPU (the programs of a row run at once)")
+def test_coop_split_replays_as_a_cuda_graph():
+    """The graph captures the counters' address once: every replay must find them at zero again."""
+    module = PATTERNS["column_standardize"].module()
+    args = PATTERNS["column_standardize"].make((8200, 96), torch.float32, "cuda", torch.Generator().manual_seed(0))
+    prog = stitchflow.compile(module, args, target="gpu", fusion="full",
+                              options={"block_p": 32, "block_l": 512, "split": 17, "num_warps": 8, "coop": True})
+    for seed in range(5):
+        fresh = PATTERNS["column_standardize"].make((8200, 96), torch.float32, "cuda",
+                                                    torch.Generator().manual_seed(seed))
+        for o, r in zip(as_tuple(prog(*fresh)), as_tuple(module(*fresh))):
+            assert relative_error(o, r) <= tolerance(torch.float32)
+    assert prog._replay.graph is not None, prog._replay.failed
