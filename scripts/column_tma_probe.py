@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.testing import do_bench
@@ -84,6 +85,45 @@ def center_tma(x_desc, y, cnt, part, tagged, base, MODE: gl.constexpr, STORE_CS:
             gl.store(y + rows * num_cols + blk * BP + cols, v - mean[None, :])
         it += 1
     mbarrier.invalidate(bar)
+
+
+@gluon.jit
+def center_cpasync(x, y, cnt, part, base, BP: gl.constexpr, ROWS: gl.constexpr, SPLIT: gl.constexpr,
+                   GROUPS: gl.constexpr, LANES_C: gl.constexpr, num_cols: gl.constexpr, num_rows: gl.constexpr,
+                   num_warps: gl.constexpr):
+    """center_tma with the next piece copied by cp.async (per-thread 16-byte copies, any address pattern) instead
+    of TMA boxes: does the arrival's release wait for these too?"""
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // BP, BP // 4], [num_warps, 1], [1, 0])
+    plane: gl.constexpr = gl.BlockedLayout([1, 1], [32 // LANES_C, LANES_C], [num_warps, 1], [1, 0])
+    nblk: gl.constexpr = num_cols // BP
+    smem = gl.allocate_shared_memory(gl.float32, [ROWS, BP], gl.SwizzledSharedLayout(4, 1, 1, [1, 0]))
+    pid = gl.program_id(0)
+    g = pid // SPLIT
+    s = pid % SPLIT
+    rows = s * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))[:, None]
+    cols = gl.arange(0, BP, layout=gl.SliceLayout(0, layout))[None, :]
+    async_copy.async_copy_global_to_shared(smem, x + rows * num_cols + g * BP + cols)
+    async_copy.commit_group()
+    k = gl.arange(0, SPLIT, layout=gl.SliceLayout(1, plane))[:, None]
+    kc = gl.arange(0, BP, layout=gl.SliceLayout(0, plane))[None, :]
+    for blk in range(g, nblk, GROUPS):
+        async_copy.wait_group(0)
+        gl.thread_barrier()
+        v = smem.load(layout)
+        gl.thread_barrier()
+        own = gl.convert_layout(gl.sum(v, axis=0) * (1.0 / num_rows), gl.SliceLayout(0, plane))
+        gl.store(part + s * num_cols + blk * BP + gl.arange(0, BP, layout=gl.SliceLayout(0, plane)), own)
+        gl.thread_barrier()
+        arrived = gl.atomic_add(cnt + blk, 1, sem="acq_rel", scope="gpu") + 1
+        nxt = blk + GROUPS
+        if nxt < nblk:
+            async_copy.async_copy_global_to_shared(smem, x + rows * num_cols + nxt * BP + cols)
+        async_copy.commit_group()
+        while arrived < base + SPLIT:
+            arrived = gl.atomic_add(cnt + blk, 0, sem="acquire", scope="gpu")
+        parts = gl.load(part + k * num_cols + blk * BP + kc, cache_modifier=".cg")
+        mean = gl.convert_layout(gl.sum(parts, axis=0), gl.SliceLayout(0, layout))
+        gl.store(y + rows * num_cols + blk * BP + cols, v - mean[None, :])
 
 
 @gluon.jit
@@ -173,6 +213,19 @@ def main():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     if "--ring" in sys.argv:
         return ring(x, y, copy, sms)
+    if "--cpasync" in sys.argv:
+        cnt = torch.zeros(C // 32, dtype=torch.int32, device="cuda")
+        part = torch.empty(64, C, device="cuda")
+        calls = [0]
+
+        def cp():
+            base = calls[0] * 64
+            calls[0] += 1
+            center_cpasync[(128,)](x, y, cnt, part, base, BP=32, ROWS=1024, SPLIT=64, GROUPS=2, LANES_C=32,
+                                   num_cols=C, num_rows=R, num_warps=8)
+        t = do_bench(cp, warmup=5, rep=100, return_mode="median") * 1e-3
+        ok = torch.allclose(y, x - x.mean(0, keepdim=True), atol=1e-5)
+        print(f"center cp.async-prefetched 32x1024 w8: {t * 1e6:.1f} us, {copy / t:.0%} of copy, correct={ok}")
     for (bp, rows, warps, per_sm), mode, store_cs, reset in itertools.product(
             ((32, 1024, 8, 1),), (0,), (False, True), (True, False)):
         split = R // rows

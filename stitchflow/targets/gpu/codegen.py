@@ -127,6 +127,7 @@ class KernelSpec:
     num_warps: int
     coop_group: int = 0  # programs of a cooperative split that must all be resident at once (0: none)
     tma: tuple[tuple[str, tuple[int, int]], ...] = ()  # (input, TMA box) appended as descriptors: a Gluon kernel
+    gluon: bool = False  # the source is Gluon (TMA or cp.async pieces: codegen_tma)
 
 
 def contiguous_strides(shape) -> tuple[int, ...]:
@@ -228,8 +229,8 @@ class PartKernel(SplitStitching, TmaStitching):
 
     # ------------------------------------------------------------ program structure
     def emit(self) -> None:
-        if self.cfg.tma:
-            self.program_coop_tma()
+        if self.cfg.tma or self.cfg.cp_async:
+            self.program_coop_streamed()
             return
         if self.cfg.coop and self.cfg.persistent:
             self.program_coop_persistent()
@@ -554,24 +555,28 @@ def build_kernel(graph: Graph, parts: list[tuple[PartPlan, Config]], strides: di
     warps = max(c.num_warps for _, c in parts)
     group = max((c.split for _, c in parts if c.coop), default=0)
     source = "\n".join(lines) + "\n"
-    if tma:  # one part (see _tma_inputs): its tile and warps lay out every tensor
+    gluon = any(cfg.tma or cfg.cp_async for _, cfg in parts)
+    if gluon:  # one part (see _tma_inputs): its tile and warps lay out every tensor
         plan, cfg = parts[0]
-        source = to_gluon(source, blocked_layout(cfg.BP, cfg.num_warps, plan.big_elem_bytes))
+        source = to_gluon(source, blocked_layout(cfg.BP, cfg.num_warps, plan.big_elem_bytes, plan.p_contiguous))
     return KernelSpec(source, name, tuple(inputs), tuple(outputs), tuple(buffers), sum(grids), n_phases, warps,
-                      group, tuple(tma))
+                      group, tuple(tma), gluon)
 
 
 def _tma_inputs(graph: Graph, parts, arg: dict, strides: dict, interpret: bool, wide: bool,
                 group_names: set) -> list[tuple[str, tuple[int, int]]]:
     """(input, box) for the pieces a TMA config streams (codegen_tma); names their descriptor
     parameters in `arg`. Raises GluonRefusal where that path cannot take a part."""
-    tma = [(plan, cfg) for plan, cfg in parts if cfg.tma]
-    if not tma:
+    streamed = [(plan, cfg) for plan, cfg in parts if cfg.tma or cfg.cp_async]
+    if not streamed:
         return []
     if len(parts) > 1:
-        raise GluonRefusal("a TMA-fed cooperative part cannot share its launch with packed parts")
-    plan, cfg = tma[0]
+        raise GluonRefusal("a cooperative part with streamed pieces cannot share its launch with packed parts")
+    plan, cfg = streamed[0]
     probe = PartKernel(graph, plan, cfg, arg, strides, Source(), interpret, wide, group_names)
+    if cfg.cp_async:
+        probe.cp_async_refusal()
+        return []
     out = []
     for k, t in enumerate(probe.tma_tensors()):
         arg["tma:" + t] = f"desc{k}_{_ident(t)}"

@@ -1,5 +1,6 @@
-"""Cooperative column splits whose next piece streams into shared memory by TMA while the
-current one waits at its barrier (Hopper; the kernel is translated to Gluon, gluon_dialect).
+"""Cooperative splits whose next piece streams into shared memory while the current one waits
+at its barrier: TMA boxes for column blocks, cp.async for any other address pattern (Hopper;
+the kernel is translated to Gluon, gluon_dialect).
 
 A cooperative program holds its piece (BP columns x `split_len` rows) in registers from the load
 until the barrier releases it; with one such program per SM, the SM reads nothing while it waits,
@@ -76,12 +77,32 @@ class TmaStitching:
             return f"{tensor} is not read at its own (row, column) coordinates"
         return None
 
-    def program_coop_tma(self) -> None:
-        """The persistent cooperative program: a barrier-tracked TMA load of the first piece, then
-        per column block: wait for the piece, move it to registers, free the buffer, run the
-        stages (SplitStitching._coop_stages), and after the last arrival start the next piece."""
+    def cp_async_refusal(self) -> None:
+        """Raises GluonRefusal when a part cannot take cp.async pieces (any address pattern, but
+        4-byte elements: cp.async copies 4, 8 or 16 bytes)."""
+        cfg = self.cfg
+        if self.interpret:
+            raise GluonRefusal("streamed pieces need a Hopper GPU (the interpreter runs no Gluon)")
+        if not (cfg.coop and cfg.persistent and self.single_chunk):
+            raise GluonRefusal("cp.async pieces need a persistent cooperative split whose pieces are one chunk")
+        loads = self._piece_loads()
+        for _, tensor, _, _, _ in loads:
+            if tensor in self.group_names:
+                raise GluonRefusal(f"{tensor} is computed in this kernel, not read from memory")
+            if self.graph.type_of[tensor].dtype.itemsize != 4:
+                raise GluonRefusal(f"cp.async pieces need 4-byte elements, {tensor} is "
+                                   f"{self.graph.type_of[tensor].dtype}")
+        if len(loads) * cfg.BP * cfg.BL * 4 > TMA_SMEM_BYTES:
+            raise GluonRefusal(f"cp.async pieces need {len(loads) * cfg.BP * cfg.BL * 4} bytes of shared memory, "
+                               f"over {TMA_SMEM_BYTES}")
+
+    def program_coop_streamed(self) -> None:
+        """The persistent cooperative program whose pieces stream into shared memory: the first
+        piece's copies (TMA boxes completing on an mbarrier, or cp.async in a commit group), then
+        per row block: wait for the piece, move it to registers, free the buffers, run the stages
+        (SplitStitching._coop_stages), and after the last arrival start the next piece."""
         plan, cfg, e = self.plan, self.cfg, self.src.emit
-        nblocks = plan.P_total // cfg.BP
+        nblocks = -(-plan.P_total // cfg.BP)
         groups = min(nblocks, cfg.persistent // self.split)
         piece = split_len(plan, cfg)
         e(f"pid_s = pid % {self.split}")
@@ -89,15 +110,30 @@ class TmaStitching:
         e(f"lo = pid_s * {piece}")
         e(f"hi = tl.minimum(lo + {piece}, {plan.L_total})")
         loads = self._piece_loads()
-        tensors = list(dict.fromkeys(t for _, t, _, _, _ in loads))
-        smem = {t: f"smem{k}" for k, t in enumerate(tensors)}
-        e("bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())")
-        for t in tensors:
-            desc = self.arg["tma:" + t]
-            e(f"{smem[t]} = gl.allocate_shared_memory({desc}.dtype, [{cfg.BL}, {cfg.BP}], {desc}.layout)")
-        e("mbarrier.init(bar, count=1)")
-        e("fence_async_shared()")
-        self._tma_fetch(tensors, smem, "grp")
+        if cfg.tma:
+            tensors = list(dict.fromkeys(t for _, t, _, _, _ in loads))
+            smem = {t: f"smem{k}" for k, t in enumerate(tensors)}
+            e("bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())")
+            for t in tensors:
+                desc = self.arg["tma:" + t]
+                e(f"{smem[t]} = gl.allocate_shared_memory({desc}.dtype, [{cfg.BL}, {cfg.BP}], {desc}.layout)")
+            e("mbarrier.init(bar, count=1)")
+            e("fence_async_shared()")
+            reads = [f"{smem[t]}.permute((1, 0)).load(LAYOUT)" for _, t, _, _, _ in loads]
+
+            def fetch(block: str) -> None:
+                self._tma_fetch(tensors, smem, block)
+        else:
+            order = "[0, 1]" if plan.p_contiguous else "[1, 0]"
+            for k, (_, t, _, _, _) in enumerate(loads):
+                dtype = "tl.float32" if self.graph.type_of[t].dtype.is_floating_point else "tl.int32"
+                e(f"piece{k} = gl.allocate_shared_memory({dtype}, [{cfg.BP}, {cfg.BL}], "
+                  f"gl.SwizzledSharedLayout(1, 1, 1, {order}))")
+            reads = [f"piece{k}.load(LAYOUT)" for k in range(len(loads))]
+
+            def fetch(block: str) -> None:
+                self._cp_async_fetch(loads, block)
+        fetch("grp")
         e("it = 0")
         e(f"for pid_p in range(grp, {nblocks}, {groups}):")
         self.src.depth += 1
@@ -107,22 +143,49 @@ class TmaStitching:
             self.coord(c, root)
         e("l0 = lo")
         self.chunk_scope = self.chunk(root)
-        e("mbarrier.wait(bar, it & 1)")
-        current = [self.src.let(f"{smem[t]}.permute((1, 0)).load(LAYOUT)", "cur") for _, t, _, _, _ in loads]
+        if cfg.tma:
+            e("mbarrier.wait(bar, it & 1)")
+        else:
+            e("async_copy.wait_group(0)")
+            e("gl.thread_barrier()  # every thread's copies have landed")
+        current = [self.src.let(code, "cur") for code in reads]
         e("gl.thread_barrier()  # every warp holds its share of the piece: the buffers may refill")
-        e("fence_async_shared()")
+        if cfg.tma:
+            e("fence_async_shared()")
         self._use_prefetched(self.chunk_scope, loads, current)
 
         def fetch_next():  # after the arrival: issued before it (right after the piece moved to registers),
             # the release waited for the copies and both column patterns fell back to the register split's times
             e(f"if pid_p + {groups} < {nblocks}:")
             self.src.depth += 1
-            self._tma_fetch(tensors, smem, f"pid_p + {groups}")
+            fetch(f"pid_p + {groups}")
             self.src.depth -= 1
         self._coop_stages(root, fetch_next)
         e("it += 1")
         self.src.depth -= 1
-        e("mbarrier.invalidate(bar)")
+        if cfg.tma:
+            e("mbarrier.invalidate(bar)")
+
+    def _cp_async_fetch(self, loads: list, block: str) -> None:
+        """cp.async copies of this program's piece of row block `block` into the piece buffers, as
+        one commit group. The addresses are the loads' own (masks included); `p` is set back to
+        the current block afterwards."""
+        e = self.src.emit
+        self._row_start(block)
+        root = Scope()
+        for c in self.plan.P:
+            self.coord(c, root)
+        scope = Scope(root, chunk=True)
+        saved, self.need_mask_l = self.need_mask_l, True
+        e(f"l = lo + tl.arange(0, {self.cfg.BL})[None, :]")
+        e("mask_l = l < hi")
+        for k, (_, tensor, idx, node, _) in enumerate(loads):
+            pointer, mask, _ = self.body.raw_address(tensor, idx, node, scope)
+            e(f"async_copy.async_copy_global_to_shared(piece{k}, {pointer}{', mask=' + mask if mask else ''})")
+        self.need_mask_l = saved
+        e("async_copy.commit_group()")
+        if block != "grp":
+            self._row_start("pid_p")
 
     def _tma_fetch(self, tensors: list[str], smem: dict, block: str) -> None:
         """TMA copies of this program's piece of column block `block`, completing on `bar`."""

@@ -213,20 +213,24 @@ class BodyEmitter:
     def load_key(self, tensor: str, indices, node) -> tuple:
         return ("load", tensor, tuple(rename(i, self.k.canonical_names(node)) for i in indices))
 
-    def raw_load(self, tensor: str, indices, node, scope: Scope) -> tuple[str, frozenset]:
-        """`tl.load(...)` of tensor[indices] in the tensor's own dtype, and the tile axes it
-        varies along."""
+    def raw_address(self, tensor: str, indices, node, scope: Scope) -> tuple[str, str | None, frozenset]:
+        """(pointer, mask or None, tile axes it varies along) of tensor[indices]."""
         checks: list = []
         off = self.offset(tensor, indices, node, scope, checks)
         mask = self.k.mask(off.deps, scope)
         if checks:  # out-of-range lanes read 0 (their values are discarded)
             mask = self.k.src.let(" & ".join(([mask] if mask else []) + checks), "m")
+        pointer = f"{self.k.arg[tensor]} + {off.code}" if off.code != "0" or mask else self.k.arg[tensor]
+        return pointer, mask, off.deps
+
+    def raw_load(self, tensor: str, indices, node, scope: Scope) -> tuple[str, frozenset]:
+        """`tl.load(...)` of tensor[indices] in the tensor's own dtype, and the tile axes it
+        varies along."""
+        pointer, mask, deps = self.raw_address(tensor, indices, node, scope)
         mask_arg = f", mask={mask}, other=0" if mask else ""
-        if self.k.load_hint and "l" in off.deps:  # pieces re-read from L2 (codegen_split._coop_stages)
+        if self.k.load_hint and "l" in deps:  # pieces re-read from L2 (codegen_split._coop_stages)
             mask_arg += f", eviction_policy='{self.k.load_hint}'"
-        code = f"tl.load({self.k.arg[tensor]} + {off.code}{mask_arg})" if off.code != "0" or mask else \
-            f"tl.load({self.k.arg[tensor]})"
-        return code, off.deps
+        return f"tl.load({pointer}{mask_arg})", deps
 
     # ------------------------------------------------------------ bodies
     def expr(self, e, node, scope: Scope, inlining: bool = False, result: torch.dtype | None = None) -> Val:

@@ -15,6 +15,7 @@ import re
 GLUON_HEADER = '''import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 LAYOUT = gl.constexpr({layout})
@@ -35,10 +36,15 @@ class GluonRefusal(ValueError):
     """The generated code uses something this translation does not map to Gluon."""
 
 
-def blocked_layout(bp: int, num_warps: int, elem_bytes: int) -> str:
-    """[BP, BL] tiles whose axis 0 (the parallel points) is contiguous in memory: 16-byte vectors
-    along it, the rest of a warp and the warps along the local axis."""
-    vec = max(1, min(bp, 16 // elem_bytes))
+def blocked_layout(bp: int, num_warps: int, elem_bytes: int, p_contiguous: bool = True) -> str:
+    """The layout of [BP, BL] tiles: 16-byte vectors along the axis contiguous in memory. Axis 0
+    (the parallel points, as in column blocks): the rest of a warp and the warps along the local
+    axis; axis 1 (rows): a warp's lanes and the warps along the row."""
+    vec = max(1, 16 // elem_bytes)
+    if not p_contiguous:
+        return (f"gl.BlockedLayout(size_per_thread=[1, {vec}], threads_per_warp=[1, 32], "
+                f"warps_per_cta=[1, {num_warps}], order=[1, 0])")
+    vec = min(bp, vec)
     lanes_p = max(1, min(32, bp // vec))
     return (f"gl.BlockedLayout(size_per_thread=[{vec}, 1], threads_per_warp=[{lanes_p}, {32 // lanes_p}], "
             f"warps_per_cta=[1, {num_warps}], order=[0, 1])")

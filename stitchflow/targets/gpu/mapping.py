@@ -29,12 +29,14 @@ class Config:
     prefetch: bool = False  # chunk loops load the next chunk before computing the current one
     coop: bool = False  # split rows meet at an in-kernel barrier, each piece held in registers (GPU only)
     tma: bool = False  # with coop and persistent: the next piece streams into shared memory by TMA (Hopper, Gluon)
+    cp_async: bool = False  # the same by cp.async: any address pattern, 4-byte elements (Hopper, Gluon)
 
     def __str__(self) -> str:
         tail = f"_G{self.persistent}" if self.persistent else ""
         tail += "_PF" if self.prefetch else ""
         tail += "_C" if self.coop else ""
         tail += "_T" if self.tma else ""
+        tail += "_A" if self.cp_async else ""
         return f"BP{self.BP}_BL{self.BL}_S{self.split}_W{self.num_warps}{tail}"
 
 
@@ -85,8 +87,8 @@ def coop_refusal(plan: PartPlan, cfg: Config) -> str | None:
         return f"a persistent grid of {cfg.persistent} does not hold whole rows of {cfg.split} programs"
     if not plan.reductions or any(plan.stage[r.name] >= plan.final_stage for r in plan.reductions):
         return "every reduction must feed a later stage (per-row results alone use the phased split)"
-    if cfg.tma and not cfg.persistent:
-        return "TMA-fed pieces need a persistent grid (programs walk the row blocks)"
+    if (cfg.tma or cfg.cp_async) and not cfg.persistent:
+        return "streamed pieces (tma, cp_async) need a persistent grid (programs walk the row blocks)"
     if cfg.persistent and n_chunks(plan, cfg) != 1:
         return (f"a persistent cooperative split prefetches whole pieces: {split_len(plan, cfg)} elements must be "
                 f"one chunk of BL={cfg.BL}")
@@ -143,6 +145,24 @@ def _coop(plan: PartPlan, sms: int) -> list[Config]:
                 out.append(cfg)
     if plan.p_contiguous:
         out += _coop_tma(plan, sms)
+    return out
+
+
+def cp_async_configs(plan: PartPlan, sms: int) -> list[Config]:
+    """Rows (and batch norm's channels) on a persistent grid of whole groups whose next piece
+    streams into shared memory by cp.async while the current one waits (codegen_tma). An option,
+    not in the autotuning space: the copies take a 64-bit address per element (and batch norm's
+    are not provably contiguous, so they go 4 bytes at a time), and on the H100 every config was
+    slower than the register-held split: batch norm 217-222 µs against 187, softmax_long_rows 492
+    against 391 (the column blocks' TMA boxes have neither cost)."""
+    out = []
+    for BP, BL, warps, per_sm in ((1, 16384, 16, 1), (1, 8192, 8, 2), (1, 4096, 4, 2), (1, 4096, 8, 2)):
+        slots, split = sms * per_sm, cdiv(plan.L_total, BL)
+        if 2 <= split <= min(max_coop_split(sms), slots // 2):
+            cfg = dataclasses.replace(_fix(plan, BP, BL, split, warps), coop=True,
+                                      persistent=slots // split * split, cp_async=True)
+            if cfg.BL == BL and coop_refusal(plan, cfg) is None:
+                out.append(cfg)
     return out
 
 
@@ -247,7 +267,7 @@ def _unique(configs: list[Config]) -> list[Config]:
 
 def candidates(plan: PartPlan, sms: int = 132, override: dict | None = None) -> list[Config]:
     """Autotuning space for a part; `override` (from compile options) pins any of
-    block_p / block_l / split / num_warps / persistent / prefetch / coop / tma, which tests use to reach
+    block_p / block_l / split / num_warps / persistent / prefetch / coop / tma / cp_async, which tests use to reach
     every code path."""
     if not plan.reductions:
         space = _elementwise(plan, sms)
@@ -268,5 +288,6 @@ def candidates(plan: PartPlan, sms: int = 132, override: dict | None = None) -> 
             cfg = dataclasses.replace(cfg, split=override["split"])
         space = [dataclasses.replace(cfg, persistent=override.get("persistent", 0) if cfg.split == 1 or coop else 0,
                                      prefetch=bool(override.get("prefetch", False)),
-                                     coop=coop, tma=coop and bool(override.get("tma", False)))]
+                                     coop=coop, tma=coop and bool(override.get("tma", False)),
+                                     cp_async=coop and bool(override.get("cp_async", False)))]
     return space

@@ -104,7 +104,7 @@ class Launch:
         self.out_specs = [(graph.type_of[t].shape, graph.type_of[t].dtype) for t in spec.outputs]
         self.grid = (spec.grid,)
         self.fast: list | None = None  # one compiled-kernel runner per phase
-        self.fast_ok = not interpreting() and not spec.tma  # descriptors go through the JIT's launcher
+        self.fast_ok = not interpreting() and not spec.gluon  # Gluon kernels (descriptors) go through the JIT
         self.resident_checked = False
         self.counters: dict = {}  # (device, stream) -> the row counters (see _counters)
 
@@ -121,7 +121,7 @@ class Launch:
                 runner(*args, phase)
         else:
             if not self.resident_checked and spec.coop_group and not interpreting() and (
-                    spec.tma or spec.coop_group > max_coop_split(_sms(device))):
+                    spec.gluon or spec.coop_group > max_coop_split(_sms(device))):
                 self._check_residency(args, device)
             self.resident_checked = True  # once: TMA-fed kernels come here on every call
             compiled = [self.module.kernel[self.grid](*args, PHASE=phase, num_warps=spec.num_warps)
@@ -183,13 +183,13 @@ class GroupKernel:
 
     def _space(self, plan: PartPlan, sms: int, hopper: bool) -> list[Config]:
         override = {k: self.options[k] for k in ("block_p", "block_l", "split", "num_warps", "persistent", "prefetch",
-                                                  "coop", "tma")
+                                                  "coop", "tma", "cp_async")
                     if k in self.options}
         space = candidates(plan, sms, override or None)
-        if not hopper:  # TMA-fed pieces are Gluon kernels for sm_90 and later
-            if override and override.get("tma"):
-                raise ValueError("TMA-fed cooperative pieces (tma) need a Hopper GPU (sm_90 or later)")
-            space = [c for c in space if not c.tma]
+        if not hopper:  # streamed pieces are Gluon kernels for sm_90 and later
+            if override and (override.get("tma") or override.get("cp_async")):
+                raise ValueError("streamed cooperative pieces (tma, cp_async) need a Hopper GPU (sm_90 or later)")
+            space = [c for c in space if not (c.tma or c.cp_async)]
         if interpreting() or self.packed:  # the interpreter runs programs one at a time: nobody to wait for
             if any(c.coop for c in space) and override and override.get("coop"):
                 raise ValueError("a cooperative split (coop) needs a GPU: its programs wait for each other, and "

@@ -42,7 +42,7 @@ for name, shape, dtype, cfg in json.loads(sys.stdin.read()):
     kernel_args += [tma_descriptor(typed(t), box) for t, box in spec.tma]
     report = compile_gluon_sm90(load_source(spec.source).kernel, tuple(kernel_args), {"PHASE": 0}, spec.num_warps,
                                 ints=())
-    report.update(grid=spec.grid, tma=[list(box) for _, box in spec.tma], copies=spec.source.count("async_copy"),
+    report.update(grid=spec.grid, tma=[list(box) for _, box in spec.tma], copies=spec.source.count("tma.async_copy"),
                   arrivals=spec.source.count("sem='acq_rel'"))
     out.append(report)
 print(json.dumps(out))
@@ -58,6 +58,12 @@ CASES = [  # pattern, shape, dtype, config (a persistent grid of whole groups), 
     # pieces shorter than the tile (masked), so that whole groups fill the SMs: 4096 rows over 33 programs
     ("column_standardize", (4096, 160), "float32", Config(32, 128, 33, 4, persistent=66, coop=True, tma=True), 2),
     ("column_center", BENCH, "float32", Config(32, 1024, 66, 8, persistent=132, coop=True, tma=True), 8),
+]
+CP_ASYNC = [  # rows and batch norm's channels: cp.async pieces at the loads' own addresses (masked past the row)
+    ("batchnorm_train", (4, 24, 30, 30), "float32", Config(1, 512, 8, 4, persistent=64, coop=True, cp_async=True)),
+    ("softmax_long_rows", (5, 40000), "float32", Config(1, 4096, 10, 4, persistent=40, coop=True, cp_async=True)),
+    ("batchnorm_train", (64, 256, 56, 56), "float32",
+     Config(1, 4096, 49, 4, persistent=245, coop=True, cp_async=True)),
 ]
 
 
@@ -77,6 +83,13 @@ def test_tma_kernels_compile_for_sm90_without_spills(fresh_python):
         assert got["arrivals"] == 1                  # the variance meets at its mean's barrier
         assert got["grid"] == cfg.split * min(shape[1] // cfg.BP, cfg.persistent // cfg.split)
         assert got["smem"] >= cfg.BL * cfg.BP * (2 if dtype == "bfloat16" else 4)  # the piece's buffer
+
+
+def test_cp_async_kernels_compile_for_sm90(fresh_python):
+    payload = [(name, shape, dtype, dict(vars(cfg))) for name, shape, dtype, cfg in CP_ASYNC]
+    for (_, _, _, cfg), got in zip(CP_ASYNC, fresh_python(COMPILE, payload)):
+        assert got["spilled"] == 0 and got["tma"] == [] and got["copies"] == 0
+        assert got["smem"] >= cfg.BL * 4  # the piece's buffer
 
 
 def test_the_generated_source_becomes_gluon_with_one_layout():
@@ -124,6 +137,19 @@ def test_parts_the_tma_path_cannot_take_are_refused_with_the_reason(name, shape,
         build_kernel(k.graph, [(k.plans[0], CASES[0][3])], strides, True, k.title, k.group_names)
 
 
+def test_cp_async_pieces_need_four_byte_elements_and_stream_after_the_last_arrival():
+    k, strides = _kernel("softmax_long_rows", (5, 40000), torch.bfloat16)
+    with pytest.raises(GluonRefusal, match="4-byte elements"):
+        build_kernel(k.graph, [(k.plans[0], CP_ASYNC[1][3])], strides, False, k.title, k.group_names)
+    k, strides = _kernel("batchnorm_train", (4, 24, 30, 30))
+    src = build_kernel(k.graph, [(k.plans[0], CP_ASYNC[0][3])], strides, False, k.title, k.group_names).source
+    assert src.count("async_copy.async_copy_global_to_shared(") == 2 and src.count("commit_group()") == 2
+    last_arrival = src.rindex("sem='acq_rel'")
+    assert src.index("async_copy.wait_group(0)") < src.index("sem='acq_rel'")
+    assert last_arrival < src.index("if pid_p + 8 < 24:") < src.rindex("while arrived < launch_base")
+    assert "layout=gl.SliceLayout(0, LAYOUT))[None, :]" in src and "order=[1, 0]" in src
+
+
 def test_column_blocks_get_tma_candidates_of_whole_resident_groups():
     k, _ = _kernel("column_standardize", BENCH)
     tma = [c for c in candidates(k.plans[0], 132) if c.tma]
@@ -139,12 +165,12 @@ def test_column_blocks_get_tma_candidates_of_whole_resident_groups():
 
 @pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
                     or torch.cuda.get_device_capability()[0] < 9, reason="needs a Hopper GPU (TMA, Gluon)")
-@pytest.mark.parametrize("name,shape,dtype,cfg,_", CASES)
-def test_tma_split_equals_eager_on_hopper(name, shape, dtype, cfg, _):
+@pytest.mark.parametrize("name,shape,dtype,cfg", [c[:4] for c in CASES] + CP_ASYNC)
+def test_streamed_split_equals_eager_on_hopper(name, shape, dtype, cfg):
     dtype = getattr(torch, dtype)
     module = PATTERNS[name].module()
     options = {"block_p": cfg.BP, "block_l": cfg.BL, "split": cfg.split, "num_warps": cfg.num_warps, "coop": True,
-               "persistent": cfg.persistent, "tma": True}
+               "persistent": cfg.persistent, "tma": cfg.tma, "cp_async": cfg.cp_async}
     for seed in (0, 1):
         args = PATTERNS[name].make(shape, dtype, "cuda", torch.Generator().manual_seed(seed))
         prog = stitchflow.compile(module, args, target="gpu", fusion="full", options=options)
@@ -154,7 +180,7 @@ def test_tma_split_equals_eager_on_hopper(name, shape, dtype, cfg, _):
         counters = [c for run in prog._compiled for k in run.kernels for launch in k._built.values()
                     for c in launch.counters.values()]
         assert counters and all(int(c.min()) == int(c.max()) > 0 for c in counters)  # every block: all arrivals
-        assert [c.tma for c in prog._compiled[0].kernels[0].chosen] == [True]
+        assert [(c.tma, c.cp_async) for c in prog._compiled[0].kernels[0].chosen] == [(cfg.tma, cfg.cp_async)]
 
 
 def test_pinned_tma_splits_may_cut_pieces_under_the_tile():
