@@ -347,7 +347,6 @@ def plan_part(graph: Graph, nodes: list[Node], uf: VarClasses, outside_users: se
         P = tuple(c for c in P if c != cross) + (cross,)
     online = _online_pairs(graph, nodes, cls)
     stage, final, row_level = _stages(graph, nodes, cls, set(L), online)
-    names = {n.name for n in nodes}
     outputs = tuple(n.name for n in nodes if n.name in outside_users)
     return PartPlan(tuple(nodes), cls, extents, L, P, stage, final, frozenset(row_level), outputs,
                     p_contiguous=inner is not None and inner in P, big_elem_bytes=big_bytes, online=online,
