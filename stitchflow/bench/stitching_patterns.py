@@ -232,3 +232,16 @@ def tolerance(dtype: torch.dtype) -> float:
 
 def count_elements(shape) -> int:
     return math.prod(shape)
+
+
+def pattern_kernel(name: str, shape, dtype: torch.dtype = torch.float32, strides: dict | None = None):
+    """(group kernel, input strides) of pattern `name`, compiled for `shape` on CPU tensors: the
+    one generated kernel of the pattern under full fusion, from which tests build the kernel of
+    any config (`codegen.build_kernel(k.graph, [(k.plans[0], cfg)], strides, ...)`)."""
+    from .. import compile as compile_program
+    from ..targets.gpu.codegen import contiguous_strides
+
+    args = PATTERNS[name].make(tuple(shape), dtype, "cpu", torch.Generator().manual_seed(0))
+    prog = compile_program(PATTERNS[name].module(), args, target="gpu", fusion="full")
+    (k,) = [k for run in prog._compiled for k in run.kernels]
+    return k, strides or {t: contiguous_strides(k.graph.type_of[t].shape) for t in k.inputs}

@@ -13,7 +13,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import stitchflow  # noqa: E402
-from stitchflow.bench.stitching_patterns import PATTERNS, as_tuple, relative_error, tolerance  # noqa: E402
+from stitchflow.bench.stitching_patterns import (PATTERNS, as_tuple, pattern_kernel, relative_error,  # noqa: E402
+                                                 tolerance)
 from stitchflow.targets.gpu.mapping import (Config, candidates, coop_refusal, max_coop_split, n_chunks,  # noqa: E402
                                             resident_per_sm)  # noqa: E402
 
@@ -22,20 +23,15 @@ import json, re, subprocess, sys, tempfile
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-import stitchflow
-from stitchflow.bench.stitching_patterns import PATTERNS
-from stitchflow.targets.gpu.codegen import build_kernel, contiguous_strides
+from stitchflow.bench.stitching_patterns import pattern_kernel
+from stitchflow.targets.gpu.codegen import build_kernel
 from stitchflow.targets.gpu.mapping import Config
 from stitchflow.targets.gpu.runtime import load_source
 
 TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.int64: "*i64"}
 out = []
 for name, shape, dtype, cfg in json.loads(sys.stdin.read()):
-    dtype = getattr(torch, dtype)
-    args = PATTERNS[name].make(tuple(shape), dtype, "cpu", torch.Generator().manual_seed(0))
-    prog = stitchflow.compile(PATTERNS[name].module(), args, target="gpu", fusion="full")
-    (k,) = [k for run in prog._compiled for k in run.kernels]
-    strides = {t: contiguous_strides(k.graph.type_of[t].shape) for t in k.inputs}
+    k, strides = pattern_kernel(name, shape, getattr(torch, dtype))
     spec = build_kernel(k.graph, [(k.plans[0], Config(**cfg))], strides, False, k.title, k.group_names)
     fn = load_source(spec.source).kernel
     dts = [k.graph.type_of[t].dtype for t in spec.inputs + spec.outputs] + [b[2] for b in spec.buffers]
@@ -87,10 +83,7 @@ def test_coop_kernels_compile_for_sm90_in_one_launch(fresh_python):
 
 
 def _plan(name, shape):
-    args = PATTERNS[name].make(shape, torch.float32, "cpu", torch.Generator().manual_seed(0))
-    prog = stitchflow.compile(PATTERNS[name].module(), args, target="gpu", fusion="full")
-    (k,) = [k for run in prog._compiled for k in run.kernels]
-    return k.plans[0]
+    return pattern_kernel(name, shape)[0].plans[0]
 
 
 def test_long_rows_get_coop_candidates_and_the_rest_say_why_not():

@@ -13,28 +13,24 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import stitchflow  # noqa: E402
-from stitchflow.bench.stitching_patterns import PATTERNS, as_tuple, relative_error, tolerance  # noqa: E402
-from stitchflow.targets.gpu.codegen import build_kernel, contiguous_strides  # noqa: E402
+from stitchflow.bench.stitching_patterns import (PATTERNS, as_tuple, pattern_kernel, relative_error,  # noqa: E402
+                                                 tolerance)
+from stitchflow.targets.gpu.codegen import build_kernel  # noqa: E402
 from stitchflow.targets.gpu.gluon_dialect import GluonRefusal, blocked_layout, to_gluon  # noqa: E402
 from stitchflow.targets.gpu.mapping import Config, candidates, coop_refusal  # noqa: E402
 
 COMPILE = """
 import json, sys
 import torch
-import stitchflow
-from stitchflow.bench.stitching_patterns import PATTERNS
+from stitchflow.bench.stitching_patterns import pattern_kernel
 from stitchflow.targets.gpu.chain_wgmma import compile_gluon_sm90
-from stitchflow.targets.gpu.codegen import build_kernel, contiguous_strides
+from stitchflow.targets.gpu.codegen import build_kernel
 from stitchflow.targets.gpu.mapping import Config
 from stitchflow.targets.gpu.runtime import load_source, tma_descriptor
 
 out = []
 for name, shape, dtype, cfg in json.loads(sys.stdin.read()):
-    dtype = getattr(torch, dtype)
-    args = PATTERNS[name].make(tuple(shape), dtype, "cpu", torch.Generator().manual_seed(0))
-    prog = stitchflow.compile(PATTERNS[name].module(), args, target="gpu", fusion="full")
-    (k,) = [k for run in prog._compiled for k in run.kernels]
-    strides = {t: contiguous_strides(k.graph.type_of[t].shape) for t in k.inputs}
+    k, strides = pattern_kernel(name, shape, getattr(torch, dtype))
     spec = build_kernel(k.graph, [(k.plans[0], Config(**cfg))], strides, False, k.title, k.group_names)
     typed = lambda t: torch.empty(k.graph.type_of[t].shape, dtype=k.graph.type_of[t].dtype)
     kernel_args = [typed(t) for t in spec.inputs + spec.outputs] + [torch.empty(n, dtype=dt) for _, n, dt in
@@ -67,13 +63,6 @@ CP_ASYNC = [  # rows and batch norm's channels: cp.async pieces at the loads' ow
 ]
 
 
-def _kernel(name, shape, dtype=torch.float32, strides=None):
-    args = PATTERNS[name].make(shape, dtype, "cpu", torch.Generator().manual_seed(0))
-    prog = stitchflow.compile(PATTERNS[name].module(), args, target="gpu", fusion="full")
-    (k,) = [k for run in prog._compiled for k in run.kernels]
-    return k, strides or {t: contiguous_strides(k.graph.type_of[t].shape) for t in k.inputs}
-
-
 def test_tma_kernels_compile_for_sm90_without_spills(fresh_python):
     payload = [(name, shape, dtype, dict(vars(cfg))) for name, shape, dtype, cfg, _ in CASES]
     for (_, shape, dtype, cfg, copies), got in zip(CASES, fresh_python(COMPILE, payload)):
@@ -93,7 +82,7 @@ def test_cp_async_kernels_compile_for_sm90(fresh_python):
 
 
 def test_the_generated_source_becomes_gluon_with_one_layout():
-    k, strides = _kernel("column_center", BENCH)
+    k, strides = pattern_kernel("column_center", BENCH)
     spec = build_kernel(k.graph, [(k.plans[0], CASES[0][3])], strides, False, k.title, k.group_names)
     src = spec.source
     assert "@triton.jit" not in src and "tl." not in src and "@gluon.jit" in src
@@ -130,7 +119,7 @@ def test_translation_lays_out_fills_and_refuses_what_gluon_lacks():
     ("column_center", (4096, 64), Config(32, 512, 8, 4, coop=True, tma=True), None, "persistent"),
 ])
 def test_parts_the_tma_path_cannot_take_are_refused_with_the_reason(name, shape, cfg, strides, why):
-    k, strides = _kernel(name, shape, strides=strides)
+    k, strides = pattern_kernel(name, shape, strides=strides)
     with pytest.raises(GluonRefusal, match=why):
         build_kernel(k.graph, [(k.plans[0], cfg)], strides, False, k.title, k.group_names)
     with pytest.raises(GluonRefusal, match="interpreter"):  # under the interpreter: never
@@ -138,10 +127,10 @@ def test_parts_the_tma_path_cannot_take_are_refused_with_the_reason(name, shape,
 
 
 def test_cp_async_pieces_need_four_byte_elements_and_stream_after_the_last_arrival():
-    k, strides = _kernel("softmax_long_rows", (5, 40000), torch.bfloat16)
+    k, strides = pattern_kernel("softmax_long_rows", (5, 40000), torch.bfloat16)
     with pytest.raises(GluonRefusal, match="4-byte elements"):
         build_kernel(k.graph, [(k.plans[0], CP_ASYNC[1][3])], strides, False, k.title, k.group_names)
-    k, strides = _kernel("batchnorm_train", (4, 24, 30, 30))
+    k, strides = pattern_kernel("batchnorm_train", (4, 24, 30, 30))
     src = build_kernel(k.graph, [(k.plans[0], CP_ASYNC[0][3])], strides, False, k.title, k.group_names).source
     assert src.count("async_copy.async_copy_global_to_shared(") == 2 and src.count("commit_group()") == 2
     last_arrival = src.rindex("sem='acq_rel'")
@@ -151,14 +140,14 @@ def test_cp_async_pieces_need_four_byte_elements_and_stream_after_the_last_arriv
 
 
 def test_column_blocks_get_tma_candidates_of_whole_resident_groups():
-    k, _ = _kernel("column_standardize", BENCH)
+    k, _ = pattern_kernel("column_standardize", BENCH)
     tma = [c for c in candidates(k.plans[0], 132) if c.tma]
     assert {(c.BP, c.BL, c.num_warps, c.split, c.persistent) for c in tma} == {(32, 1024, 8, 64, 128),
                                                                                (32, 512, 4, 128, 256)}
     for c in tma:
         assert coop_refusal(k.plans[0], c) is None and c.persistent % c.split == 0
         assert c.persistent <= 132 * (2 if c.num_warps == 4 else 1)
-    rows, _ = _kernel("softmax_long_rows", (4, 65536))
+    rows, _ = pattern_kernel("softmax_long_rows", (4, 65536))
     assert not [c for c in candidates(rows.plans[0], 132) if c.tma]
     assert "persistent grid" in coop_refusal(k.plans[0], Config(32, 1024, 64, 8, coop=True, tma=True))
 
@@ -184,7 +173,7 @@ def test_streamed_split_equals_eager_on_hopper(name, shape, dtype, cfg):
 
 
 def test_pinned_tma_splits_may_cut_pieces_under_the_tile():
-    k, _ = _kernel("column_center", BENCH)
+    k, _ = pattern_kernel("column_center", BENCH)
     (cfg,) = candidates(k.plans[0], 132, {"block_p": 32, "block_l": 1024, "split": 66, "num_warps": 8, "coop": True,
                                           "persistent": 132, "tma": True})
     assert (cfg.split, cfg.persistent, cfg.tma) == (66, 132, True)
