@@ -2,7 +2,7 @@
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run on CPU tensors
 
 import pytest
 import torch
@@ -14,6 +14,10 @@ from stitchflow.targets.gpu import chain_cost, chain_plans
 from stitchflow.targets.gpu.chain_kernels import Epilogue, GemmTiles, _normal_cdf
 from stitchflow.targets.gpu.chain_resident import ResidentTiles, resident_chain, resident_refusal
 from stitchflow.targets.gpu.gemm_tma import gemm_tma, tma_refusal
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="interpreter tests on CPU tensors (forcing the interpreter here would switch "
+                                "a GPU session's other tests to it too)")
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
 

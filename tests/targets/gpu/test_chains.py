@@ -2,7 +2,7 @@
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on CPU tensors
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run on CPU tensors
 
 import pytest
 import torch
@@ -12,6 +12,10 @@ import stitchflow
 from stitchflow.targets.gpu import chain_cost, chain_plans, chain_kernels as ck
 from stitchflow.targets.gpu.chains import (Operands, compile_chain, default_plan, match_chains,
                                            match_gemm_epilogues, plan_from_json, plan_to_json, run_plan)
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="interpreter tests on CPU tensors (forcing the interpreter here would switch "
+                                "a GPU session's other tests to it too)")
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
 DTYPES = (torch.float32, torch.bfloat16)

@@ -17,6 +17,10 @@ from stitchflow.ir.interpret import run_graph  # noqa: E402
 from stitchflow.targets.gpu.grouping import fold_iotas  # noqa: E402
 from stitchflow.targets.gpu.rewrites import gather_one_hots  # noqa: E402
 
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="interpreter tests on CPU tensors: a GPU session (TRITON_INTERPRET=0) "
+                                "runs the device tests (test_coop_*, test_chain_hopper, ...) instead")
+
 
 def _rewritten(prog):
     return gather_one_hots(fold_iotas(prog.graph, prog.captured.param_values))

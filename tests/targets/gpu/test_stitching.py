@@ -20,6 +20,10 @@ from stitchflow.targets.gpu import LAUNCHES  # noqa: E402
 from stitchflow.targets.gpu.grouping import TorchStep  # noqa: E402
 from stitchflow.targets.gpu.runtime import cache_dir  # noqa: E402
 
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="interpreter tests on CPU tensors: a GPU session (TRITON_INTERPRET=0) "
+                                "runs the device tests (test_coop_*, test_chain_hopper, ...) instead")
+
 CASES = [(name, shape) for name, p in PATTERNS.items() for shape in p.small]
 
 
