@@ -88,7 +88,7 @@ def save_choice(key: str, choice: list, timings: dict) -> None:
 
 # Part of every autotuning cache key: bump it when generated code changes what a config means, so that
 # configs chosen for older code are timed again (4: cooperative splits, variances at their mean's barrier;
-# 5: contiguous axis runs addressed as one coordinate; 6: TMA-fed cooperative column pieces).
+# 5: contiguous axis runs addressed as one coordinate; 6: TMA-fed column pieces, counters never reset).
 CODEGEN_VERSION = 6
 
 
@@ -123,7 +123,7 @@ class Launch:
             if not self.resident_checked and spec.coop_group and not interpreting() and (
                     spec.gluon or spec.coop_group > max_coop_split(_sms(device))):
                 self._check_residency(args, device)
-            self.resident_checked = True  # once: TMA-fed kernels come here on every call
+            self.resident_checked = True  # once: Gluon kernels come here on every call
             compiled = [self.module.kernel[self.grid](*args, PHASE=phase, num_warps=spec.num_warps)
                         for phase in range(spec.phases)]
             if self.fast_ok and all(c is not None for c in compiled):
