@@ -181,14 +181,15 @@ class GroupKernel:
         self.tuned_us: float | None = None
         self.chosen: list[Config] | None = None
 
-    def _space(self, plan: PartPlan, sms: int, hopper: bool) -> list[Config]:
+    def _space(self, plan: PartPlan, sms: int, no_streaming: str | None) -> list[Config]:
+        """`no_streaming`: why streamed pieces (tma, cp_async) cannot run here, or None."""
         override = {k: self.options[k] for k in ("block_p", "block_l", "split", "num_warps", "persistent", "prefetch",
                                                   "coop", "tma", "cp_async")
                     if k in self.options}
         space = candidates(plan, sms, override or None)
-        if not hopper:  # streamed pieces are Gluon kernels for sm_90 and later
+        if no_streaming:
             if override and (override.get("tma") or override.get("cp_async")):
-                raise ValueError("streamed cooperative pieces (tma, cp_async) need a Hopper GPU (sm_90 or later)")
+                raise ValueError(f"streamed cooperative pieces (tma, cp_async) {no_streaming}")
             space = [c for c in space if not (c.tma or c.cp_async)]
         if interpreting() or self.packed:  # the interpreter runs programs one at a time: nobody to wait for
             if any(c.coop for c in space) and override and override.get("coop"):
@@ -202,7 +203,9 @@ class GroupKernel:
         return space
 
     def _signature(self, env) -> tuple:
-        return tuple((t, env[t].stride(), env[t].device.type) for t in self.inputs)
+        """Per input: strides, device type, and whether its base is 16-byte aligned (TMA needs it;
+        a misaligned view of the same strides gets a kernel of its own)."""
+        return tuple((t, env[t].stride(), env[t].device.type, env[t].data_ptr() % 16 == 0) for t in self.inputs)
 
     def __call__(self, env) -> None:
         first = env[self.inputs[0]] if self.inputs else None
@@ -218,11 +221,15 @@ class GroupKernel:
         launch(env)
 
     def _build(self, env, sig) -> Launch:
-        strides = {t: s for t, s, _ in sig}
+        strides = {t: s for t, s, _, _ in sig}
         on_gpu = sig and sig[0][2] == "cuda" and not interpreting()
         sms = _sms(env[sig[0][0]].device) if on_gpu else 132
-        hopper = on_gpu and torch.cuda.get_device_capability(env[sig[0][0]].device)[0] >= 9
-        spaces = [self._space(p, sms, hopper) for p in self.plans]
+        no_streaming = None  # streamed pieces are Gluon kernels for sm_90 and later, fed by 16-byte-aligned TMA
+        if not on_gpu or torch.cuda.get_device_capability(env[sig[0][0]].device)[0] < 9:
+            no_streaming = "need a Hopper GPU (sm_90 or later)"
+        elif not all(aligned for _, _, _, aligned in sig):
+            no_streaming = "need inputs whose base is 16-byte aligned (TMA)"
+        spaces = [self._space(p, sms, no_streaming) for p in self.plans]
         variants = max(len(s) for s in spaces)
         configs = [[s[min(v, len(s) - 1)] for s in spaces] for v in range(variants)]
         if not on_gpu or not self.options.get("autotune", True) or variants == 1:

@@ -177,3 +177,18 @@ def test_pinned_tma_splits_may_cut_pieces_under_the_tile():
     (cfg,) = candidates(k.plans[0], 132, {"block_p": 32, "block_l": 1024, "split": 66, "num_warps": 8, "coop": True,
                                           "persistent": 132, "tma": True})
     assert (cfg.split, cfg.persistent, cfg.tma) == (66, 132, True)
+
+
+def test_streamed_pieces_are_kept_from_where_they_cannot_run(monkeypatch):
+    k, _ = pattern_kernel("column_center", BENCH)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the space a GPU run sees (nothing is launched here)
+    assert any(c.tma for c in k._space(k.plans[0], 132, None))
+    assert not any(c.tma or c.cp_async for c in k._space(k.plans[0], 132, "need a Hopper GPU (sm_90 or later)"))
+    k.options = {**k.options, "coop": True, "tma": True, "persistent": 128, "split": 64, "block_p": 32,
+                 "block_l": 1024}
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        k._space(k.plans[0], 132, "need inputs whose base is 16-byte aligned (TMA)")
+    whole = torch.empty(4096 * 64 + 1)
+    aligned, shifted = whole[:-1].view(4096, 64), whole[1:].view(4096, 64)  # same strides, base 4 bytes apart
+    assert k._signature({t: aligned for t in k.inputs}) != k._signature({t: shifted for t in k.inputs})
+    assert [s[3] for s in k._signature({t: shifted for t in k.inputs})] == [False]
