@@ -51,7 +51,7 @@ def blocked_layout(bp: int, num_warps: int, elem_bytes: int, p_contiguous: bool 
 
 
 def to_gluon(source: str, layout: str) -> str:
-    """The Gluon module for generated Triton `source` (codegen.HEADER, parts, dispatch)."""
+    """The Gluon module for generated Triton `source` (codegen_header.HEADER, parts, dispatch)."""
     if TRITON_IMPORTS not in source:
         raise GluonRefusal("not a generated kernel module (its imports differ)")
     if "libdevice." in source.replace(TRITON_IMPORTS, ""):

@@ -93,7 +93,7 @@ def test_the_generated_source_becomes_gluon_with_one_layout():
 
 
 def test_translation_lays_out_fills_and_refuses_what_gluon_lacks():
-    from stitchflow.targets.gpu.codegen import APPROX_PTX, HEADER
+    from stitchflow.targets.gpu.codegen_header import APPROX_PTX, HEADER
 
     module = HEADER.format(title="t", approx=APPROX_PTX)
     body = ("@triton.jit\ndef f(x):\n    a = tl.full([32, 1], 0.0, tl.float32)\n"
