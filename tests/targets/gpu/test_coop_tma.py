@@ -192,3 +192,17 @@ def test_streamed_pieces_are_kept_from_where_they_cannot_run(monkeypatch):
     aligned, shifted = whole[:-1].view(4096, 64), whole[1:].view(4096, 64)  # same strides, base 4 bytes apart
     assert k._signature({t: aligned for t in k.inputs}) != k._signature({t: shifted for t in k.inputs})
     assert [s[3] for s in k._signature({t: shifted for t in k.inputs})] == [False]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+                    or torch.cuda.get_device_capability()[0] < 9, reason="needs a Hopper GPU (TMA, Gluon)")
+def test_a_misaligned_input_runs_without_streamed_pieces_on_hopper():
+    module = PATTERNS["column_center"].module()
+    whole = torch.randn(16384 * 256 + 1, device="cuda")
+    for x in (whole[1:].view(16384, 256), whole[:-1].view(16384, 256)):  # base 4 bytes off 16, then aligned
+        prog = stitchflow.compile(module, [x], target="gpu", fusion="full", options={"cuda_graphs": False})
+        (out,) = as_tuple(prog(x))
+        assert relative_error(out, module(x)) <= tolerance(torch.float32)
+        (k,) = [k for run in prog._compiled for k in run.kernels]
+        if x.data_ptr() % 16:
+            assert not any(c.tma for c in k.chosen)
