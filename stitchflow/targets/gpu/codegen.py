@@ -330,14 +330,21 @@ class PartKernel(SplitStitching, TmaStitching):
             self.body.log, self.src = None, real
         return list(found.values())
 
-    def _prefetch(self, root: Scope, loads: list, start: str) -> list[str]:
+    def _prefetch(self, root: Scope, loads: list, start: str, issue=None) -> list[str]:
         """Issue `loads` for the chunk at `start` (masked: it may lie past the end) and return
-        their raw values, bound to fresh names the first time (the loop-carried registers)."""
+        their raw values, bound to fresh names the first time (the loop-carried registers).
+        `issue(k, load, scope)`, when given, emits each load its own way instead (codegen_tma's
+        cp.async copies) and returns nothing."""
         saved, self.need_mask_l = self.need_mask_l, True
         scope = Scope(root, chunk=True)
         self.src.emit(f"l = {start} + tl.arange(0, {self.cfg.BL})[None, :]")
         self.src.emit("mask_l = l < hi")
-        codes = [self.src.let(self.body.raw_load(t, idx, node, scope)[0], "pf") for _, t, idx, node, _ in loads]
+        if issue is not None:
+            for k, load in enumerate(loads):
+                issue(k, load, scope)
+            codes = []
+        else:
+            codes = [self.src.let(self.body.raw_load(t, idx, node, scope)[0], "pf") for _, t, idx, node, _ in loads]
         self.need_mask_l = saved
         return codes
 
@@ -454,7 +461,7 @@ def build_kernel(graph: Graph, parts: list[tuple[PartPlan, Config]], strides: di
             arg["cnt"] = arg["buf:rows_arrived"] = f"buf{len(buffers)}_rows_arrived"
             buffers.append(("rows_arrived", -(-plan.P_total // cfg.BP), torch.int64))
     wide = _needs_int64(graph, inputs + outputs, strides)
-    tma = _tma_inputs(graph, parts, arg, strides, interpret, wide, group_names)
+    tma = _streamed_inputs(graph, parts, arg, strides, interpret, wide, group_names)
     params = [arg[t] for t in inputs] + [arg[t] for t in outputs] + [arg["buf:" + b[0]] for b in buffers]
     params += [arg["tma:" + t] for t, _ in tma]
     lines = [HEADER.format(title=title, approx=APPROX_INTERPRETED if interpret else APPROX_PTX)]
@@ -474,17 +481,18 @@ def build_kernel(graph: Graph, parts: list[tuple[PartPlan, Config]], strides: di
     group = max((c.split for _, c in parts if c.coop), default=0)
     source = "\n".join(lines) + "\n"
     gluon = any(cfg.tma or cfg.cp_async for _, cfg in parts)
-    if gluon:  # one part (see _tma_inputs): its tile and warps lay out every tensor
+    if gluon:  # one part (see _streamed_inputs): its tile and warps lay out every tensor
         plan, cfg = parts[0]
         source = to_gluon(source, blocked_layout(cfg.BP, cfg.num_warps, plan.big_elem_bytes, plan.p_contiguous))
     return KernelSpec(source, name, tuple(inputs), tuple(outputs), tuple(buffers), sum(grids), n_phases, warps,
                       group, tuple(tma), gluon)
 
 
-def _tma_inputs(graph: Graph, parts, arg: dict, strides: dict, interpret: bool, wide: bool,
-                group_names: set) -> list[tuple[str, tuple[int, int]]]:
-    """(input, box) for the pieces a TMA config streams (codegen_tma); names their descriptor
-    parameters in `arg`. Raises GluonRefusal where that path cannot take a part."""
+def _streamed_inputs(graph: Graph, parts, arg: dict, strides: dict, interpret: bool, wide: bool,
+                     group_names: set) -> list[tuple[str, tuple[int, int]]]:
+    """(input, box) for the pieces a TMA config streams (codegen_tma), naming their descriptor
+    parameters in `arg`; none for cp.async pieces. Raises GluonRefusal where the streamed path
+    cannot take a part."""
     streamed = [(plan, cfg) for plan, cfg in parts if cfg.tma or cfg.cp_async]
     if not streamed:
         return []

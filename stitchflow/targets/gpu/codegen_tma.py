@@ -37,14 +37,25 @@ def tma_box(plan, cfg) -> tuple[int, int]:
 class TmaStitching:
     """Mixed into PartKernel next to SplitStitching (whose stages and barrier it reuses)."""
 
+    def _streamed_loads(self, how: str) -> list:
+        """The piece loads of a streamed config (`how`: "TMA" or "cp.async"); raises GluonRefusal
+        for what neither path can take."""
+        cfg = self.cfg
+        if self.interpret:
+            raise GluonRefusal(f"{how} pieces need a Hopper GPU (the interpreter runs no Gluon)")
+        if not (cfg.coop and cfg.persistent and self.single_chunk):
+            raise GluonRefusal(f"{how} pieces need a persistent cooperative split whose pieces are one chunk")
+        loads = self._piece_loads()
+        for _, tensor, _, _, _ in loads:
+            if tensor in self.group_names:
+                raise GluonRefusal(f"{tensor} is computed in this kernel, not read from memory")
+        return loads
+
     def tma_tensors(self) -> list[str]:
         """The inputs whose pieces arrive by TMA, in order; raises GluonRefusal when the part
         cannot take this path."""
         plan, cfg = self.plan, self.cfg
-        if self.interpret:
-            raise GluonRefusal("TMA pieces need a Hopper GPU (the interpreter runs no Gluon)")
-        if not (cfg.coop and cfg.persistent and self.single_chunk):
-            raise GluonRefusal("TMA pieces need a persistent cooperative split whose pieces are one chunk")
+        loads = self._streamed_loads("TMA")
         if len(plan.P) != 1 or len(plan.L) != 1 or not plan.p_contiguous:
             raise GluonRefusal("TMA pieces need one contiguous parallel axis and one reduced axis")
         piece = split_len(plan, cfg)
@@ -52,7 +63,7 @@ class TmaStitching:
             raise GluonRefusal(f"TMA pieces need whole column tiles and pieces within the tile: {plan.P_total} "
                                f"columns by {cfg.BP}, pieces of {piece} rows in tiles of {cfg.BL}")
         tensors: list[str] = []
-        for _, tensor, idx, node, _ in self._piece_loads():
+        for _, tensor, idx, node, _ in loads:
             why = self._tma_refusal(tensor, idx, node)
             if why:
                 raise GluonRefusal(why)
@@ -66,8 +77,6 @@ class TmaStitching:
     def _tma_refusal(self, tensor: str, idx, node) -> str | None:
         plan = self.plan
         ty = self.graph.type_of[tensor]
-        if tensor in self.group_names:
-            return f"{tensor} is computed in this kernel, not read from memory"
         if str(ty.dtype) not in TMA_DTYPES or self.cfg.BP * TMA_DTYPES[str(ty.dtype)] < 16:
             return f"{tensor}: TMA boxes need 16-byte rows of a float type, not {self.cfg.BP} x {ty.dtype}"
         if tuple(ty.shape) != (plan.L_total, plan.P_total) or tuple(self.strides[tensor]) != (plan.P_total, 1):
@@ -81,14 +90,8 @@ class TmaStitching:
         """Raises GluonRefusal when a part cannot take cp.async pieces (any address pattern, but
         4-byte elements: cp.async copies 4, 8 or 16 bytes)."""
         cfg = self.cfg
-        if self.interpret:
-            raise GluonRefusal("streamed pieces need a Hopper GPU (the interpreter runs no Gluon)")
-        if not (cfg.coop and cfg.persistent and self.single_chunk):
-            raise GluonRefusal("cp.async pieces need a persistent cooperative split whose pieces are one chunk")
-        loads = self._piece_loads()
+        loads = self._streamed_loads("cp.async")
         for _, tensor, _, _, _ in loads:
-            if tensor in self.group_names:
-                raise GluonRefusal(f"{tensor} is computed in this kernel, not read from memory")
             if self.graph.type_of[tensor].dtype.itemsize != 4:
                 raise GluonRefusal(f"cp.async pieces need 4-byte elements, {tensor} is "
                                    f"{self.graph.type_of[tensor].dtype}")
@@ -168,21 +171,19 @@ class TmaStitching:
 
     def _cp_async_fetch(self, loads: list, block: str) -> None:
         """cp.async copies of this program's piece of row block `block` into the piece buffers, as
-        one commit group. The addresses are the loads' own (masks included); `p` is set back to
-        the current block afterwards."""
+        one commit group, at the loads' own addresses (masks included); `p` is set back to the
+        current block afterwards."""
         e = self.src.emit
+
+        def copy(k: int, load, scope: Scope) -> None:
+            _, tensor, idx, node, _ = load
+            pointer, mask, _ = self.body.raw_address(tensor, idx, node, scope)
+            e(f"async_copy.async_copy_global_to_shared(piece{k}, {pointer}{', mask=' + mask if mask else ''})")
         self._row_start(block)
         root = Scope()
         for c in self.plan.P:
             self.coord(c, root)
-        scope = Scope(root, chunk=True)
-        saved, self.need_mask_l = self.need_mask_l, True
-        e(f"l = lo + tl.arange(0, {self.cfg.BL})[None, :]")
-        e("mask_l = l < hi")
-        for k, (_, tensor, idx, node, _) in enumerate(loads):
-            pointer, mask, _ = self.body.raw_address(tensor, idx, node, scope)
-            e(f"async_copy.async_copy_global_to_shared(piece{k}, {pointer}{', mask=' + mask if mask else ''})")
-        self.need_mask_l = saved
+        self._prefetch(root, loads, "lo", issue=copy)
         e("async_copy.commit_group()")
         if block != "grp":
             self._row_start("pid_p")
