@@ -22,9 +22,28 @@ BOX = gl.constexpr(256)  # TMA box rows (at most 256)
 
 
 @gluon.jit
-def center_tma(x_desc, y, cnt, part, tagged, base, MODE: gl.constexpr, STORE_CS: gl.constexpr, BP: gl.constexpr, ROWS: gl.constexpr, SPLIT: gl.constexpr,
-               GROUPS: gl.constexpr, LANES_C: gl.constexpr, num_cols: gl.constexpr, num_rows: gl.constexpr, num_warps: gl.constexpr):
-    layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // BP, BP // 4], [num_warps, 1], [1, 0])
+def _arrive(ptr, WARP: gl.constexpr, num_warps: gl.constexpr):
+    """Add one to *ptr from lane 0 of warp WARP (acq_rel, gpu scope); every thread gets the old value."""
+    lanes: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    t = gl.arange(0, 32 * num_warps, layout=lanes)
+    mine = t == 32 * WARP
+    res = gl.atomic_add(ptr + t * 0, mine.to(gl.int32), mask=mine, sem="acq_rel", scope="gpu")
+    return gl.max(gl.where(mine, res, 0), axis=0)
+
+
+@gluon.jit
+def center_tma(x_desc, y, cnt, part, part2, tagged, base, MODE: gl.constexpr, STORE_CS: gl.constexpr, BP: gl.constexpr,
+               ROWS: gl.constexpr, SPLIT: gl.constexpr, GROUPS: gl.constexpr, LANES_C: gl.constexpr, STD: gl.constexpr,
+               num_cols: gl.constexpr, num_rows: gl.constexpr, num_warps: gl.constexpr, WARP_COLS: gl.constexpr = False):
+    """MODE 0: the next piece after the arrival; 1: before it; 2: no counter (sentinels); 3: before it, and the
+    arrival from warp 1 (does the release then still wait for warp 0's copies?). STD: standardize (the piece's
+    centred sum of squares published too, Chan's combine) instead of center. WARP_COLS: each warp holds whole
+    columns (lanes along the rows), so the piece's column sums need no exchange between warps (but a warp's
+    stores touch 32 rows of 16 bytes)."""
+    if WARP_COLS:
+        layout: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [1, num_warps], [1, 0])
+    else:
+        layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // BP, BP // 4], [num_warps, 1], [1, 0])
     plane: gl.constexpr = gl.BlockedLayout([1, 1], [32 // LANES_C, LANES_C], [num_warps, 1], [1, 0])
     NBOX: gl.constexpr = ROWS // BOX
     nblk: gl.constexpr = num_cols // BP
@@ -50,12 +69,15 @@ def center_tma(x_desc, y, cnt, part, tagged, base, MODE: gl.constexpr, STORE_CS:
         gl.thread_barrier()
         fence_async_shared()
         nxt = blk + GROUPS
-        if MODE >= 1:  # the next piece right away (MODE 1: the counter's release may then wait for it)
+        if MODE == 1 or MODE == 3:  # the next piece right away (MODE 1: the counter's release may then wait for it)
             if nxt < nblk:
                 mbarrier.expect(bar, ROWS * BP * 4)
                 for b in gl.static_range(NBOX):
                     tma.async_copy_global_to_shared(x_desc, [row0 + b * BOX, nxt * BP], bar, smem.slice(b * BOX, BOX))
         own = gl.sum(v, axis=0) * (1.0 / num_rows)
+        if STD:
+            d = v - own[None, :] * (num_rows / ROWS)
+            m2 = gl.convert_layout(gl.sum(d * d, axis=0), gl.SliceLayout(0, plane))
         own = gl.convert_layout(own, gl.SliceLayout(0, plane))
         kcols = blk * BP + gl.arange(0, BP, layout=gl.SliceLayout(0, plane))
         if MODE == 2:  # no counter: partials tagged by a sentinel NaN the buffer starts with, polled until none is left
@@ -67,8 +89,13 @@ def center_tma(x_desc, y, cnt, part, tagged, base, MODE: gl.constexpr, STORE_CS:
             parts = raw.to(gl.float32, bitcast=True)
         else:
             gl.store(part + s * num_cols + kcols, own)
+            if STD:
+                gl.store(part2 + s * num_cols + kcols, m2)
             gl.thread_barrier()
-            arrived = gl.atomic_add(cnt + blk, 1, sem="acq_rel", scope="gpu") + 1
+            if MODE == 3:
+                arrived = _arrive(cnt + blk, 1, num_warps) + 1
+            else:
+                arrived = gl.atomic_add(cnt + blk, 1, sem="acq_rel", scope="gpu") + 1
             if MODE == 0:  # the next piece streams in while this one waits, combines and stores
                 if nxt < nblk:
                     mbarrier.expect(bar, ROWS * BP * 4)
@@ -78,14 +105,116 @@ def center_tma(x_desc, y, cnt, part, tagged, base, MODE: gl.constexpr, STORE_CS:
             while arrived < base + SPLIT:
                 arrived = gl.atomic_add(cnt + blk, 0, sem="acquire", scope="gpu")
             parts = gl.load(part + k * num_cols + blk * BP + kc, cache_modifier=".cg")
-        mean = gl.convert_layout(gl.sum(parts, axis=0), gl.SliceLayout(0, layout))
-        if STORE_CS:
-            gl.store(y + rows * num_cols + blk * BP + cols, v - mean[None, :], cache_modifier=".cs")
+            if STD:  # both loads in flight together: one L2 round trip after the barrier, not two
+                m2s = gl.load(part2 + k * num_cols + blk * BP + kc, cache_modifier=".cg")
+        mean = gl.sum(parts, axis=0)
+        if STD:
+            spread = parts * (num_rows / ROWS) - mean[None, :]
+            var = (gl.sum(m2s, axis=0) + ROWS * gl.sum(spread * spread, axis=0)) / num_rows
+            rstd = gl.convert_layout(gl.rsqrt(var + 1e-5), gl.SliceLayout(0, layout))
+        mean = gl.convert_layout(mean, gl.SliceLayout(0, layout))
+        if STD:
+            out = (v - mean[None, :]) * rstd[None, :]
         else:
-            gl.store(y + rows * num_cols + blk * BP + cols, v - mean[None, :])
+            out = v - mean[None, :]
+        if STORE_CS:
+            gl.store(y + rows * num_cols + blk * BP + cols, out, cache_modifier=".cs")
+        else:
+            gl.store(y + rows * num_cols + blk * BP + cols, out)
         it += 1
     mbarrier.invalidate(bar)
 
+
+
+@gluon.jit
+def _fetch_piece(x_desc, smem, bar, row0, blk, BP: gl.constexpr, ROWS: gl.constexpr):
+    mbarrier.expect(bar, ROWS * BP * 4)
+    for b in gl.static_range(ROWS // BOX):
+        tma.async_copy_global_to_shared(x_desc, [row0 + b * BOX, blk * BP], bar, smem.slice(b * BOX, BOX))
+
+
+@gluon.jit
+def _publish(smem, part, part2, at, layout: gl.constexpr, plane: gl.constexpr, ROWS: gl.constexpr, BP: gl.constexpr,
+             STD: gl.constexpr, num_rows: gl.constexpr):
+    """The piece's column sums (and centred sums of squares), read from shared memory 128 rows at a time, stored
+    at `at` in the partial buffers."""
+    acc = gl.zeros([BP], gl.float32, gl.SliceLayout(0, layout))
+    for r0 in gl.static_range(0, ROWS, 128):
+        acc += gl.sum(smem.slice(r0, 128).load(layout), axis=0)
+    own = acc * (1.0 / num_rows)
+    gl.store(part + at, gl.convert_layout(own, gl.SliceLayout(0, plane)))
+    if STD:
+        mu = own * (num_rows / ROWS)
+        acc = gl.zeros([BP], gl.float32, gl.SliceLayout(0, layout))
+        for r0 in gl.static_range(0, ROWS, 128):
+            d = smem.slice(r0, 128).load(layout) - mu[None, :]
+            acc += gl.sum(d * d, axis=0)
+        gl.store(part2 + at, gl.convert_layout(acc, gl.SliceLayout(0, plane)))
+    gl.thread_barrier()
+
+
+@gluon.jit
+def center_ahead(x_desc, y, cnt, part, part2, base, BP: gl.constexpr, ROWS: gl.constexpr, SPLIT: gl.constexpr,
+                 GROUPS: gl.constexpr, LANES_C: gl.constexpr, STD: gl.constexpr, num_cols: gl.constexpr,
+                 num_rows: gl.constexpr, num_warps: gl.constexpr):
+    """center_tma (MODE 0) with the next block's partials computed from shared memory and arrived at before this
+    block's stores: no arrival's release then waits for stores or copies in flight."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // BP, BP // 4], [num_warps, 1], [1, 0])
+    plane: gl.constexpr = gl.BlockedLayout([1, 1], [32 // LANES_C, LANES_C], [num_warps, 1], [1, 0])
+    nblk: gl.constexpr = num_cols // BP
+    smem = gl.allocate_shared_memory(gl.float32, [ROWS, BP], x_desc.layout)
+    bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(bar, count=1)
+    fence_async_shared()
+    pid = gl.program_id(0)
+    g = pid // SPLIT
+    s = pid % SPLIT
+    row0 = s * ROWS
+    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))[:, None]
+    cols = gl.arange(0, BP, layout=gl.SliceLayout(0, layout))[None, :]
+    pc = gl.arange(0, BP, layout=gl.SliceLayout(0, plane))
+    k = gl.arange(0, SPLIT, layout=gl.SliceLayout(1, plane))[:, None]
+    kc = pc[None, :]
+    _fetch_piece(x_desc, smem, bar, row0, g, BP, ROWS)
+    mbarrier.wait(bar, 0)
+    _publish(smem, part, part2, s * num_cols + g * BP + pc, layout, plane, ROWS, BP, STD, num_rows)
+    gl.atomic_add(cnt + g, 1, sem="acq_rel", scope="gpu")
+    v = smem.load(layout)
+    gl.thread_barrier()
+    fence_async_shared()
+    if g + GROUPS < nblk:
+        _fetch_piece(x_desc, smem, bar, row0, g + GROUPS, BP, ROWS)
+    it = 1
+    for blk in range(g, nblk, GROUPS):
+        nxt = blk + GROUPS
+        if nxt < nblk:
+            mbarrier.wait(bar, it & 1)
+            _publish(smem, part, part2, s * num_cols + nxt * BP + pc, layout, plane, ROWS, BP, STD, num_rows)
+            gl.atomic_add(cnt + nxt, 1, sem="acq_rel", scope="gpu")
+        arrived = gl.atomic_add(cnt + blk, 0, sem="acquire", scope="gpu")
+        while arrived < base + SPLIT:
+            arrived = gl.atomic_add(cnt + blk, 0, sem="acquire", scope="gpu")
+        parts = gl.load(part + k * num_cols + blk * BP + kc, cache_modifier=".cg")
+        mean = gl.sum(parts, axis=0)
+        if STD:
+            m2s = gl.load(part2 + k * num_cols + blk * BP + kc, cache_modifier=".cg")
+            spread = parts * (num_rows / ROWS) - mean[None, :]
+            var = (gl.sum(m2s, axis=0) + ROWS * gl.sum(spread * spread, axis=0)) / num_rows
+            rstd = gl.convert_layout(gl.rsqrt(var + 1e-5), gl.SliceLayout(0, layout))
+        mean = gl.convert_layout(mean, gl.SliceLayout(0, layout))
+        if STD:
+            out = (v - mean[None, :]) * rstd[None, :]
+        else:
+            out = v - mean[None, :]
+        gl.store(y + rows * num_cols + blk * BP + cols, out)
+        if nxt < nblk:
+            v = smem.load(layout)
+            gl.thread_barrier()
+            fence_async_shared()
+            if nxt + GROUPS < nblk:
+                _fetch_piece(x_desc, smem, bar, row0, nxt + GROUPS, BP, ROWS)
+        it += 1
+    mbarrier.invalidate(bar)
 
 @gluon.jit
 def center_cpasync(x, y, cnt, part, base, BP: gl.constexpr, ROWS: gl.constexpr, SPLIT: gl.constexpr,
@@ -226,14 +355,16 @@ def main():
         t = do_bench(cp, warmup=5, rep=100, return_mode="median") * 1e-3
         ok = torch.allclose(y, x - x.mean(0, keepdim=True), atol=1e-5)
         print(f"center cp.async-prefetched 32x1024 w8: {t * 1e6:.1f} us, {copy / t:.0%} of copy, correct={ok}")
-    for (bp, rows, warps, per_sm), mode, store_cs, reset in itertools.product(
-            ((32, 1024, 8, 1),), (0,), (False, True), (True, False)):
+    for (bp, rows, warps, per_sm), std, mode, store_cs, reset in itertools.product(
+            ((32, 1024, 8, 1),), (True, False), (0, 5), (False,), (False,)):
         split = R // rows
         groups = max(1, sms * per_sm // split)
         layout = gl.NVMMASharedLayout.get_default_for([BOX.value, bp], gl.float32)
+        if bp * 4 > 128:  # a swizzled box's rows span at most the swizzle's 128 bytes
+            layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
         desc = TensorDescriptor.from_tensor(x, [BOX.value, bp], layout)
         cnt = torch.zeros(C // bp, dtype=torch.int32, device="cuda")
-        part = torch.empty(split, C, device="cuda")
+        part, part2 = torch.empty(split, C, device="cuda"), torch.empty(split, C, device="cuda")
         tagged = torch.empty(split, C, dtype=torch.int32, device="cuda")
         calls = [0]
 
@@ -242,13 +373,23 @@ def main():
                 cnt.zero_()
             base = 0 if reset else calls[0] * split  # else: counters only grow, each call waits for its own round
             calls[0] += 1
-            center_tma[(groups * split,)](desc, y, cnt, part, tagged, base, MODE=mode, STORE_CS=store_cs, BP=bp,
-                                          ROWS=rows, SPLIT=split, GROUPS=groups, LANES_C=min(bp, 32), num_cols=C,
-                                          num_rows=R, num_warps=warps)
+            if mode == 4:
+                center_ahead[(groups * split,)](desc, y, cnt, part, part2, base, BP=bp, ROWS=rows, SPLIT=split,
+                                                GROUPS=groups, LANES_C=min(bp, 32), STD=std, num_cols=C, num_rows=R,
+                                                num_warps=warps)
+            else:
+                center_tma[(groups * split,)](desc, y, cnt, part, part2, tagged, base, MODE=mode, STORE_CS=store_cs,
+                                              BP=bp, ROWS=rows, SPLIT=split, GROUPS=groups, LANES_C=min(bp, 32),
+                                              STD=std, num_cols=C, num_rows=R, num_warps=warps, WARP_COLS=mode == 5)
         t = do_bench(run, warmup=5, rep=100, return_mode="median") * 1e-3
-        ok = torch.allclose(y, x - x.mean(0, keepdim=True), atol=1e-5)
-        print(f"center TMA-prefetched, pieces {bp}x{rows} w{warps}, streaming stores {store_cs}, counters reset by a "
-              f"memset {reset}: {t * 1e6:.1f} us, {copy / t:.0%} of copy, correct={ok}", flush=True)
+        if std:
+            ref = (x - x.mean(0, keepdim=True)) * torch.rsqrt(x.var(0, unbiased=False, keepdim=True) + 1e-5)
+        else:
+            ref = x - x.mean(0, keepdim=True)
+        ok = torch.allclose(y, ref, atol=1e-4)
+        print(f"{'standardize' if std else 'center'} TMA-prefetched, {groups} groups of {split}, pieces {bp}x{rows} "
+              f"w{warps}, mode {mode}, streaming stores {store_cs}, counters reset by a memset {reset}: "
+              f"{t * 1e6:.1f} us, {copy / t:.0%} of copy, correct={ok}", flush=True)
 
 
 def ring(x, y, copy, sms):

@@ -78,6 +78,7 @@ class PartKernel(SplitStitching, TmaStitching):
         self.need_mask_l = plan.L_total % cfg.BL != 0 or split_len(plan, cfg) % cfg.BL != 0  # TMA pieces
         self.reduction_phases = phases(plan, cfg) > 1
         self.load_hint: str | None = None  # eviction policy of loads along the local axes (emit.raw_load)
+        self._loaded: dict = {}  # partials loaded after a barrier, by reduction (codegen_split)
         self._canon: dict = {}
 
     # ------------------------------------------------------------ coordinates and masks

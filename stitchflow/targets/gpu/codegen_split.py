@@ -149,10 +149,12 @@ class SplitStitching:
                     self._piece_variance(var, mean, own[mean])
                 barriers += 1
                 self.row_barrier(barriers * self.split, rounds, while_waiting if s == max(waits) else None)
+                self._issue_partial_loads(reds, [var for var, _, _ in riding])
                 for r in reds:
                     self.combine_partials(r, root)
                 for var, mean, scale in riding:
                     self._combine_variance(var, mean, scale, root)
+                self._loaded = {}
             self.emit_ready_rows(root, s + 1)
         self.load_hint = None
         self.store_rows(root)
@@ -206,11 +208,24 @@ class SplitStitching:
         e(f"while arrived < launch_base + {target}:")
         e(f"    arrived = tl.atomic_add({cnt} + pid_p, 0, sem='acquire', scope='gpu')")
 
+    def _issue_partial_loads(self, reds, variances) -> None:
+        """Every partial this barrier's combines read, loaded before any is used, so that the
+        loads share one L2 round trip (a centred variance's combine loaded its mean's partials a
+        second time, after the mean's combine had waited for its own: column_standardize by hand
+        on the H100, 226.5 against 218.1 µs)."""
+        online = self.plan.online or {}
+        names = [r.name for r in reds] + [online[r.name] for r in reds if r.name in online] + list(variances)
+        self._loaded = {}
+        for name in dict.fromkeys(names):
+            self._loaded[name] = self._load_partials(self.nodes[name])
+
     def store_partial(self, r, value: str) -> None:
         mask = ", mask=mask_p" if self.need_mask_p else ""
         self.src.emit(f"tl.store({self.arg['buf:' + r.name]} + pid_s * {self.plan.P_total} + p, {value}{mask})")
 
     def _load_partials(self, r) -> str:
+        if r.name in self._loaded:
+            return self._loaded[r.name]
         sp = pow2(self.split)
         s = self.src.let(f"tl.arange(0, {sp})[None, :]", "s")
         masks = ([f"({s} < {self.split})"] if sp != self.split else []) + (["mask_p"] if self.need_mask_p else [])

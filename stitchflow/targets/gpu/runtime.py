@@ -89,7 +89,7 @@ def save_choice(key: str, choice: list, timings: dict) -> None:
 # Part of every autotuning cache key: bump it when generated code changes what a config means, so that
 # configs chosen for older code are timed again (4: cooperative splits, variances at their mean's barrier;
 # 5: contiguous axis runs addressed as one coordinate; 6: TMA-fed column pieces, counters never reset).
-CODEGEN_VERSION = 6
+CODEGEN_VERSION = 7
 
 
 class Launch:
