@@ -31,7 +31,7 @@ from .codegen_tma import TmaStitching, tma_box
 from .emit import LOW_PRECISION, BodyEmitter, Scope, Source, Val, carried, kind_of, to_dtype
 from .codegen_header import APPROX_INTERPRETED, APPROX_PTX, HEADER
 from .gluon_dialect import GluonRefusal, blocked_layout, to_gluon
-from .mapping import Config, n_chunks, phases, programs, split_len
+from .mapping import Config, Planes, n_chunks, phases, plane_geometry, programs, split_len
 
 @dataclass(frozen=True)
 class KernelSpec:
@@ -44,7 +44,8 @@ class KernelSpec:
     phases: int
     num_warps: int
     coop_group: int = 0  # programs of a cooperative split that must all be resident at once (0: none)
-    tma: tuple[tuple[str, tuple[int, int]], ...] = ()  # (input, TMA box) appended as descriptors: a Gluon kernel
+    # (input, TMA box, view or None) appended as descriptors: a Gluon kernel
+    tma: tuple[tuple[str, tuple[int, ...], tuple[int, ...] | None], ...] = ()
     gluon: bool = False  # the source is Gluon (TMA or cp.async pieces: codegen_tma)
 
 
@@ -79,6 +80,8 @@ class PartKernel(SplitStitching, TmaStitching):
         self.reduction_phases = phases(plan, cfg) > 1
         self.load_hint: str | None = None  # eviction policy of loads along the local axes (emit.raw_load)
         self._loaded: dict = {}  # partials loaded after a barrier, by reduction (codegen_split)
+        geometry = plane_geometry(plan, cfg) if cfg.tma and not plan.p_contiguous else None
+        self.planes = geometry if isinstance(geometry, Planes) else None  # codegen_tma: pieces of whole planes
         self._canon: dict = {}
 
     # ------------------------------------------------------------ coordinates and masks
@@ -97,6 +100,9 @@ class PartKernel(SplitStitching, TmaStitching):
         found = scope.get(("coord", outer, inner))
         if found is not None:
             return found
+        if self.planes is not None and outer in self.plan.L:
+            scope.values[("coord", outer, inner)] = val = self.plane_coord(outer, inner, scope)
+            return val
         axes, flat, dep = (self.plan.P, "p", "p") if outer in self.plan.P else (self.plan.L, "l", "l")
         a, b = axes.index(outer), axes.index(inner)
         below = math.prod(self.plan.extents[other] for other in axes[b + 1:])
@@ -252,7 +258,9 @@ class PartKernel(SplitStitching, TmaStitching):
         """Open a chunk of BL local points starting at `l0` (the caller emitted l0)."""
         scope = Scope(root, chunk=True)
         self.src.emit(f"l = l0 + tl.arange(0, {self.cfg.BL})[None, :]")
-        if self.need_mask_l:
+        if self.planes is not None:  # the slots past each plane
+            self.src.emit(f"mask_l = l % {self.planes.pad} < {self.planes.size}")
+        elif self.need_mask_l:
             self.src.emit("mask_l = l < hi")
         return scope
 
@@ -464,7 +472,7 @@ def build_kernel(graph: Graph, parts: list[tuple[PartPlan, Config]], strides: di
     wide = _needs_int64(graph, inputs + outputs, strides)
     tma = _streamed_inputs(graph, parts, arg, strides, interpret, wide, group_names)
     params = [arg[t] for t in inputs] + [arg[t] for t in outputs] + [arg["buf:" + b[0]] for b in buffers]
-    params += [arg["tma:" + t] for t, _ in tma]
+    params += [arg["tma:" + t] for t, *_ in tma]
     lines = [HEADER.format(title=title, approx=APPROX_INTERPRETED if interpret else APPROX_PTX)]
     grids = []
     for k, (plan, cfg) in enumerate(parts):
@@ -490,8 +498,8 @@ def build_kernel(graph: Graph, parts: list[tuple[PartPlan, Config]], strides: di
 
 
 def _streamed_inputs(graph: Graph, parts, arg: dict, strides: dict, interpret: bool, wide: bool,
-                     group_names: set) -> list[tuple[str, tuple[int, int]]]:
-    """(input, box) for the pieces a TMA config streams (codegen_tma), naming their descriptor
+                     group_names: set) -> list[tuple]:
+    """(input, box, view) for the pieces a TMA config streams (codegen_tma), naming their descriptor
     parameters in `arg`; none for cp.async pieces. Raises GluonRefusal where the streamed path
     cannot take a part."""
     streamed = [(plan, cfg) for plan, cfg in parts if cfg.tma or cfg.cp_async]
@@ -507,7 +515,7 @@ def _streamed_inputs(graph: Graph, parts, arg: dict, strides: dict, interpret: b
     out = []
     for k, t in enumerate(probe.tma_tensors()):
         arg["tma:" + t] = f"desc{k}_{_ident(t)}"
-        out.append((t, tma_box(plan, cfg)))
+        out.append((t, *probe.tma_box_of(t)))
     return out
 
 

@@ -133,7 +133,7 @@ class SplitStitching:
         # and a device probe of it, which first compiled the spilling 32768-element variant, did not finish in
         # 120 s. A piece re-read chunk by chunk (a cooperative split over several chunks, options only) takes
         # its variance in a stage of its own.
-        one_piece = self.plan.p_contiguous and self.single_chunk
+        one_piece = (self.plan.p_contiguous or self.planes is not None) and self.single_chunk
         variances = centred_variances(self.graph, self.plan) if one_piece else {}
         waits = [self.plan.stage[r.name] for r in self.plan.reductions if r.name not in variances]
         rounds = len({s for s in waits if s < final}) * self.split  # arrivals at a row's counter per launch
@@ -165,7 +165,10 @@ class SplitStitching:
         reduction over this piece, as the stage computed it."""
         e, scope = self.src.emit, self.chunk_scope
         r_var = self.graph.node_of[var]
-        count = self.src.let("tl.maximum(hi - lo, 1)", "n")
+        if self.planes is not None:  # whole planes, each `pad` slots of which `size` hold elements
+            count = str(self.planes.pieces * self.planes.size)
+        else:
+            count = self.src.let("tl.maximum(hi - lo, 1)", "n")
         own = self.src.let(f"{local} * ({self.plan.L_total} / {count})", "mu")  # the mean as if this piece were all
         sub = Scope(scope, chunk=True)
         sub.values[("node", mean)] = Val(own, "f", frozenset({"p"}))

@@ -18,10 +18,12 @@ one chunk, a persistent cooperative grid."""
 
 from __future__ import annotations
 
+import math
+
 from ...ir.expr import Var
-from .emit import Scope
+from .emit import Scope, Val
 from .gluon_dialect import GluonRefusal
-from .mapping import split_len
+from .mapping import Planes, plane_geometry, split_len
 
 TMA_BOX_ROWS = 256  # a TMA box spans at most 256 elements per dimension
 TMA_SMEM_BYTES = 200 * 1024  # the pieces' buffers, leaving room for reductions' scratch in 227 KB
@@ -51,11 +53,23 @@ class TmaStitching:
                 raise GluonRefusal(f"{tensor} is computed in this kernel, not read from memory")
         return loads
 
+    def tma_box_of(self, tensor: str) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+        """(box, view) of the descriptor of `tensor` (view: the shape the tensor is seen as)."""
+        pl = self.planes
+        if pl is None:
+            return tma_box(self.plan, self.cfg), None
+        n = self.plan.extents[pl.outer]
+        return (1, pl.box_rows, pl.cols), (n * self.plan.P_total, pl.size // pl.cols, pl.cols)
+
     def tma_tensors(self) -> list[str]:
         """The inputs whose pieces arrive by TMA, in order; raises GluonRefusal when the part
         cannot take this path."""
         plan, cfg = self.plan, self.cfg
         loads = self._streamed_loads("TMA")
+        if self.planes is not None:
+            return self._plane_tensors(loads)
+        if not plan.p_contiguous:
+            raise GluonRefusal(f"TMA pieces: {plane_geometry(plan, cfg)}")
         if len(plan.P) != 1 or len(plan.L) != 1 or not plan.p_contiguous:
             raise GluonRefusal("TMA pieces need one contiguous parallel axis and one reduced axis")
         piece = split_len(plan, cfg)
@@ -73,6 +87,47 @@ class TmaStitching:
         if smem > TMA_SMEM_BYTES:
             raise GluonRefusal(f"TMA pieces need {smem} bytes of shared memory, over {TMA_SMEM_BYTES}")
         return tensors
+
+    def _plane_tensors(self, loads: list) -> list[str]:
+        """The inputs of plane pieces: each read at its own (outer, channel, *plane) coordinates
+        from a contiguous tensor of exactly those dims."""
+        plan, pl = self.plan, self.planes
+        channel = [c for c in plan.P if plan.extents[c] == plan.P_total]
+        tensors: list[str] = []
+        for _, tensor, idx, node, _ in loads:
+            ty = self.graph.type_of[tensor]
+            axes = [plan.cls.get((node.name, i.name)) if isinstance(i, Var) else None for i in idx]
+            shape = tuple(plan.extents[a] for a in [pl.outer, *channel[:1], *pl.run])
+            if (str(ty.dtype) not in TMA_DTYPES or axes != [pl.outer, *channel[:1], *pl.run]
+                    or tuple(ty.shape) != shape or tuple(self.strides[tensor]) != _contiguous(shape)):
+                raise GluonRefusal(f"{tensor} is not a contiguous {list(shape)} tensor read at its own "
+                                   f"(outer, channel, plane) coordinates")
+            if tensor not in tensors:
+                tensors.append(tensor)
+        smem = sum(self.cfg.BL * TMA_DTYPES[str(self.graph.type_of[t].dtype)] for t in tensors)
+        if smem > TMA_SMEM_BYTES:
+            raise GluonRefusal(f"TMA pieces need {smem} bytes of shared memory, over {TMA_SMEM_BYTES}")
+        return tensors
+
+    def plane_coord(self, outer, inner, scope: Scope) -> Val:
+        """A reduced axis' coordinate under plane numbering (Planes): the plane is l // pad, and
+        the axes within it decompose l % pad."""
+        pl, plan = self.planes, self.plan
+        if outer == pl.outer or inner == pl.outer:
+            if outer != inner:
+                raise GluonRefusal("plane pieces need every access laid out plane by plane (one here spans "
+                                   "planes and the axes within them, as in a channels-last tensor)")
+            return Val(self.src.let(f"(l // {pl.pad})", "c"), "i", frozenset({"l"}))
+        within = scope.get(("coord", "plane"))
+        if within is None:
+            within = Val(self.src.let(f"(l % {pl.pad})", "c"), "i", frozenset({"l"}))
+            scope.values[("coord", "plane")] = within
+        a, b = pl.run.index(outer), pl.run.index(inner)
+        below = math.prod(plan.extents[c] for c in pl.run[b + 1:])
+        code = within.code if below == 1 else f"({within.code} // {below})"
+        if a > 0:
+            code = f"({code} % {math.prod(plan.extents[c] for c in pl.run[a:b + 1])})"
+        return Val(self.src.let(code, "c"), "i", frozenset({"l"}))
 
     def _tma_refusal(self, tensor: str, idx, node) -> str | None:
         plan = self.plan
@@ -110,19 +165,26 @@ class TmaStitching:
         piece = split_len(plan, cfg)
         e(f"pid_s = pid % {self.split}")
         e(f"grp = pid // {self.split}")
-        e(f"lo = pid_s * {piece}")
-        e(f"hi = tl.minimum(lo + {piece}, {plan.L_total})")
+        if self.planes is not None:  # whole planes, numbered with `pad` slots each
+            e(f"lo = pid_s * {cfg.BL}")
+            e(f"hi = lo + {cfg.BL}")
+        else:
+            e(f"lo = pid_s * {piece}")
+            e(f"hi = tl.minimum(lo + {piece}, {plan.L_total})")
         loads = self._piece_loads()
         if cfg.tma:
             tensors = list(dict.fromkeys(t for _, t, _, _, _ in loads))
             smem = {t: f"smem{k}" for k, t in enumerate(tensors)}
             e("bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())")
+            pl = self.planes
+            shape = [cfg.BL, cfg.BP] if pl is None else [pl.pieces, pl.box_rows, pl.cols]
             for t in tensors:
                 desc = self.arg["tma:" + t]
-                e(f"{smem[t]} = gl.allocate_shared_memory({desc}.dtype, [{cfg.BL}, {cfg.BP}], {desc}.layout)")
+                e(f"{smem[t]} = gl.allocate_shared_memory({desc}.dtype, {shape}, {desc}.layout)")
             e("mbarrier.init(bar, count=1)")
             e("fence_async_shared()")
-            reads = [f"{smem[t]}.permute((1, 0)).load(LAYOUT)" for _, t, _, _, _ in loads]
+            view = ".permute((1, 0))" if pl is None else f".reshape([1, {cfg.BL}])"
+            reads = [f"{smem[t]}{view}.load(LAYOUT)" for _, t, _, _, _ in loads]
 
             def fetch(block: str) -> None:
                 self._tma_fetch(tensors, smem, block)
@@ -190,6 +252,9 @@ class TmaStitching:
 
     def _tma_fetch(self, tensors: list[str], smem: dict, block: str) -> None:
         """TMA copies of this program's piece of column block `block`, completing on `bar`."""
+        if self.planes is not None:
+            self._plane_fetch(tensors, smem, block)
+            return
         e, (rows, cols) = self.src.emit, tma_box(self.plan, self.cfg)
         nbytes = sum(self.cfg.BL * cols * TMA_DTYPES[str(self.graph.type_of[t].dtype)] for t in tensors)
         e(f"mbarrier.expect(bar, {nbytes})")  # zero-filled rows past the tensor count too
@@ -197,3 +262,22 @@ class TmaStitching:
             for r0 in range(0, self.cfg.BL, rows):
                 e(f"tma.async_copy_global_to_shared({self.arg['tma:' + t]}, [lo + {r0}, ({block}) * {cols}], bar, "
                   f"{smem[t]}.slice({r0}, {rows}))")
+
+    def _plane_fetch(self, tensors: list[str], smem: dict, block: str) -> None:
+        """One TMA box per plane of this program's piece of channel `block` (rows past the plane
+        arrive as zeros and count towards the expected bytes)."""
+        e, pl = self.src.emit, self.planes
+        nbytes = sum(self.cfg.BL * TMA_DTYPES[str(self.graph.type_of[t].dtype)] for t in tensors)
+        e(f"mbarrier.expect(bar, {nbytes})")
+        for t in tensors:
+            for i in range(pl.pieces):
+                e(f"tma.async_copy_global_to_shared({self.arg['tma:' + t]}, [(lo // {pl.pad} + {i}) * "
+                  f"{self.plan.P_total} + ({block}), 0, 0], bar, {smem[t]}.slice({i}, 1))")
+
+
+def _contiguous(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))

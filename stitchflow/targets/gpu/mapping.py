@@ -143,8 +143,7 @@ def _coop(plan: PartPlan, sms: int) -> list[Config]:
             cfg = dataclasses.replace(_fix(plan, BP, BL, split, warps), coop=True)
             if coop_refusal(plan, cfg) is None:
                 out.append(cfg)
-    if plan.p_contiguous:
-        out += _coop_tma(plan, sms)
+    out += _coop_tma(plan, sms) if plan.p_contiguous else _coop_planes(plan, sms)
     return out
 
 
@@ -181,6 +180,75 @@ def _coop_tma(plan: PartPlan, sms: int) -> list[Config]:
                                       persistent=slots // split * split, tma=True)
             if coop_refusal(plan, cfg) is None:
                 out.append(cfg)
+    return out
+
+
+@dataclass(frozen=True)
+class Planes:
+    """A part whose reduced axes are (outer, *run), the run laid out contiguously in each input
+    between the parallel axis and the outer one, as batch norm's (N, H, W) around C in NCHW:
+    a TMA-fed piece (codegen_tma) is `pieces` whole planes of one channel, each one TMA box of
+    [box_rows, cols] over the input seen as [N*C, rows, cols] (the box's rows past the plane
+    arrive as zeros and are masked). Local points are numbered plane by plane with `pad` slots
+    per plane, so a piece is one power-of-two register tile and needs no index math across
+    planes."""
+    outer: int  # the L axis class walked plane by plane
+    run: tuple[int, ...]  # the L axis classes within a plane
+    size: int  # elements of a plane
+    cols: int  # the largest power of two dividing `size`, at most one box row (256)
+    box_rows: int  # size // cols rounded up to a power of two
+    pieces: int  # planes per piece
+
+    @property
+    def pad(self) -> int:
+        return self.box_rows * self.cols
+
+    def __str__(self) -> str:
+        return f"{self.pieces} planes of {self.size // self.cols}x{self.cols} in boxes of {self.box_rows}x{self.cols}"
+
+
+def _plane_shape(plan: PartPlan) -> tuple[int, int, int] | str:
+    """(size, cols, box_rows) of the planes of `plan`'s reduced axes (see Planes), or why none."""
+    if plan.p_contiguous or len(plan.L) < 2:
+        return "planes need reduced axes (outer, *plane) around the parallel one"
+    size = plan.L_total // plan.extents[plan.L[0]]
+    cols = 1
+    while size % (cols * 2) == 0 and cols * 2 <= 256:
+        cols *= 2
+    box_rows = pow2(size // cols)
+    if cols * plan.big_elem_bytes < 16 or box_rows > 256:
+        return f"a plane of {size} elements has no TMA box (rows of {cols} elements, {size // cols} of them)"
+    return size, cols, box_rows
+
+
+def plane_geometry(plan: PartPlan, cfg: Config) -> Planes | str:
+    """The planes of a TMA-fed split over `plan` (see Planes), or why it has none."""
+    shape = _plane_shape(plan)
+    if isinstance(shape, str):
+        return shape
+    size, cols, box_rows = shape
+    pieces = cfg.BL // (box_rows * cols)
+    if cfg.BP != 1 or pieces * box_rows * cols != cfg.BL or pieces * cfg.split != plan.extents[plan.L[0]]:
+        return (f"planes need BP=1, BL a whole number of {box_rows * cols}-slot planes and split x planes per "
+                f"piece = {plan.extents[plan.L[0]]}, not {cfg}")
+    return Planes(plan.L[0], tuple(plan.L[1:]), size, cols, box_rows, pieces)
+
+
+def _coop_planes(plan: PartPlan, sms: int) -> list[Config]:
+    """Persistent groups of TMA-fed plane pieces (batch norm's channels, codegen_tma): 8 planes per
+    program at 8 warps (one per SM), or 4 at 4 warps (two per SM). On the H100, by hand
+    (`scripts/batchnorm_planes_probe.py`): 168-169 µs against the register-held split's 186."""
+    shape = _plane_shape(plan)
+    if isinstance(shape, str):
+        return []
+    _, cols, box_rows = shape
+    out = []
+    for pieces, warps, per_sm in ((8, 8, 1), (4, 4, 2)):
+        split, slots = plan.extents[plan.L[0]] // pieces, sms * per_sm
+        cfg = Config(1, pieces * box_rows * cols, split, warps, persistent=slots // split * split, coop=True, tma=True)
+        if (2 <= split <= slots // 2 and cfg.BL <= MAX_ROW_IN_REGISTERS and coop_refusal(plan, cfg) is None
+                and not isinstance(plane_geometry(plan, cfg), str)):
+            out.append(cfg)
     return out
 
 

@@ -115,7 +115,7 @@ class Launch:
         outs = [torch.empty(shape, dtype=dt, device=device) for shape, dt in self.out_specs]
         args = ins + outs + [self._counters(n, device) if dt == torch.int64 else torch.empty(n, dtype=dt, device=device)
                              for _, n, dt in spec.buffers]
-        args += [tma_descriptor(env[t], box) for t, box in spec.tma]
+        args += [tma_descriptor(env[t], box, view) for t, box, view in spec.tma]
         if self.fast is not None:
             for phase, runner in enumerate(self.fast):
                 runner(*args, phase)
@@ -154,14 +154,22 @@ class Launch:
                              f"{kernel.n_regs} registers per thread leave {per_sm} per SM")
 
 
-def tma_descriptor(t: torch.Tensor, box: tuple[int, int]):
-    """A Hopper TMA descriptor of 2-D `t` in `box` tiles, with the shared-memory layout the
-    kernel allocates its buffers in (Gluon; imported here only for TMA-fed kernels)."""
+def tma_descriptor(t: torch.Tensor, box: tuple[int, ...], view: tuple[int, ...] | None = None):
+    """A Hopper TMA descriptor of `t` (seen as `view` when given: batch norm's planes as
+    [N*C, rows, cols]) in `box` tiles, with the shared-memory layout the kernel allocates its
+    buffers in (Gluon; imported here only for TMA-fed kernels). 2-D boxes take the swizzled
+    default; 3-D ones none (their buffers are read back as one flat tile)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     dtype = {torch.float32: gl.float32, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[t.dtype]
-    return TensorDescriptor.from_tensor(t, list(box), gl.NVMMASharedLayout.get_default_for(list(box), dtype))
+    if view is not None:
+        t = t.view(view)
+    if len(box) == 2:
+        layout = gl.NVMMASharedLayout.get_default_for(list(box), dtype)
+    else:
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=t.element_size() * 8, rank=len(box))
+    return TensorDescriptor.from_tensor(t, list(box), layout)
 
 
 def _sms(device) -> int:

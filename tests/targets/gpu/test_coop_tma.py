@@ -35,10 +35,10 @@ for name, shape, dtype, cfg in json.loads(sys.stdin.read()):
     typed = lambda t: torch.empty(k.graph.type_of[t].shape, dtype=k.graph.type_of[t].dtype)
     kernel_args = [typed(t) for t in spec.inputs + spec.outputs] + [torch.empty(n, dtype=dt) for _, n, dt in
                                                                      spec.buffers]
-    kernel_args += [tma_descriptor(typed(t), box) for t, box in spec.tma]
+    kernel_args += [tma_descriptor(typed(t), box, view) for t, box, view in spec.tma]
     report = compile_gluon_sm90(load_source(spec.source).kernel, tuple(kernel_args), {"PHASE": 0}, spec.num_warps,
                                 ints=())
-    report.update(grid=spec.grid, tma=[list(box) for _, box in spec.tma], copies=spec.source.count("tma.async_copy"),
+    report.update(grid=spec.grid, tma=[list(box) for _, box, _ in spec.tma], copies=spec.source.count("tma.async_copy"),
                   arrivals=spec.source.count("sem='acq_rel'"))
     out.append(report)
 print(json.dumps(out))
@@ -54,6 +54,12 @@ CASES = [  # pattern, shape, dtype, config (a persistent grid of whole groups), 
     # pieces shorter than the tile (masked), so that whole groups fill the SMs: 4096 rows over 33 programs
     ("column_standardize", (4096, 160), "float32", Config(32, 128, 33, 4, persistent=66, coop=True, tma=True), 2),
     ("column_center", BENCH, "float32", Config(32, 1024, 66, 8, persistent=132, coop=True, tma=True), 8),
+]
+PLANES = [  # batch norm's channels: pieces of whole planes, one TMA box each ([64, 64] over 49x64; [64, 16] over 49x16)
+    ("batchnorm_train", (64, 256, 56, 56), "float32", Config(1, 32768, 8, 8, persistent=128, coop=True, tma=True), 16),
+    ("batchnorm_train", (64, 256, 56, 56), "float32", Config(1, 16384, 16, 4, persistent=256, coop=True, tma=True), 8),
+    ("batchnorm_train", (16, 40, 28, 28), "bfloat16", Config(1, 4096, 4, 4, persistent=64, coop=True, tma=True), 8),
+    ("batchnorm_train", (16, 40, 28, 28), "float32", Config(1, 4096, 4, 4, persistent=64, coop=True, tma=True), 8),
 ]
 CP_ASYNC = [  # rows and batch norm's channels: cp.async pieces at the loads' own addresses (masked past the row)
     ("batchnorm_train", (4, 24, 30, 30), "float32", Config(1, 512, 8, 4, persistent=64, coop=True, cp_async=True)),
@@ -74,6 +80,34 @@ def test_tma_kernels_compile_for_sm90_without_spills(fresh_python):
         assert got["smem"] >= cfg.BL * cfg.BP * (2 if dtype == "bfloat16" else 4)  # the piece's buffer
 
 
+def test_plane_pieces_compile_for_sm90_without_spills(fresh_python):
+    payload = [(name, shape, dtype, dict(vars(cfg))) for name, shape, dtype, cfg, _ in PLANES]
+    for (_, shape, dtype, cfg, copies), got in zip(PLANES, fresh_python(COMPILE, payload)):
+        assert got["spilled"] == 0
+        assert got["tma"] == [[1, 64, 64 if shape[-1] == 56 else 16]]  # one box per plane, rows past it zero-filled
+        assert got["copies"] == copies               # a box per plane: the first piece, and the next one
+        assert got["arrivals"] == 1                  # the variance meets at its mean's barrier (Chan)
+        assert got["grid"] == cfg.persistent
+        assert got["smem"] >= cfg.BL * (2 if dtype == "bfloat16" else 4)
+
+
+def test_plane_pieces_number_points_plane_by_plane():
+    k, strides = pattern_kernel("batchnorm_train", (64, 256, 56, 56))
+    spec = build_kernel(k.graph, [(k.plans[0], PLANES[0][3])], strides, False, k.title, k.group_names)
+    src = spec.source
+    assert spec.tma == (("x", (1, 64, 64), (64 * 256, 49, 64)),)
+    assert "mask_l = l % 4096 < 3136" in src and "smem0.reshape([1, 32768]).load(LAYOUT)" in src
+    assert "[(lo // 4096 + 7) * 256 + (pid_p + 16), 0, 0]" in src  # the 8th plane of the next channel
+    assert src.index("sem='acq_rel'") < src.index("if pid_p + 16 < 256:") < src.index("while arrived < launch_base")
+    tma = [c for c in candidates(k.plans[0], 132) if c.tma]
+    assert {(c.BL, c.split, c.num_warps, c.persistent) for c in tma} == {(32768, 8, 8, 128), (16384, 16, 4, 256)}
+    odd, strides = pattern_kernel("batchnorm_train", (6, 8, 5, 5))  # planes of 25: no 16-byte box rows
+    assert not [c for c in candidates(odd.plans[0], 132) if c.tma]
+    with pytest.raises(GluonRefusal, match="no TMA box"):
+        build_kernel(odd.graph, [(odd.plans[0], Config(1, 64, 3, 4, persistent=66, coop=True, tma=True))], strides,
+                     False, odd.title, odd.group_names)
+
+
 def test_cp_async_kernels_compile_for_sm90(fresh_python):
     payload = [(name, shape, dtype, dict(vars(cfg))) for name, shape, dtype, cfg in CP_ASYNC]
     for (_, _, _, cfg), got in zip(CP_ASYNC, fresh_python(COMPILE, payload)):
@@ -89,7 +123,7 @@ def test_the_generated_source_becomes_gluon_with_one_layout():
     assert "gl.arange(0, 32, layout=gl.SliceLayout(1, LAYOUT))[:, None]" in src
     assert "smem0.permute((1, 0)).load(LAYOUT)" in src
     assert src.index("sem='acq_rel'") < src.index("if pid_p + 2 < 32:") < src.index("while arrived < launch_base + 64")
-    assert spec.tma == (("x", (256, 32)),) and spec.grid == 128
+    assert spec.tma == (("x", (256, 32), None),) and spec.grid == 128
 
 
 def test_translation_lays_out_fills_and_refuses_what_gluon_lacks():
@@ -110,7 +144,9 @@ def test_translation_lays_out_fills_and_refuses_what_gluon_lacks():
 
 @pytest.mark.parametrize("name,shape,cfg,strides,why", [
     ("batchnorm_train", (4, 24, 30, 30), Config(1, 512, 8, 4, persistent=128, coop=True, tma=True), None,
-     "one contiguous parallel axis"),
+     "whole number of 1024-slot planes"),
+    ("batchnorm_train", (4, 24, 30, 30), Config(1, 2048, 2, 4, persistent=128, coop=True, tma=True),
+     {"x": (21600, 1, 720, 24), "w": (1,), "b": (1,)}, "plane by plane"),
     ("column_center", (1000, 96), Config(32, 128, 4, 4, persistent=64, coop=True, tma=True), None, "one chunk"),
     ("column_center", (1000, 90), Config(32, 128, 8, 4, persistent=64, coop=True, tma=True), None, "whole column"),
     ("column_center", (4096, 96), Config(32, 4096, 1, 4, persistent=64, coop=True, tma=True), None, "shared memory"),
@@ -154,7 +190,7 @@ def test_column_blocks_get_tma_candidates_of_whole_resident_groups():
 
 @pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
                     or torch.cuda.get_device_capability()[0] < 9, reason="needs a Hopper GPU (TMA, Gluon)")
-@pytest.mark.parametrize("name,shape,dtype,cfg", [c[:4] for c in CASES] + CP_ASYNC)
+@pytest.mark.parametrize("name,shape,dtype,cfg", [c[:4] for c in CASES + PLANES] + CP_ASYNC)
 def test_streamed_split_equals_eager_on_hopper(name, shape, dtype, cfg):
     dtype = getattr(torch, dtype)
     module = PATTERNS[name].module()
