@@ -72,7 +72,8 @@ CP_ASYNC = [  # rows and batch norm's channels: cp.async pieces at the loads' ow
 def test_tma_kernels_compile_for_sm90_without_spills(fresh_python):
     payload = [(name, shape, dtype, dict(vars(cfg))) for name, shape, dtype, cfg, _ in CASES]
     for (_, shape, dtype, cfg, copies), got in zip(CASES, fresh_python(COMPILE, payload)):
-        assert got["spilled"] <= (160 if cfg.split * cfg.BL > shape[0] else 0)  # masked pieces: a few bytes
+        # masked pieces: a few bytes; 128 splits' partials at 4 warps (the variance's combine): 8 bytes
+        assert got["spilled"] <= (160 if cfg.split * cfg.BL > shape[0] else 16 if cfg.split > 64 else 0)
         assert got["tma"] == [[min(256, cfg.BL), cfg.BP]]
         assert got["copies"] == copies               # the first piece, and the next one after the arrival
         assert got["arrivals"] == 1                  # the variance meets at its mean's barrier
@@ -242,3 +243,20 @@ def test_a_misaligned_input_runs_without_streamed_pieces_on_hopper():
         (k,) = [k for run in prog._compiled for k in run.kernels]
         if x.data_ptr() % 16:
             assert not any(c.tma for c in k.chosen)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+                    or torch.cuda.get_device_capability()[0] < 9, reason="needs a Hopper GPU (TMA, Gluon)")
+@pytest.mark.parametrize("name,shape,cfg", [(c[0], c[1], c[3]) for c in (CASES[1], PLANES[0])])
+def test_centred_variances_hold_far_from_zero_on_hopper(name, shape, cfg):
+    """Data whose mean is 10^4 of its spread: each piece centres on its own mean, and the spread of the pieces'
+    means is taken about the first piece's (codegen_split._combine_variance), so nothing cancels."""
+    module = PATTERNS[name].module()
+    args = list(PATTERNS[name].make(shape, torch.float32, "cuda", torch.Generator().manual_seed(3)))
+    args[0] = args[0] * 0.1 + 1000.0
+    options = {"block_p": cfg.BP, "block_l": cfg.BL, "split": cfg.split, "num_warps": cfg.num_warps, "coop": True,
+               "persistent": cfg.persistent, "tma": True}
+    prog = stitchflow.compile(module, args, target="gpu", fusion="full", options=options)
+    expected = module(*[a.double() for a in args]).float()
+    assert relative_error(as_tuple(prog(*args))[0], expected) <= 1e-4
+    assert relative_error(module(*args), expected) <= 1e-4  # eager's own error at this offset, for scale

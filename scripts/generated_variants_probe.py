@@ -1,0 +1,67 @@
+"""Device probe: which part of a generated cooperative kernel costs the time? Builds the generated Gluon kernel of a
+stitching pattern for one config, derives variants by editing its source (each drops or moves one piece of work;
+results may be wrong on purpose), and times every variant with do_bench on the same input through runtime.Launch.
+
+    python scripts/generated_variants_probe.py [pattern]
+
+Not a test."""
+import dataclasses
+import re
+import sys
+
+import torch
+from triton.testing import do_bench
+
+from stitchflow.bench.stitching_patterns import PATTERNS, pattern_kernel
+from stitchflow.targets.gpu.codegen import build_kernel
+from stitchflow.targets.gpu.mapping import Config
+from stitchflow.targets.gpu.runtime import Launch
+
+SETUPS = {
+    "column_standardize": ((65536, 1024), Config(32, 1024, 64, 8, persistent=128, coop=True, tma=True)),
+    "column_center": ((65536, 1024), Config(32, 1024, 64, 8, persistent=128, coop=True, tma=True)),
+}
+
+
+def variants(src: str) -> dict:
+    out = {"generated": src}
+    # the piece's centred sum of squares not computed before the arrival (its partial is then garbage)
+    m = re.search(r"\n(\s+)(t\d+) = \(x\d+ - mu\d+\)\n(?:.*\n)*?\s+(r\d+) = gl.sum\((b\d+), axis=1, keep_dims=True\)\n", src)
+    if m:
+        out["no piece variance"] = src.replace(m.group(0), f"\n{m.group(1)}{m.group(3)} = mu{m.group(0).split('mu')[1].split(')')[0]} * 0.0\n", 1)
+    # the combine's spread term dropped
+    m = re.search(r"(r\d+) = gl.sum\(n\d+ \* \(mu\d+ - v\d+\) \* \(mu\d+ - v\d+\), axis=1, keep_dims=True\)", src)
+    if m:
+        out["no spread"] = src.replace(m.group(0), f"{m.group(1)} = v{int(m.group(1)[1:]) - 4} * 0.0", 1)
+    # the combined variance replaced by a constant (the variance's partials still loaded)
+    m = re.search(r"(r\d+) = gl.sum\((parts\d+), axis=1, keep_dims=True\) \+ [\d.e-]+ \* r\d+", src)
+    if m:
+        out["no variance combine"] = src.replace(m.group(0), f"{m.group(1)} = gl.sum({m.group(2)}, axis=1, "
+                                                 f"keep_dims=True) * 0.0 + 1.0", 1)
+    # the mean's partial stored together with the variance's, right before the arrival
+    m = re.search(r"\n(\s+gl.store\(buf0_mean \+ pid_s \* \d+ \+ p, r\d+\))", src)
+    m2 = re.search(r"\n(\s+gl.store\(buf1_mean_1 \+ pid_s \* \d+ \+ p, r\d+\))", src)
+    if m and m2:
+        moved = src.replace(m.group(0), "", 1)
+        out["partials stored together"] = moved.replace(m2.group(0), m2.group(0) + m.group(0), 1)
+    return out
+
+
+def main():
+    name = sys.argv[1] if len(sys.argv) > 1 else "column_standardize"
+    shape, cfg = SETUPS[name]
+    k, strides = pattern_kernel(name, shape)
+    spec = build_kernel(k.graph, [(k.plans[0], cfg)], strides, False, k.title, k.group_names)
+    args = PATTERNS[name].make(shape, torch.float32, "cuda", torch.Generator().manual_seed(0))
+    env = dict(zip(k.inputs, args if isinstance(args, tuple) else (args,)))
+    ref = PATTERNS[name].module()(*env.values())
+    for label, src in variants(spec.source).items():
+        launch = Launch(k.graph, dataclasses.replace(spec, source=src), f"{name}:{label}")
+        launch(env)
+        err = (env[spec.outputs[0]] - ref).abs().max().item()
+        t = do_bench(lambda: launch(env), warmup=5, rep=100, return_mode="median")
+        print(f"{name} {cfg} {label}: {t * 1e3:.1f} us (max error {err:.1e})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
