@@ -92,6 +92,8 @@ class TmaStitching:
         """The inputs of plane pieces: each read at its own (outer, channel, *plane) coordinates
         from a contiguous tensor of exactly those dims."""
         plan, pl = self.plan, self.planes
+        if self.wide:
+            raise GluonRefusal("plane pieces number their points in 32 bits; these tensors need 64-bit offsets")
         channel = [c for c in plan.P if plan.extents[c] == plan.P_total]
         tensors: list[str] = []
         for _, tensor, idx, node, _ in loads:

@@ -148,6 +148,8 @@ def test_translation_lays_out_fills_and_refuses_what_gluon_lacks():
      "whole number of 1024-slot planes"),
     ("batchnorm_train", (4, 24, 30, 30), Config(1, 2048, 2, 4, persistent=128, coop=True, tma=True),
      {"x": (21600, 1, 720, 24), "w": (1,), "b": (1,)}, "plane by plane"),
+    ("batchnorm_train", (4, 24, 30, 30), Config(1, 2048, 2, 4, persistent=128, coop=True, tma=True),
+     {"x": (2 ** 30, 900, 30, 1), "w": (1,), "b": (1,)}, "64-bit offsets"),
     ("column_center", (1000, 96), Config(32, 128, 4, 4, persistent=64, coop=True, tma=True), None, "one chunk"),
     ("column_center", (1000, 90), Config(32, 128, 8, 4, persistent=64, coop=True, tma=True), None, "whole column"),
     ("column_center", (4096, 96), Config(32, 4096, 1, 4, persistent=64, coop=True, tma=True), None, "shared memory"),
