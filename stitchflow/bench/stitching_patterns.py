@@ -239,7 +239,7 @@ def pattern_kernel(name: str, shape, dtype: torch.dtype = torch.float32, strides
     one generated kernel of the pattern under full fusion, from which tests build the kernel of
     any config (`codegen.build_kernel(k.graph, [(k.plans[0], cfg)], strides, ...)`)."""
     from .. import compile as compile_program
-    from ..targets.gpu.codegen import contiguous_strides
+    from ..targets.gpu.emit import contiguous_strides
 
     args = PATTERNS[name].make(tuple(shape), dtype, "cpu", torch.Generator().manual_seed(0))
     prog = compile_program(PATTERNS[name].module(), args, target="gpu", fusion="full")

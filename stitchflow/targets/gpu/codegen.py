@@ -27,8 +27,8 @@ import torch
 from ...ir.graph import Graph
 from .analysis import PartPlan
 from .codegen_split import SplitStitching
-from .codegen_tma import TmaStitching, tma_box
-from .emit import LOW_PRECISION, BodyEmitter, Scope, Source, Val, carried, kind_of, to_dtype
+from .codegen_tma import TmaStitching
+from .emit import LOW_PRECISION, BodyEmitter, Scope, Source, Val, carried, contiguous_strides, kind_of, to_dtype
 from .codegen_header import APPROX_INTERPRETED, APPROX_PTX, HEADER
 from .gluon_dialect import GluonRefusal, blocked_layout, to_gluon
 from .mapping import Config, Planes, n_chunks, phases, plane_geometry, programs, split_len
@@ -47,14 +47,6 @@ class KernelSpec:
     # (input, TMA box, view or None) appended as descriptors: a Gluon kernel
     tma: tuple[tuple[str, tuple[int, ...], tuple[int, ...] | None], ...] = ()
     gluon: bool = False  # the source is Gluon (TMA or cp.async pieces: codegen_tma)
-
-
-def contiguous_strides(shape) -> tuple[int, ...]:
-    strides, s = [], 1
-    for n in reversed(shape):
-        strides.append(s)
-        s *= n
-    return tuple(reversed(strides))
 
 
 def _ident(name: str) -> str:

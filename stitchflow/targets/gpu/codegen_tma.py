@@ -21,9 +21,9 @@ from __future__ import annotations
 import math
 
 from ...ir.expr import Var
-from .emit import Scope, Val
+from .emit import Scope, Val, contiguous_strides
 from .gluon_dialect import GluonRefusal
-from .mapping import Planes, plane_geometry, split_len
+from .mapping import plane_geometry, split_len
 
 TMA_BOX_ROWS = 256  # a TMA box spans at most 256 elements per dimension
 TMA_SMEM_BYTES = 200 * 1024  # the pieces' buffers, leaving room for reductions' scratch in 227 KB
@@ -101,7 +101,7 @@ class TmaStitching:
             axes = [plan.cls.get((node.name, i.name)) if isinstance(i, Var) else None for i in idx]
             shape = tuple(plan.extents[a] for a in [pl.outer, *channel[:1], *pl.run])
             if (str(ty.dtype) not in TMA_DTYPES or axes != [pl.outer, *channel[:1], *pl.run]
-                    or tuple(ty.shape) != shape or tuple(self.strides[tensor]) != _contiguous(shape)):
+                    or tuple(ty.shape) != shape or tuple(self.strides[tensor]) != contiguous_strides(shape)):
                 raise GluonRefusal(f"{tensor} is not a contiguous {list(shape)} tensor read at its own "
                                    f"(outer, channel, plane) coordinates")
             if tensor not in tensors:
@@ -276,10 +276,3 @@ class TmaStitching:
                 e(f"tma.async_copy_global_to_shared({self.arg['tma:' + t]}, [(lo // {pl.pad} + {i}) * "
                   f"{self.plan.P_total} + ({block}), 0, 0], bar, {smem[t]}.slice({i}, 1))")
 
-
-def _contiguous(shape) -> tuple[int, ...]:
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= n
-    return tuple(reversed(strides))

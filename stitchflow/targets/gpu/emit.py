@@ -19,6 +19,16 @@ from ...ir.expr import OPS, Access, Call, Cast, Const, IndexValue, Read
 from ...ir.index import Div, Gather, Lit, Mod, Sum, Var, bounds, gathered_tensors, rename, substitute
 from .analysis import register_read
 
+
+def contiguous_strides(shape) -> tuple[int, ...]:
+    """Row-major strides of `shape`, in elements."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
 TL_DTYPE = {
     torch.float32: "tl.float32", torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16",
     torch.float64: "tl.float64", torch.int64: "tl.int64", torch.int32: "tl.int32", torch.int16: "tl.int16",
