@@ -47,8 +47,32 @@ def variants(src: str) -> dict:
     return out
 
 
+CONFIGS = [  # --configs: the generated kernel alone, over other tilings of the column blocks
+    Config(32, 1024, 64, 8, persistent=128, coop=True, tma=True),
+    Config(16, 2048, 32, 8, persistent=128, coop=True, tma=True),  # 4 groups of 32: smaller, less aligned groups
+    Config(8, 4096, 16, 8, persistent=128, coop=True, tma=True),  # 8 groups of 16
+]
+
+
+def time_configs(name: str) -> None:
+    shape = SETUPS[name][0]
+    k, strides = pattern_kernel(name, shape)
+    args = PATTERNS[name].make(shape, torch.float32, "cuda", torch.Generator().manual_seed(0))
+    env = dict(zip(k.inputs, args if isinstance(args, tuple) else (args,)))
+    ref = PATTERNS[name].module()(*env.values())
+    for cfg in CONFIGS:
+        spec = build_kernel(k.graph, [(k.plans[0], cfg)], strides, False, k.title, k.group_names)
+        launch = Launch(k.graph, spec, f"{name}:{cfg}")
+        launch(env)
+        err = (env[spec.outputs[0]] - ref).abs().max().item()
+        t = do_bench(lambda: launch(env), warmup=5, rep=100, return_mode="median")
+        print(f"{name} {cfg}: {t * 1e3:.1f} us (max error {err:.1e})", flush=True)
+
+
 def main():
     name = sys.argv[1] if len(sys.argv) > 1 else "column_standardize"
+    if "--configs" in sys.argv:
+        return time_configs(name)
     shape, cfg = SETUPS[name]
     k, strides = pattern_kernel(name, shape)
     spec = build_kernel(k.graph, [(k.plans[0], cfg)], strides, False, k.title, k.group_names)
