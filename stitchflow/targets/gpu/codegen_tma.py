@@ -14,7 +14,9 @@ current piece, shared memory the next): 85-86% of copy in the hand-written probe
 
 Needs (else `GluonRefusal`, which the autotuner skips): one parallel and one reduced axis, the
 pieces read from row-major [L, P] inputs at their own coordinates, no partial tiles, pieces of
-one chunk, a persistent cooperative grid."""
+one chunk, a persistent cooperative grid. Batch norm's channels (reduced axes around the parallel
+one) take pieces of whole planes instead (`mapping.Planes`): one TMA box per plane, local points
+numbered plane by plane (`plane_coord`): 186 -> 166 µs on the H100."""
 
 from __future__ import annotations
 
@@ -70,7 +72,7 @@ class TmaStitching:
             return self._plane_tensors(loads)
         if not plan.p_contiguous:
             raise GluonRefusal(f"TMA pieces: {plane_geometry(plan, cfg)}")
-        if len(plan.P) != 1 or len(plan.L) != 1 or not plan.p_contiguous:
+        if len(plan.P) != 1 or len(plan.L) != 1:
             raise GluonRefusal("TMA pieces need one contiguous parallel axis and one reduced axis")
         piece = split_len(plan, cfg)
         if self.need_mask_p or piece > cfg.BL or cfg.BL % tma_box(plan, cfg)[0]:
@@ -275,4 +277,3 @@ class TmaStitching:
             for i in range(pl.pieces):
                 e(f"tma.async_copy_global_to_shared({self.arg['tma:' + t]}, [(lo // {pl.pad} + {i}) * "
                   f"{self.plan.P_total} + ({block}), 0, 0], bar, {smem[t]}.slice({i}, 1))")
-
