@@ -32,6 +32,16 @@ def _fetch(x_desc, smem, bar, slot, n0, c, NB: gl.constexpr, C: gl.constexpr):
 
 
 @gluon.jit
+def _affine(sums, m2s, wc, bc, NB: gl.constexpr, SPLIT: gl.constexpr, HW: gl.constexpr):
+    """(scale, shift) of one channel from every piece's sum and centred sum of squares (Chan et al.)."""
+    mean = gl.sum(sums, axis=0) / (SPLIT * NB * HW)
+    spread = sums / (NB * HW) - mean
+    var = (gl.sum(m2s, axis=0) + NB * HW * gl.sum(spread * spread, axis=0)) / (SPLIT * NB * HW)
+    scale = gl.rsqrt(var + 1e-5) * wc
+    return scale, bc - mean * scale
+
+
+@gluon.jit
 def _arrive(ptr, WARP: gl.constexpr, num_warps: gl.constexpr):
     """Add one to *ptr from lane 0 of warp WARP (acq_rel, gpu scope); every thread gets the old value."""
     if WARP == 0:
@@ -103,11 +113,7 @@ def bn_planes(x_desc, y, w, b, cnt, psum, pm2, base, NB: gl.constexpr, SPLIT: gl
             arrived = gl.atomic_add(cnt + c, 0, sem="acquire", scope="gpu")
         sums = gl.load(psum + k * C + c, cache_modifier=".cg")
         m2s = gl.load(pm2 + k * C + c, cache_modifier=".cg")
-        mean = gl.sum(sums, axis=0) / (SPLIT * NB * HW)
-        spread = sums / (NB * HW) - mean
-        var = (gl.sum(m2s, axis=0) + NB * HW * gl.sum(spread * spread, axis=0)) / (SPLIT * NB * HW)
-        scale = gl.rsqrt(var + 1e-5) * gl.load(w + c)
-        shift = gl.load(b + c) - mean * scale
+        scale, shift = _affine(sums, m2s, gl.load(w + c), gl.load(b + c), NB, SPLIT, HW)
         for i in gl.static_range(NB):
             v = smem.index(slot * NB + i).load(layout)
             gl.store(y + ((n0 + i) * C + c).to(gl.int64) * HW + hw, v * scale + shift, mask=valid)
@@ -184,11 +190,7 @@ def bn_ahead(x_desc, y, w, b, cnt, psum, pm2, base, NB: gl.constexpr, SPLIT: gl.
             arrived = gl.atomic_add(cnt + c, 0, sem="acquire", scope="gpu")
         sums = gl.load(psum + k * C + c, cache_modifier=".cg")
         m2s = gl.load(pm2 + k * C + c, cache_modifier=".cg")
-        mean = gl.sum(sums, axis=0) / (SPLIT * NB * HW)
-        spread = sums / (NB * HW) - mean
-        var = (gl.sum(m2s, axis=0) + NB * HW * gl.sum(spread * spread, axis=0)) / (SPLIT * NB * HW)
-        scale = gl.rsqrt(var + 1e-5) * gl.load(w + c)
-        shift = gl.load(b + c) - mean * scale
+        scale, shift = _affine(sums, m2s, gl.load(w + c), gl.load(b + c), NB, SPLIT, HW)
         for i in gl.static_range(NB):
             v = smem.index(slot * NB + i).load(layout)
             gl.store(y + ((n0 + i) * C + c).to(gl.int64) * HW + hw, v * scale + shift, mask=valid)
@@ -259,13 +261,7 @@ def bn_regs(x_desc, d32, d16, d1, y, w, b, cnt, psum, pm2, base, NB: gl.constexp
                 arrived = gl.atomic_add(cnt + c, 0, sem="acquire", scope="gpu")
             sums = gl.load(psum + k * C + c, cache_modifier=".cg")
             m2s = gl.load(pm2 + k * C + c, cache_modifier=".cg")
-        wc = gl.load(w + c)
-        bc = gl.load(b + c)
-        mean = gl.sum(sums, axis=0) / (SPLIT * NB * HW)
-        spread = sums / (NB * HW) - mean
-        var = (gl.sum(m2s, axis=0) + NB * HW * gl.sum(spread * spread, axis=0)) / (SPLIT * NB * HW)
-        scale = gl.rsqrt(var + 1e-5) * wc
-        shift = bc - mean * scale
+        scale, shift = _affine(sums, m2s, gl.load(w + c), gl.load(b + c), NB, SPLIT, HW)
         at = i * (C * HW) + r * 64 + q  # int32 within the piece; the piece's base in 64 bits
         gl.store(y + (n0 * C + c).to(gl.int64) * HW + at, v * scale + shift, mask=valid)
         it += 1
