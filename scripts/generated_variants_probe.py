@@ -20,7 +20,16 @@ from stitchflow.targets.gpu.runtime import Launch
 SETUPS = {
     "column_standardize": ((65536, 1024), Config(32, 1024, 64, 8, persistent=128, coop=True, tma=True)),
     "column_center": ((65536, 1024), Config(32, 1024, 64, 8, persistent=128, coop=True, tma=True)),
+    "batchnorm_train": ((64, 256, 56, 56), Config(1, 32768, 8, 8, persistent=128, coop=True, tma=True)),
 }
+
+FENCE = '''
+
+@gluon.jit
+def _fence_acq_rel():
+    gl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+'''
 
 
 def variants(src: str) -> dict:
@@ -44,6 +53,14 @@ def variants(src: str) -> dict:
     if m and m2:
         moved = src.replace(m.group(0), "", 1)
         out["partials stored together"] = moved.replace(m2.group(0), m2.group(0) + m.group(0), 1)
+    # the poll a plain (volatile) load in every thread, one fence after it, instead of an acquiring read-modify-write
+    # by one thread whose result reaches the others through shared memory and a block barrier
+    m = re.search(r"\n(\s+)arrived = gl.atomic_add\((\w+ \+ pid_p), 0, sem='acquire', scope='gpu'\)\n", src)
+    if m:
+        ind = m.group(1)
+        polled = src.replace(m.group(0), f"\n{ind}arrived = gl.load({m.group(2)}, volatile=True)\n"
+                             f"{ind[:-4]}_fence_acq_rel()\n", 1)
+        out["load poll"] = polled.replace("\n@gluon.jit\ndef _part0", FENCE + "@gluon.jit\ndef _part0", 1)
     return out
 
 
@@ -51,6 +68,7 @@ CONFIGS = [  # --configs: the generated kernel alone, over other tilings of the 
     Config(32, 1024, 64, 8, persistent=128, coop=True, tma=True),
     Config(16, 2048, 32, 8, persistent=128, coop=True, tma=True),  # 4 groups of 32: smaller, less aligned groups
     Config(8, 4096, 16, 8, persistent=128, coop=True, tma=True),  # 8 groups of 16
+    Config(32, 512, 128, 8, persistent=128, coop=True, tma=True),  # one group over the GPU (a cooperative launch)
 ]
 
 
@@ -62,11 +80,13 @@ def time_configs(name: str) -> None:
     ref = PATTERNS[name].module()(*env.values())
     for cfg in CONFIGS:
         spec = build_kernel(k.graph, [(k.plans[0], cfg)], strides, False, k.title, k.group_names)
-        launch = Launch(k.graph, spec, f"{name}:{cfg}")
-        launch(env)
-        err = (env[spec.outputs[0]] - ref).abs().max().item()
-        t = do_bench(lambda: launch(env), warmup=5, rep=100, return_mode="median")
-        print(f"{name} {cfg}: {t * 1e3:.1f} us (max error {err:.1e})", flush=True)
+        # a cooperative launch against a plain one, where the groups fit without it
+        for cooperative in (True, False) if cfg.split <= 64 else (True,):
+            launch = Launch(k.graph, dataclasses.replace(spec, cooperative=cooperative), f"{name}:{cfg}")
+            launch(env)
+            err = (env[spec.outputs[0]] - ref).abs().max().item()
+            t = do_bench(lambda: launch(env), warmup=5, rep=100, return_mode="median")
+            print(f"{name} {cfg} cooperative={cooperative}: {t * 1e3:.1f} us (max error {err:.1e})", flush=True)
 
 
 def main():

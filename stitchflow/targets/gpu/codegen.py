@@ -47,6 +47,9 @@ class KernelSpec:
     # (input, TMA box, view or None) appended as descriptors: a Gluon kernel
     tma: tuple[tuple[str, tuple[int, ...], tuple[int, ...] | None], ...] = ()
     gluon: bool = False  # the source is Gluon (TMA or cp.async pieces: codegen_tma)
+    # a persistent cooperative grid: launched with CUDA's cooperative attribute, so the driver runs
+    # every program at once or refuses the launch (groups may then span the whole GPU)
+    cooperative: bool = False
 
 
 def _ident(name: str) -> str:
@@ -485,8 +488,9 @@ def build_kernel(graph: Graph, parts: list[tuple[PartPlan, Config]], strides: di
     if gluon:  # one part (see _streamed_inputs): its tile and warps lay out every tensor
         plan, cfg = parts[0]
         source = to_gluon(source, blocked_layout(cfg.BP, cfg.num_warps, plan.big_elem_bytes, plan.p_contiguous))
+    cooperative = any(c.coop and c.persistent for _, c in parts)
     return KernelSpec(source, name, tuple(inputs), tuple(outputs), tuple(buffers), sum(grids), n_phases, warps,
-                      group, tuple(tma), gluon)
+                      group, tuple(tma), gluon, cooperative)
 
 
 def _streamed_inputs(graph: Graph, parts, arg: dict, strides: dict, interpret: bool, wide: bool,

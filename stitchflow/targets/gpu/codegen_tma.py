@@ -138,6 +138,12 @@ class TmaStitching:
         ty = self.graph.type_of[tensor]
         if str(ty.dtype) not in TMA_DTYPES or self.cfg.BP * TMA_DTYPES[str(ty.dtype)] < 16:
             return f"{tensor}: TMA boxes need 16-byte rows of a float type, not {self.cfg.BP} x {ty.dtype}"
+        if self.cfg.BP * TMA_DTYPES[str(ty.dtype)] > 128 and self.cfg.BL > TMA_BOX_ROWS:
+            # Triton splits such a box into one copy per 128 bytes of its rows, and those copies into
+            # a row slice of the piece's buffer landed wrong on the H100 (64 fp32 columns: 512-row
+            # pieces wrong, 256-row pieces right), so a piece this wide must be one box
+            return (f"{tensor}: box rows of {self.cfg.BP} x {ty.dtype} span over 128 bytes, so a piece must be one "
+                    f"box of at most {TMA_BOX_ROWS} rows, not {self.cfg.BL}")
         if tuple(ty.shape) != (plan.L_total, plan.P_total) or tuple(self.strides[tensor]) != (plan.P_total, 1):
             return f"{tensor} is not a row-major [{plan.L_total}, {plan.P_total}] tensor"
         axes = [plan.cls.get((node.name, i.name)) if isinstance(i, Var) else None for i in idx]

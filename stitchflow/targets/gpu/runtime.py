@@ -107,6 +107,8 @@ class Launch:
         self.fast_ok = not interpreting() and not spec.gluon  # Gluon kernels (descriptors) go through the JIT
         self.resident_checked = False
         self.counters: dict = {}  # (device, stream) -> the row counters (see _counters)
+        # the interpreter runs programs one at a time and takes no launch attributes
+        self.launch_options = {"launch_cooperative_grid": True} if spec.cooperative and not interpreting() else {}
 
     def __call__(self, env) -> None:
         spec = self.spec
@@ -121,10 +123,11 @@ class Launch:
                 runner(*args, phase)
         else:
             if not self.resident_checked and spec.coop_group and not interpreting() and (
-                    spec.gluon or spec.coop_group > max_coop_split(_sms(device))):
+                    spec.gluon or spec.cooperative or spec.coop_group > max_coop_split(_sms(device))):
                 self._check_residency(args, device)
             self.resident_checked = True  # once: Gluon kernels come here on every call
-            compiled = [self.module.kernel[self.grid](*args, PHASE=phase, num_warps=spec.num_warps)
+            compiled = [self.module.kernel[self.grid](*args, PHASE=phase, num_warps=spec.num_warps,
+                                                      **self.launch_options)
                         for phase in range(spec.phases)]
             if self.fast_ok and all(c is not None for c in compiled):
                 self.fast = [c[(spec.grid, 1, 1)] for c in compiled]
@@ -145,11 +148,19 @@ class Launch:
     def _check_residency(self, args, device) -> None:
         """A cooperative split over more programs than one per SM on half the SMs waits forever
         unless the GPU holds the whole group at once: compile first, and refuse (ValueError, which
-        the autotuner skips) unless the occupancy leaves room for twice the group."""
-        kernel = self.module.kernel.warmup(*args, grid=self.grid, PHASE=0, num_warps=self.spec.num_warps)
+        the autotuner skips) unless the occupancy leaves room for twice the group. A cooperative
+        launch (persistent grids) needs room for the whole grid, or the driver refuses it: say
+        why first."""
+        kernel = self.module.kernel.warmup(*args, grid=self.grid, PHASE=0, num_warps=self.spec.num_warps,
+                                           **self.launch_options)
         kernel._init_handles()
         per_sm = resident_per_sm(self.spec.num_warps, kernel.n_regs, kernel.metadata.shared)
-        if self.spec.coop_group * 2 > per_sm * _sms(device):
+        if self.spec.cooperative:
+            if self.spec.grid > per_sm * _sms(device):
+                raise ValueError(f"a cooperative grid of {self.spec.grid} programs must be resident at once, but "
+                                 f"{kernel.n_regs} registers and {kernel.metadata.shared} bytes of shared memory "
+                                 f"per program leave {per_sm} per SM on {_sms(device)} SMs")
+        elif self.spec.coop_group * 2 > per_sm * _sms(device):
             raise ValueError(f"a cooperative split of {self.spec.coop_group} programs needs them all resident, but "
                              f"{kernel.n_regs} registers per thread leave {per_sm} per SM")
 

@@ -54,6 +54,8 @@ CASES = [  # pattern, shape, dtype, config (a persistent grid of whole groups), 
     # pieces shorter than the tile (masked), so that whole groups fill the SMs: 4096 rows over 33 programs
     ("column_standardize", (4096, 160), "float32", Config(32, 128, 33, 4, persistent=66, coop=True, tma=True), 2),
     ("column_center", BENCH, "float32", Config(32, 1024, 66, 8, persistent=132, coop=True, tma=True), 8),
+    # 256-byte box rows, which Triton copies as two messages: a piece is one box
+    ("column_center", (4096, 128), "float32", Config(64, 256, 16, 4, persistent=32, coop=True, tma=True), 2),
 ]
 PLANES = [  # batch norm's channels: pieces of whole planes, one TMA box each ([64, 64] over 49x64; [64, 16] over 49x16)
     ("batchnorm_train", (64, 256, 56, 56), "float32", Config(1, 32768, 8, 8, persistent=128, coop=True, tma=True), 16),
@@ -156,6 +158,8 @@ def test_translation_lays_out_fills_and_refuses_what_gluon_lacks():
     ("column_center", (4096, 64), Config(32, 512, 8, 4, persistent=64, coop=True, tma=True), {"x": (1, 4096)},
      "not a row-major"),
     ("column_center", (4096, 64), Config(32, 512, 8, 4, coop=True, tma=True), None, "persistent"),
+    ("column_center", (4096, 128), Config(64, 512, 8, 4, persistent=64, coop=True, tma=True), None,
+     "span over 128 bytes"),
 ])
 def test_parts_the_tma_path_cannot_take_are_refused_with_the_reason(name, shape, cfg, strides, why):
     k, strides = pattern_kernel(name, shape, strides=strides)
@@ -176,6 +180,16 @@ def test_cp_async_pieces_need_four_byte_elements_and_stream_after_the_last_arriv
     assert src.index("async_copy.wait_group(0)") < src.index("sem='acq_rel'")
     assert last_arrival < src.index("if pid_p + 8 < 24:") < src.rindex("while arrived < launch_base")
     assert "layout=gl.SliceLayout(0, LAYOUT))[None, :]" in src and "order=[1, 0]" in src
+
+
+def test_persistent_cooperative_grids_and_only_they_launch_cooperatively():
+    k, strides = pattern_kernel("column_center", BENCH)
+
+    def spec(cfg):
+        return build_kernel(k.graph, [(k.plans[0], cfg)], strides, False, k.title, k.group_names)
+    assert spec(CASES[0][3]).cooperative                     # the driver runs every program at once, or refuses
+    assert not spec(Config(32, 1024, 64, 8, coop=True)).cooperative  # one launch of many groups, in turn
+    assert not spec(Config(32, 1024)).cooperative
 
 
 def test_column_blocks_get_tma_candidates_of_whole_resident_groups():
