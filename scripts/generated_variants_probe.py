@@ -61,6 +61,17 @@ def variants(src: str) -> dict:
         polled = src.replace(m.group(0), f"\n{ind}arrived = gl.load({m.group(2)}, volatile=True)\n"
                              f"{ind[:-4]}_fence_acq_rel()\n", 1)
         out["load poll"] = polled.replace("\n@gluon.jit\ndef _part0", FENCE + "@gluon.jit\ndef _part0", 1)
+    # loads that do not depend on the barrier (batch norm's weight and bias) issued at the top of the block, not after
+    # the poll (an acquiring loop keeps them behind it)
+    after = src[src.find("while arrived < launch_base"):]
+    late = re.findall(r"\n\s+x\d+ = gl\.load\(in\d+_\w+ \+ c1\)", after)
+    top = re.search(r"\n(\s+)c1 = p\n", src)
+    if late and top:
+        hoisted = src
+        for line in late:
+            hoisted = hoisted.replace(line, "", 1)
+        out["parameters loaded first"] = hoisted.replace(top.group(0), top.group(0) + "".join(
+            "\n" + top.group(1) + line.strip() for line in late)[1:] + "\n", 1)
     return out
 
 

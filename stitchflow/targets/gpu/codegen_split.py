@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from ...ir.expr import Call, Cast, Const, Read
+from ...ir.expr import Call, Cast, Const, Read, reads
 from .emit import Scope, Source, Val
 from .mapping import pow2, split_len
 
@@ -123,6 +123,7 @@ class SplitStitching:
         """Every stage of one row block: reduce the piece, publish, wait, combine; then store.
         `while_waiting` emits work to issue after the last barrier's arrival, before its wait."""
         final = self.plan.final_stage
+        self._load_parameters(root)
         self.emit_ready_rows(root, 0)
         barriers = 0
         # centred variances met at their mean's barrier: column blocks whose piece stays in registers only.
@@ -158,6 +159,19 @@ class SplitStitching:
             self.emit_ready_rows(root, s + 1)
         self.load_hint = None
         self.store_rows(root)
+
+    def _load_parameters(self, root: Scope) -> None:
+        """Loads that vary only with the parallel axes (batch norm's weight and bias), issued before
+        the first barrier: emitted where the stage after a barrier first uses them, they waited
+        behind its acquiring poll (a load may not move above it), one L2 round trip per row block
+        (batch norm 167.0 against 165.1 µs on the H100). Later uses find them in `root`."""
+        plan = self.plan
+        for node in plan.nodes:
+            for a in reads(node.body):
+                if a.tensor in self.group_names or a.tensors != {a.tensor}:
+                    continue
+                if all(plan.cls.get((node.name, v)) in plan.P for v in a.vars):
+                    self.body.load(a.tensor, a.indices, node, root)
 
     def _piece_variance(self, var: str, mean: str, local: str) -> None:
         """This piece's own centred sum of squares (the variance's body taken about the piece's

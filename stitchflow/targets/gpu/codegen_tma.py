@@ -218,6 +218,7 @@ class TmaStitching:
             self.coord(c, root)
         e("l0 = lo")
         self.chunk_scope = self.chunk(root)
+        self._load_parameters(root)  # in flight while the piece lands
         if cfg.tma:
             e("mbarrier.wait(bar, it & 1)")
         else:
