@@ -31,6 +31,15 @@ def _fence_acq_rel():
 
 '''
 
+PREFETCH = '''
+
+@gluon.jit
+def _prefetch_l2(ptr, pred):
+    gl.inline_asm_elementwise("{ .reg .pred q; setp.ne.b32 q, $2, 0; @q prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                              "=r,l,r", [ptr, pred.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
+
+'''
+
 
 def variants(src: str) -> dict:
     out = {"generated": src}
@@ -72,6 +81,32 @@ def variants(src: str) -> dict:
             hoisted = hoisted.replace(line, "", 1)
         out["parameters loaded first"] = hoisted.replace(top.group(0), top.group(0) + "".join(
             "\n" + top.group(1) + line.strip() for line in late)[1:] + "\n", 1)
+    # the piece two blocks ahead prefetched into L2 (prefetch.global.L2, one line per 128 bytes) right after the next
+    # piece's TMA copies, so that DRAM keeps reading while the SMs wait at their barriers
+    m = re.search(r"\n(\s+)if pid_p \+ (\d+) < (\d+):\n\s+mbarrier\.expect", src)
+    w = re.search(r"\n(\s+)while arrived < launch_base", src)
+    if m and w:
+        ahead, blocks, ind = 2 * int(m.group(2)), m.group(3), w.group(1)
+        plane = re.search(r"mask_l = l % (\d+) < (\d+)", src)
+        if plane:  # batch norm: image l // pad, point l % pad of channel pid_p + ahead
+            pad = int(plane.group(1))
+            store = re.search(r"gl\.store\(out0_\w+ \+ (c\d+) \+ (c\d+) \* (\d+) \+ c1 \* (\d+)", src)
+            image, chan = store.group(3), store.group(4)
+            target = (f"in0_x + (l % {pad}) + (l // {pad}) * {image} + (pid_p + {ahead}) * {chan}",
+                      f"((l % 32) == 0) & mask_l")
+        else:  # column blocks: one line per row of the piece
+            bp = int(re.search(r"\(pid_p\) \* (\d+) \+ gl\.arange", src).group(1))
+            cols = int(re.search(r"gl\.store\(out0_\w+ \+ c\d+ \* (\d+) \+ c1", src).group(1))
+            rows = int(re.search(r"gl\.arange\(0, (\d+), layout=gl\.SliceLayout\(0, LAYOUT\)\)\[None, :\]\n\s+mbarrier",
+                                 src).group(1))
+            # the piece's rows as a [BP, rows // BP] tile: a few rows per thread, where an [1, rows] tile of
+            # pointers took 64 registers a thread and spilled
+            first = (f"(lo + gl.arange(0, {bp}, layout=gl.SliceLayout(1, LAYOUT))[:, None] * {rows // bp} + "
+                     f"gl.arange(0, {rows // bp}, layout=gl.SliceLayout(0, LAYOUT))[None, :])")
+            target = (f"in0_x + {first} * {cols} + (pid_p + {ahead}) * {bp}", "pid_p + 0 * " + first + " >= 0")
+        code = (f"\n{ind}if pid_p + {ahead} < {blocks}:\n{ind}    _prefetch_l2({target[0]}, {target[1]})")
+        pre = src.replace(w.group(0), code + w.group(0), 1)
+        out["L2 prefetch two blocks ahead"] = pre.replace("\n@gluon.jit\ndef _part0", PREFETCH + "@gluon.jit\ndef _part0", 1)
     return out
 
 
