@@ -107,6 +107,17 @@ def variants(src: str) -> dict:
         code = (f"\n{ind}if pid_p + {ahead} < {blocks}:\n{ind}    _prefetch_l2({target[0]}, {target[1]})")
         pre = src.replace(w.group(0), code + w.group(0), 1)
         out["L2 prefetch two blocks ahead"] = pre.replace("\n@gluon.jit\ndef _part0", PREFETCH + "@gluon.jit\ndef _part0", 1)
+    # the arrival's old count not used (a release `red`, whose return no warp waits for), so the next piece's copies go
+    # out while the arrival travels; the first poll's count gives this launch's base instead
+    m = re.search(r"\n(\s+)arrived = gl\.atomic_add\((\w+ \+ pid_p), 1, sem='acq_rel', scope='gpu'\)\n\s+launch_base = "
+                  r"arrived // (\d+) \* \d+\n\s+arrived \+= 1\n", src)
+    w = re.search(r"\n(\s+)while arrived < launch_base", src)
+    if m and w:
+        ind, counter, rounds = m.group(1), m.group(2), m.group(3)
+        unwaited = src.replace(m.group(0), f"\n{ind}gl.atomic_add({counter}, 1, sem='release', scope='gpu')\n", 1)
+        unwaited = unwaited.replace(w.group(0), f"\n{ind}arrived = gl.atomic_add({counter}, 0, sem='acquire', scope='gpu')"
+                                    f"\n{ind}launch_base = (arrived - 1) // {rounds} * {rounds}" + w.group(0), 1)
+        out["arrival not waited for"] = unwaited
     return out
 
 
