@@ -62,8 +62,8 @@ def variants(src: str) -> dict:
     if m and m2:
         moved = src.replace(m.group(0), "", 1)
         out["partials stored together"] = moved.replace(m2.group(0), m2.group(0) + m.group(0), 1)
-    # the poll a plain (volatile) load in every thread, one fence after it, instead of an acquiring read-modify-write
-    # by one thread whose result reaches the others through shared memory and a block barrier
+    # the poll a plain (volatile) load in every thread, one fence after it, instead of one thread's acquiring load
+    # (Triton's lowering of an acquiring add of 0) whose value reaches the others through shared memory and a barrier
     m = re.search(r"\n(\s+)arrived = gl.atomic_add\((\w+ \+ pid_p), 0, sem='acquire', scope='gpu'\)\n", src)
     if m:
         ind = m.group(1)
