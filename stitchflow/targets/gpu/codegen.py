@@ -48,7 +48,7 @@ class KernelSpec:
     tma: tuple[tuple[str, tuple[int, ...], tuple[int, ...] | None], ...] = ()
     gluon: bool = False  # the source is Gluon (TMA or cp.async pieces: codegen_tma)
     # a persistent cooperative grid: launched with CUDA's cooperative attribute, so the driver runs
-    # every program at once or refuses the launch (groups may then span the whole GPU)
+    # every program at once or refuses the launch
     cooperative: bool = False
 
 
