@@ -165,7 +165,8 @@ class SplitStitching:
         the first barrier: emitted where the stage after a barrier first uses them, they waited
         behind its acquiring poll (a load may not move above it), one L2 round trip per row block
         (batch norm on the H100: 167.0 against 165.1 µs source-edited; generated, 166-168 before and
-        164.6-165 after, near run-to-run noise). Later uses find them in `root`."""
+        164.6-165 after, near run-to-run noise). Later uses find them in `root`, and a second call
+        (the TMA path issues them before its piece lands) emits nothing."""
         plan = self.plan
         for node in plan.nodes:
             for a in reads(node.body):
