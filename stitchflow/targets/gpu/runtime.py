@@ -22,6 +22,7 @@ import torch
 
 from ...ir.graph import Graph
 from ...ir.interpret import eval_node
+from . import cluster_planes
 from .analysis import PartPlan
 from .codegen import KernelSpec, build_kernel, kernel_inputs
 from .mapping import Config, candidates, max_coop_split, resident_per_sm
@@ -73,6 +74,14 @@ def load_choice(key: str) -> list | None:
         return None
 
 
+def load_timing(key: str, label: str) -> float | None:
+    """The autotuner's median for config `label` of `key`, when a run recorded it."""
+    try:
+        return json.loads(_config_store().read_text()).get("_timings_us", {}).get(key, {}).get(label)
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def save_choice(key: str, choice: list, timings: dict) -> None:
     path = _config_store()
     try:
@@ -88,8 +97,13 @@ def save_choice(key: str, choice: list, timings: dict) -> None:
 
 # Part of every autotuning cache key: bump it when generated code changes what a config means, so that
 # configs chosen for older code are timed again (4: cooperative splits, variances at their mean's barrier;
-# 5: contiguous axis runs addressed as one coordinate; 6: TMA-fed column pieces, counters never reset).
-CODEGEN_VERSION = 7
+# 5: contiguous axis runs addressed as one coordinate; 6: TMA-fed column pieces, counters never reset;
+# 8: cluster planes join the space).
+CODEGEN_VERSION = 8
+
+
+# options that pin a generated kernel's config (mapping.candidates' override)
+PINS = ("block_p", "block_l", "split", "num_warps", "persistent", "prefetch", "coop", "tma", "cp_async")
 
 
 class Launch:
@@ -199,12 +213,11 @@ class GroupKernel:
         self._built: dict = {}
         self.tuned_us: float | None = None
         self.chosen: list[Config] | None = None
+        self.cluster_plans: list = []  # cluster_planes sizes this part can take (set by _build)
 
     def _space(self, plan: PartPlan, sms: int, no_streaming: str | None) -> list[Config]:
         """`no_streaming`: why streamed pieces (tma, cp_async) cannot run here, or None."""
-        override = {k: self.options[k] for k in ("block_p", "block_l", "split", "num_warps", "persistent", "prefetch",
-                                                  "coop", "tma", "cp_async")
-                    if k in self.options}
+        override = {k: self.options[k] for k in PINS if k in self.options}
         space = candidates(plan, sms, override or None)
         if no_streaming:
             if override and (override.get("tma") or override.get("cp_async")):
@@ -251,17 +264,45 @@ class GroupKernel:
         spaces = [self._space(p, sms, no_streaming) for p in self.plans]
         variants = max(len(s) for s in spaces)
         configs = [[s[min(v, len(s) - 1)] for s in spaces] for v in range(variants)]
+        configs = self._with_clusters(configs, strides, env[sig[0][0]].device if on_gpu else None)
+        variants = len(configs)
         if not on_gpu or not self.options.get("autotune", True) or variants == 1:
             return self._make(configs[0], strides, on_gpu)
         key = self._cache_key(sig, env)
         cached = load_choice(key)
         if cached is not None and cached < len(configs):
             self.chosen = configs[cached]
+            self.tuned_us = load_timing(key, ",".join(map(str, configs[cached])))
             return self._make(configs[cached], strides, on_gpu)
         return self._tune(configs, strides, env, key)
 
-    def _make(self, cfgs: list[Config], strides: dict, on_gpu: bool) -> Launch:
+    def _with_clusters(self, configs: list, strides: dict, device) -> list:
+        """Plane statistics on thread-block clusters (cluster_planes) join the space last, so that cached
+        choices of the other configs keep their index; options["cluster"] True keeps only them, False (or a
+        pinned Triton config) none."""
+        wanted = self.options.get("cluster")
+        pinned = any(k in self.options for k in PINS)
+        if wanted is False or (pinned and not wanted) or len(self.plans) > 1 or not self.plans[0].reductions:
+            return configs
+        why = cluster_planes.unavailable(device) if device is not None else "cluster planes need a CUDA device"
+        plans, refusals = ([], [why]) if why else cluster_planes.cluster_plans(self.graph, self.plans[0], strides)
+        self.cluster_plans = plans[:2]  # two sizes at most, timed in one compiled module
+        found = [[Config(1, cp.planes * cp.plane, cp.cluster, cluster_planes.THREADS // 32, coop=True, cluster=True)]
+                 for cp in self.cluster_plans]
+        if wanted:
+            if not found:
+                raise ValueError("no cluster planes for this part: " + "; ".join(refusals))
+            return found
+        for reason in refusals:
+            log.debug("%s: %s", self.title, reason)
+        return configs + found
+
+    def _make(self, cfgs: list[Config], strides: dict, on_gpu: bool):
         self.chosen = cfgs
+        if cfgs[0].cluster:
+            variant = [cp.cluster for cp in self.cluster_plans].index(cfgs[0].split)
+            return cluster_planes.ClusterLaunch(self.graph, self.plans[0], self.cluster_plans, variant, self.title,
+                                                str(cache_dir() / "cuda"), LAUNCHES)
         spec = build_kernel(self.graph, list(zip(self.plans, cfgs)), strides, not on_gpu, self.title, self.group_names)
         return Launch(self.graph, spec, self.title)
 

@@ -18,7 +18,7 @@ import stitchflow  # noqa: E402
 from stitchflow.bench.stitching_patterns import PATTERNS, as_tuple, relative_error, tolerance  # noqa: E402
 from stitchflow.targets.gpu import LAUNCHES  # noqa: E402
 from stitchflow.targets.gpu.grouping import TorchStep  # noqa: E402
-from stitchflow.targets.gpu.runtime import cache_dir  # noqa: E402
+from stitchflow.targets.gpu.runtime import cache_dir, load_choice, load_timing, save_choice  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="interpreter tests on CPU tensors: a GPU session (TRITON_INTERPRET=0) "
@@ -150,6 +150,12 @@ def test_generated_source_is_cached_on_disk():
     stitchflow.compile(module, args, target="gpu", fusion="full")(*args)
     sources = list((cache_dir() / "kernels").glob("k_*.py"))
     assert sources and any("@triton.jit" in p.read_text() for p in sources)
+
+
+def test_autotuning_choices_keep_their_timings_for_later_processes():
+    save_choice("test-key", 1, {"BP1_BL64_S1_W4": 12.5, "BP1_BL128_S1_W4": 10.25})
+    assert load_choice("test-key") == 1 and load_timing("test-key", "BP1_BL128_S1_W4") == 10.25
+    assert load_timing("test-key", "BP1_BL256_S1_W4") is None and load_timing("no-such-key", "x") is None
 
 
 def test_cpu_without_interpreter_falls_back_to_torch(monkeypatch):

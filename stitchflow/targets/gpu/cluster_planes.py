@@ -1,0 +1,416 @@
+"""Plane statistics on Hopper thread-block clusters: batch norm's exchange through distributed shared memory.
+
+A part whose reductions are a mean over whole planes and the centred variance riding on it (batch norm's
+statistics over (N, H, W) around C in NCHW) runs as CUDA C++ here instead of Gluon, because Triton 3.6 has no
+distributed shared memory (docs/cluster_planes_plan.md). A persistent grid of clusters of `cluster` CTAs walks the
+channels; CTA r of a cluster holds planes r·planes .. (r+1)·planes - 1 of the channel in registers while the next
+channel's planes stream into its shared memory by 1-D bulk copies. Each CTA pushes its piece's mean and centred sum
+of squares into every peer's shared memory with `st.async`, completing bytes on the peer's mbarrier, so no release
+waits for stores in flight and no statistic goes through L2 (measured by hand, scripts/batchnorm_cluster_probe.py:
+153.8 µs against 165-167 through global memory). The statistics and the exchange are fixed; the epilogue (each
+output as an expression of x, the two statistics, per-channel parameters and other inputs at x's coordinates) is
+emitted from the IR, rounding every node to its dtype as eager does.
+
+`analyze` says why a part cannot take this path; `ClusterLaunch` compiles (torch's load_inline for sm_90a, cached
+under $STITCHFLOW_CACHE/gpu/cuda) and runs it with the same interface as runtime.Launch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ...ir.expr import Call, Cast, Const, Read, reads
+from ...ir.graph import Graph
+from ...ir.index import Lit, Var
+from .analysis import PartPlan
+from .codegen_split import _bare, _scaled, centred_variances
+from .cluster_planes_cuda import GLUE, HEADER, KERNEL
+from .emit import contiguous_strides
+
+THREADS = 256
+MAX_PER_THREAD = 128  # elements of a piece one thread holds in registers (fp32)
+MAX_PIECE_BYTES = 200 * 1024  # the next piece's buffer in shared memory
+CLUSTERS = (8, 16, 4, 2)  # CTAs per channel, the portable size first; 16 needs the non-portable attribute
+C_TYPES = {torch.float32: "float", torch.bfloat16: "__nv_bfloat16", torch.float16: "__half"}
+ROUND = {torch.bfloat16: "rnd_bf16", torch.float16: "rnd_f16"}
+INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/", "lt": "<", "le": "<=", "gt": ">", "ge": ">=",
+         "eq": "==", "ne": "!=", "and": "&&", "or": "||"}
+UNARY = {"neg": "(-{0})", "abs": "fabsf({0})", "exp": "expf({0})", "log": "logf({0})", "sqrt": "sqrtf({0})",
+         "rsqrt": "rsqrtf({0})", "recip": "(1.0f / {0})", "tanh": "tanhf({0})", "erf": "erff({0})",
+         "sigmoid": "(1.0f / (1.0f + expf(-{0})))", "relu": "fmaxf({0}, 0.0f)", "not": "(!{0})"}
+BINARY = {"max": "fmaxf({0}, {1})", "min": "fminf({0}, {1})", "pow": "powf({0}, {1})"}
+
+
+class ClusterRefusal(Exception):
+    """A part (or a cluster size) this path cannot take; the message says why."""
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    """What the emitted kernel needs to know about the part."""
+    x: str  # the planes' input, contiguous [n, channels, *plane]
+    n: int  # planes per channel (the outer reduced axis)
+    channels: int
+    plane: int  # elements of a plane
+    planes: int  # planes per CTA
+    cluster: int  # CTAs per channel
+    mean: str  # the mean reduction and the factor that turns the exact mean into its value (1 for a mean)
+    mean_factor: float
+    var: str | None  # the centred variance riding on it, and the factor on the centred sum of squares
+    var_factor: float
+    params: tuple[tuple[str, str], ...]  # (tensor, offset expression in c): per-channel inputs
+    streamed: tuple[str, ...]  # other inputs read at x's coordinates, loaded in the epilogue
+    outputs: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return (f"cluster of {self.cluster} x {self.planes} planes of {self.plane} over {self.channels} channels "
+                f"({self.x}: {self.mean}{', ' + self.var if self.var else ''} -> {', '.join(self.outputs)})")
+
+
+def analyze(graph: Graph, plan: PartPlan, strides: dict, cluster: int) -> ClusterPlan:
+    """The cluster plan of `plan` with `cluster` CTAs per channel, or ClusterRefusal with the reason."""
+    if plan.p_contiguous or len(plan.L) < 2:
+        raise ClusterRefusal("cluster planes need reduced axes (outer, *plane) around the channel, as in NCHW")
+    channel = [c for c in plan.P if plan.extents[c] > 1]
+    if len(channel) != 1:
+        raise ClusterRefusal(f"cluster planes need one parallel (channel) axis, not {len(channel)}")
+    ch, outer, run = channel[0], plan.L[0], tuple(plan.L[1:])
+    full = (outer, ch, *run)
+    n, channels = plan.extents[outer], plan.extents[ch]
+    plane = math.prod(plan.extents[c] for c in run)
+    mean, mean_factor, var, var_factor, x = _statistics(graph, plan)
+    _check_full(graph, plan, strides, x, full)
+    if n % cluster:
+        raise ClusterRefusal(f"{n} planes per channel do not split over clusters of {cluster}")
+    planes, dtype = n // cluster, graph.type_of[x].dtype
+    if (plane * dtype.itemsize) % 16:
+        raise ClusterRefusal(f"planes of {plane} x {dtype} are not whole 16-byte vectors (bulk copies)")
+    if planes * plane > MAX_PER_THREAD * THREADS or planes * plane * dtype.itemsize > MAX_PIECE_BYTES:
+        raise ClusterRefusal(f"a piece of {planes} planes of {plane} over {THREADS} threads exceeds "
+                             f"{MAX_PER_THREAD} registers or {MAX_PIECE_BYTES} bytes of shared memory per CTA")
+    params, streamed = _inputs(graph, plan, strides, x, full, ch)
+    outputs = tuple(plan.outputs)
+    for o in outputs:
+        if o in plan.row_level or _own_classes(plan, graph.node_of[o], graph.node_of[o].index) != full:
+            raise ClusterRefusal(f"output {o} is not elementwise over {x}'s coordinates")
+        if graph.type_of[o].dtype not in C_TYPES:
+            raise ClusterRefusal(f"output {o} is {graph.type_of[o].dtype}, not a float type")
+    for node in plan.nodes:
+        if node.reduce is None:
+            _check_expr(graph, plan, node, node.body, full, ch, x)
+    return ClusterPlan(x, n, channels, plane, planes, cluster, mean, mean_factor, var, var_factor, params,
+                       streamed, outputs)
+
+
+def _statistics(graph: Graph, plan: PartPlan):
+    """(mean, factor, variance or None, factor, x): the part's reductions must be one mean over whole planes of
+    an input and, optionally, the centred variance on it (codegen_split.centred_variances)."""
+    variances = centred_variances(graph, plan)
+    means = [r for r in plan.reductions if r.name not in variances]
+    if len(means) != 1 or len(variances) > 1 or any(r.reduce != "sum" for r in plan.reductions):
+        raise ClusterRefusal("cluster planes take one mean and at most the centred variance on it, not "
+                             + ", ".join(f"{r.reduce} {r.name}" for r in plan.reductions))
+    r = means[0]
+    body = _bare(r.body)
+    inner, scale = (body, 1.0) if isinstance(body, Read) else (_scaled(body) or (None, 0.0))
+    if not isinstance(inner, Read) or inner.access.tensor in graph.node_of:
+        raise ClusterRefusal(f"{r.name} is not a sum of an input's elements")
+    var, var_factor = None, 0.0
+    for name, (of, c) in variances.items():
+        if of != r.name:
+            raise ClusterRefusal(f"the variance {name} is not centred on {r.name}")
+        var, var_factor = name, c
+    return r.name, scale * plan.L_total, var, var_factor, inner.access.tensor
+
+
+def _check_full(graph: Graph, plan: PartPlan, strides: dict, x: str, full: tuple) -> None:
+    ty = graph.type_of[x]
+    shape = tuple(plan.extents[c] for c in full)
+    if ty.dtype not in C_TYPES:
+        raise ClusterRefusal(f"{x} is {ty.dtype}, not a float type")
+    if tuple(ty.shape) != shape or tuple(strides[x]) != contiguous_strides(shape):
+        raise ClusterRefusal(f"{x} is not a contiguous {list(shape)} tensor (outer, channel, plane)")
+
+
+def _own_classes(plan: PartPlan, node, indices) -> tuple | None:
+    if not all(isinstance(i, Var) for i in indices):
+        return None
+    return tuple(plan.cls.get((node.name, i.name)) for i in indices)
+
+
+def _per_channel(plan: PartPlan, node, indices, ch: int) -> bool:
+    """Every index a literal, or a variable of the channel class or of an axis of extent one."""
+    for i in indices:
+        if isinstance(i, Lit):
+            continue
+        c = plan.cls.get((node.name, i.name)) if isinstance(i, Var) else None
+        if c is None or (c != ch and plan.extents[c] != 1):
+            return False
+    return True
+
+
+def _inputs(graph: Graph, plan: PartPlan, strides: dict, x: str, full: tuple, ch: int):
+    """Per-channel parameters (tensor, offset of channel c) and inputs streamed at x's coordinates."""
+    part = {n.name for n in plan.nodes}
+    params: dict[str, str] = {}
+    streamed: list[str] = []
+    for node in plan.nodes:
+        if node.reduce is not None:
+            continue
+        for a in reads(node.body):
+            t = a.tensor
+            if t in part or t == x:
+                continue
+            if _per_channel(plan, node, a.indices, ch):
+                terms = [f"{i.value * s}" if isinstance(i, Lit) else (f"c * {s}" if plan.cls[(node.name, i.name)] == ch
+                                                                       else "0")
+                         for i, s in zip(a.indices, strides[t])]
+                offset = " + ".join(terms) or "0"
+                if params.get(t, offset) != offset:
+                    raise ClusterRefusal(f"{t} is read at two different per-channel offsets")
+                params[t] = offset
+            elif _own_classes(plan, node, a.indices) == full:
+                _check_full(graph, plan, strides, t, full)
+                if t not in streamed:
+                    streamed.append(t)
+            else:
+                raise ClusterRefusal(f"{node.name} reads {a} neither per channel nor at {x}'s coordinates")
+            if graph.type_of[t].dtype not in C_TYPES:
+                raise ClusterRefusal(f"{t} is {graph.type_of[t].dtype}, not a float type")
+    return tuple(params.items()), tuple(streamed)
+
+
+def _check_expr(graph: Graph, plan: PartPlan, node, e, full, ch, x) -> None:
+    """Refuse what the CUDA printer cannot say, and reads of part nodes at other coordinates."""
+    if isinstance(e, Cast):
+        if e.dtype not in C_TYPES and e.dtype != torch.bool:
+            raise ClusterRefusal(f"{node.name} casts to {e.dtype}")
+        return _check_expr(graph, plan, node, e.arg, full, ch, x)
+    if isinstance(e, Call):
+        if e.op not in INFIX and e.op not in UNARY and e.op not in BINARY and e.op != "where":
+            raise ClusterRefusal(f"{node.name}: scalar op {e.op} has no CUDA lowering here")
+        for a in e.args:
+            _check_expr(graph, plan, node, a, full, ch, x)
+    elif isinstance(e, Read):
+        t, idx = e.access.tensor, e.access.indices
+        if t not in graph.node_of:
+            return  # inputs: _inputs
+        if t in plan.row_level:
+            if not _per_channel(plan, node, idx, ch):
+                raise ClusterRefusal(f"{node.name} reads {e.access} away from its channel")
+        elif _own_classes(plan, node, idx) != full or node.name in plan.row_level:
+            raise ClusterRefusal(f"{node.name} reads {e.access} at other coordinates")
+    elif not isinstance(e, Const):
+        raise ClusterRefusal(f"{node.name}: {type(e).__name__} has no CUDA lowering here")
+    if graph.type_of[node.name].dtype not in (*C_TYPES, torch.bool):
+        raise ClusterRefusal(f"{node.name} is {graph.type_of[node.name].dtype}, not a float type")
+
+
+# ---------------------------------------------------------------- the CUDA printer
+
+def _const(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    v = float(v)
+    if math.isnan(v):
+        return "NAN"
+    if math.isinf(v):
+        return "INFINITY" if v > 0 else "(-INFINITY)"
+    return f"{v!r}f"
+
+
+class _Printer:
+    """CUDA expressions over named values: `names` maps a tensor to the C name of its value at the point."""
+
+    def __init__(self, graph: Graph, names: dict):
+        self.graph, self.names = graph, names
+
+    def expr(self, e) -> str:
+        if isinstance(e, Read):
+            return self.names[e.access.tensor]
+        if isinstance(e, Const):
+            return _const(e.value)
+        if isinstance(e, Cast):
+            inner = self.expr(e.arg)
+            if e.dtype == torch.bool:
+                return f"({inner} != 0)"
+            return f"{ROUND[e.dtype]}({inner})" if e.dtype in ROUND else f"((float){inner})"
+        args = [self.expr(a) for a in e.args]
+        if e.op in INFIX:
+            return f"({args[0]} {INFIX[e.op]} {args[1]})"
+        if e.op in UNARY:
+            return UNARY[e.op].format(*args)
+        if e.op == "pow" and isinstance(_bare(e.args[1]), Const) and _bare(e.args[1]).value == 2:
+            return f"({args[0]} * {args[0]})"
+        if e.op in BINARY:
+            return BINARY[e.op].format(*args)
+        return f"({args[0]} ? {args[1]} : {args[2]})"  # where
+
+    def define(self, name: str, body, c_name: str, code: str | None = None) -> str:
+        """`const T c_name = body;` (or `code`) rounded to the node's dtype, remembered for later reads."""
+        dtype = self.graph.type_of[name].dtype
+        code = code or self.expr(body)
+        if dtype in ROUND:
+            code = f"{ROUND[dtype]}({code})"
+        self.names[name] = c_name
+        return f"const {'bool' if dtype == torch.bool else 'float'} {c_name} = {code};"
+
+
+def _ident(prefix: str, name: str, taken: set) -> str:
+    base = prefix + "".join(ch if ch.isalnum() else "_" for ch in name)
+    out, k = base, 1
+    while out in taken:
+        out, k = f"{base}_{k}", k + 1
+    taken.add(out)
+    return out
+
+
+def emit_source(graph: Graph, plan: PartPlan, cp: ClusterPlan, name: str = "planes_kernel") -> str:
+    """The CUDA source of `cp`: the fixed statistics and exchange, the epilogue printed from the IR."""
+    taken: set = {"xv"}
+    names = {cp.x: "xv"}
+    printer = _Printer(graph, names)
+    ctype = {t: C_TYPES[graph.type_of[t].dtype] for t in (cp.x, *dict(cp.params), *cp.streamed, *cp.outputs)}
+    params, casts, param_loads = [], [f"(const {ctype[cp.x]}*)ptrs[0], "], []
+    for k, (t, offset) in enumerate(cp.params):
+        arg = _ident("in_", t, taken)
+        params.append(f"const {ctype[t]}* __restrict__ {arg}, ")
+        casts.append(f"(const {ctype[t]}*)ptrs[{1 + k}], ")
+        names[t] = _ident("p_", t, taken)
+        param_loads.append(f"    const float {names[t]} = to_f({arg}[{offset}]);")
+    vec_loads, element, vec_stores = [], [], []
+    for k, t in enumerate(cp.streamed):
+        arg, vec = _ident("in_", t, taken), _ident("vec_", t, taken)
+        params.append(f"const {ctype[t]}* __restrict__ {arg}, ")
+        casts.append(f"(const {ctype[t]}*)ptrs[{1 + len(cp.params) + k}], ")
+        vec_loads.append(f"        const Vec<{ctype[t]}, VEC> {vec} = reinterpret_cast<const Vec<{ctype[t]}, VEC>*>"
+                         f"({arg})[off];")
+        names[t] = _ident("e_", t, taken)
+        element.append(f"          const float {names[t]} = to_f({vec}.a[e]);")
+    first_out = 1 + len(cp.params) + len(cp.streamed)
+    out_vecs = {}
+    for k, t in enumerate(cp.outputs):
+        arg = _ident("out_", t, taken)
+        params.append(f"{ctype[t]}* __restrict__ {arg}, ")
+        casts.append(f"({ctype[t]}*)ptrs[{first_out + k}], ")
+        out_vecs[t] = _ident("o_", t, taken)
+        vec_loads.append(f"        Vec<{ctype[t]}, VEC> {out_vecs[t]};")
+        vec_stores.append(f"        reinterpret_cast<Vec<{ctype[t]}, VEC>*>({arg})[off] = {out_vecs[t]};")
+    mean = "mean" if abs(cp.mean_factor - 1) < 1e-12 else f"(mean * {_const(cp.mean_factor)})"
+    row = [f"    {printer.define(cp.mean, None, _ident('s_', cp.mean, taken), mean)}"]
+    if cp.var:
+        row.append(f"    {printer.define(cp.var, None, _ident('s_', cp.var, taken), f'(m2 * {_const(cp.var_factor)})')}")
+    for node in plan.nodes:
+        if node.reduce is not None:
+            continue
+        if node.name in plan.row_level:
+            row.append(f"    {printer.define(node.name, node.body, _ident('s_', node.name, taken))}")
+        else:
+            element.append(f"          {printer.define(node.name, node.body, _ident('v_', node.name, taken))}")
+    for t in cp.outputs:
+        element.append(f"          {out_vecs[t]}.a[e] = from_f<{ctype[t]}>({names[t]});")
+    minb = 2 if cp.planes * cp.plane <= 64 * THREADS else 1  # pieces of at most 64 registers: two CTAs per SM
+    subs = {"@CL@": cp.cluster, "@PLANES@": cp.planes, "@C@": cp.channels, "@HW@": cp.plane,
+            "@VEC@": 16 // graph.type_of[cp.x].dtype.itemsize, "@XT@": ctype[cp.x], "@MINB@": minb, "@NAME@": name,
+            "@PARAMS@": "".join(params), "@CASTS@": "".join(casts), "@PARAM_LOADS@": "\n".join(param_loads),
+            "@ROW@": "\n".join(row), "@VEC_LOADS@": "\n".join(vec_loads), "@ELEMENT@": "\n".join(element),
+            "@VEC_STORES@": "\n".join(vec_stores)}
+    source = KERNEL
+    for key, value in subs.items():
+        source = source.replace(key, str(value))
+    return source
+
+
+def emit_module(graph: Graph, plan: PartPlan, plans: list[ClusterPlan]) -> tuple[str, str]:
+    """(CUDA source, C++ glue) of one extension holding a kernel per cluster plan: one nvcc run for them all.
+    The glue's `run(tensors, variant, nclusters, stream)` launches variant `variant` (or, for ~variant, returns
+    how many of its clusters fit at once)."""
+    names = [f"planes_{k}" for k in range(len(plans))]
+    cuda = HEADER + "".join(emit_source(graph, plan, cp, name) for cp, name in zip(plans, names))
+    decls = "\n".join(f"cudaError_t {n}_launch(const void* const*, int, cudaStream_t, int*);" for n in names)
+    cases = "\n".join(f"    case {k}: err = {n}_launch(ptrs.data(), (int)nclusters, stream, variant < 0 ? &fits : "
+                      f"nullptr); break;" for k, n in enumerate(names))
+    return cuda, GLUE.replace("@DECLS@", decls).replace("@CASES@", cases)
+
+
+# ---------------------------------------------------------------- compile and launch
+
+_EXTENSIONS: dict = {}
+
+
+def unavailable(device: torch.device) -> str | None:
+    """Why cluster kernels cannot run on `device` (None: they can)."""
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if device.type != "cuda":
+        return "cluster planes run on CUDA devices"
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        return "thread-block clusters and distributed shared memory need Hopper (sm_90) or later"
+    if CUDA_HOME is None:
+        return "no CUDA toolkit (nvcc) to compile cluster kernels with (set CUDA_HOME)"
+    return None
+
+
+def load(cuda: str, glue: str, cache: str):
+    """Compile (nvcc for sm_90a, through torch's load_inline) once per source; builds stay under `cache`."""
+    key = hashlib.sha256((cuda + glue).encode()).hexdigest()[:20]
+    if key not in _EXTENSIONS:
+        import os
+
+        from torch.utils.cpp_extension import load_inline
+
+        build = os.path.join(cache, f"planes_{key}")
+        os.makedirs(build, exist_ok=True)
+        _EXTENSIONS[key] = load_inline(
+            name=f"stitchflow_planes_{key}", cpp_sources=[glue], cuda_sources=[cuda], functions=["run"],
+            extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17"],
+            build_directory=build, verbose=False)
+    return _EXTENSIONS[key]
+
+
+class ClusterLaunch:
+    """Runs one variant of a compiled cluster-planes module with runtime.Launch's interface: outputs
+    allocated (contiguous), written into `env`."""
+
+    def __init__(self, graph: Graph, plan: PartPlan, plans: list[ClusterPlan], variant: int, title: str,
+                 cache: str, launches=None):
+        self.cp, self.variant, self.title, self.launches = plans[variant], variant, title, launches
+        self.cuda, self.glue = emit_module(graph, plan, plans)
+        self.ext = load(self.cuda, self.glue, cache)
+        self.inputs = (self.cp.x, *dict(self.cp.params), *self.cp.streamed)
+        self.out_specs = [(graph.type_of[t].shape, graph.type_of[t].dtype) for t in self.cp.outputs]
+        self.clusters: dict = {}  # device -> clusters launched (the channels, or as many as fit at once)
+
+    def _clusters(self, device, stream: int) -> int:
+        if device not in self.clusters:
+            fits = self.ext.run([torch.empty(0, device=device)], ~self.variant, 0, stream)
+            if fits < 1:
+                raise ClusterRefusal(f"not one cluster of {self.cp.cluster} CTAs fits on {device}")
+            self.clusters[device] = min(fits, self.cp.channels)
+        return self.clusters[device]
+
+    def __call__(self, env) -> None:
+        ins = [env[t] for t in self.inputs]
+        device = ins[0].device
+        outs = [torch.empty(shape, dtype=dt, device=device) for shape, dt in self.out_specs]
+        stream = torch.cuda.current_stream(device).cuda_stream
+        self.ext.run(ins + outs, self.variant, self._clusters(device, stream), stream)
+        if self.launches is not None:
+            self.launches[self.title] += 1
+        for name, value in zip(self.cp.outputs, outs):
+            env[name] = value
+
+
+def cluster_plans(graph: Graph, plan: PartPlan, strides: dict) -> tuple[list[ClusterPlan], list[str]]:
+    """The cluster sizes this part can take (plans), and why each other size cannot (refusals)."""
+    plans, why = [], []
+    for size in CLUSTERS:
+        try:
+            plans.append(analyze(graph, plan, strides, size))
+        except ClusterRefusal as err:
+            why.append(f"cluster of {size}: {err}")
+    return plans, why

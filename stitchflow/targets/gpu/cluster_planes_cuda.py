@@ -1,0 +1,210 @@
+"""The CUDA text of cluster_planes' kernels: fixed statistics and exchange, with @NAME@-style holes that
+cluster_planes.emit_source fills (the epilogue printed from the IR, the constants of the plan)."""
+
+HEADER = r"""
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+"""
+
+KERNEL = r"""
+namespace @NAME@_ns {
+constexpr int THREADS = 256, CL = @CL@, PLANES = @PLANES@, C = @C@, HW = @HW@, VEC = @VEC@;
+constexpr int HWV = HW / VEC, PIECEV = PLANES * HWV, PER_T = (PIECEV + THREADS - 1) / THREADS;
+constexpr uint32_t PLANE_BYTES = HW * sizeof(@XT@);
+constexpr size_t PIECE_BYTES = (size_t)PLANES * PLANE_BYTES;
+constexpr size_t SMEM = PIECE_BYTES + 64 + 2 * CL * 16;  // the next piece, 3 mbarriers, 2 x CL statistics
+constexpr float NLOC = (float)PLANES * HW;
+typedef @XT@ xt;
+
+template <class T, int N> struct __align__(sizeof(T) * N) Vec { T a[N]; };
+__device__ __forceinline__ float to_f(float v) { return v; }
+__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
+template <class T> __device__ __forceinline__ T from_f(float v);
+template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
+__device__ __forceinline__ float rnd_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+__device__ __forceinline__ float rnd_f16(float v) { return __half2float(__float2half_rn(v)); }
+
+__device__ __forceinline__ uint32_t su32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int n) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(su32(bar)), "r"(n) : "memory");
+}
+__device__ __forceinline__ void mbar_expect(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(su32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile("{\n.reg .pred P1;\nLAB_WAIT:\n"
+               "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+               "@P1 bra DONE;\nbra LAB_WAIT;\nDONE:\n}\n" :: "r"(su32(bar)), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               :: "r"(su32(dst)), "l"(src), "r"(bytes), "r"(su32(bar)) : "memory");
+}
+__device__ __forceinline__ uint32_t mapa(uint32_t addr, uint32_t rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
+  return r;
+}
+// 16 bytes into a peer's shared memory, completing them on the peer's mbarrier
+__device__ __forceinline__ void push(uint32_t raddr, float a, float b, uint32_t rbar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];"
+               :: "r"(raddr), "f"(a), "f"(b), "f"(0.f), "f"(0.f), "r"(rbar) : "memory");
+}
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ float block_sum(float s, float* red) {
+  for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = s;
+  __syncthreads();
+  float t = 0.f;
+  #pragma unroll
+  for (int k = 0; k < THREADS / 32; ++k) t += red[k];
+  return t;
+}
+
+__global__ void __launch_bounds__(THREADS, @MINB@) @NAME@(const xt* __restrict__ x, @PARAMS@int nclusters) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  Vec<xt, VEC>* piece = reinterpret_cast<Vec<xt, VEC>*>(smem);
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + PIECE_BYTES);  // [0] the piece, [1], [2] statistics
+  float4* recv = reinterpret_cast<float4*>(smem + PIECE_BYTES + 64);  // [2][CL] (mean, centred sum of squares)
+  __shared__ float red[2][THREADS / 32];
+  const int tid = threadIdx.x;
+  const uint32_t rank = cluster_rank();
+  const int cid = blockIdx.x / CL, n0 = rank * PLANES;
+  if (tid == 0) {
+    mbar_init(&bars[0], 1); mbar_init(&bars[1], 1); mbar_init(&bars[2], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  cluster_sync();  // every CTA's mbarriers exist before any peer pushes to them
+  auto issue = [&](int c) {
+    mbar_expect(&bars[0], (uint32_t)PIECE_BYTES);
+    for (int p = 0; p < PLANES; ++p)
+      bulk_copy(piece + p * HWV, x + ((size_t)(n0 + p) * C + c) * HW, PLANE_BYTES, &bars[0]);
+  };
+  if (tid == 0) issue(cid);
+  int it = 0;
+  for (int c = cid; c < C; c += nclusters, ++it) {
+    mbar_wait(&bars[0], it & 1);
+    float v[PER_T][VEC];
+    float s = 0.f;
+    #pragma unroll
+    for (int k = 0; k < PER_T; ++k) {
+      const int idx = k * THREADS + tid;
+      const Vec<xt, VEC> raw = idx < PIECEV ? piece[idx] : Vec<xt, VEC>{};
+      #pragma unroll
+      for (int e = 0; e < VEC; ++e) { v[k][e] = to_f(raw.a[e]); s += v[k][e]; }
+    }
+    __syncthreads();  // the piece left shared memory: it may refill
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    const float mloc = block_sum(s, red[0]) / NLOC;
+    float q = 0.f;
+    #pragma unroll
+    for (int k = 0; k < PER_T; ++k) {
+      if (k * THREADS + tid < PIECEV) {
+        #pragma unroll
+        for (int e = 0; e < VEC; ++e) { const float d = v[k][e] - mloc; q += d * d; }
+      }
+    }
+    q = block_sum(q, red[1]);
+@PARAM_LOADS@
+    // the exchange: this CTA's two numbers into every peer's slot, bytes completing on the peer's mbarrier
+    // (armed here for this block first; a push that lands before its owner armed only makes the count
+    // negative, and the phase still needs the owner's own arrival)
+    const int slot = it & 1;
+    if (tid == 0) {
+      mbar_expect(&bars[1 + slot], CL * 16);
+      const uint32_t laddr = su32(&recv[slot * CL + rank]), lbar = su32(&bars[1 + slot]);
+      for (int r = 0; r < CL; ++r) push(mapa(laddr, r), mloc, q, mapa(lbar, r));
+      if (c + nclusters < C) issue(c + nclusters);
+    }
+    mbar_wait(&bars[1 + slot], (it >> 1) & 1);
+    float ms[CL], qs[CL], sum_m = 0.f;
+    #pragma unroll
+    for (int r = 0; r < CL; ++r) { const float4 got = recv[slot * CL + r]; ms[r] = got.x; qs[r] = got.y; sum_m += ms[r]; }
+    const float mean = sum_m / CL;
+    float m2 = 0.f;  // Chan, Golub, LeVeque: the pieces' centred sums plus the spread of their means
+    #pragma unroll
+    for (int r = 0; r < CL; ++r) m2 += qs[r] + NLOC * (ms[r] - mean) * (ms[r] - mean);
+@ROW@
+    #pragma unroll
+    for (int k = 0; k < PER_T; ++k) {
+      const int idx = k * THREADS + tid;
+      if (idx < PIECEV) {
+        const int p = idx / HWV, i = idx - p * HWV;
+        const size_t off = ((size_t)(n0 + p) * C + c) * HWV + i;
+@VEC_LOADS@
+        #pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          const float xv = v[k][e];
+@ELEMENT@
+        }
+@VEC_STORES@
+      }
+    }
+  }
+  cluster_sync();  // no CTA leaves while a peer may still push to it
+}
+}  // namespace @NAME@_ns
+
+cudaError_t @NAME@_launch(const void* const* ptrs, int nclusters, cudaStream_t stream, int* fits) {
+  using namespace @NAME@_ns;
+  auto kernel = @NAME@;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM);
+  if (err != cudaSuccess) return err;
+  if (CL > 8) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    if (err != cudaSuccess) return err;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((nclusters > 0 ? nclusters : 1) * CL, 1, 1);
+  cfg.blockDim = dim3(THREADS, 1, 1);
+  cfg.dynamicSmemBytes = SMEM;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = CL;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  if (fits) return cudaOccupancyMaxActiveClusters(fits, kernel, &cfg);
+  return cudaLaunchKernelEx(&cfg, kernel, @CASTS@nclusters);
+}
+"""
+
+GLUE = r"""
+#include <torch/extension.h>
+#include <cuda_runtime_api.h>
+#include <vector>
+
+@DECLS@
+
+// variant < 0: how many clusters of variant ~variant fit at once; else launch it on nclusters clusters
+int64_t run(std::vector<torch::Tensor> tensors, int64_t variant, int64_t nclusters, int64_t stream_handle) {
+  std::vector<const void*> ptrs;
+  for (auto& t : tensors) ptrs.push_back(t.data_ptr());
+  auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  int fits = 0;
+  const int v = variant < 0 ? (int)~variant : (int)variant;
+  cudaError_t err = cudaErrorInvalidValue;
+  switch (v) {
+@CASES@
+  }
+  TORCH_CHECK(err == cudaSuccess, "cluster planes launch: ", cudaGetErrorString(err));
+  err = cudaGetLastError();
+  TORCH_CHECK(err == cudaSuccess, "cluster planes kernel: ", cudaGetErrorString(err));
+  return fits;
+}
+"""

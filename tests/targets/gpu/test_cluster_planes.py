@@ -1,0 +1,184 @@
+"""Plane statistics on thread-block clusters (cluster_planes): a CUDA C++ kernel whose CTAs exchange batch norm's
+statistics through distributed shared memory, with the epilogue printed from the IR. On CPU: what it takes and
+refuses, the emitted source, and an nvcc compile for sm_90a (registers, no spills) where nvcc exists; on a Hopper
+GPU: equality with eager for every cluster size, through the autotuned path too."""
+
+import os
+import shutil
+import subprocess
+import tempfile
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("STITCHFLOW_CACHE", tempfile.mkdtemp(prefix="stitchflow-test-cache-"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import stitchflow  # noqa: E402
+from stitchflow.bench.stitching_patterns import PATTERNS, as_tuple, relative_error, tolerance  # noqa: E402
+from stitchflow.targets.gpu import cluster_planes  # noqa: E402
+from stitchflow.targets.gpu.cluster_planes import ClusterRefusal, analyze, cluster_plans, emit_module  # noqa: E402
+from stitchflow.targets.gpu.emit import contiguous_strides  # noqa: E402
+
+
+class AffineFree(nn.Module):
+    def forward(self, x):
+        mean = x.mean((0, 2, 3), keepdim=True)
+        xc = x - mean
+        return xc * torch.rsqrt((xc * xc).mean((0, 2, 3), keepdim=True) + 1e-5)
+
+
+class ResidualRelu(nn.Module):
+    """Batch norm, then a residual read at x's coordinates (streamed in the epilogue), then relu; two outputs."""
+
+    def forward(self, x, w, b, r):
+        mean = x.mean((0, 2, 3), keepdim=True)
+        xc = x - mean
+        y = xc * torch.rsqrt((xc * xc).mean((0, 2, 3), keepdim=True) + 1e-5) * w[:, None, None] + b[:, None, None]
+        return torch.relu(y + r), y
+
+
+class Center(nn.Module):
+    def forward(self, x):
+        return x - x.mean((0, 2, 3), keepdim=True)
+
+
+def _args(module, shape, dtype, device="cpu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen).to(dtype).to(device)
+    if isinstance(module, ResidualRelu):
+        w, b = (torch.randn(shape[1], generator=gen).to(dtype).to(device) for _ in range(2))
+        return [x, w, b, torch.randn(shape, generator=gen).to(dtype).to(device)]
+    if isinstance(module, (AffineFree, Center)):
+        return [x]
+    return list(PATTERNS["batchnorm_train"].make(shape, dtype, device, gen))
+
+
+def _kernel(module, shape, dtype=torch.float32):
+    prog = stitchflow.compile(module, _args(module, shape, dtype), target="gpu", fusion="full")
+    (k,) = [k for run in prog._compiled for k in run.kernels]
+    return k, {t: contiguous_strides(k.graph.type_of[t].shape) for t in k.inputs}
+
+
+BN = PATTERNS["batchnorm_train"].module
+MODULES = [(BN, (64, 256, 56, 56), torch.float32), (BN, (6, 10, 4, 6), torch.bfloat16),
+           (AffineFree, (16, 40, 28, 28), torch.float32), (ResidualRelu, (6, 10, 4, 6), torch.float32),
+           (ResidualRelu, (16, 40, 28, 28), torch.bfloat16), (Center, (8, 24, 7, 16), torch.float16)]
+
+
+def test_batch_norm_exchanges_through_peers_and_prints_its_epilogue_from_the_ir():
+    k, strides = _kernel(BN(), (64, 256, 56, 56))
+    cp = analyze(k.graph, k.plans[0], strides, 8)
+    assert (cp.x, cp.planes, cp.plane, cp.channels, cp.var) == ("x", 8, 3136, 256, "mean_1")
+    assert [t for t, _ in cp.params] == ["w", "b"] and cp.streamed == () and cp.outputs == ("add_1",)
+    assert str(cp).startswith("cluster of 8 x 8 planes of 3136 over 256 channels")
+    cuda, glue = emit_module(k.graph, k.plans[0], [cp])
+    assert "st.async.shared::cluster.mbarrier::complete_tx::bytes" in cuda and "mapa.shared::cluster" in cuda
+    assert "const float s_mean_1 = (m2 * 4.982461734693877e-06f);" in cuda
+    assert "const float s_rsqrt = rsqrtf(s_add);" in cuda and "const float p_w = to_f(in_w[c * 1]);" in cuda
+    assert "const float v_add_1 = (v_mul_2 + p_b);" in cuda and "o_add_1.a[e] = from_f<float>(v_add_1);" in cuda
+    assert "case 0: err = planes_0_launch(" in glue
+    # the parameters are read before the exchange, the epilogue after it
+    assert cuda.index("in_w[c * 1]") < cuda.index("mbar_wait(&bars[1 + slot]") < cuda.index("v_sub")
+
+
+def test_low_precision_nodes_round_as_eager_does_and_streamed_inputs_load_in_the_epilogue():
+    k, strides = _kernel(ResidualRelu(), (16, 40, 28, 28), torch.bfloat16)
+    (cp, *_), _ = cluster_plans(k.graph, k.plans[0], strides)
+    assert cp.streamed == ("r",) and len(cp.outputs) == 2
+    cuda, _ = emit_module(k.graph, k.plans[0], [cp])
+    assert "rnd_bf16(" in cuda and "Vec<__nv_bfloat16, VEC>*>(in_r)[off]" in cuda
+    assert "fmaxf(" in cuda and cuda.count("reinterpret_cast<Vec<__nv_bfloat16, VEC>*>(out_") == 2
+
+
+@pytest.mark.parametrize("module,shape,dtype,size,why", [
+    (BN(), (6, 8, 5, 5), torch.float32, 2, "16-byte vectors"),
+    (BN(), (6, 10, 4, 6), torch.float32, 8, "do not split over clusters of 8"),
+    (BN(), (16, 4, 128, 128), torch.float32, 2, "exceeds 128 registers"),
+    (PATTERNS["column_center"].module(), (256, 64), torch.float32, 2, "reduced axes"),
+])
+def test_parts_the_cluster_path_cannot_take_are_refused_with_the_reason(module, shape, dtype, size, why):
+    args = (_args(module, shape, dtype) if not isinstance(module, PATTERNS["column_center"].module)
+            else [torch.randn(shape)])
+    prog = stitchflow.compile(module, args, target="gpu", fusion="full")
+    (k,) = [k for run in prog._compiled for k in run.kernels]
+    strides = {t: contiguous_strides(k.graph.type_of[t].shape) for t in k.inputs}
+    with pytest.raises(ClusterRefusal, match=why):
+        analyze(k.graph, k.plans[0], strides, size)
+
+
+def test_strided_inputs_and_other_reductions_are_refused():
+    k, strides = _kernel(BN(), (8, 16, 4, 8))
+    with pytest.raises(ClusterRefusal, match="not a contiguous"):
+        analyze(k.graph, k.plans[0], {**strides, "x": (512, 1, 128, 16)}, 2)
+    args = list(PATTERNS["rmsnorm_residual"].make((64, 96), torch.float32, "cpu", torch.Generator().manual_seed(0)))
+    prog = stitchflow.compile(PATTERNS["rmsnorm_residual"].module(), args, target="gpu", fusion="full")
+    (rk,) = [k for run in prog._compiled for k in run.kernels]
+    plans, why = cluster_plans(rk.graph, rk.plans[0], {t: contiguous_strides(rk.graph.type_of[t].shape)
+                                                         for t in rk.inputs})
+    assert plans == [] and len(why) == len(cluster_planes.CLUSTERS)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the interpreter's view of CPU tensors")
+def test_pinning_clusters_without_a_gpu_says_why():
+    module = BN()
+    args = _args(module, (8, 16, 4, 8), torch.float32)
+    prog = stitchflow.compile(module, args, target="gpu", fusion="full", options={"cluster": True})
+    with pytest.raises(ValueError, match="cluster planes need a CUDA device"):
+        prog(*args)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CUDA toolkit) to compile for sm_90a")
+def test_cluster_kernels_compile_for_sm90a_without_spills(tmp_path):
+    for module, shape, dtype in MODULES:
+        k, strides = _kernel(module(), shape, dtype)
+        plans, _ = cluster_plans(k.graph, k.plans[0], strides)
+        assert plans, (module, shape)
+        cuda, _ = emit_module(k.graph, k.plans[0], plans[:2])
+        src = tmp_path / "planes.cu"
+        src.write_text(cuda)
+        done = subprocess.run(["nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17", "-Xptxas",
+                               "-v", "-c", str(src), "-o", str(tmp_path / "planes.o")], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "spill stores" in done.stderr and " 0 bytes spill stores" in done.stderr
+        assert all(" 0 bytes spill stores" in line for line in done.stderr.splitlines() if "spill stores" in line)
+
+
+def _hopper_with_nvcc() -> bool:
+    return (torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+            and torch.cuda.get_device_capability()[0] >= 9 and cluster_planes.unavailable(torch.device("cuda")) is None)
+
+
+@pytest.mark.skipif(not _hopper_with_nvcc(), reason="needs a Hopper GPU and nvcc (clusters, distributed shared memory)")
+@pytest.mark.parametrize("module,shape,dtype", MODULES)
+def test_every_cluster_size_equals_eager_on_hopper(module, shape, dtype):
+    module = module()
+    k, strides = _kernel(module, shape, dtype)
+    plans, _ = cluster_plans(k.graph, k.plans[0], strides)
+    for variant in range(min(2, len(plans))):
+        launch = cluster_planes.ClusterLaunch(k.graph, k.plans[0], plans[:2], variant, "test",
+                                              tempfile.mkdtemp(prefix="stitchflow-cuda-"))
+        for seed in (0, 1):
+            args = _args(module, shape, dtype, "cuda", seed)
+            env = dict(zip(k.inputs, args))
+            for _ in range(2):
+                launch(env)
+                for ref in as_tuple(module(*args)):  # each eager output is one of the kernel's
+                    errors = [relative_error(env[name], ref) for name in plans[variant].outputs]
+                    assert min(errors) <= tolerance(dtype), (plans[variant], errors)
+
+
+@pytest.mark.skipif(not _hopper_with_nvcc(), reason="needs a Hopper GPU and nvcc (clusters, distributed shared memory)")
+def test_the_autotuner_times_clusters_against_the_generated_kernels_on_hopper():
+    module = BN()
+    args = _args(module, (32, 64, 28, 28), torch.float32, "cuda")
+    prog = stitchflow.compile(module, args, target="gpu", fusion="full", options={"cuda_graphs": False})
+    for o, r in zip(as_tuple(prog(*args)), as_tuple(module(*args))):
+        assert relative_error(o, r) <= tolerance(torch.float32)
+    (k,) = [k for run in prog._compiled for k in run.kernels]
+    assert k.cluster_plans and k.chosen is not None
+    pinned = stitchflow.compile(module, args, target="gpu", fusion="full", options={"cluster": True})
+    assert relative_error(as_tuple(pinned(*args))[0], module(*args)) <= tolerance(torch.float32)
+    (pk,) = [k for run in pinned._compiled for k in run.kernels]
+    assert pk.chosen[0].cluster and str(pk.chosen[0]).endswith("_K")
