@@ -23,7 +23,7 @@ import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
 from .frontend.capture import Captured, capture
-from .frontend.registry import LOWERINGS, describe_target, key_of
+from .frontend.registry import LOWERINGS, describe_target, early_refusal, key_of
 from .ir.errors import StitchflowError
 from .planner.regions import regions_for
 from .program import Program
@@ -51,7 +51,7 @@ def _supported(node: fx.Node) -> bool:
     """Has a lowering (creation ops such as torch.ones stay eager and enter as inputs)."""
     if node.op not in ("call_function", "call_method"):
         return False
-    return key_of(node) in LOWERINGS
+    return key_of(node) in LOWERINGS and early_refusal(node) is None
 
 
 
@@ -195,7 +195,8 @@ def _partition_and_wrap(gm: fx.GraphModule, options: dict):
     target, fusion = options.get("target"), options.get("fusion", "auto")
     for node in gm.graph.nodes:
         if node.op in ("call_function", "call_method") and not _supported(node):
-            _record(f"{describe_target(node)} ({node.name}): no lowering to the IR")
+            why = early_refusal(node) if key_of(node) in LOWERINGS else None
+            _record(f"{describe_target(node)} ({node.name}): {why or 'no lowering to the IR'}")
         elif node.op == "call_module":
             _record(f"module {node.target} ({node.name}): leaf modules are not captured")
     ids = _partition_ids(gm)

@@ -80,6 +80,29 @@ def test_unsupported_ops_fall_back_with_a_reason():
     assert backend.regions_executed() >= 2  # the parts around it still ran through stitchflow
 
 
+def test_batch_norm_compiles_in_eval_mode_and_updates_running_statistics_once_in_training():
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.BatchNorm2d(6), nn.ReLU())
+    with torch.no_grad():
+        model[0].weight.normal_(), model[0].bias.normal_()
+    x = torch.randn(4, 6, 5, 7)
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="stitchflow")
+    for _ in range(2):  # training: the op updating the running statistics runs eagerly, once per call
+        assert_close(compiled(x), reference(x))
+    assert_close(model[0].running_mean, reference[0].running_mean)
+    assert int(model[0].num_batches_tracked) == 2
+    assert "running statistics in place" in backend.fallback_report()
+    torch._dynamo.reset()
+    backend.reset()
+    model.eval(), reference.eval()
+    compiled = torch.compile(model, backend="stitchflow")
+    assert_close(compiled(x), reference(x))
+    assert backend.regions_executed() >= 1 and "batch_norm" not in backend.fallback_report()
+
+
 def test_reference_target_option_and_fusion_option():
     model, inputs = APPS["bert"].build(size="small")
     compiled = torch.compile(model, backend="stitchflow", options={"target": "reference", "fusion": "unfused"})

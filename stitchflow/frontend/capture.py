@@ -20,7 +20,7 @@ from ..ir.graph import Graph
 from ..ir.types import Format, TensorType, format_of_tensor, parse_format
 from . import ops_elementwise, ops_linalg, ops_reduce, ops_shape  # noqa: F401  (register lowerings)
 from .builder import GraphBuilder
-from .registry import LOWERINGS, LowerCtx, describe_target, key_of
+from .registry import LOWERINGS, LowerCtx, describe_target, early_refusal, key_of
 
 # In-place methods lower like their functional forms; capture rebinds the mutated value.
 for _key, _fn in list(LOWERINGS.items()):
@@ -153,6 +153,9 @@ def _lower_call(gm, node: fx.Node, b: GraphBuilder, env, real):
     real_args, real_kwargs = fx.node.map_arg((node.args, node.kwargs), real.__getitem__)
     if node.op == "call_module" and node.target == "_guards_fn":
         return None, None  # torch.export's input guards: Program checks shapes itself
+    why = early_refusal(node)
+    if why:
+        raise UnsupportedOpError(describe_target(node), why, node.name)
     inplace = _is_inplace(node)
     if inplace and isinstance(node.args[0], fx.Node):
         if node.args[0].op in ("placeholder", "get_attr") and isinstance(args[0][0], TensorValue):

@@ -13,7 +13,7 @@ from ..ir.expr import Cast, Const, call
 from ..ir.graph import Tag
 from ..ir.index import Gather
 from . import values as V
-from .registry import LowerCtx, compute_dtype, lowering, operand, upcast
+from .registry import LowerCtx, compute_dtype, lowering, operand, refusal, upcast
 from .values import TensorValue
 
 
@@ -188,6 +188,87 @@ def lower_rms_norm(ctx, x, normalized_shape, weight=None, eps=None):
         return _affine(e, o, dims, weight, None, rg)
 
     return ctx.builder.emit(x.shape, ctx.dtype, body, tag=tag, hint=ctx.hint)
+
+
+# ---------------------------------------------------------------- batch norm
+
+F_BATCH_NORM = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
+ATEN_BATCH_NORM = ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps",
+                   "cudnn_enabled")
+
+
+def _bound(names, args, kwargs) -> dict:
+    out = dict(zip(names, args))
+    out.update(kwargs)
+    return out
+
+
+def _batch_norm_refusal(names):
+    def check(args, kwargs) -> str | None:
+        a = _bound(names, args, kwargs)
+        if a.get("training", False) and a.get("running_mean") is not None:
+            return ("in training mode it updates its running statistics in place (track_running_stats); "
+                    "model.eval(), or track_running_stats=False, lets stitchflow compile it")
+        return None
+    return check
+
+
+refusal(F.batch_norm)(_batch_norm_refusal(F_BATCH_NORM))
+refusal("aten.batch_norm")(_batch_norm_refusal(ATEN_BATCH_NORM))
+
+
+def batch_norm(ctx, x, running_mean=None, running_var=None, weight=None, bias=None, training=False, eps=1e-5):
+    """Over dims (0, 2, ...) around the channel dim 1: with batch statistics (training, or no running
+    statistics) the mean, the centred x and the biased variance, as layer norm; else the running ones.
+    Statistics in float32 for half-precision x, as eager's kernels."""
+    if x.rank < 2:
+        raise UnsupportedOpError("batch_norm", f"needs a channel dimension, not a rank-{x.rank} input", ctx.hint)
+    dims = [0, *range(2, x.rank)]
+    acc = compute_dtype(x.dtype)
+    b = ctx.builder
+
+    def channel(v, o, rg):
+        return upcast(v.read([o[1]], rg), v) if isinstance(v, TensorValue) else Const(v)
+
+    if training or running_mean is None or running_var is None:
+        tag = b.new_tag("batchnorm")
+        count = math.prod(x.shape[d] for d in dims)
+        mean = reduce(ctx, x, dims, "sum", scale=1.0 / count, dtype=acc, tag=tag, hint=f"{ctx.hint}_mean")
+        centred = b.emit(x.shape, acc, lambda o, r, rg: call("sub", upcast(x.read(o, rg), x), mean.read([o[1]], rg)),
+                         tag=tag, hint=f"{ctx.hint}_centered")
+        var = reduce(ctx, centred, dims, "sum", scale=1.0 / count, pre=lambda e, o: call("mul", e, e), dtype=acc,
+                     tag=tag, hint=f"{ctx.hint}_var")
+
+        def normalised(o, rg):
+            return call("mul", centred.read(o, rg), call("rsqrt", call("add", var.read([o[1]], rg), Const(eps))))
+    else:
+        tag = None
+
+        def normalised(o, rg):
+            centred = call("sub", upcast(x.read(o, rg), x), channel(running_mean, o, rg))
+            return call("mul", centred, call("rsqrt", call("add", channel(running_var, o, rg), Const(eps))))
+
+    def body(o, r, rg):
+        e = normalised(o, rg)
+        if weight is not None:
+            e = call("mul", e, channel(weight, o, rg))
+        return call("add", e, channel(bias, o, rg)) if bias is not None else e
+
+    return b.emit(x.shape, x.dtype, body, tag=tag, hint=ctx.hint)
+
+
+@lowering(F.batch_norm)
+def lower_batch_norm(ctx, *args, **kwargs):
+    a = _bound(F_BATCH_NORM, args, kwargs)
+    return batch_norm(ctx, a["input"], a.get("running_mean"), a.get("running_var"), a.get("weight"), a.get("bias"),
+                      a.get("training", False), a.get("eps", 1e-5))
+
+
+@lowering("aten.batch_norm")
+def lower_aten_batch_norm(ctx, *args, **kwargs):
+    a = _bound(ATEN_BATCH_NORM, args, kwargs)
+    return batch_norm(ctx, a["input"], a.get("running_mean"), a.get("running_var"), a.get("weight"), a.get("bias"),
+                      a.get("training", False), a.get("eps", 1e-5))
 
 
 # ---------------------------------------------------------------- scatter-adds

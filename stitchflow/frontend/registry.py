@@ -30,6 +30,28 @@ def lowering(*keys):
     return register
 
 
+Refusal = Callable[[tuple, dict], "str | None"]
+REFUSALS: dict[Any, Refusal] = {}  # checked on a node's arguments before eager runs it (side effects)
+
+
+def refusal(*keys):
+    """Register a check that refuses a node from its arguments alone, before capture runs it eagerly:
+    for ops with side effects (batch norm updating its running statistics), where running them once
+    to learn the output's shape and then falling back to eager would apply the effect twice."""
+    def register(fn: Refusal) -> Refusal:
+        for key in keys:
+            REFUSALS[key] = fn
+        return fn
+
+    return register
+
+
+def early_refusal(node: fx.Node) -> str | None:
+    """Why `node` must run eagerly although its op has a lowering (None: it may be lowered)."""
+    check = REFUSALS.get(key_of(node))
+    return check(node.args, node.kwargs) if check is not None else None
+
+
 def key_of(node: fx.Node):
     if node.op == "call_method":
         return f"method:{node.target}"

@@ -15,7 +15,7 @@ OPS = [
     "nn.functional.layer_norm", "nn.functional.rms_norm", "sum", "mean", "amax", "transpose", "permute", "reshape",
     "view", "expand", "masked_fill", "where", "matmul", "mm", "bmm", "einsum", "nn.functional.linear", "t",
     "unsqueeze", "squeeze", "flatten", "clamp", "maximum", "minimum", "pow", "narrow", "select", "index_select",
-    "cat", "chunk", "split", "repeat", "addmm", "nn.functional.dropout",
+    "cat", "chunk", "split", "repeat", "addmm", "nn.functional.dropout", "nn.functional.batch_norm",
 ]
 MIN_SUPPORTED = 0.5  # fraction of an op's samples that must compile
 

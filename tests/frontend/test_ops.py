@@ -86,6 +86,23 @@ def test_layer_norm_with_affine():
     check(lambda x: F.layer_norm(x, (7,), w, b, 1e-5), torch.randn(3, 5, 7))
 
 
+@pytest.mark.parametrize("shape", [(6, 5), (4, 5, 7), (3, 5, 4, 6)])
+def test_batch_norm_with_running_or_batch_statistics(shape):
+    c = shape[1]
+    rm, rv, w, b = torch.randn(c), torch.rand(c) + 0.5, torch.randn(c), torch.randn(c)
+    check(lambda x: F.batch_norm(x, rm, rv, w, b, training=False), torch.randn(shape))
+    check(lambda x: F.batch_norm(x, rm, rv, training=False, eps=1e-3), torch.randn(shape))
+    check(lambda x: F.batch_norm(x, None, None, w, b, training=True), torch.randn(shape), fusion="full")
+    check(lambda x: torch.relu(F.batch_norm(x, None, None, training=True) + 1), torch.randn(shape), fusion="full")
+
+
+def test_batch_norm_updating_its_running_statistics_is_refused_before_it_runs():
+    rm, rv = torch.zeros(5), torch.ones(5)
+    with pytest.raises(stitchflow.StitchflowError, match="running statistics in place"):
+        stitchflow.compile(lambda x: F.batch_norm(x, rm, rv, training=True), [torch.randn(4, 5, 3)])
+    assert rm.abs().max() == 0 and bool((rv == 1).all())  # capture never ran it
+
+
 VIEWS = {
     "transpose": lambda x: x.transpose(0, -1) * 2, "permute": lambda x: x.permute(2, 0, 1) + 1,
     "reshape_merge": lambda x: x.reshape(x.shape[0], -1) + 1, "flatten": lambda x: torch.flatten(x) * 1,

@@ -13,6 +13,7 @@ os.environ.setdefault("STITCHFLOW_CACHE", tempfile.mkdtemp(prefix="stitchflow-te
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import stitchflow  # noqa: E402
@@ -42,6 +43,11 @@ class ResidualRelu(nn.Module):
 class Center(nn.Module):
     def forward(self, x):
         return x - x.mean((0, 2, 3), keepdim=True)
+
+
+class _Functional(nn.Module):
+    def forward(self, x, w, b):
+        return F.batch_norm(x, None, None, w, b, training=True)
 
 
 def _args(module, shape, dtype, device="cpu", seed=0):
@@ -81,6 +87,15 @@ def test_batch_norm_exchanges_through_peers_and_prints_its_epilogue_from_the_ir(
     assert "case 0: err = planes_0_launch(" in glue
     # the parameters are read before the exchange, the epilogue after it
     assert cuda.index("in_w[c * 1]") < cuda.index("mbar_wait(&bars[1 + slot]") < cuda.index("v_sub")
+
+
+def test_functional_batch_norm_with_batch_statistics_lowers_to_the_cluster_path():
+    args = _args(BN(), (16, 40, 28, 28), torch.bfloat16)
+    prog = stitchflow.compile(_Functional(), args, target="gpu", fusion="full")
+    (k,) = [k for run in prog._compiled for k in run.kernels]
+    strides = {t: contiguous_strides(k.graph.type_of[t].shape) for t in k.inputs}
+    plans, _ = cluster_plans(k.graph, k.plans[0], strides)
+    assert plans and plans[0].var is not None and len(plans[0].params) == 2
 
 
 def test_low_precision_nodes_round_as_eager_does_and_streamed_inputs_load_in_the_epilogue():
@@ -178,7 +193,8 @@ def test_the_autotuner_times_clusters_against_the_generated_kernels_on_hopper():
         assert relative_error(o, r) <= tolerance(torch.float32)
     (k,) = [k for run in prog._compiled for k in run.kernels]
     assert k.cluster_plans and k.chosen is not None
-    pinned = stitchflow.compile(module, args, target="gpu", fusion="full", options={"cluster": True})
-    assert relative_error(as_tuple(pinned(*args))[0], module(*args)) <= tolerance(torch.float32)
-    (pk,) = [k for run in pinned._compiled for k in run.kernels]
-    assert pk.chosen[0].cluster and str(pk.chosen[0]).endswith("_K")
+    for pinned_module in (module, _Functional()):  # the bench's formula, and F.batch_norm's lowering
+        pinned = stitchflow.compile(pinned_module, args, target="gpu", fusion="full", options={"cluster": True})
+        assert relative_error(as_tuple(pinned(*args))[0], module(*args)) <= tolerance(torch.float32)
+        (pk,) = [k for run in pinned._compiled for k in run.kernels]
+        assert pk.chosen[0].cluster and str(pk.chosen[0]).endswith("_K")
