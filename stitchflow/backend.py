@@ -7,6 +7,9 @@ Everything else runs eagerly, and every fallback is recorded with its reason: se
 STITCHFLOW_LOGS=1 (or configure the "stitchflow" logger) to see them as they happen, or call
 `stitchflow.backend.fallback_report()`.
 
+Where autograd records, a partition's forward still runs through its program and the backward
+differentiates the partition's FX graph run again eagerly (_RecomputedBackward).
+
 Options (torch.compile(..., options={...})): target ("reference" | "gpu"; default "gpu" for
 CUDA tensors, else "reference"), fusion (default "auto").
 """
@@ -78,7 +81,10 @@ class StitchflowModule(torch.nn.Module):
         self.last = call
         if call.program is None:
             return self.gm(*args)
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return _RecomputedBackward.apply(self, call, *args)
         return call.program(*[args[k] for k in call.free])
+
 
     def _lookup(self, args) -> "_Call":
         key = tuple(_signature(a) for a in args)
@@ -108,6 +114,43 @@ class StitchflowModule(torch.nn.Module):
     @property
     def regions_executed(self) -> int:
         return sum(p.regions_executed for p in self.programs.values() if p is not None)
+
+
+class _RecomputedBackward(torch.autograd.Function):
+    """A partition called where autograd records: the forward runs through the stitchflow program
+    (outputs the same as eager's, so inference without torch.no_grad keeps its speed), and the
+    backward, if one comes, runs the partition's FX graph again eagerly and differentiates that.
+    Gradients are eager's; training pays one eager forward more per partition."""
+
+    @staticmethod
+    def forward(ctx, module: "StitchflowModule", call: "_Call", *args):
+        ctx.module, ctx.n = module, len(args)
+        ctx.tensor_at = [k for k, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        ctx.others = {k: a for k, a in enumerate(args) if not isinstance(a, torch.Tensor)}
+        ctx.save_for_backward(*(args[k] for k in ctx.tensor_at))
+        out = call.program(*[args[k] for k in call.free])
+        ctx.single = isinstance(out, torch.Tensor)
+        outs = (out,) if ctx.single else tuple(out)
+        ctx.mark_non_differentiable(*(o for o in outs if isinstance(o, torch.Tensor) and not o.is_floating_point()))
+        return out if ctx.single else outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        args = [None] * ctx.n
+        for k, a in ctx.others.items():
+            args[k] = a
+        for k, t in zip(ctx.tensor_at, ctx.saved_tensors):
+            args[k] = t.detach().requires_grad_(t.requires_grad)
+        with torch.enable_grad():
+            out = ctx.module.gm(*args)
+        outs = (out,) if ctx.single else tuple(out)
+        pairs = [(o, g) for o, g in zip(outs, grads)
+                 if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+        wanted = [k for k in ctx.tensor_at if args[k].requires_grad]
+        found = torch.autograd.grad([o for o, _ in pairs], [args[k] for k in wanted], [g for _, g in pairs],
+                                    allow_unused=True) if pairs and wanted else [None] * len(wanted)
+        in_grads = dict(zip(wanted, found))
+        return (None, None, *(in_grads.get(k) for k in range(ctx.n)))
 
 
 class _Call:
