@@ -109,6 +109,25 @@ def test_training_through_the_backend_gets_eagers_gradients():
         assert not compiled(torch.randn(5, 8)).requires_grad
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_training_on_cuda_through_the_gpu_target():
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.LayerNorm(256), nn.Linear(256, 64)).cuda()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="stitchflow")
+    for _ in range(4):  # the program's second and third calls time eager launches against a CUDA-graph replay
+        x = torch.randn(512, 64, device="cuda")
+        out, ref = compiled(x), reference(x)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+        out.square().sum().backward()
+        ref.square().sum().backward()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-3)
+            p.grad, q.grad = None, None
+
+
 def test_batch_norm_compiles_in_eval_mode_and_updates_running_statistics_once_in_training():
     import copy
 
