@@ -379,8 +379,8 @@ class ChainTiles:
 
 
 def dot_precision(dtype: torch.dtype, exact_fp32: bool) -> str:
-    """fp32 operands: exact products in tests ("ieee"), tf32 when speed matters (torch's default
-    for matmul is ieee; the bench turns tf32 on for both sides)."""
+    """fp32 operands: exact products ("ieee", as torch's matmuls by default) or tf32 (where
+    torch.set_float32_matmul_precision allows it for torch's own, chains.compile_chain)."""
     return "ieee" if dtype == torch.float32 and exact_fp32 else "tf32"
 
 

@@ -524,12 +524,13 @@ def operands_for(spec: ChainSpec, env) -> Operands:
 def compile_chain(graph: Graph, node_names, options: dict | None = None):
     """A callable run(env) that computes the chain (or GEMM + epilogue) `node_names` in fused
     kernels and stores the last node's output in env. options: autotune (default: on a GPU),
-    exact_fp32 (ieee fp32 dots; default under the interpreter), plan_kinds, top_k."""
+    exact_fp32 (ieee fp32 dots; by default as torch's own matmuls: under the interpreter, and
+    unless torch.set_float32_matmul_precision allows tf32), plan_kinds, top_k."""
     options = dict(options or {})
     spec = spec_for(graph, node_names)
     out_name = spec.nodes[-1]
     out_type = graph.type_of[out_name]
-    exact = options.get("exact_fp32", interpreting())
+    exact = options.get("exact_fp32", interpreting() or torch.get_float32_matmul_precision() == "highest")
     kinds = tuple(options.get("plan_kinds", ("fused", "resident", "two_pass") if interpreting() else GPU_KINDS))
     tune = options.get("autotune", torch.cuda.is_available() and not interpreting())
     chosen: dict = {}
