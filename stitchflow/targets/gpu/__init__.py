@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 
 from ...ir.graph import Graph, Region
-from . import chain_cost, chain_plans
+from . import chain_cost, chain_plans, cluster_planes
+from .emit import contiguous_strides
 from .chains import chain_shape, compile_chain, match_chains, match_gemm_epilogues
 from .grouping import TorchStep, fold_iotas, split_region
 from .rewrites import gather_one_hots
@@ -65,7 +66,8 @@ class GpuTarget:
 
     def explain(self, graph: Graph, regions, options: dict | None = None) -> list[str]:
         """Each GEMM → act → GEMM chain inside a region: its shape and the cost model's ranking of
-        the plans on a GPU profile (options["gpu_profile"], else this machine's GPU, else an H100)."""
+        the plans on a GPU profile (options["gpu_profile"], else this machine's GPU, else an H100);
+        each part with plane statistics: the thread-block cluster plans it may take, or why none."""
         options = options or {}
         name = options.get("gpu_profile") or (torch.cuda.get_device_name() if torch.cuda.is_available() else None)
         profile = chain_cost.profile_for(name or "NVIDIA H100 80GB HBM3")
@@ -78,10 +80,16 @@ class GpuTarget:
                 lines.append(f"  {region.name}: {names[0]} .. {names[-1]}: M={shape.M} K={shape.K} N={shape.N} "
                              f"L={shape.L} {shape.act}{' gated' if shape.gated else ''}, {8 * shape.elt}-bit")
                 lines += ["    " + line for line in chain_plans.explain_shape(shape, profile)]
-        if not lines:
-            return []
-        note = "" if name else " (no GPU here: --gpu-profile names another)"
-        return ["", f"chain plans on {profile.name}{note}, cheapest first (the autotuner times the shortlist):"] + lines
+        out = []
+        if lines:
+            note = "" if name else " (no GPU here: --gpu-profile names another)"
+            out += ["", f"chain plans on {profile.name}{note}, cheapest first (the autotuner times the shortlist):",
+                    *lines]
+        clusters = _explain_cluster_planes(graph, regions)
+        if clusters:
+            out += ["", "plane statistics on thread-block clusters (Hopper; timed against the generated kernels):",
+                    *clusters]
+        return out
 
     @staticmethod
     def _stitched(graph: Graph, region: Region, options: dict) -> list:
@@ -97,6 +105,27 @@ class GpuTarget:
             else:
                 steps.append(TorchStep(graph, nodes[0], extra))
         return steps
+
+
+def _explain_cluster_planes(graph: Graph, regions) -> list[str]:
+    """Per stitched part with plane-shaped statistics (reduced axes around a channel, as batch
+    norm's): the cluster sizes cluster_planes takes, or why it takes none (contiguous inputs assumed)."""
+    strides = {t: contiguous_strides(ty.shape) for t, ty in graph.type_of.items()}
+    lines = []
+    for region in regions:
+        if not region.nodes:
+            continue
+        try:
+            parts = [p for kind, _, plans in split_region(graph, region) if kind == "kernel" for p in plans]
+        except Exception:  # explain never fails on a region the kernels split differently
+            continue
+        for plan in parts:
+            if not plan.reductions or plan.p_contiguous or len(plan.L) < 2:
+                continue
+            found, why = cluster_planes.cluster_plans(graph, plan, strides)
+            head = f"  {region.name}: {plan.nodes[0].name} .. {plan.nodes[-1].name}: "
+            lines.append(head + ("; ".join(map(str, found[:2])) if found else "none: " + "; ".join(why)))
+    return lines
 
 
 def region_chains(graph: Graph, region: Region) -> list[tuple[str, ...]]:
