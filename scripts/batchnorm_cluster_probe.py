@@ -21,56 +21,18 @@ Not a test: prints one line per mode against the generated kernel and torch's co
 import torch
 from triton.testing import do_bench
 
+from stitchflow.targets.gpu.cuda_cluster import CLUSTER_CONFIG, PTX_HELPERS
+
 CUDA = r"""
 #include <cuda_runtime.h>
 #include <cstdint>
+""" + CLUSTER_CONFIG + r"""
 
 constexpr int THREADS = 256, CL = 8, PLANES = 8, C = 256, HW = 3136, HW4 = HW / 4;
 constexpr int PIECE4 = PLANES * HW4, PER_T = (PIECE4 + THREADS - 1) / THREADS;
 constexpr size_t SMEM = PIECE4 * 16 + 64 + 2 * CL * 16;
 
-__device__ __forceinline__ uint32_t su32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void mbar_init(uint64_t* bar, int n) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(su32(bar)), "r"(n) : "memory");
-}
-__device__ __forceinline__ void mbar_expect(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(su32(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile("{\n.reg .pred P1;\nLAB_WAIT:\n"
-               "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
-               "@P1 bra DONE;\nbra LAB_WAIT;\nDONE:\n}\n" :: "r"(su32(bar)), "r"(parity) : "memory");
-}
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               :: "r"(su32(dst)), "l"(src), "r"(bytes), "r"(su32(bar)) : "memory");
-}
-__device__ __forceinline__ uint32_t mapa(uint32_t addr, uint32_t rank) {
-  uint32_t r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
-  return r;
-}
-__device__ __forceinline__ void push(uint32_t raddr, float a, float b, uint32_t rbar) {
-  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];"
-               :: "r"(raddr), "f"(a), "f"(b), "f"(0.f), "f"(0.f), "r"(rbar) : "memory");
-}
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-__device__ __forceinline__ float block_sum(float s, float* red) {
-  for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = s;
-  __syncthreads();
-  float t = 0.f;
-  #pragma unroll
-  for (int k = 0; k < THREADS / 32; ++k) t += red[k];
-  return t;
-}
+""" + PTX_HELPERS + r"""
 
 template <int MODE>
 __global__ void __launch_bounds__(THREADS, 1) bn_kernel(const float* __restrict__ x, const float* __restrict__ w,
@@ -109,7 +71,7 @@ __global__ void __launch_bounds__(THREADS, 1) bn_kernel(const float* __restrict_
     __syncthreads();  // the piece left shared memory: it may refill
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     const float nloc = PLANES * HW;
-    const float mloc = block_sum(s, red[0]) / nloc;
+    const float mloc = block_sum<THREADS>(s, red[0]) / nloc;
     float q = 0.f;
     #pragma unroll
     for (int k = 0; k < PER_T; ++k) {
@@ -118,7 +80,7 @@ __global__ void __launch_bounds__(THREADS, 1) bn_kernel(const float* __restrict_
         q += (a * a + bb * bb) + (cc * cc + d * d);
       }
     }
-    q = block_sum(q, red[1]);
+    q = block_sum<THREADS>(q, red[1]);
     const bool more = c + nclusters < C;
     float mean = mloc, m2 = q * CL;
     if (MODE == 0) {
@@ -198,18 +160,8 @@ cudaError_t launch(const float* x, const float* w, const float* b, float* y, flo
   auto kernel = bn_kernel<MODE>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM);
   if (err != cudaSuccess) return err;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((nclusters > 0 ? nclusters : 1) * CL, 1, 1);
-  cfg.blockDim = dim3(THREADS, 1, 1);
-  cfg.dynamicSmemBytes = SMEM;
-  cfg.stream = stream;
   cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = CL;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cudaLaunchConfig_t cfg = cluster_config(dim3((nclusters > 0 ? nclusters : 1) * CL), THREADS, SMEM, stream, CL, attr);
   if (nclusters <= 0) {  // ask how many clusters of CL fit at once
     int n = 0;
     err = cudaOccupancyMaxActiveClusters(&n, kernel, &cfg);

@@ -21,6 +21,8 @@ import functools
 
 import torch
 
+from .cuda_cluster import CLUSTER_CONFIG
+
 CLUSTER_SIZES = (2, 4, 8, 16)
 L_SIZES = (64, 128, 256)
 ACT_CODES = {"none": 0, "relu": 1, "gelu": 2, "silu": 3}
@@ -30,6 +32,7 @@ CUDA_SOURCE = r"""
 #include <cuda_bf16.h>
 #include <mma.h>
 #include <cuda_runtime.h>
+""" + CLUSTER_CONFIG + r"""
 
 namespace cg = cooperative_groups;
 using namespace nvcuda;
@@ -163,18 +166,8 @@ cudaError_t launch_chain(const void* A, const void* B, const void* D, const void
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     if (err != cudaSuccess) return err;
   }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(C, (M + BM - 1) / BM, 1);
-  cfg.blockDim = dim3(THREADS, 1, 1);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
   cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = C;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cudaLaunchConfig_t cfg = cluster_config(dim3(C, (M + BM - 1) / BM, 1), THREADS, smem, stream, C, attr);
   return cudaLaunchKernelEx(&cfg, kernel, (const __nv_bfloat16*)A, (const __nv_bfloat16*)B,
                             (const __nv_bfloat16*)D, (const __nv_bfloat16*)b1, (const __nv_bfloat16*)b2,
                             (__nv_bfloat16*)E, M, N, K, act);

@@ -1,12 +1,14 @@
 """The CUDA text of cluster_planes' kernels: fixed statistics and exchange, with @NAME@-style holes that
 cluster_planes.emit_source fills (the epilogue printed from the IR, the constants of the plan)."""
 
+from .cuda_cluster import CLUSTER_CONFIG, PTX_HELPERS
+
 HEADER = r"""
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cstdint>
-"""
+""" + PTX_HELPERS + CLUSTER_CONFIG
 
 KERNEL = r"""
 namespace @NAME@_ns {
@@ -29,49 +31,6 @@ template <> __device__ __forceinline__ __half from_f<__half>(float v) { return _
 __device__ __forceinline__ float rnd_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 __device__ __forceinline__ float rnd_f16(float v) { return __half2float(__float2half_rn(v)); }
 
-__device__ __forceinline__ uint32_t su32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void mbar_init(uint64_t* bar, int n) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(su32(bar)), "r"(n) : "memory");
-}
-__device__ __forceinline__ void mbar_expect(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(su32(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile("{\n.reg .pred P1;\nLAB_WAIT:\n"
-               "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
-               "@P1 bra DONE;\nbra LAB_WAIT;\nDONE:\n}\n" :: "r"(su32(bar)), "r"(parity) : "memory");
-}
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               :: "r"(su32(dst)), "l"(src), "r"(bytes), "r"(su32(bar)) : "memory");
-}
-__device__ __forceinline__ uint32_t mapa(uint32_t addr, uint32_t rank) {
-  uint32_t r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
-  return r;
-}
-// 16 bytes into a peer's shared memory, completing them on the peer's mbarrier
-__device__ __forceinline__ void push(uint32_t raddr, float a, float b, uint32_t rbar) {
-  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];"
-               :: "r"(raddr), "f"(a), "f"(b), "f"(0.f), "f"(0.f), "r"(rbar) : "memory");
-}
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-__device__ __forceinline__ float block_sum(float s, float* red) {
-  for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = s;
-  __syncthreads();
-  float t = 0.f;
-  #pragma unroll
-  for (int k = 0; k < THREADS / 32; ++k) t += red[k];
-  return t;
-}
 
 __global__ void __launch_bounds__(THREADS, @MINB@) @NAME@(const xt* __restrict__ x, @PARAMS@int nclusters) {
   extern __shared__ __align__(128) unsigned char smem[];
@@ -108,7 +67,7 @@ __global__ void __launch_bounds__(THREADS, @MINB@) @NAME@(const xt* __restrict__
     }
     __syncthreads();  // the piece left shared memory: it may refill
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    const float mloc = block_sum(s, red[0]) / NLOC;
+    const float mloc = block_sum<THREADS>(s, red[0]) / NLOC;
     float q = 0.f;
     #pragma unroll
     for (int k = 0; k < PER_T; ++k) {
@@ -117,7 +76,7 @@ __global__ void __launch_bounds__(THREADS, @MINB@) @NAME@(const xt* __restrict__
         for (int e = 0; e < VEC; ++e) { const float d = v[k][e] - mloc; q += d * d; }
       }
     }
-    q = block_sum(q, red[1]);
+    q = block_sum<THREADS>(q, red[1]);
 @PARAM_LOADS@
     // the exchange: this CTA's two numbers into every peer's slot, bytes completing on the peer's mbarrier
     // (armed here for this block first; a push that lands before its owner armed only makes the count
@@ -167,18 +126,8 @@ cudaError_t @NAME@_launch(const void* const* ptrs, int nclusters, cudaStream_t s
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     if (err != cudaSuccess) return err;
   }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((nclusters > 0 ? nclusters : 1) * CL, 1, 1);
-  cfg.blockDim = dim3(THREADS, 1, 1);
-  cfg.dynamicSmemBytes = SMEM;
-  cfg.stream = stream;
   cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = CL;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cudaLaunchConfig_t cfg = cluster_config(dim3((nclusters > 0 ? nclusters : 1) * CL), THREADS, SMEM, stream, CL, attr);
   if (fits) return cudaOccupancyMaxActiveClusters(fits, kernel, &cfg);
   return cudaLaunchKernelEx(&cfg, kernel, @CASTS@nclusters);
 }
