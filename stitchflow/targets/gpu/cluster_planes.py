@@ -344,7 +344,7 @@ _EXTENSIONS: dict = {}
 
 def unavailable(device: torch.device) -> str | None:
     """Why cluster kernels cannot run on `device` (None: they can)."""
-    from torch.utils.cpp_extension import CUDA_HOME
+    from torch.utils.cpp_extension import CUDA_HOME, is_ninja_available
 
     if device.type != "cuda":
         return "cluster planes run on CUDA devices"
@@ -352,6 +352,8 @@ def unavailable(device: torch.device) -> str | None:
         return "thread-block clusters and distributed shared memory need Hopper (sm_90) or later"
     if CUDA_HOME is None:
         return "no CUDA toolkit (nvcc) to compile cluster kernels with (set CUDA_HOME)"
+    if not is_ninja_available():
+        return "torch's load_inline needs ninja to compile cluster kernels (pip install ninja)"
     return None
 
 
