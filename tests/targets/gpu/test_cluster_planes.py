@@ -135,7 +135,6 @@ def test_strided_inputs_and_other_reductions_are_refused():
     assert plans == [] and len(why) == len(cluster_planes.CLUSTERS)
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the interpreter's view of CPU tensors")
 def test_explain_lists_the_cluster_plans_of_each_part_or_why_none():
     args = _args(BN(), (16, 40, 28, 28), torch.float32)
     text = stitchflow.compile(BN(), args, target="gpu", fusion="full").explain()
@@ -145,6 +144,7 @@ def test_explain_lists_the_cluster_plans_of_each_part_or_why_none():
     assert "none: cluster of 8: 6 planes per channel do not split" in text and "16-byte vectors" in text
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the interpreter's view of CPU tensors")
 def test_pinning_clusters_without_a_gpu_says_why():
     module = BN()
     args = _args(module, (8, 16, 4, 8), torch.float32)
