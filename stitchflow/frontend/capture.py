@@ -8,6 +8,7 @@ folded to constants. Anything without a lowering raises UnsupportedOpError namin
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -26,7 +27,7 @@ from .registry import LOWERINGS, LowerCtx, describe_target, early_refusal, key_o
 for _key, _fn in list(LOWERINGS.items()):
     if isinstance(_key, str) and _key.startswith("method:") and not _key.endswith("_"):
         LOWERINGS.setdefault(_key + "_", _fn)
-from .values import TensorValue
+from .values import TensorValue, identity, reshape
 
 
 @dataclass
@@ -236,15 +237,35 @@ def _finish(b: GraphBuilder, out_node: fx.Node, env, real, names) -> Captured:
     b.origin, b.group = "output", ""
     for leaf in leaves:
         if isinstance(leaf, TensorValue):
-            outputs.append(b.materialize(leaf, hint="out").base)
+            node = _reshaped_node(b, leaf)
+            outputs.append((node, leaf.shape) if node else b.materialize(leaf, hint="out").base)
         elif leaf is None or isinstance(leaf, (int, float, bool)):
             outputs.append(leaf)
         else:
             raise UnsupportedOpError("output", f"an output of type {type(leaf).__name__}")
-    graph = b.finish([o for o in outputs if isinstance(o, str)])
+    names_out = [o if isinstance(o, str) else o[0] for o in outputs if isinstance(o, (str, tuple))]
+    graph = b.finish(list(dict.fromkeys(names_out)))
     return Captured(graph, dict(b.param_values), (spec, outputs), names, example)
 
 
+def _reshaped_node(b: GraphBuilder, v: TensorValue) -> str | None:
+    """The node `v` is a row-major reshape of, whole (returned as a view of the node's result at
+    run time rather than copied by a node of its own), or None."""
+    base = b.types.get(v.base)
+    if v.is_identity or base is None or not any(n.name == v.base for n in b.nodes):
+        return None
+    if len(base.shape) == len(v.shape) and base.shape == v.shape:
+        return None
+    whole = identity(v.base, base.shape, v.dtype)
+    try:
+        same = math.prod(base.shape) == math.prod(v.shape) and reshape(whole, v.shape).index == v.index
+    except ShapeError:
+        return None
+    return v.base if same else None
+
+
 def rebuild_outputs(captured: Captured, env: Mapping[str, torch.Tensor]):
+    """The program's outputs in the model's structure; reshaped nodes come back as views."""
     spec, outputs = captured.out_spec
-    return tree_unflatten([env[o] if isinstance(o, str) else o for o in outputs], spec)
+    leaves = [env[o] if isinstance(o, str) else env[o[0]].view(o[1]) if isinstance(o, tuple) else o for o in outputs]
+    return tree_unflatten(leaves, spec)

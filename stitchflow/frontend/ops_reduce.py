@@ -271,6 +271,85 @@ def lower_aten_batch_norm(ctx, *args, **kwargs):
                       a.get("training", False), a.get("eps", 1e-5))
 
 
+# ---------------------------------------------------------------- group and instance norm
+
+def group_norm(ctx, x, groups: int, weight=None, bias=None, eps=1e-5):
+    """Statistics per (sample, group of channels) over the group's channels and spatial dims, as
+    layer norm over x seen as [N, G, C/G, ...] (a split: affine indices), the per-channel weight
+    and bias read as [G, C/G]. Statistics in float32 for halves."""
+    if x.rank < 2 or x.shape[1] % groups:
+        raise UnsupportedOpError("group_norm", f"{x.shape[1] if x.rank > 1 else 'no'} channels in {groups} groups",
+                                 ctx.hint)
+    n, c = x.shape[:2]
+    b = ctx.builder
+    view = V.reshape(x, (n, groups, c // groups, *x.shape[2:]))
+    # a node of its own (the gpu target inlines it), so that both reductions read it with plain
+    # indices and their axes unify: read through the view's arithmetic they did not, and split
+    grouped = b.emit(view.shape, x.dtype, lambda o, r, rg: view.read(o, rg), hint=f"{ctx.hint}_grouped")
+    dims = list(range(2, grouped.rank))
+    count = math.prod(grouped.shape[d] for d in dims)
+    acc = compute_dtype(x.dtype)
+    tag = b.new_tag("groupnorm")
+    mean = reduce(ctx, grouped, dims, "sum", scale=1.0 / count, dtype=acc, tag=tag, hint=f"{ctx.hint}_mean")
+    xc = b.emit(grouped.shape, acc, lambda o, r, rg: call("sub", upcast(grouped.read(o, rg), x),
+                                                          _row_read(mean, o, dims, rg)), tag=tag,
+                hint=f"{ctx.hint}_centered")
+    var = reduce(ctx, xc, dims, "sum", scale=1.0 / count, pre=lambda e, o: call("mul", e, e), dtype=acc, tag=tag,
+                 hint=f"{ctx.hint}_var")
+    per_group = [V.reshape(p, (groups, c // groups)) if isinstance(p, TensorValue) else p for p in (weight, bias)]
+
+    def body(o, r, rg):
+        e = call("mul", xc.read(o, rg), call("rsqrt", call("add", _row_read(var, o, dims, rg), Const(eps))))
+        return _affine(e, o, [1, 2], *per_group, rg)
+
+    # computed in the grouped coordinates and handed back as a view of x's shape, so that no
+    # intermediate is read through the merge's index arithmetic (the gpu target splits there)
+    return V.reshape(b.emit(grouped.shape, x.dtype, body, tag=tag, hint=ctx.hint), x.shape)
+
+
+@lowering(F.group_norm, "aten.group_norm")
+def lower_group_norm(ctx, x, num_groups, weight=None, bias=None, eps=1e-5, *args):
+    return group_norm(ctx, x, num_groups, weight, bias, eps)
+
+
+F_INSTANCE_NORM = ("input", "running_mean", "running_var", "weight", "bias", "use_input_stats", "momentum", "eps")
+ATEN_INSTANCE_NORM = ("input", "weight", "bias", "running_mean", "running_var", "use_input_stats", "momentum", "eps",
+                      "cudnn_enabled")
+
+
+def _instance_norm_refusal(names):
+    def check(args, kwargs) -> str | None:
+        a = _bound(names, args, kwargs)
+        if a.get("use_input_stats", True) and a.get("running_mean") is not None:
+            return ("with running statistics it updates them in place (track_running_stats); model.eval() lets "
+                    "stitchflow compile it")
+        return None
+    return check
+
+
+refusal(F.instance_norm)(_instance_norm_refusal(F_INSTANCE_NORM))
+refusal("aten.instance_norm")(_instance_norm_refusal(ATEN_INSTANCE_NORM))
+
+
+def _instance_norm(ctx, a: dict):
+    x = a["input"]
+    if a.get("use_input_stats", True) or a.get("running_mean") is None:
+        return group_norm(ctx, x, x.shape[1], a.get("weight"), a.get("bias"), a.get("eps", 1e-5))
+    # running statistics per channel (eval): the same as batch norm's
+    return batch_norm(ctx, x, a["running_mean"], a["running_var"], a.get("weight"), a.get("bias"), False,
+                      a.get("eps", 1e-5))
+
+
+@lowering(F.instance_norm)
+def lower_instance_norm(ctx, *args, **kwargs):
+    return _instance_norm(ctx, _bound(F_INSTANCE_NORM, args, kwargs))
+
+
+@lowering("aten.instance_norm")
+def lower_aten_instance_norm(ctx, *args, **kwargs):
+    return _instance_norm(ctx, _bound(ATEN_INSTANCE_NORM, args, kwargs))
+
+
 # ---------------------------------------------------------------- scatter-adds
 
 def _is_zero_constant(ctx, v: TensorValue) -> bool:

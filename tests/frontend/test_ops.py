@@ -103,6 +103,28 @@ def test_batch_norm_updating_its_running_statistics_is_refused_before_it_runs():
     assert rm.abs().max() == 0 and bool((rv == 1).all())  # capture never ran it
 
 
+@pytest.mark.parametrize("shape,groups", [((2, 6, 4, 5), 3), ((3, 8, 7), 8), ((2, 4), 2), ((2, 6, 3, 2, 2), 1)])
+def test_group_norm(shape, groups):
+    w, b = torch.randn(shape[1]), torch.randn(shape[1])
+    check(lambda x: F.group_norm(x, groups, w, b, 1e-4), torch.randn(shape) * 2 + 3, fusion="full")
+    check(lambda x: torch.relu(F.group_norm(x, groups)), torch.randn(shape))
+
+
+def test_instance_norm_with_input_or_running_statistics():
+    w, b, rm, rv = torch.randn(5), torch.randn(5), torch.randn(5), torch.rand(5) + 0.5
+    check(lambda x: F.instance_norm(x, weight=w, bias=b), torch.randn(3, 5, 4, 6), fusion="full")
+    check(lambda x: F.instance_norm(x, rm, rv, w, b, use_input_stats=False), torch.randn(3, 5, 4, 6))
+    with pytest.raises(stitchflow.StitchflowError, match="updates them in place"):
+        stitchflow.compile(lambda x: F.instance_norm(x, rm, rv), [torch.randn(3, 5, 4)])
+
+
+def test_an_output_reshaping_a_computed_tensor_is_a_view_not_a_copy():
+    prog = check(lambda x: (x * 2 + 1).reshape(x.shape[0], -1), torch.randn(3, 4, 5))
+    assert not [n for n in prog.graph.nodes if n.origin == "output"]  # no copy node for the reshape
+    out = prog(torch.randn(3, 4, 5))
+    assert out.shape == (3, 20) and out._base is not None
+
+
 VIEWS = {
     "transpose": lambda x: x.transpose(0, -1) * 2, "permute": lambda x: x.permute(2, 0, 1) + 1,
     "reshape_merge": lambda x: x.reshape(x.shape[0], -1) + 1, "flatten": lambda x: torch.flatten(x) * 1,

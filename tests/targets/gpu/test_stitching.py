@@ -152,6 +152,18 @@ def test_generated_source_is_cached_on_disk():
     assert sources and any("@triton.jit" in p.read_text() for p in sources)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_group_norm_is_one_kernel_that_equals_eager(dtype):
+    import torch.nn.functional as F
+
+    w, b = torch.randn(12).to(dtype), torch.randn(12).to(dtype)
+    x = (torch.randn(3, 12, 5, 7) * 2 + 3).to(dtype)
+    fn = lambda x: F.group_norm(x, 4, w, b)  # noqa: E731
+    prog = stitchflow.compile(fn, [x], target="gpu", fusion="full")
+    assert relative_error(prog(x), fn(x)) <= tolerance(dtype)
+    assert len([k for run in prog._compiled for k in run.kernels]) == 1
+
+
 def test_autotuning_choices_keep_their_timings_for_later_processes():
     save_choice("test-key", 1, {"BP1_BL64_S1_W4": 12.5, "BP1_BL128_S1_W4": 10.25})
     assert load_choice("test-key") == 1 and load_timing("test-key", "BP1_BL128_S1_W4") == 10.25
