@@ -14,6 +14,7 @@ import time
 from typing import Any, Mapping, Sequence
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .frontend.capture import Captured, capture, rebuild_outputs, symbolic_trace
 from .ir.errors import ShapeError, StitchflowError
@@ -34,6 +35,9 @@ class Program:
         self.target = get_target(target)
         self.regions_executed = 0  # counts region runs: proof that calls go through our code
         self.plan_values: dict | None = None  # the tensors the planner measured densities on
+        # the captured model or function: where autograd records, a backward differentiates it run
+        # again eagerly (stitchflow.compile sets it; the torch.compile backend recomputes its own)
+        self.reference = None
         refusals = [(r, self.target.check_region(self.graph, r)) for r in self.regions]
         bad = [(r, why) for r, why in refusals if why]
         if bad:
@@ -54,9 +58,21 @@ class Program:
         return tuple(self._compiled)
 
     def __call__(self, *inputs):
+        if self.reference is not None and torch.is_grad_enabled():
+            needs = self.grad_params() + [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+            if needs:
+                return _with_recomputed_backward(self, inputs, needs)
+        return self._forward(inputs)
+
+    def _forward(self, inputs):
         if self._replay is not None and self._replay.applies(inputs):
             return self._replay(inputs)
         return rebuild_outputs(self.captured, self._run(self._bind(inputs)))
+
+    def grad_params(self) -> list:
+        """The reference model's parameters that autograd tracks now."""
+        module = self.reference if isinstance(self.reference, torch.nn.Module) else None
+        return [p for p in module.parameters() if p.requires_grad] if module is not None else []
 
     def _run(self, env: dict) -> dict:
         for run in self._compiled:
@@ -258,4 +274,49 @@ def compile(model_or_fn, example_inputs: Sequence[Any], *, target: str = "refere
     regions = regions_for(captured.graph, fusion, target=target, values=values)
     prog = Program(captured, regions, target, fusion, options)
     prog.plan_values = values
+    prog.reference = model_or_fn
     return prog
+
+
+class _RecomputedBackward(torch.autograd.Function):
+    """The program's outputs, with a backward that runs the reference model again under autograd
+    and differentiates it: eager's gradients for the tracked inputs and parameters (passed in as
+    `tracked` so that autograd reaches them), at the cost of one more eager forward."""
+
+    @staticmethod
+    def forward(ctx, prog: Program, inputs: tuple, structure: dict, *tracked):
+        ctx.prog, ctx.inputs = prog, inputs
+        ctx.save_for_backward(*tracked)
+        leaves, structure["spec"] = tree_flatten(prog._forward(inputs))
+        structure["leaves"] = leaves  # non-tensor leaves go back in place after apply
+        tensors = tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
+        ctx.mark_non_differentiable(*(t for t in tensors if not t.is_floating_point()))
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):
+        tracked = ctx.saved_tensors
+        fresh = {}  # id of a tracked input -> its detached stand-in for the recomputation
+        inputs = []
+        for x in ctx.inputs:
+            if isinstance(x, torch.Tensor) and x.requires_grad and not isinstance(x, torch.nn.Parameter):
+                fresh[id(x)] = x.detach().requires_grad_()
+                inputs.append(fresh[id(x)])
+            else:
+                inputs.append(x)
+        wrt = [fresh.get(id(t), t) for t in tracked]
+        with torch.enable_grad():
+            leaves, _ = tree_flatten(ctx.prog.reference(*inputs))
+        outs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad and g is not None]
+        if not pairs:
+            return (None, None, None, *([None] * len(tracked)))
+        found = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+        return (None, None, None, *found)
+
+
+def _with_recomputed_backward(prog: Program, inputs: tuple, tracked: list):
+    structure: dict = {}
+    tensors = iter(_RecomputedBackward.apply(prog, inputs, structure, *tracked))
+    leaves = [next(tensors) if isinstance(leaf, torch.Tensor) else leaf for leaf in structure["leaves"]]
+    return tree_unflatten(leaves, structure["spec"])

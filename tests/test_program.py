@@ -130,3 +130,35 @@ def test_cuda_graph_replay_is_timed_kept_or_declined_and_stays_correct(rows):
         torch.testing.assert_close(prog(*args), fn(*args), rtol=1e-5, atol=1e-5)
     replay = prog._replay
     assert replay.graph is not None or replay.failed.startswith("not worth a graph")
+
+
+def test_programs_differentiate_the_reference_where_autograd_records():
+    """stitchflow.compile's programs run forward as compiled; where autograd records (inputs or the model's
+    parameters require grad), the backward recomputes the model eagerly: eager's gradients."""
+    import copy
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16),
+                                torch.nn.Linear(16, 4))
+    reference = copy.deepcopy(model)
+    x = torch.randn(5, 8)
+    prog = stitchflow.compile(model, [x], fusion="full")
+    xs = (x.clone().requires_grad_(), x.clone().requires_grad_())
+    out, ref = prog(xs[0]), reference(xs[1])
+    assert out.requires_grad and prog.regions_executed == len(prog.regions)
+    (out * torch.arange(4.0)).sum().backward()
+    (ref * torch.arange(4.0)).sum().backward()
+    torch.testing.assert_close(xs[0].grad, xs[1].grad)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    with torch.no_grad():
+        assert not prog(x).requires_grad
+
+    def fn(a, b):  # a function: gradients for the inputs that need them; several outputs, one not a tensor
+        return torch.relu(a) * b, a.sum(), 3
+
+    a, b = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4)
+    first, second, third = stitchflow.compile(fn, [a.detach(), b])(a, b)
+    assert third == 3
+    (first.sum() + second).backward()
+    torch.testing.assert_close(a.grad, (a > 0).float() * b + 1)
