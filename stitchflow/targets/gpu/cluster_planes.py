@@ -101,6 +101,8 @@ def analyze(graph: Graph, plan: PartPlan, strides: dict, cluster: int) -> Cluste
             raise ClusterRefusal(f"output {o} is {graph.type_of[o].dtype}, not a float type")
     for node in plan.nodes:
         if node.reduce is None:
+            if node.name not in plan.row_level and _own_classes(plan, node, node.index) != full:
+                raise ClusterRefusal(f"{node.name} is not indexed by {x}'s coordinates")
             _check_expr(graph, plan, node, node.body, full, ch, x)
     return ClusterPlan(x, n, channels, plane, planes, cluster, mean, mean_factor, var, var_factor, params,
                        streamed, outputs)
@@ -119,12 +121,20 @@ def _statistics(graph: Graph, plan: PartPlan):
     inner, scale = (body, 1.0) if isinstance(body, Read) else (_scaled(body) or (None, 0.0))
     if not isinstance(inner, Read) or inner.access.tensor in graph.node_of:
         raise ClusterRefusal(f"{r.name} is not a sum of an input's elements")
+    if _own_classes(plan, r, inner.access.indices) != _full(plan):
+        raise ClusterRefusal(f"{r.name} reads {inner.access} away from its own (outer, channel, plane) coordinates")
     var, var_factor = None, 0.0
     for name, (of, c) in variances.items():
         if of != r.name:
             raise ClusterRefusal(f"the variance {name} is not centred on {r.name}")
         var, var_factor = name, c
     return r.name, scale * plan.L_total, var, var_factor, inner.access.tensor
+
+
+def _full(plan: PartPlan) -> tuple:
+    """The axis classes of x's coordinates: (outer, channel, *plane)."""
+    (ch,) = [c for c in plan.P if plan.extents[c] > 1]
+    return (plan.L[0], ch, *plan.L[1:])
 
 
 def _check_full(graph: Graph, plan: PartPlan, strides: dict, x: str, full: tuple) -> None:
@@ -197,8 +207,10 @@ def _check_expr(graph: Graph, plan: PartPlan, node, e, full, ch, x) -> None:
             _check_expr(graph, plan, node, a, full, ch, x)
     elif isinstance(e, Read):
         t, idx = e.access.tensor, e.access.indices
+        if t == x and (node.name in plan.row_level or _own_classes(plan, node, idx) != full):
+            raise ClusterRefusal(f"{node.name} reads {e.access} away from its own coordinates")
         if t not in graph.node_of:
-            return  # inputs: _inputs
+            return  # other inputs: _inputs
         if t in plan.row_level:
             if not _per_channel(plan, node, idx, ch):
                 raise ClusterRefusal(f"{node.name} reads {e.access} away from its channel")

@@ -56,7 +56,7 @@ def _args(module, shape, dtype, device="cpu", seed=0):
     if isinstance(module, ResidualRelu):
         w, b = (torch.randn(shape[1], generator=gen).to(dtype).to(device) for _ in range(2))
         return [x, w, b, torch.randn(shape, generator=gen).to(dtype).to(device)]
-    if isinstance(module, (AffineFree, Center)):
+    if isinstance(module, (AffineFree, Center, TransposedResidual)):
         return [x]
     return list(PATTERNS["batchnorm_train"].make(shape, dtype, device, gen))
 
@@ -121,6 +121,17 @@ def test_parts_the_cluster_path_cannot_take_are_refused_with_the_reason(module, 
     strides = {t: contiguous_strides(k.graph.type_of[t].shape) for t in k.inputs}
     with pytest.raises(ClusterRefusal, match=why):
         analyze(k.graph, k.plans[0], strides, size)
+
+
+class TransposedResidual(nn.Module):
+    def forward(self, x):
+        return x - x.mean((0, 2, 3), keepdim=True) + x.transpose(2, 3)  # x read at (w, h): not x's own point
+
+
+def test_reads_of_x_away_from_its_own_point_are_refused():
+    k, strides = _kernel(TransposedResidual(), (8, 16, 4, 4))
+    plans, why = cluster_plans(k.graph, k.plans[0], strides)
+    assert plans == [] and "away from its own coordinates" in why[0]
 
 
 def test_strided_inputs_and_other_reductions_are_refused():
