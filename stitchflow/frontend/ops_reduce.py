@@ -203,18 +203,19 @@ def _bound(names, args, kwargs) -> dict:
     return out
 
 
-def _batch_norm_refusal(names):
+def _running_statistics_refusal(names, batch_statistics: str, default: bool):
+    """Refuses a norm that normalises by batch statistics and updates running ones in place."""
     def check(args, kwargs) -> str | None:
         a = _bound(names, args, kwargs)
-        if a.get("training", False) and a.get("running_mean") is not None:
-            return ("in training mode it updates its running statistics in place (track_running_stats); "
+        if a.get(batch_statistics, default) and a.get("running_mean") is not None:
+            return ("with batch statistics it updates its running statistics in place (track_running_stats); "
                     "model.eval(), or track_running_stats=False, lets stitchflow compile it")
         return None
     return check
 
 
-refusal(F.batch_norm)(_batch_norm_refusal(F_BATCH_NORM))
-refusal("aten.batch_norm")(_batch_norm_refusal(ATEN_BATCH_NORM))
+refusal(F.batch_norm)(_running_statistics_refusal(F_BATCH_NORM, "training", False))
+refusal("aten.batch_norm")(_running_statistics_refusal(ATEN_BATCH_NORM, "training", False))
 
 
 def batch_norm(ctx, x, running_mean=None, running_var=None, weight=None, bias=None, training=False, eps=1e-5):
@@ -317,18 +318,8 @@ ATEN_INSTANCE_NORM = ("input", "weight", "bias", "running_mean", "running_var", 
                       "cudnn_enabled")
 
 
-def _instance_norm_refusal(names):
-    def check(args, kwargs) -> str | None:
-        a = _bound(names, args, kwargs)
-        if a.get("use_input_stats", True) and a.get("running_mean") is not None:
-            return ("with running statistics it updates them in place (track_running_stats); model.eval() lets "
-                    "stitchflow compile it")
-        return None
-    return check
-
-
-refusal(F.instance_norm)(_instance_norm_refusal(F_INSTANCE_NORM))
-refusal("aten.instance_norm")(_instance_norm_refusal(ATEN_INSTANCE_NORM))
+refusal(F.instance_norm)(_running_statistics_refusal(F_INSTANCE_NORM, "use_input_stats", True))
+refusal("aten.instance_norm")(_running_statistics_refusal(ATEN_INSTANCE_NORM, "use_input_stats", True))
 
 
 def _instance_norm(ctx, a: dict):
