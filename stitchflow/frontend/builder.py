@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Callable, Sequence
 
 import torch
@@ -12,7 +13,7 @@ from ..ir.expr import Expr, Read
 from ..ir.graph import Graph, Node, Tag
 from ..ir.index import Var
 from ..ir.types import Format, TensorType, dense_type
-from .values import TensorValue, identity
+from .values import TensorValue, identity, reshape
 
 OUT_NAMES = "ijlmnopq"
 RED_NAMES = "kruvwxyz"
@@ -31,6 +32,7 @@ class GraphBuilder:
         self.params: list[str] = []
         self.param_values: dict[str, torch.Tensor] = {}
         self.nodes: list[Node] = []
+        self.node_names: set[str] = set()
         self.types: dict[str, TensorType] = {}
         self._counter = itertools.count()
         self._tags = itertools.count(1)
@@ -90,6 +92,7 @@ class GraphBuilder:
         name = self.fresh(hint)
         node = Node(name, tuple(out_vars), expr, dims, reduce, tag, self.origin, self.group)
         self.nodes.append(node)
+        self.node_names.add(name)
         self.types[name] = TensorType(shape, dtype, fmt) if fmt else dense_type(shape, dtype)
         return identity(name, shape, dtype)
 
@@ -103,6 +106,7 @@ class GraphBuilder:
         if not node.is_scatter:
             raise ShapeError("scatter without an indirect output index")
         self.nodes.append(node)
+        self.node_names.add(name)
         self.types[name] = dense_type(out_shape, dtype)
         return identity(name, tuple(out_shape), dtype)
 
@@ -115,6 +119,20 @@ class GraphBuilder:
     def is_whole(self, v: TensorValue) -> bool:
         """v is its base tensor itself, not a view of part of it."""
         return v.is_identity and v.shape == self.types[v.base].shape
+
+    def reshaped_node(self, v: TensorValue) -> str | None:
+        """The node `v` is a row-major reshape of, whole (group norm's output seen in x's shape),
+        or None: such a view can be handed out, and computed through, in the node's coordinates."""
+        if v.is_identity or v.base not in self.node_names or not self.types[v.base].format.is_dense:
+            return None
+        shape = self.types[v.base].shape
+        if shape == v.shape or math.prod(shape) != math.prod(v.shape):
+            return None
+        try:
+            same = reshape(identity(v.base, shape, v.dtype), v.shape).index == v.index
+        except ShapeError:
+            return None
+        return v.base if same else None
 
     def read(self, v: TensorValue, exprs, ranges) -> Read:
         return v.read(exprs, ranges)

@@ -8,7 +8,6 @@ folded to constants. Anything without a lowering raises UnsupportedOpError namin
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -27,7 +26,7 @@ from .registry import LOWERINGS, LowerCtx, describe_target, early_refusal, key_o
 for _key, _fn in list(LOWERINGS.items()):
     if isinstance(_key, str) and _key.startswith("method:") and not _key.endswith("_"):
         LOWERINGS.setdefault(_key + "_", _fn)
-from .values import TensorValue, identity, reshape
+from .values import TensorValue
 
 
 @dataclass
@@ -237,7 +236,7 @@ def _finish(b: GraphBuilder, out_node: fx.Node, env, real, names) -> Captured:
     b.origin, b.group = "output", ""
     for leaf in leaves:
         if isinstance(leaf, TensorValue):
-            node = _reshaped_node(b, leaf)
+            node = b.reshaped_node(leaf)
             outputs.append((node, leaf.shape) if node else b.materialize(leaf, hint="out").base)
         elif leaf is None or isinstance(leaf, (int, float, bool)):
             outputs.append(leaf)
@@ -246,22 +245,6 @@ def _finish(b: GraphBuilder, out_node: fx.Node, env, real, names) -> Captured:
     names_out = [o if isinstance(o, str) else o[0] for o in outputs if isinstance(o, (str, tuple))]
     graph = b.finish(list(dict.fromkeys(names_out)))
     return Captured(graph, dict(b.param_values), (spec, outputs), names, example)
-
-
-def _reshaped_node(b: GraphBuilder, v: TensorValue) -> str | None:
-    """The node `v` is a row-major reshape of, whole (returned as a view of the node's result at
-    run time rather than copied by a node of its own), or None."""
-    base = b.types.get(v.base)
-    if v.is_identity or base is None or not any(n.name == v.base for n in b.nodes):
-        return None
-    if len(base.shape) == len(v.shape) and base.shape == v.shape:
-        return None
-    whole = identity(v.base, base.shape, v.dtype)
-    try:
-        same = math.prod(base.shape) == math.prod(v.shape) and reshape(whole, v.shape).index == v.index
-    except ShapeError:
-        return None
-    return v.base if same else None
 
 
 def rebuild_outputs(captured: Captured, env: Mapping[str, torch.Tensor]):

@@ -11,23 +11,50 @@ import torch.nn.functional as F
 from ..ir.errors import UnsupportedOpError
 from ..ir.expr import Cast, Const, call
 from .registry import LowerCtx, lowering, operand, upcast
+from . import values as V
 from .values import TensorValue
 
 aten = torch.ops.aten
 
 
 def elementwise(ctx: LowerCtx, fn, *operands, tag=None, hint=None, upcast_reads=False):
-    """One node out[o] = fn(*reads) over the broadcast shape of the eager result."""
+    """One node out[o] = fn(*reads) over the broadcast shape of the eager result. Where an operand
+    is a whole node seen through a reshape (group norm's output in x's shape), the node is computed
+    in that node's coordinates (the other operands read through the inverse reshape) and handed
+    out as the same view: a consumer then reads its producer with plain indices, which the gpu
+    target fuses, instead of through the reshape's div/mod, where it splits the kernel."""
     shape, dtype = ctx.shape, ctx.dtype
+    coords = _viewed_coords(ctx, operands, shape)
+    if coords is not None:
+        operands = tuple(V.reshape(V.expand(x, shape), coords) if isinstance(x, TensorValue) else x for x in operands)
 
     def body(o, r, rg):
-        args = [operand(x, o, shape, rg) for x in operands]
+        args = [operand(x, o, coords or shape, rg) for x in operands]
         if upcast_reads:
             args = [upcast(a, x) for a, x in zip(args, operands)]
         return fn(*args)
 
     tag = ctx.builder.new_tag(tag) if isinstance(tag, str) else tag
-    return ctx.builder.emit(shape, dtype, body, tag=tag, hint=hint or ctx.hint)
+    out = ctx.builder.emit(coords or shape, dtype, body, tag=tag, hint=hint or ctx.hint)
+    return V.reshape(out, shape) if coords is not None else out
+
+
+def _viewed_coords(ctx: LowerCtx, operands, shape) -> tuple | None:
+    """The shape of the node that an operand of the result's shape views whole through a reshape,
+    when every other operand that is a node reads plainly in that node's coordinates too (else a
+    node would be read through the inverse reshape instead); or None."""
+    b = ctx.builder
+    found = [b.reshaped_node(x) for x in operands if isinstance(x, TensorValue) and x.shape == tuple(shape)]
+    bases = [name for name in found if name is not None]
+    if not bases:
+        return None
+    coords = b.types[bases[0]].shape
+    for x in operands:
+        if isinstance(x, TensorValue) and x.base in b.node_names:
+            seen = V.reshape(V.expand(x, shape), coords)
+            if not (seen.is_identity and b.types[x.base].shape == coords):
+                return None
+    return coords
 
 
 def _binary(op):

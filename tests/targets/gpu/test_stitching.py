@@ -164,6 +164,21 @@ def test_group_norm_is_one_kernel_that_equals_eager(dtype):
     assert len([k for run in prog._compiled for k in run.kernels]) == 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_group_norm_and_its_elementwise_consumers_are_one_kernel(dtype):
+    """The consumers of group norm's output (x's shape, a reshape of the grouped node) compute in the grouped
+    coordinates, so they read it with plain indices: SiLU, a residual of x's shape, a per-channel bias."""
+    import torch.nn.functional as F
+
+    r, bias = torch.randn(3, 12, 5, 7).to(dtype), torch.randn(12, 1, 1).to(dtype)
+    x = (torch.randn(3, 12, 5, 7) * 2 + 3).to(dtype)
+    fn = lambda x: F.silu(F.group_norm(x, 4) + r) * 2 + bias  # noqa: E731
+    prog = stitchflow.compile(fn, [x], target="gpu", fusion="full")
+    out = prog(x)
+    assert out.shape == x.shape and relative_error(out, fn(x)) <= tolerance(dtype)
+    assert len([k for run in prog._compiled for k in run.kernels]) == 1
+
+
 def test_autotuning_choices_keep_their_timings_for_later_processes():
     save_choice("test-key", 1, {"BP1_BL64_S1_W4": 12.5, "BP1_BL128_S1_W4": 10.25})
     assert load_choice("test-key") == 1 and load_timing("test-key", "BP1_BL128_S1_W4") == 10.25
