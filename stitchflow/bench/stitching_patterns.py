@@ -70,6 +70,13 @@ class ColumnCenter(nn.Module):
         return x - x.mean(0)
 
 
+class GroupNormSilu(nn.Module):
+    """Group norm (32 groups) then SiLU, as in a diffusion UNet's resnet blocks."""
+
+    def forward(self, x, w, b):
+        return F.silu(F.group_norm(x, 32, w, b))
+
+
 class BatchNormTrain(nn.Module):
     """Batch-norm statistics as training computes them: two passes (mean, then centred var)."""
 
@@ -208,6 +215,7 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in [
             note="packed into one launch when small; large parts get kernels of their own"),
     Pattern("transpose_bias_gelu", TransposeBiasGelu, _transpose, (8192, 4096), torch.bfloat16, ((7, 33),)),
     Pattern("causal_masked_softmax", CausalMaskedSoftmax, _causal, (64, 2048, 2048), torch.bfloat16, ((2, 9, 9),)),
+    Pattern("groupnorm_silu", GroupNormSilu, _batchnorm, (16, 512, 64, 64), torch.bfloat16, ((2, 64, 5, 7),)),
 ]}
 
 
