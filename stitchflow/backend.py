@@ -29,7 +29,7 @@ from .frontend.capture import Captured, capture
 from .frontend.registry import LOWERINGS, describe_target, early_refusal, key_of
 from .ir.errors import StitchflowError
 from .planner.regions import regions_for
-from .program import Program
+from .program import Program, gradients
 
 log = logging.getLogger("stitchflow.backend")
 if os.environ.get("STITCHFLOW_LOGS"):
@@ -144,11 +144,8 @@ class _RecomputedBackward(torch.autograd.Function):
         with torch.enable_grad():
             out = ctx.module.gm(*args)
         outs = (out,) if ctx.single else tuple(out)
-        pairs = [(o, g) for o, g in zip(outs, grads)
-                 if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
         wanted = [k for k in ctx.tensor_at if args[k].requires_grad]
-        found = torch.autograd.grad([o for o, _ in pairs], [args[k] for k in wanted], [g for _, g in pairs],
-                                    allow_unused=True) if pairs and wanted else [None] * len(wanted)
+        found = gradients(outs, grads, [args[k] for k in wanted])
         in_grads = dict(zip(wanted, found))
         return (None, None, *(in_grads.get(k) for k in range(ctx.n)))
 

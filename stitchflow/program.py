@@ -307,12 +307,15 @@ class _RecomputedBackward(torch.autograd.Function):
         wrt = [fresh.get(id(t), t) for t in tracked]
         with torch.enable_grad():
             leaves, _ = tree_flatten(ctx.prog.reference(*inputs))
-        outs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-        pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad and g is not None]
-        if not pairs:
-            return (None, None, None, *([None] * len(tracked)))
-        found = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
-        return (None, None, None, *found)
+        return (None, None, None, *gradients([leaf for leaf in leaves if isinstance(leaf, torch.Tensor)], grads, wrt))
+
+
+def gradients(outputs, grads, wrt) -> list:
+    """d(outputs)/d(wrt) against the incoming `grads` (None where nothing flows)."""
+    pairs = [(o, g) for o, g in zip(outputs, grads) if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+    if not pairs or not wrt:
+        return [None] * len(wrt)
+    return list(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True))
 
 
 def _with_recomputed_backward(prog: Program, inputs: tuple, tracked: list):
