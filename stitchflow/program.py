@@ -38,6 +38,7 @@ class Program:
         # the captured model or function: where autograd records, a backward differentiates it run
         # again eagerly (stitchflow.compile sets it; the torch.compile backend recomputes its own)
         self.reference = None
+        self._parameters: list | None = None  # the reference's parameters (grad_params)
         refusals = [(r, self.target.check_region(self.graph, r)) for r in self.regions]
         bad = [(r, why) for r, why in refusals if why]
         if bad:
@@ -70,9 +71,12 @@ class Program:
         return rebuild_outputs(self.captured, self._run(self._bind(inputs)))
 
     def grad_params(self) -> list:
-        """The reference model's parameters that autograd tracks now."""
-        module = self.reference if isinstance(self.reference, torch.nn.Module) else None
-        return [p for p in module.parameters() if p.requires_grad] if module is not None else []
+        """The reference model's parameters that autograd tracks now (the list of parameters is
+        walked once; whether each requires grad is asked per call)."""
+        if self._parameters is None:
+            module = self.reference if isinstance(self.reference, torch.nn.Module) else None
+            self._parameters = list(module.parameters()) if module is not None else []
+        return [p for p in self._parameters if p.requires_grad]
 
     def _run(self, env: dict) -> dict:
         for run in self._compiled:

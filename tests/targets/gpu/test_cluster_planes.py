@@ -155,7 +155,8 @@ def test_explain_lists_the_cluster_plans_of_each_part_or_why_none():
     assert "none: cluster of 8: 6 planes per channel do not split" in text and "16-byte vectors" in text
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the interpreter's view of CPU tensors")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="checks the interpreter's refusal; without the interpreter CPU tensors run through torch")
 def test_pinning_clusters_without_a_gpu_says_why():
     module = BN()
     args = _args(module, (8, 16, 4, 8), torch.float32)
