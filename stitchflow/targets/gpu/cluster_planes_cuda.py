@@ -12,13 +12,15 @@ HEADER = r"""
 
 KERNEL = r"""
 namespace @NAME@_ns {
-constexpr int THREADS = 256, CL = @CL@, PLANES = @PLANES@, C = @C@, HW = @HW@, VEC = @VEC@;
+constexpr int THREADS = 256, CL = @CL@, PLANES = @PLANES@, C = @C@, NPL = @NPL@, HW = @HW@, VEC = @VEC@;
 constexpr int HWV = HW / VEC, PIECEV = PLANES * HWV, PER_T = (PIECEV + THREADS - 1) / THREADS;
 constexpr uint32_t PLANE_BYTES = HW * sizeof(@XT@);
 constexpr size_t PIECE_BYTES = (size_t)PLANES * PLANE_BYTES;
 constexpr size_t SMEM = PIECE_BYTES + 64 + 2 * CL * 16;  // the next piece, 3 mbarriers, 2 x CL statistics
 constexpr float NLOC = (float)PLANES * HW;
 typedef @XT@ xt;
+// plane n of channel c: outer-major (batch norm's NCHW) or channel-major (group norm's groups)
+__device__ __forceinline__ size_t plane_at(int n, int c) { return @PLANE_AT@; }
 
 template <class T, int N> struct __align__(sizeof(T) * N) Vec { T a[N]; };
 __device__ __forceinline__ float to_f(float v) { return v; }
@@ -50,7 +52,7 @@ __global__ void __launch_bounds__(THREADS, @MINB@) @NAME@(const xt* __restrict__
   auto issue = [&](int c) {
     mbar_expect(&bars[0], (uint32_t)PIECE_BYTES);
     for (int p = 0; p < PLANES; ++p)
-      bulk_copy(piece + p * HWV, x + ((size_t)(n0 + p) * C + c) * HW, PLANE_BYTES, &bars[0]);
+      bulk_copy(piece + p * HWV, x + plane_at(n0 + p, c) * HW, PLANE_BYTES, &bars[0]);
   };
   if (tid == 0) issue(cid);
   int it = 0;
@@ -102,7 +104,8 @@ __global__ void __launch_bounds__(THREADS, @MINB@) @NAME@(const xt* __restrict__
       const int idx = k * THREADS + tid;
       if (idx < PIECEV) {
         const int p = idx / HWV, i = idx - p * HWV;
-        const size_t off = ((size_t)(n0 + p) * C + c) * HWV + i;
+        const size_t off = plane_at(n0 + p, c) * HWV + i;
+@PLANE_PARAMS@
 @VEC_LOADS@
         #pragma unroll
         for (int e = 0; e < VEC; ++e) {

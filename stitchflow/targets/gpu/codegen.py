@@ -28,6 +28,7 @@ from ...ir.graph import Graph
 from .analysis import PartPlan
 from .codegen_split import SplitStitching
 from .codegen_tma import TmaStitching
+from .codegen_welford import WelfordStitching
 from .emit import LOW_PRECISION, BodyEmitter, Scope, Source, Val, carried, contiguous_strides, kind_of, to_dtype
 from .codegen_header import APPROX_INTERPRETED, APPROX_PTX, HEADER
 from .gluon_dialect import GluonRefusal, blocked_layout, to_gluon
@@ -56,7 +57,7 @@ def _ident(name: str) -> str:
     return "".join(ch if ch.isalnum() else "_" for ch in name)
 
 
-class PartKernel(SplitStitching, TmaStitching):
+class PartKernel(SplitStitching, TmaStitching, WelfordStitching):
     """Builds the body of one part's @triton.jit function."""
 
     def __init__(self, graph: Graph, plan: PartPlan, cfg: Config, arg: dict, strides: dict, src: Source,
@@ -78,6 +79,7 @@ class PartKernel(SplitStitching, TmaStitching):
         geometry = plane_geometry(plan, cfg) if cfg.tma and not plan.p_contiguous else None
         self.planes = geometry if isinstance(geometry, Planes) else None  # codegen_tma: pieces of whole planes
         self._canon: dict = {}
+        self._riding: dict = {}  # variances folded into their mean's chunk loop (codegen_welford)
 
     # ------------------------------------------------------------ coordinates and masks
     def canonical_names(self, node) -> dict:
@@ -220,8 +222,11 @@ class PartKernel(SplitStitching, TmaStitching):
                     self.combine_partials(r, root)
             stages = [phase]
         self.emit_ready_rows(root, stages[0])
+        self._riding = riding = self.riding_variances() if phase is None else {}
+        stage_of = {r.name: self.plan.stage[riding[r.name][0]] if r.name in riding else self.plan.stage[r.name]
+                    for r in self.plan.reductions}
         for s in stages:
-            reds = [r for r in self.plan.reductions if self.plan.stage[r.name] == s]
+            reds = [r for r in self.plan.reductions if stage_of[r.name] == s]
             full_outs = [o for o in self.plan.outputs if o not in self.plan.row_level] if s == final else []
             if reds or full_outs:
                 self.stage_loop(root, reds, full_outs, partial=phase is not None and s < final)
@@ -266,6 +271,9 @@ class PartKernel(SplitStitching, TmaStitching):
         looped = not self.single_chunk
         results, local = {}, {}
         if looped:
+            pairs = {v: mc for v, mc in self._riding.items() if v in {r.name for r in reds}}
+            welford = {m: self.welford_init() for m, _ in pairs.values()}
+            reds_all, reds = reds, [r for r in reds if r.name not in pairs and r.name not in welford]
             accs = {r.name: self._acc_init(r) for r in reds}
             loads = self._chunk_loads(root, reds, full_outs, accs, online) if self.cfg.prefetch else []
             carried = self._prefetch(root, loads, "lo") if loads else []
@@ -280,6 +288,8 @@ class PartKernel(SplitStitching, TmaStitching):
                 saved, self.need_mask_l = self.need_mask_l, masked
                 scope = self.chunk(root)
                 self._use_prefetched(scope, loads, current)
+                for m, acc in welford.items():
+                    self.welford_step(m, acc, scope)
                 self._accumulate(reds, full_outs, accs, scope, online)
                 self.need_mask_l = saved
                 self.src.depth -= 1
@@ -288,6 +298,10 @@ class PartKernel(SplitStitching, TmaStitching):
                     results[r.name] = self._online_total(accs[online[r.name]], accs[r.name])
                 else:
                     results[r.name] = self.src.let(self._reduce(r, accs[r.name]), "r")
+            tail = str(self.plan.L_total % self.cfg.BL) if self.plan.L_total % self.cfg.BL else None
+            for v, (m, factor) in pairs.items():
+                results[m], results[v] = self.welford_total(m, v, factor, welford[m], tail)
+            reds = reds_all
         else:
             if self.chunk_scope is not None and not self.reduction_phases:
                 scope = self.chunk_scope  # the row is still in registers from an earlier stage

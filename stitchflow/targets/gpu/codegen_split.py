@@ -134,7 +134,11 @@ class SplitStitching:
         # and a device probe of it, which first compiled the spilling 32768-element variant, did not finish in
         # 120 s. A piece re-read chunk by chunk (a cooperative split over several chunks, options only) takes
         # its variance in a stage of its own.
-        one_piece = (self.plan.p_contiguous or self.planes is not None) and self.single_chunk
+        # Rows take it where a thread holds at most 16 elements of the piece, so that the piece and its centred
+        # copy stay in registers: group norm's 65536-element groups as 8 pieces of 8192 at 16 warps (at 32 a
+        # thread, with its per-channel weight and bias gathered, ptxas spilled 32 bytes).
+        per_thread = self.cfg.BP * self.cfg.BL // (32 * self.cfg.num_warps)
+        one_piece = self.single_chunk and (self.plan.p_contiguous or self.planes is not None or per_thread <= 16)
         variances = centred_variances(self.graph, self.plan) if one_piece else {}
         waits = [self.plan.stage[r.name] for r in self.plan.reductions if r.name not in variances]
         rounds = len({s for s in waits if s < final}) * self.split  # arrivals at a row's counter per launch

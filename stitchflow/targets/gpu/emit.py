@@ -146,6 +146,9 @@ class BodyEmitter:
         stay vectorized; without, the index is clamped as the IR says."""
         shape = self.k.graph.type_of[tensor].shape
         strides = self.k.strides[tensor]
+        linear = self._linear_runs(indices, shape, strides, node)
+        if linear is not None:
+            return self._run_offset(*linear, scope)
         terms, deps = [], frozenset()
         runs, merged = self._contiguous_runs(indices, shape, strides, node)
         for (outer, inner), stride in runs:
@@ -174,6 +177,59 @@ class BodyEmitter:
             if size > 1 and code != "0":
                 terms.append(code if stride == 1 else f"{code} * {stride}")
         return Val(" + ".join(terms) if terms else "0", "i", deps)
+
+    def _run_offset(self, runs: list, const: int, scope: Scope) -> Val:
+        terms, deps = [], frozenset()
+        for (outer, inner), stride in runs:
+            v = self.k.coord_run(outer, inner, scope)
+            deps |= v.deps
+            terms.append(v.code if stride == 1 else f"{v.code} * {stride}")
+        if const:
+            terms.append(str(const))
+        return Val(" + ".join(terms) if terms else "0", "i", deps)
+
+    def _linear_runs(self, indices, shape, strides, node) -> tuple[list, int] | None:
+        """The address as runs of tile axis classes when an index adds several of them, as a view does: group
+        norm reads x[i, 16·j + l, m, n] over classes (i, j | l, m, n), which is p·65536 + l, one coordinate per
+        tile axis, where index by index it took a div and a mod per axis and lost the loads' contiguity. The
+        address must be affine in the classes' coordinates, every index in range (no clamp or mask), and each
+        variable span its whole class. Returns ([((outer, inner), stride)], constant) or None (index by
+        index)."""
+        plan = self.k.plan
+        if self.k.planes is not None or not any(isinstance(i, Sum) and len(i.terms) > 1 for i in indices):
+            return None
+        coef: dict[int, int] = {}
+        const = 0
+        for idx, size, stride in zip(indices, shape, strides):
+            lo, hi = bounds(idx, node.extents)
+            if lo < 0 or hi > size - 1:
+                return None
+            if isinstance(idx, Lit):
+                const += idx.value * stride
+                continue
+            terms = idx.terms if isinstance(idx, Sum) else ((1, idx),)
+            const += (idx.const if isinstance(idx, Sum) else 0) * stride
+            for c, a in terms:
+                cls = plan.cls.get((node.name, a.name)) if isinstance(a, Var) else None
+                if cls is None or node.extents.get(a.name) != plan.extents[cls]:
+                    return None
+                coef[cls] = coef.get(cls, 0) + c * stride
+        if any(c not in plan.P and c not in plan.L for c in coef):
+            return None
+        runs = []
+        for group in (plan.P, plan.L):
+            i = 0
+            while i < len(group):
+                if not coef.get(group[i]) or plan.extents[group[i]] == 1:
+                    i += 1
+                    continue
+                j = i
+                while (j + 1 < len(group) and coef.get(group[j + 1])
+                       and coef[group[j]] == plan.extents[group[j + 1]] * coef[group[j + 1]]):
+                    j += 1
+                runs.append(((group[i], group[j]), coef[group[j]]))
+                i = j + 1
+        return runs, const
 
     def _contiguous_runs(self, indices, shape, strides, node) -> tuple[list, set]:
         """Runs of adjacent axes of one tile axis that the tensor lays out contiguously (stride of

@@ -357,7 +357,7 @@ def candidates(plan: PartPlan, sms: int = 132, override: dict | None = None) -> 
         if not plan.reductions and "split" not in override:
             split = cdiv(plan.L_total, max(1, min(BL, pow2(plan.L_total))))
         cfg = _fix(plan, BP, BL, split, override.get("num_warps"))
-        coop = bool(override.get("coop", False))
+        coop = bool(override.get("coop", False)) and cfg.split > 1  # a row that fits one program has no one to meet
         if coop and override.get("tma") and "split" in override:  # pieces under the tile fill the SMs (_coop_tma)
             cfg = dataclasses.replace(cfg, split=override["split"])
         space = [dataclasses.replace(cfg, persistent=override.get("persistent", 0) if cfg.split == 1 or coop else 0,

@@ -1,5 +1,5 @@
 """Plane statistics on thread-block clusters (cluster_planes): a CUDA C++ kernel whose CTAs exchange batch norm's
-statistics through distributed shared memory, with the epilogue printed from the IR. On CPU: what it takes and
+(and group norm's) statistics through distributed shared memory, with the epilogue printed from the IR. On CPU: what it takes and
 refuses, the emitted source, and an nvcc compile for sm_90a (registers, no spills) where nvcc exists; on a Hopper
 GPU: equality with eager for every cluster size, through the autotuned path too."""
 
@@ -68,9 +68,12 @@ def _kernel(module, shape, dtype=torch.float32):
 
 
 BN = PATTERNS["batchnorm_train"].module
+GN = PATTERNS["groupnorm_silu"].module  # F.group_norm (32 groups) then SiLU
 MODULES = [(BN, (64, 256, 56, 56), torch.float32), (BN, (6, 10, 4, 6), torch.bfloat16),
            (AffineFree, (16, 40, 28, 28), torch.float32), (ResidualRelu, (6, 10, 4, 6), torch.float32),
-           (ResidualRelu, (16, 40, 28, 28), torch.bfloat16), (Center, (8, 24, 7, 16), torch.float16)]
+           (ResidualRelu, (16, 40, 28, 28), torch.bfloat16), (Center, (8, 24, 7, 16), torch.float16),
+           (GN, (16, 512, 64, 64), torch.bfloat16), (GN, (3, 128, 6, 10), torch.float32),
+           (GN, (2, 64, 16, 8), torch.float16)]
 
 
 def test_batch_norm_exchanges_through_peers_and_prints_its_epilogue_from_the_ir():
@@ -87,6 +90,24 @@ def test_batch_norm_exchanges_through_peers_and_prints_its_epilogue_from_the_ir(
     assert "case 0: err = planes_0_launch(" in glue
     # the parameters are read before the exchange, the epilogue after it
     assert cuda.index("in_w[c * 1]") < cuda.index("mbar_wait(&bars[1 + slot]") < cuda.index("v_sub")
+
+
+def test_group_norm_runs_its_groups_channel_major_with_parameters_per_plane():
+    """Group norm's statistics run over (channel in group, H, W) of each (image, group): the channel is the two
+    parallel axes flattened, its planes lie together, and the weight and bias vary from plane to plane."""
+    k, strides = _kernel(GN(), (16, 512, 64, 64), torch.bfloat16)
+    plans, _ = cluster_plans(k.graph, k.plans[0], strides)
+    cp = plans[0]
+    assert (cp.x, cp.view, cp.channel_major, cp.channels, cp.n, cp.plane) == ("x", "group_norm_grouped", True,
+                                                                              512, 16, 4096)
+    assert (cp.cluster, cp.planes) == (4, 4) and [p.cluster for p in plans[:2]] == [4, 8]  # 16384, 8192 elements
+    assert cp.params == () and dict(cp.plane_params) == {"w": "(c % 32) * 16 + n * 1", "b": "(c % 32) * 16 + n * 1"}
+    cuda, _ = emit_module(k.graph, k.plans[0], [cp])
+    assert "return (size_t)c * NPL + n;" in cuda and "const float p_w = to_f(in_w[(c % 32) * 16 + n * 1]);" in cuda
+    assert "v_group_norm_grouped" not in cuda  # the view is x itself
+    bn, strides = _kernel(BN(), (64, 256, 56, 56))
+    assert "return (size_t)n * C + c;" in emit_module(bn.graph, bn.plans[0], cluster_plans(bn.graph, bn.plans[0],
+                                                                                           strides)[0])[0]
 
 
 def test_functional_batch_norm_with_batch_statistics_lowers_to_the_cluster_path():
@@ -149,7 +170,7 @@ def test_strided_inputs_and_other_reductions_are_refused():
 def test_explain_lists_the_cluster_plans_of_each_part_or_why_none():
     args = _args(BN(), (16, 40, 28, 28), torch.float32)
     text = stitchflow.compile(BN(), args, target="gpu", fusion="full").explain()
-    assert "plane statistics on thread-block clusters" in text and "cluster of 8 x 2 planes of 784" in text
+    assert "plane statistics on thread-block clusters" in text and "cluster of 2 x 8 planes of 784" in text
     args = _args(BN(), (6, 8, 5, 5), torch.float32)
     text = stitchflow.compile(BN(), args, target="gpu", fusion="full").explain()
     assert "none: cluster of 8: 6 planes per channel do not split" in text and "16-byte vectors" in text
@@ -214,6 +235,9 @@ def test_the_autotuner_times_clusters_against_the_generated_kernels_on_hopper():
         assert relative_error(o, r) <= tolerance(torch.float32)
     (k,) = [k for run in prog._compiled for k in run.kernels]
     assert k.cluster_plans and k.chosen is not None
+    group_args = _args(GN(), (4, 64, 16, 16), torch.bfloat16, "cuda")
+    pinned = stitchflow.compile(GN(), group_args, target="gpu", fusion="full", options={"cluster": True})
+    assert relative_error(pinned(*group_args), GN()(*group_args)) <= tolerance(torch.bfloat16)
     for pinned_module in (module, _Functional()):  # the bench's formula, and F.batch_norm's lowering
         pinned = stitchflow.compile(pinned_module, args, target="gpu", fusion="full", options={"cluster": True})
         assert relative_error(as_tuple(pinned(*args))[0], module(*args)) <= tolerance(torch.float32)

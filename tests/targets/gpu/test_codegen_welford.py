@@ -1,0 +1,80 @@
+"""A centred variance riding on its mean's chunk loop (codegen_welford): one pass over the row fewer, the same
+answer as eager, under TRITON_INTERPRET=1 (and on a GPU, where the session runs it)."""
+
+import os
+import tempfile
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("STITCHFLOW_CACHE", tempfile.mkdtemp(prefix="stitchflow-test-cache-"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+import stitchflow  # noqa: E402
+from stitchflow.bench.stitching_patterns import PATTERNS, as_tuple, pattern_kernel, relative_error, tolerance  # noqa: E402
+from stitchflow.targets.gpu.codegen import build_kernel  # noqa: E402
+from stitchflow.targets.gpu.mapping import Config  # noqa: E402
+
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+needs_device = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _source(name, shape, dtype, cfg):
+    k, strides = pattern_kernel(name, shape, dtype)
+    return build_kernel(k.graph, [(k.plans[0], cfg)], strides, False, k.title, k.group_names).source
+
+
+def _loops(source: str) -> int:
+    return source.count("for l0 in range(")
+
+
+def test_the_variance_joins_its_means_loop():
+    """Group norm's groups and a layer norm's rows, looped: two passes (statistics, outputs), where the variance
+    took a pass of its own; without a centred variance (softmax, rms norm) nothing changes."""
+    group = _source("groupnorm_silu", (2, 64, 8, 8), torch.bfloat16, Config(1, 32, 1, 4))
+    assert _loops(group) == 2 and "wk = wk + 1.0" in group
+    # a masked last chunk: a loop of its own per pass, lanes past the end keep their state
+    layer = _source("layernorm_fp32", (3, 1030), torch.float32, Config(1, 256, 1, 4))
+    assert _loops(layer) == 4 and "tl.where(mask_l, wk + 1.0, 1.0)" in layer
+    assert "wk" not in _source("softmax_long_rows", (3, 700), torch.float32, Config(1, 128, 1, 4))
+    assert "wk" not in _source("rmsnorm_residual", (7, 330), torch.bfloat16, Config(1, 64, 1, 4))
+
+
+def test_prefetched_chunks_and_split_rows_keep_their_own_pass():
+    """Prefetching chunk loops and split rows (a barrier, or phases) take the variance as before."""
+    assert "wk" not in _source("layernorm_fp32", (3, 1030), torch.float32, Config(1, 256, 1, 4, prefetch=True))
+    assert "wk" not in _source("layernorm_fp32", (3, 1030), torch.float32, Config(1, 256, 3, 4))
+    assert "wk" not in _source("layernorm_fp32", (3, 1030), torch.float32, Config(1, 2048, 1, 8))  # one chunk
+
+
+@needs_device
+@settings(max_examples=8, deadline=None)
+@given(rows=st.integers(1, 5), cols=st.integers(65, 700), chunk=st.sampled_from([32, 64, 128]),
+       offset=st.sampled_from([0.0, 1e3]), bf16=st.booleans())
+def test_riding_variance_equals_eager(rows, cols, chunk, offset, bf16):
+    """Layer norm over rows of any length against eager, with data whose mean is far from its spread (where a
+    one-pass sum of squares would cancel)."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    gen = torch.Generator().manual_seed(rows * 1000 + cols)
+    x = (offset + torch.randn(rows, cols, generator=gen)).to(DEVICE, dtype)
+    w = (1 + 0.1 * torch.randn(cols, generator=gen)).to(DEVICE, dtype)
+    b = (0.1 * torch.randn(cols, generator=gen)).to(DEVICE, dtype)
+    module = PATTERNS["layernorm_fp32"].module()
+    prog = stitchflow.compile(module, (x, w, b), target="gpu", fusion="full",
+                              options={"block_l": chunk, "cuda_graphs": False})
+    out, ref = prog(x, w, b), module(x, w, b)
+    assert relative_error(out, ref) <= tolerance(dtype)
+
+
+@needs_device
+@pytest.mark.parametrize("shape", [(2, 64, 8, 8), (3, 32, 5, 7)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_group_norm_looped_equals_eager(shape, dtype):
+    module = PATTERNS["groupnorm_silu"].module()
+    args = PATTERNS["groupnorm_silu"].make(shape, dtype, DEVICE, torch.Generator().manual_seed(0))
+    args = (args[0] + 100, *args[1:])  # the mean far from the spread
+    for options in ({"block_l": 32}, {"block_l": 64, "persistent": 2}):
+        prog = stitchflow.compile(module, args, target="gpu", fusion="full", options={**options, "cuda_graphs": False})
+        for o, r in zip(as_tuple(prog(*args)), as_tuple(module(*args))):
+            assert relative_error(o, r) <= tolerance(dtype)
