@@ -222,7 +222,8 @@ def test_every_cluster_size_equals_eager_on_hopper(module, shape, dtype):
             for _ in range(2):
                 launch(env)
                 for ref in as_tuple(module(*args)):  # each eager output is one of the kernel's
-                    errors = [relative_error(env[name], ref) for name in plans[variant].outputs]
+                    errors = [relative_error(env[name].reshape(ref.shape), ref) for name in plans[variant].outputs
+                              if env[name].numel() == ref.numel()]  # group norm's output: the grouped view
                     assert min(errors) <= tolerance(dtype), (plans[variant], errors)
 
 

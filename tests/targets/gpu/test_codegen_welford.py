@@ -12,7 +12,7 @@ import torch  # noqa: E402
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
 import stitchflow  # noqa: E402
-from stitchflow.bench.stitching_patterns import PATTERNS, as_tuple, pattern_kernel, relative_error, tolerance  # noqa: E402
+from stitchflow.bench.stitching_patterns import PATTERNS, pattern_kernel, relative_error, tolerance  # noqa: E402
 from stitchflow.targets.gpu.codegen import build_kernel  # noqa: E402
 from stitchflow.targets.gpu.mapping import Config  # noqa: E402
 
@@ -63,7 +63,7 @@ def test_riding_variance_equals_eager(rows, cols, chunk, offset, bf16):
     module = PATTERNS["layernorm_fp32"].module()
     prog = stitchflow.compile(module, (x, w, b), target="gpu", fusion="full",
                               options={"block_l": chunk, "cuda_graphs": False})
-    out, ref = prog(x, w, b), module(x, w, b)
+    out, ref = prog(x, w, b), module(x.double(), w.double(), b.double())  # eager in float64: see below
     assert relative_error(out, ref) <= tolerance(dtype)
 
 
@@ -71,10 +71,12 @@ def test_riding_variance_equals_eager(rows, cols, chunk, offset, bf16):
 @pytest.mark.parametrize("shape", [(2, 64, 8, 8), (3, 32, 5, 7)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_group_norm_looped_equals_eager(shape, dtype):
+    """Against eager in float64: on the H100, torch's own bfloat16 group norm of data whose mean is 100 times its
+    spread is 9-14% off float64 (scripts/groupnorm_check.py), where these kernels are 2.5e-3 off, as eager on CPU."""
     module = PATTERNS["groupnorm_silu"].module()
     args = PATTERNS["groupnorm_silu"].make(shape, dtype, DEVICE, torch.Generator().manual_seed(0))
     args = (args[0] + 100, *args[1:])  # the mean far from the spread
+    ref = module(*(a.double() for a in args))
     for options in ({"block_l": 32}, {"block_l": 64, "persistent": 2}):
         prog = stitchflow.compile(module, args, target="gpu", fusion="full", options={**options, "cuda_graphs": False})
-        for o, r in zip(as_tuple(prog(*args)), as_tuple(module(*args))):
-            assert relative_error(o, r) <= tolerance(dtype)
+        assert relative_error(prog(*args), ref) <= tolerance(dtype)
