@@ -165,25 +165,23 @@ __global__ void __launch_bounds__(T, MINB) col_kernel(const float* __restrict__ 
   }
 }
 
-template <int W, int R, int T, int MINB, int MODE>
-cudaError_t launch(const float* x, float* y, float* part, unsigned long long* cnt, long long epoch, int grid,
-                   cudaStream_t stream) {
-  constexpr int Q = W / 4, PER_T = R / (T / Q);
-  constexpr size_t SMEM = (size_t)PER_T * T * 16;
-  auto kernel = col_kernel<W, R, T, MINB, MODE>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM);
+// grid <= 0: how many CTAs of `kernel` fit at once (negated); else a cooperative launch of `grid` CTAs
+template <class K>
+cudaError_t cooperative(K kernel, int threads, size_t smem, int grid, cudaStream_t stream, const float* x, float* y,
+                        float* part, unsigned long long* cnt, long long epoch) {
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (err != cudaSuccess) return err;
-  if (grid <= 0) {  // how many CTAs fit at once
+  if (grid <= 0) {
     int per_sm = 0, sms = 0, dev = 0;
     cudaGetDevice(&dev);
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, T, SMEM);
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem);
     return err != cudaSuccess ? err : (cudaError_t)(-per_sm * sms);
   }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(T);
-  cfg.dynamicSmemBytes = SMEM;
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeCooperative;
@@ -191,6 +189,13 @@ cudaError_t launch(const float* x, float* y, float* part, unsigned long long* cn
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   return cudaLaunchKernelEx(&cfg, kernel, x, y, part, cnt, epoch);
+}
+
+template <int W, int R, int T, int MINB, int MODE>
+cudaError_t launch(const float* x, float* y, float* part, unsigned long long* cnt, long long epoch, int grid,
+                   cudaStream_t stream) {
+  constexpr int Q = W / 4, PER_T = R / (T / Q);
+  return cooperative(col_kernel<W, R, T, MINB, MODE>, T, (size_t)PER_T * T * 16, grid, stream, x, y, part, cnt, epoch);
 }
 
 // The lagged design: pieces live only in shared memory, in a ring of NBUF. Iteration k sums piece k and arrives at
@@ -356,28 +361,8 @@ template <int W, int R, int T, int NBUF, int MODE>
 cudaError_t lag_launch(const float* x, float* y, float* part, unsigned long long* cnt, long long epoch, int grid,
                        cudaStream_t stream) {
   constexpr int Q = W / 4, PER_T = R / (T / Q);
-  constexpr size_t SMEM = (size_t)NBUF * PER_T * T * 16;
-  auto kernel = lag_kernel<W, R, T, NBUF, MODE>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM);
-  if (err != cudaSuccess) return err;
-  if (grid <= 0) {
-    int per_sm = 0, sms = 0, dev = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, T + 32, SMEM);
-    return err != cudaSuccess ? err : (cudaError_t)(-per_sm * sms);
-  }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(T + 32);
-  cfg.dynamicSmemBytes = SMEM;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeCooperative;
-  attr[0].val.cooperative = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, kernel, x, y, part, cnt, epoch);
+  return cooperative(lag_kernel<W, R, T, NBUF, MODE>, T + 32, (size_t)NBUF * PER_T * T * 16, grid, stream, x, y,
+                     part, cnt, epoch);
 }
 
 int64_t col(torch::Tensor x, torch::Tensor y, torch::Tensor part, torch::Tensor cnt, int64_t epoch, int64_t variant,
