@@ -275,7 +275,7 @@ class PartKernel(SplitStitching, TmaStitching, WelfordStitching):
             welford = {m: self.welford_init() for m, _ in pairs.values()}
             reds_all, reds = reds, [r for r in reds if r.name not in pairs and r.name not in welford]
             accs = {r.name: self._acc_init(r) for r in reds}
-            loads = self._chunk_loads(root, reds, full_outs, accs, online) if self.cfg.prefetch else []
+            loads = self._chunk_loads(root, reds, full_outs, accs, online, welford) if self.cfg.prefetch else []
             carried = self._prefetch(root, loads, "lo") if loads else []
             loops = self._chunk_loops()
             for k, (head, masked) in enumerate(loops):
@@ -334,7 +334,7 @@ class PartKernel(SplitStitching, TmaStitching, WelfordStitching):
         return [(f"for l0 in range(lo, {full}, {BL}):", False),
                 (f"for l0 in range({full}, hi, {BL}):", True)]  # at most one iteration
 
-    def _chunk_loads(self, root: Scope, reds, full_outs, accs: dict, online: dict) -> list:
+    def _chunk_loads(self, root: Scope, reds, full_outs, accs: dict, online: dict, welford: dict) -> list:
         """The loads one chunk of this stage performs that move with the chunk, found by
         emitting the chunk once into scratch source that is then dropped."""
         real, self.src = self.src, Source()
@@ -342,7 +342,10 @@ class PartKernel(SplitStitching, TmaStitching, WelfordStitching):
         self.body.log = []
         try:
             self.src.emit("l0 = lo")
-            self._accumulate(reds, full_outs, accs, self.chunk(root), online)
+            scope = self.chunk(root)
+            for m, acc in welford.items():
+                self.welford_step(m, acc, scope)
+            self._accumulate(reds, full_outs, accs, scope, online)
             found = {entry[0]: entry for entry in self.body.log if "l" in entry[4]}
         finally:
             self.body.log, self.src = None, real

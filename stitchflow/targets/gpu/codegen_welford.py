@@ -9,7 +9,7 @@ centred sum is the lanes' sums plus their means' spread about it. One pass fewer
 form (each update centres on a running mean, never on zero).
 
 Taken where a part runs in one launch with one program per row (a split row meets at a barrier instead,
-codegen_split) and its chunks are not prefetched; `centred_variances` says which reductions qualify.
+codegen_split), prefetched chunk loops included; `centred_variances` says which reductions qualify.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ class WelfordStitching:
 
     def riding_variances(self) -> dict[str, tuple[str, float]]:
         """variance -> (its mean, factor) for the variances this kernel folds into their mean's chunk loop."""
-        if self.single_chunk or self.split != 1 or self.reduction_phases or self.cfg.prefetch:
+        if self.single_chunk or self.split != 1 or self.reduction_phases:
             return {}
         found = centred_variances(self.graph, self.plan)
         return found if len(found) == 1 else {}  # one running count (`wk`) per kernel

@@ -41,9 +41,16 @@ def test_the_variance_joins_its_means_loop():
     assert "wk" not in _source("rmsnorm_residual", (7, 330), torch.bfloat16, Config(1, 64, 1, 4))
 
 
-def test_prefetched_chunks_and_split_rows_keep_their_own_pass():
-    """Prefetching chunk loops and split rows (a barrier, or phases) take the variance as before."""
-    assert "wk" not in _source("layernorm_fp32", (3, 1030), torch.float32, Config(1, 256, 1, 4, prefetch=True))
+def test_prefetched_chunks_carry_the_element_the_running_statistics_take():
+    """With prefetch, the next chunk's load goes out before this chunk's Welford step, which uses the carried one."""
+    source = _source("layernorm_fp32", (3, 1030), torch.float32, Config(1, 256, 1, 4, prefetch=True))
+    assert _loops(source) == 4 and "wk = wk + 1.0" in source
+    body = source[source.index("for l0 in range(lo, 1024, 256):"):source.index("wk = wk + 1.0")]
+    assert "cur" in body and body.count("tl.load(") == 1  # the next chunk's x, issued ahead
+
+
+def test_split_rows_keep_the_variances_own_pass():
+    """Split rows (a barrier, or phases) and rows of one chunk take the variance as before."""
     assert "wk" not in _source("layernorm_fp32", (3, 1030), torch.float32, Config(1, 256, 3, 4))
     assert "wk" not in _source("layernorm_fp32", (3, 1030), torch.float32, Config(1, 2048, 1, 8))  # one chunk
 
@@ -62,7 +69,7 @@ def test_riding_variance_equals_eager(rows, cols, chunk, offset, bf16):
     b = (0.1 * torch.randn(cols, generator=gen)).to(DEVICE, dtype)
     module = PATTERNS["layernorm_fp32"].module()
     prog = stitchflow.compile(module, (x, w, b), target="gpu", fusion="full",
-                              options={"block_l": chunk, "cuda_graphs": False})
+                              options={"block_l": chunk, "prefetch": bool(rows % 2), "cuda_graphs": False})
     out, ref = prog(x, w, b), module(x.double(), w.double(), b.double())  # eager in float64: see below
     assert relative_error(out, ref) <= tolerance(dtype)
 
@@ -77,6 +84,6 @@ def test_group_norm_looped_equals_eager(shape, dtype):
     args = PATTERNS["groupnorm_silu"].make(shape, dtype, DEVICE, torch.Generator().manual_seed(0))
     args = (args[0] + 100, *args[1:])  # the mean far from the spread
     ref = module(*(a.double() for a in args))
-    for options in ({"block_l": 32}, {"block_l": 64, "persistent": 2}):
+    for options in ({"block_l": 32}, {"block_l": 64, "persistent": 2}, {"block_l": 32, "prefetch": True}):
         prog = stitchflow.compile(module, args, target="gpu", fusion="full", options={**options, "cuda_graphs": False})
         assert relative_error(prog(*args), ref) <= tolerance(dtype)
