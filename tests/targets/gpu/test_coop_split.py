@@ -101,6 +101,9 @@ def test_long_rows_get_coop_candidates_and_the_rest_say_why_not():
         assert not c.coop or c.tma or (c.split <= max_coop_split(132) and n_chunks(columns if c.BP > 1 else long_rows, c) == 1)
     assert coop_refusal(columns, Config(32, 128, 64, 8, coop=True)) is None  # re-read from L2: an option
     assert "must be one chunk" in coop_refusal(long_rows, Config(1, 4096, 4, 16, persistent=8, coop=True))
+    # a pinned split of a row that fits one chunk is clamped to 1: nobody to meet, so no barrier
+    (pinned,) = candidates(_plan("softmax_long_rows", (4, 1000)), override={"block_l": 1024, "split": 4, "coop": True})
+    assert pinned.split == 1 and not pinned.coop
 
 
 def test_centred_variances_are_found_where_they_are():

@@ -1,0 +1,38 @@
+"""Addresses (emit.BodyEmitter.offset): an index that adds several tile axis classes, as a view reads its base,
+folds into one coordinate per tile axis when the address is affine in whole classes; otherwise index by index."""
+
+import os
+import re
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+from stitchflow.bench.stitching_patterns import pattern_kernel  # noqa: E402
+from stitchflow.targets.gpu.codegen import build_kernel  # noqa: E402
+from stitchflow.targets.gpu.mapping import Config  # noqa: E402
+
+
+def _source(name, shape, dtype, cfg):
+    k, strides = pattern_kernel(name, shape, dtype)
+    return build_kernel(k.graph, [(k.plans[0], cfg)], strides, False, k.title, k.group_names).source
+
+
+def _loads(source: str, arg: str) -> list[str]:
+    return re.findall(rf"tl\.load\({arg} \+ ([^,)]*)", source)
+
+
+def test_group_norms_view_reads_x_at_one_coordinate_per_tile_axis():
+    """x[i, 16·j + l, m, n] over classes (i, j | l, m, n) is p·4096·16 + l: no div or mod per axis, contiguous."""
+    source = _source("groupnorm_silu", (2, 512, 16, 16), torch.bfloat16, Config(1, 1024, 1, 4))
+    xs = _loads(source, "in0_x")  # the statistics' pass and the outputs'
+    assert len(xs) == 2 and all(re.fullmatch(r"c\d+ \* 4096 \+ c\d+", x) for x in xs), xs
+    # the per-channel weight, w[16·j + l]: the group's channel from p, the channel in the group from l
+    ws = _loads(source, "in1_w")
+    assert ws and all(re.fullmatch(r"c\d+ \* 16 \+ c\d+", w) for w in ws), ws
+
+
+def test_plain_reads_keep_their_runs():
+    """A read whose indices are plain variables takes the per-index path (contiguous runs of axes) as before."""
+    source = _source("batchnorm_train", (4, 6, 5, 7), torch.float32, Config(1, 256, 1, 4))
+    assert all("//" not in a for a in _loads(source, "in0_x"))
