@@ -300,7 +300,7 @@ class PartKernel(SplitStitching, TmaStitching, WelfordStitching):
                     results[r.name] = self.src.let(self._reduce(r, accs[r.name]), "r")
             tail = str(self.plan.L_total % self.cfg.BL) if self.plan.L_total % self.cfg.BL else None
             for v, (m, factor) in pairs.items():
-                results[m], results[v] = self.welford_total(m, v, factor, welford[m], tail)
+                results[m], results[v] = self.welford_total(m, factor, welford[m], tail)
             reds = reds_all
         else:
             if self.chunk_scope is not None and not self.reduction_phases:

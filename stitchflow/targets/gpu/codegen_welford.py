@@ -49,8 +49,7 @@ class WelfordStitching:
             e(f"{wm} = {wm} + {d} * {r}")
             e(f"{wq} = {wq} + {d} * ({x} - {wm})")
 
-    def welford_total(self, mean_node: str, var_node: str, factor: float, acc: tuple[str, str],
-                      tail: str | None) -> tuple[str, str]:
+    def welford_total(self, mean_node: str, factor: float, acc: tuple[str, str], tail: str | None) -> tuple[str, str]:
         """(mean's value, variance's value) per row from the lanes'. `tail`: the elements of the masked last
         chunk (lanes below it saw one element more), or None."""
         wm, wq = acc
