@@ -46,6 +46,11 @@ UNARY = {"neg": "(-{0})", "abs": "fabsf({0})", "exp": "expf({0})", "log": "logf(
          "rsqrt": "rsqrtf({0})", "recip": "(1.0f / {0})", "tanh": "tanhf({0})", "erf": "erff({0})",
          "sigmoid": "(1.0f / (1.0f + expf(-{0})))", "relu": "fmaxf({0}, 0.0f)", "not": "(!{0})"}
 BINARY = {"max": "fmaxf({0}, {1})", "min": "fminf({0}, {1})", "pow": "powf({0}, {1})"}
+# Nodes rounded to bfloat16 or float16 take the special-function unit's approximations (a few ulp of float32,
+# far below half a bf16 step), as the Triton path does: group norm's SiLU epilogue with expf and an IEEE division
+# issued ~30 instructions an element, as many cycles as its bytes take at copy bandwidth with 8-16 warps an SM.
+FAST = {"exp": "__expf({0})", "sigmoid": "__fdividef(1.0f, 1.0f + __expf(-{0}))", "recip": "__fdividef(1.0f, {0})",
+        "div": "__fdividef({0}, {1})"}
 
 
 class ClusterRefusal(Exception):
@@ -315,6 +320,7 @@ class _Printer:
 
     def __init__(self, graph: Graph, names: dict):
         self.graph, self.names = graph, names
+        self.fast = False  # printing a node rounded to a 16-bit float (FAST)
 
     def expr(self, e) -> str:
         if isinstance(e, Read):
@@ -327,6 +333,8 @@ class _Printer:
                 return f"({inner} != 0)"
             return f"{ROUND[e.dtype]}({inner})" if e.dtype in ROUND else f"((float){inner})"
         args = [self.expr(a) for a in e.args]
+        if self.fast and e.op in FAST:
+            return FAST[e.op].format(*args)
         if e.op in INFIX:
             return f"({args[0]} {INFIX[e.op]} {args[1]})"
         if e.op in UNARY:
@@ -340,7 +348,11 @@ class _Printer:
     def define(self, name: str, body, c_name: str, code: str | None = None) -> str:
         """`const T c_name = body;` (or `code`) rounded to the node's dtype, remembered for later reads."""
         dtype = self.graph.type_of[name].dtype
-        code = code or self.expr(body)
+        self.fast = dtype in ROUND
+        try:
+            code = code or self.expr(body)
+        finally:
+            self.fast = False
         if dtype in ROUND:
             code = f"{ROUND[dtype]}({code})"
         self.names[name] = c_name

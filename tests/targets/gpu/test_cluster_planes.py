@@ -105,6 +105,8 @@ def test_group_norm_runs_its_groups_channel_major_with_parameters_per_plane():
     cuda, _ = emit_module(k.graph, k.plans[0], [cp])
     assert "return (size_t)c * NPL + n;" in cuda and "const float p_w = to_f(in_w[(c % 32) * 16 + n * 1]);" in cuda
     assert "v_group_norm_grouped" not in cuda  # the view is x itself
+    # the bf16 SiLU on the special-function unit; float32 nodes (group_norm_centered) stay exact
+    assert "__fdividef(1.0f, 1.0f + __expf(" in cuda and "__expf" not in cuda.split("v_group_norm_centered")[1][:80]
     bn, strides = _kernel(BN(), (64, 256, 56, 56))
     assert "return (size_t)n * C + c;" in emit_module(bn.graph, bn.plans[0], cluster_plans(bn.graph, bn.plans[0],
                                                                                            strides)[0])[0]
