@@ -191,15 +191,15 @@ def _check_layout(graph: Graph, plan: PartPlan, strides: dict, x: str, reader: s
 
 def _coefficients(plan: PartPlan, node, indices, shape, strides) -> dict | None:
     """{class: address stride} of tensor[indices] as node reads it, if the address is affine in whole classes
-    with no offset and every index in range; else None."""
+    with no offset and every index in range of `shape` (None: not checked); else None."""
     coef: dict = {}
-    for idx, size, stride in zip(indices, shape, strides):
+    for idx, size, stride in zip(indices, shape or [None] * len(indices), strides):
         if isinstance(idx, Lit):
             if idx.value:
                 return None
             continue
         terms = idx.terms if isinstance(idx, Sum) else ((1, idx),)
-        if isinstance(idx, Sum) and idx.const or bounds(idx, node.extents)[1] > size - 1:
+        if isinstance(idx, Sum) and idx.const or size is not None and bounds(idx, node.extents)[1] > size - 1:
             return None
         for c, v in terms:
             cls = plan.cls.get((node.name, v.name)) if isinstance(v, Var) else None
@@ -219,7 +219,7 @@ def _own_classes(plan: PartPlan, node, indices) -> tuple | None:
 def _offset(plan: PartPlan, node, indices, strides, chans: tuple, outer: int | None) -> str | None:
     """The address of tensor[indices] as C in the flattened channel `c` (and the plane's outer index `n` where
     `outer` is given), or None where it depends on other classes."""
-    coef = _coefficients(plan, node, indices, [1 << 62] * len(indices), strides)
+    coef = _coefficients(plan, node, indices, None, strides)
     if coef is None or any(k not in chans and k != outer for k in coef):
         return None
     terms = []
