@@ -7,7 +7,7 @@ import itertools
 
 import networkx as nx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from planner_graphs import KINDS, TwoContractions, build, chain
@@ -65,6 +65,9 @@ def brute_force(graph, target, costs: Costs) -> float:
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(spec=specs, gpu=st.booleans())
+# HiGHS' absolute gap (1e-6) once let the ILP stop 2e-7 over the optimum while the costs were scaled to 1 (ilp.py)
+@example(spec=[("add", 0, 0), ("exp", 0, 13), ("matmul", 3, 14), ("matmul", 0, 13), ("add", 10, 13), ("add", 9, 13),
+               ("add", 0, 14), ("matmul", 0, 14), ("matmul", 0, 13), ("add", 9, 13)], gpu=True)
 def test_ilp_equals_brute_force_on_random_graphs(spec, gpu):
     graph = build(spec)
     target = TwoContractions()
