@@ -63,6 +63,35 @@ __device__ __forceinline__ float column_total(float4 s, float* red) {
   return t;
 }
 
+// The group's partials of each column combined (Chan, about member 0's mean K): thread (set, c) sums partials set,
+// set + NS, ... of column c (`active` threads only), the sets meet in red / red2, and threads tid < W get (mean,
+// centred sum of squares) of their column. The caller frees red / red2 first; this ends past a block barrier.
+template <int W, int T, int G, int R, bool STD>
+__device__ __forceinline__ float2 combine_partials(const float* mine, bool active, float* red, float* red2) {
+  constexpr int NS = T / W;
+  const int tid = threadIdx.x, c = tid % W, set = tid / W;
+  const float K = STD ? __ldcg(mine + c) : 0.f;
+  if (active) {
+    float sm = 0.f, sq = 0.f;
+    #pragma unroll 16
+    for (int j = 0; j < G / NS; ++j) {
+      const float ms = __ldcg(mine + (set + j * NS) * W + c);
+      sm += ms;
+      if (STD) sq += __ldcg(mine + (G + set + j * NS) * W + c) + (float)R * (ms - K) * (ms - K);
+    }
+    red[set * W + c] = sm;
+    red2[set * W + c] = sq;
+  }
+  __syncthreads();
+  float tm = 0.f, tq = 0.f;
+  if (tid < W) {
+    #pragma unroll
+    for (int s2 = 0; s2 < NS; ++s2) { tm += red[s2 * W + tid]; tq += red2[s2 * W + tid]; }
+  }
+  const float mean = tm / G;
+  return make_float2(mean, tq - (float)(G * R) * (mean - K) * (mean - K));
+}
+
 template <int W, int R, int T, int MINB, int MODE>
 __global__ void __launch_bounds__(T, MINB) col_kernel(const float* __restrict__ x, float* __restrict__ y, float* part,
                                                    unsigned long long* cnt, long long epoch) {
@@ -127,29 +156,10 @@ __global__ void __launch_bounds__(T, MINB) col_kernel(const float* __restrict__ 
       __syncthreads();
       if (MODE == 3) {
         if (tid < W) mean = __ldcg(acc + tid) / G;
-      } else {
-      // combine: thread (set, c) sums partials set, set + NS, ... of column c
-      constexpr int NS = T / W;
-      const int c = tid % W, set = tid / W;
-      float sm = 0.f, sq = 0.f;
-      const float K = MODE == 2 ? __ldcg(mine + c) : 0.f;
-      #pragma unroll 16
-      for (int j = 0; j < G / NS; ++j) {
-        const float ms = __ldcg(mine + (set + j * NS) * W + c);
-        sm += ms;
-        if (MODE == 2) sq += __ldcg(mine + (G + set + j * NS) * W + c) + (float)R * (ms - K) * (ms - K);
-      }
-      __syncthreads();  // red is free again
-      red[set * W + c] = sm;
-      red2[set * W + c] = sq;
-      __syncthreads();
-      if (tid < W) {
-        float tm = 0.f, tq = 0.f;
-        #pragma unroll
-        for (int s2 = 0; s2 < NS; ++s2) { tm += red[s2 * W + tid]; tq += red2[s2 * W + tid]; }
-        mean = tm / G;
-        m2 = tq - (float)M * (mean - K) * (mean - K);
-      }
+      } else {  // red is free: the block barrier above follows its last reads
+        const float2 mm = combine_partials<W, T, G, R, MODE == 2>(mine, true, red, red2);
+        mean = mm.x;
+        m2 = mm.y;
       }
     }
     if (tid < W) { stat[0][tid] = mean; stat[1][tid] = MODE & 1 ? 1.f : rsqrtf(m2 / M + 1e-5f); }
@@ -254,28 +264,10 @@ __global__ void __launch_bounds__(T + 32, 1) lag_kernel(const float* __restrict_
         stat[1][tid] = STD ? rsqrtf(m2 / M + 1e-5f) : 1.f;
       }
     } else if (MODE != 0) {
-      constexpr int NS = T / W;
-      const int c = tid % W, set = tid / W;
-      const float K = STD ? __ldcg(mine + c) : 0.f;
-      if (data) {
-        float sm = 0.f, sq = 0.f;
-        #pragma unroll 16
-        for (int j = 0; j < G / NS; ++j) {
-          const float ms = __ldcg(mine + (set + j * NS) * W + c);
-          sm += ms;
-          if (STD) sq += __ldcg(mine + (G + set + j * NS) * W + c) + (float)R * (ms - K) * (ms - K);
-        }
-        red[set * W + c] = sm;
-        red2[set * W + c] = sq;
-      }
-      __syncthreads();
+      const float2 mm = combine_partials<W, T, G, R, STD>(mine, data, red, red2);
       if (tid < W) {
-        float tm = 0.f, tq = 0.f;
-        #pragma unroll
-        for (int s2 = 0; s2 < NS; ++s2) { tm += red[s2 * W + tid]; tq += red2[s2 * W + tid]; }
-        const float mean = tm / G;
-        stat[0][tid] = mean;
-        stat[1][tid] = STD ? rsqrtf((tq - (float)M * (mean - K) * (mean - K)) / M + 1e-5f) : 1.f;
+        stat[0][tid] = mm.x;
+        stat[1][tid] = STD ? rsqrtf(mm.y / M + 1e-5f) : 1.f;
       }
     }
     __syncthreads();
