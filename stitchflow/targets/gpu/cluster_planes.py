@@ -251,7 +251,7 @@ def _inputs(graph: Graph, plan: PartPlan, strides: dict, src: str, x: str, view:
             if t in part or t == src:
                 continue
             channel = _offset(plan, node, a.indices, strides[t], chans, None)
-            per_plane = channel or _offset(plan, node, a.indices, strides[t], chans, plan.L[0])
+            per_plane = None if channel is not None else _offset(plan, node, a.indices, strides[t], chans, plan.L[0])
             if channel is not None:
                 if params.get(t, channel) != channel:
                     raise ClusterRefusal(f"{t} is read at two different per-channel offsets")
