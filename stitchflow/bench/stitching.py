@@ -122,7 +122,7 @@ def bench_pattern(name: str, device, copy_bw: float, fusion: str = "full") -> di
         rounds = _time_in_rounds({"eager_us": module, "compile_us": compiled, "sf_us": prog}, sets)
         for key, times in rounds.items():
             row[key] = statistics.median(times)
-        row["sf_rounds_us"] = [round(t, 1) for t in rounds["sf_us"]]
+            row[key.removesuffix("_us") + "_rounds_us"] = [round(t, 1) for t in times]
     row["vs_eager"] = row["eager_us"] / row["sf_us"]
     row["vs_compile"] = row["compile_us"] / row["sf_us"]
     row["sf_bw_frac"] = nbytes / (row["sf_us"] * 1e-6) / copy_bw
