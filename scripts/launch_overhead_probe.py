@@ -1,0 +1,82 @@
+"""Device probe: how much of a generated Gluon kernel's do_bench time is the host? For column_center and
+column_standardize (65536x1024 fp32, the bench's config) and the hand-written kernel of column_wide_probe: the
+do_bench median, the host's time per call without synchronising, and the kernel's own duration from the profiler
+(CUPTI). Not a test.
+
+    python scripts/launch_overhead_probe.py
+"""
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from triton.testing import do_bench
+
+from stitchflow.bench.stitching_patterns import PATTERNS, pattern_kernel
+from stitchflow.targets.gpu.codegen import build_kernel
+from stitchflow.targets.gpu.mapping import Config
+from stitchflow.targets.gpu.runtime import Launch
+
+R, C = 65536, 1024
+
+
+def host_us(fn, calls=20):
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t) / calls
+    torch.cuda.synchronize()
+    return host * 1e6
+
+
+def kernel_us(fn, calls=20):
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    times = sorted(e.device_time for e in prof.events() if e.device_type.name == "CUDA" and e.device_time > 50)
+    return times[len(times) // 2] if times else float("nan"), len(times)
+
+
+def report(label, fn):
+    bench = do_bench(fn, warmup=5, rep=100, return_mode="median") * 1e3
+    k, n = kernel_us(fn)
+    print(f"{label}: do_bench {bench:.1f} us, host {host_us(fn):.1f} us per call, kernel (profiler, median of {n}) "
+          f"{k:.1f} us", flush=True)
+
+
+def main():
+    for name in ("column_center", "column_standardize"):
+        k, strides = pattern_kernel(name, (R, C))
+        cfg = Config(32, 1024, 64, 8, persistent=128, coop=True, tma=True)
+        spec = build_kernel(k.graph, [(k.plans[0], cfg)], strides, False, k.title, k.group_names)
+        args = PATTERNS[name].make((R, C), torch.float32, "cuda", torch.Generator().manual_seed(0))
+        env = dict(zip(k.inputs, args if isinstance(args, tuple) else (args,)))
+        launch = Launch(k.graph, spec, name)
+        report(f"generated {name}", lambda: launch(env))
+    sys.path.insert(0, "scripts")
+    from column_wide_probe import BOX, HALF, column_wide
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    x = torch.randn(R, C, device="cuda")
+    y = torch.empty_like(x)
+    desc = TensorDescriptor.from_tensor(x, [BOX.value, HALF.value],
+                                        gl.NVMMASharedLayout.get_default_for([BOX.value, HALF.value], gl.float32))
+    cnt = torch.zeros(C // 32, dtype=torch.int32, device="cuda")
+    part = torch.empty(64, C, device="cuda")
+    calls = [0]
+
+    def hand():
+        column_wide[(128,)](desc, x, y, cnt, part, part, part, part, calls[0] * 64, 0, HALVES=1, ROWS=1024, SPLIT=64,
+                            GROUPS=2, STD=False, ATOMIC=False, NOBAR=False, num_cols=C, num_rows=R, num_warps=8,
+                            launch_cooperative_grid=True)
+        calls[0] += 1
+    report("hand center 32x1024", hand)
+
+
+if __name__ == "__main__":
+    main()
