@@ -1,0 +1,90 @@
+"""Device probe: does the work inside the generated column kernels' reductions matter? column_center and
+column_standardize (65536x1024 fp32, the bench's config), each generated source against edited copies:
+
+- "scale after the sum": mean = sum_k(x * 1/N) summed first and scaled once (the IR's mean is a sum of scaled
+  elements, one multiply per element);
+- "shifted piece variance" (standardize): the piece's centred sum of squares as S2 - S1^2/n over d = x - K, K the
+  piece's first row (loaded before the piece lands), so both reductions run at once instead of one after the other.
+
+Every variant is checked against eager and timed in rounds (the variants in turn). Not a test.
+
+    python scripts/reduction_body_probe.py
+"""
+import dataclasses
+import statistics
+
+import torch
+from triton.testing import do_bench
+
+from stitchflow.bench.stitching_patterns import PATTERNS, pattern_kernel
+from stitchflow.targets.gpu.codegen import build_kernel
+from stitchflow.targets.gpu.mapping import Config
+from stitchflow.targets.gpu.runtime import Launch
+
+R, C = 65536, 1024
+SCALED_SUM = """        t4 = (x3 * (1.52587890625e-05))
+        b5 = t4.to(gl.float32)
+        r6 = gl.sum(b5, axis=1, keep_dims=True)
+"""
+SUM_THEN_SCALE = """        r6 = gl.sum(x3, axis=1, keep_dims=True) * (1.52587890625e-05)
+"""
+PIECE_VARIANCE = """        n7 = gl.maximum(hi - lo, 1)
+        mu8 = r6 * (65536 / n7)
+        # mean_1: about this piece's mean, corrected at the combine (Chan et al.)
+        t9 = (x3 - mu8)
+        v10 = t9.to(gl.float32)
+        t11 = (v10 * v10)
+        v12 = t11.to(gl.float32)
+        t13 = (v12 * (1.52587890625e-05))
+        b14 = t13.to(gl.float32)
+        r15 = gl.sum(b14, axis=1, keep_dims=True)
+"""
+SHIFTED = """        d9 = x3 - k0
+        s1 = gl.sum(d9, axis=1, keep_dims=True)
+        s2 = gl.sum(d9 * d9, axis=1, keep_dims=True)
+        r6 = (s1 + 1024.0 * k0) * (1.52587890625e-05)
+        gl.store(buf0_mean + pid_s * 1024 + p, r6)
+        r15 = gl.maximum(s2 - s1 * s1 * (1.0 / 1024), 0.0) * (1.52587890625e-05)
+"""
+WAIT = "        mbarrier.wait(bar, it & 1)\n"
+
+
+def variants(name: str, src: str) -> dict:
+    out = {"generated": src}
+    assert SCALED_SUM in src, "the generated mean changed: update the probe"
+    out["scale after the sum"] = src.replace(SCALED_SUM, SUM_THEN_SCALE)
+    if name == "column_standardize":
+        assert PIECE_VARIANCE in src
+        shifted = src.replace(SCALED_SUM + "        gl.store(buf0_mean + pid_s * 1024 + p, r6)\n" + PIECE_VARIANCE,
+                              SHIFTED)
+        # K: the piece's first row, read (from L2 or DRAM) while the piece lands
+        out["shifted piece variance"] = shifted.replace(WAIT, "        k0 = gl.load(in0_x + lo * 1024 + p)\n" + WAIT)
+    return out
+
+
+def main():
+    cfg = Config(32, 1024, 64, 8, persistent=128, coop=True, tma=True)
+    for name in ("column_center", "column_standardize"):
+        k, strides = pattern_kernel(name, (R, C))
+        spec = build_kernel(k.graph, [(k.plans[0], cfg)], strides, False, k.title, k.group_names)
+        args = PATTERNS[name].make((R, C), torch.float32, "cuda", torch.Generator().manual_seed(0))
+        env = dict(zip(k.inputs, args if isinstance(args, tuple) else (args,)))
+        ref = PATTERNS[name].module()(*env.values())
+        launches = {}
+        for label, src in variants(name, spec.source).items():
+            launch = Launch(k.graph, dataclasses.replace(spec, source=src), f"{name}:{label}")
+            launch(env)
+            err = ((env[spec.outputs[0]] - ref).norm() / ref.norm()).item()
+            print(f"{name} {label}: relative error {err:.1e}", flush=True)
+            launches[label] = launch
+        times = {label: [] for label in launches}
+        for _ in range(3):
+            for label, launch in launches.items():
+                times[label].append(do_bench(lambda: launch(env), warmup=5, rep=100, return_mode="median") * 1e3)
+        for label, ts in times.items():
+            print(f"{name} {label}: {statistics.median(ts):.1f} us (rounds {', '.join(f'{t:.1f}' for t in ts)})",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
