@@ -3,7 +3,7 @@ column_standardize (65536x1024 fp32, the bench's config) and the hand-written ke
 do_bench median, the host's time per call without synchronising, and the kernel's own duration from the profiler
 (CUPTI). Not a test.
 
-    python scripts/launch_overhead_probe.py
+    python scripts/launch_overhead_probe.py [--fast]
 """
 import sys
 import time
@@ -42,6 +42,42 @@ def kernel_us(fn, calls=20):
     return times[len(times) // 2] if times else float("nan"), len(times)
 
 
+def back_to_back_us(fn, calls=200):
+    """Per-call time of calls issued back to back (no flush between): what a user's loop sees."""
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / calls * 1e6
+
+
+def fast_against_jit():
+    """The generated Gluon kernels launched through the compiled kernel (Launch's fast path) against Triton's JIT
+    (STITCHFLOW_GLUON_JIT=1's path), at the bench's shape and an eighth of it."""
+    for name in ("column_center", "column_standardize"):
+        for rows in (R, R // 8):
+            k, strides = pattern_kernel(name, (rows, C))
+            split = rows // 1024
+            cfg = Config(32, 1024, split, 8, persistent=128 // split * split, coop=True, tma=True)
+            spec = build_kernel(k.graph, [(k.plans[0], cfg)], strides, False, k.title, k.group_names)
+            args = PATTERNS[name].make((rows, C), torch.float32, "cuda", torch.Generator().manual_seed(0))
+            env = dict(zip(k.inputs, args if isinstance(args, tuple) else (args,)))
+            ref = PATTERNS[name].module()(*env.values())
+            for path in ("fast", "jit"):
+                launch = Launch(k.graph, spec, name)
+                launch.fast_ok = path == "fast"
+                for _ in range(3):  # the third call runs on the path under test
+                    launch(env)
+                err = ((env[spec.outputs[0]] - ref).norm() / ref.norm()).item()
+                took = launch.fast is not None
+                print(f"{name} {rows}x{C} {path} (compiled-kernel runner in use: {took}): back to back "
+                      f"{back_to_back_us(lambda: launch(env)):.1f} us per call, host {host_us(lambda: launch(env)):.1f} "
+                      f"us, do_bench {do_bench(lambda: launch(env), warmup=5, rep=50, return_mode='median') * 1e3:.1f} "
+                      f"us, relative error {err:.1e}", flush=True)
+
+
 def report(label, fn):
     bench = do_bench(fn, warmup=5, rep=100, return_mode="median") * 1e3
     k, n = kernel_us(fn)
@@ -50,6 +86,8 @@ def report(label, fn):
 
 
 def main():
+    if "--fast" in sys.argv:
+        return fast_against_jit()
     for name in ("column_center", "column_standardize"):
         k, strides = pattern_kernel(name, (R, C))
         cfg = Config(32, 1024, 64, 8, persistent=128, coop=True, tma=True)

@@ -118,7 +118,9 @@ class Launch:
         self.out_specs = [(graph.type_of[t].shape, graph.type_of[t].dtype) for t in spec.outputs]
         self.grid = (spec.grid,)
         self.fast: list | None = None  # one compiled-kernel runner per phase
-        self.fast_ok = not interpreting() and not spec.gluon  # Gluon kernels (descriptors) go through the JIT
+        # Gluon kernels too: the compiled kernel's launcher turns each TensorDescriptor into a tensor map
+        # (STITCHFLOW_GLUON_JIT=1 keeps them on the JIT's path)
+        self.fast_ok = not interpreting() and not (spec.gluon and os.environ.get("STITCHFLOW_GLUON_JIT") == "1")
         self.resident_checked = False
         self.counters: dict = {}  # (device, stream) -> the row counters (see _counters)
         # the interpreter runs programs one at a time and takes no launch attributes
