@@ -10,6 +10,7 @@ the device, so later processes skip the timing.
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import importlib.util
 import json
@@ -184,19 +185,25 @@ class Launch:
 def tma_descriptor(t: torch.Tensor, box: tuple[int, ...], view: tuple[int, ...] | None = None):
     """A Hopper TMA descriptor of `t` (seen as `view` when given: batch norm's planes as
     [N*C, rows, cols]) in `box` tiles, with the shared-memory layout the kernel allocates its
-    buffers in (Gluon; imported here only for TMA-fed kernels). 2-D boxes take the swizzled
-    default; 3-D ones none (their buffers are read back as one flat tile)."""
-    from triton.experimental.gluon import language as gl
+    buffers in (Gluon; imported here only for TMA-fed kernels)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    dtype = {torch.float32: gl.float32, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[t.dtype]
     if view is not None:
         t = t.view(view)
+    return TensorDescriptor.from_tensor(t, list(box), _tma_layout(tuple(box), t.dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _tma_layout(box: tuple[int, ...], dtype: torch.dtype):
+    """2-D boxes take the swizzled default; 3-D ones none (their buffers are read back as one flat
+    tile). Cached: building the layout was a third of a descriptor's host time, paid every call."""
+    from triton.experimental.gluon import language as gl
+
     if len(box) == 2:
-        layout = gl.NVMMASharedLayout.get_default_for(list(box), dtype)
-    else:
-        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=t.element_size() * 8, rank=len(box))
-    return TensorDescriptor.from_tensor(t, list(box), layout)
+        gl_dtype = {torch.float32: gl.float32, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+        return gl.NVMMASharedLayout.get_default_for(list(box), gl_dtype)
+    bits = torch.empty((), dtype=dtype).element_size() * 8
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=len(box))
 
 
 def _sms(device) -> int:
