@@ -46,7 +46,10 @@ class Program:
             raise StitchflowError(f"target {target!r} cannot run region {r.name}: {why}")
         self._compiled = [self.target.compile_region(self.graph, r, captured.param_values, self.options) for r in self.regions]
         use_graphs = self.options.get("cuda_graphs", target == "gpu")
-        self._replay = _GraphReplay(self) if use_graphs else None
+        if use_graphs not in (True, False, "always"):
+            raise StitchflowError(f"options['cuda_graphs'] must be True (replay where a replay is faster), False or "
+                                  f"'always' (replay even where it is slower), not {use_graphs!r}")
+        self._replay = _GraphReplay(self, keep_always=use_graphs == "always") if use_graphs else None
 
     @property
     def graph(self) -> Graph:
@@ -125,12 +128,15 @@ class _GraphReplay:
     timed, the graph captured on the third is timed too and kept only if it is faster: a replay
     copies the inputs in and clones the outputs out, which costs more than it saves when the
     device, not the host, is the bottleneck. A capture that fails (a host sync, a sparse op) is
-    logged and the program keeps running normally."""
+    logged and the program keeps running normally. `keep_always` keeps a captured graph without
+    the comparison (options={"cuda_graphs": "always"}: a host-bound loop whose timing at the third
+    call is not representative, and tests that must exercise the replay whatever the timing)."""
 
     WARMUP_CALLS = 2
 
-    def __init__(self, prog: Program):
+    def __init__(self, prog: Program, keep_always: bool = False):
         self.prog = prog
+        self.keep_always = keep_always
         self.calls = 0
         self.failed: str | None = None  # why calls run without a graph (capture failed, not worth it)
         self.plain_ms = float("inf")
@@ -155,7 +161,7 @@ class _GraphReplay:
             if not self._capture(inputs):
                 return rebuild_outputs(prog.captured, prog._run(prog._bind(inputs)))
             replay_ms, outputs = _best_of(lambda: self._replay(inputs))
-            if replay_ms > self.plain_ms:  # device-bound: the copies cost more than dispatch
+            if replay_ms > self.plain_ms and not self.keep_always:  # device-bound: copies cost more than dispatch
                 self.graph, self.static_inputs, self.static_env = None, [], {}
                 self.failed = f"not worth a graph: a replay took {replay_ms:.3f} ms, a plain call {self.plain_ms:.3f} ms"
                 log.info("stitchflow: no CUDA graph, %s", self.failed)

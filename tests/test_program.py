@@ -97,6 +97,17 @@ def test_bad_region_lists_are_refused():
         stitchflow.compile(model, inputs, fusion="everything")
 
 
+def test_cuda_graphs_option_is_checked():
+    """True, False and "always" (keep the replay without timing it against a plain call) are accepted;
+    anything else is refused with the values it may take."""
+    fn = lambda x: x * 2  # noqa: E731
+    for value in (True, False, "always"):
+        assert_close(stitchflow.compile(fn, (torch.randn(3),), options={"cuda_graphs": value})(torch.ones(3)),
+                     torch.full((3,), 2.0))
+    with pytest.raises(stitchflow.StitchflowError, match="'always'"):
+        stitchflow.compile(fn, (torch.randn(3),), options={"cuda_graphs": "sometimes"})
+
+
 class Untraceable(nn.Module):
     """Python control flow on a shape: FX symbolic tracing fails, torch.export does not."""
 

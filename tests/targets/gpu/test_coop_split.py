@@ -165,7 +165,8 @@ def test_coop_split_replays_as_a_cuda_graph():
     module = PATTERNS["column_standardize"].module()
     args = PATTERNS["column_standardize"].make((8200, 96), torch.float32, "cuda", torch.Generator().manual_seed(0))
     prog = stitchflow.compile(module, args, target="gpu", fusion="full",
-                              options={"block_p": 32, "block_l": 512, "split": 17, "num_warps": 8, "coop": True})
+                              options={"block_p": 32, "block_l": 512, "split": 17, "num_warps": 8, "coop": True,
+                                       "cuda_graphs": "always"})
     for seed in range(5):
         fresh = PATTERNS["column_standardize"].make((8200, 96), torch.float32, "cuda",
                                                     torch.Generator().manual_seed(seed))

@@ -15,7 +15,7 @@ def test_replay_follows_new_inputs(app):
     model, inputs = APPS[app].build(size="small")
     model = model.cuda()
     inputs = [x.cuda() for x in inputs]
-    prog = stitchflow.compile(model, inputs, target="gpu", fusion="auto")
+    prog = stitchflow.compile(model, inputs, target="gpu", fusion="auto", options={"cuda_graphs": "always"})
     with torch.no_grad():
         for call in range(5):
             fresh = [torch.randn_like(x) if x.is_floating_point() and x.dim() > 2 else x for x in inputs]
