@@ -12,10 +12,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
-from stitchflow.bench.stitching_patterns import PATTERNS, pattern_kernel
-from stitchflow.targets.gpu.codegen import build_kernel
-from stitchflow.targets.gpu.mapping import Config
+from stitchflow.bench.stitching_patterns import PATTERNS
 from stitchflow.targets.gpu.runtime import Launch
+
+sys.path.insert(0, "scripts")
+from column_wide_probe import generated_column  # noqa: E402 - a sibling script
 
 R, C = 65536, 1024
 
@@ -58,12 +59,7 @@ def fast_against_jit():
     (STITCHFLOW_GLUON_JIT=1's path), at the bench's shape and an eighth of it."""
     for name in ("column_center", "column_standardize"):
         for rows in (R, R // 8):
-            k, strides = pattern_kernel(name, (rows, C))
-            split = rows // 1024
-            cfg = Config(32, 1024, split, 8, persistent=128 // split * split, coop=True, tma=True)
-            spec = build_kernel(k.graph, [(k.plans[0], cfg)], strides, False, k.title, k.group_names)
-            args = PATTERNS[name].make((rows, C), torch.float32, "cuda", torch.Generator().manual_seed(0))
-            env = dict(zip(k.inputs, args if isinstance(args, tuple) else (args,)))
+            k, spec, env = generated_column(name, rows)
             ref = PATTERNS[name].module()(*env.values())
             for path in ("fast", "jit"):
                 launch = Launch(k.graph, spec, name)
@@ -89,14 +85,9 @@ def main():
     if "--fast" in sys.argv:
         return fast_against_jit()
     for name in ("column_center", "column_standardize"):
-        k, strides = pattern_kernel(name, (R, C))
-        cfg = Config(32, 1024, 64, 8, persistent=128, coop=True, tma=True)
-        spec = build_kernel(k.graph, [(k.plans[0], cfg)], strides, False, k.title, k.group_names)
-        args = PATTERNS[name].make((R, C), torch.float32, "cuda", torch.Generator().manual_seed(0))
-        env = dict(zip(k.inputs, args if isinstance(args, tuple) else (args,)))
+        k, spec, env = generated_column(name)
         launch = Launch(k.graph, spec, name)
         report(f"generated {name}", lambda: launch(env))
-    sys.path.insert(0, "scripts")
     from column_wide_probe import BOX, HALF, column_wide
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
