@@ -3,8 +3,9 @@ column_standardize (65536x1024 fp32, the bench's config) and the hand-written ke
 do_bench median, the host's time per call without synchronising, and the kernel's own duration from the profiler
 (CUPTI). Not a test.
 
-    python scripts/launch_overhead_probe.py [--fast]
+    python scripts/launch_overhead_probe.py [--fast | --fast-small]
 """
+import itertools
 import sys
 import time
 
@@ -54,24 +55,23 @@ def back_to_back_us(fn, calls=200):
     return (time.perf_counter() - t) / calls * 1e6
 
 
-def fast_against_jit():
+def fast_against_jit(shapes=(R, R // 8), rounds: int = 1):
     """The generated Gluon kernels launched through the compiled kernel (Launch's fast path) against Triton's JIT
-    (STITCHFLOW_GLUON_JIT=1's path), at the bench's shape and an eighth of it."""
-    for name in ("column_center", "column_standardize"):
-        for rows in (R, R // 8):
-            k, spec, env = generated_column(name, rows)
-            ref = PATTERNS[name].module()(*env.values())
-            for path in ("fast", "jit"):
-                launch = Launch(k.graph, spec, name)
-                launch.fast_ok = path == "fast"
-                for _ in range(3):  # the third call runs on the path under test
-                    launch(env)
-                err = ((env[spec.outputs[0]] - ref).norm() / ref.norm()).item()
-                took = launch.fast is not None
-                print(f"{name} {rows}x{C} {path} (compiled-kernel runner in use: {took}): back to back "
-                      f"{back_to_back_us(lambda: launch(env)):.1f} us per call, host {host_us(lambda: launch(env)):.1f} "
-                      f"us, do_bench {do_bench(lambda: launch(env), warmup=5, rep=50, return_mode='median') * 1e3:.1f} "
-                      f"us, relative error {err:.1e}", flush=True)
+    (STITCHFLOW_GLUON_JIT=1's path), at the bench's shape and an eighth of it; `rounds` times over in turn."""
+    for name, rows, _ in itertools.product(("column_center", "column_standardize"), shapes, range(rounds)):
+        k, spec, env = generated_column(name, rows)
+        ref = PATTERNS[name].module()(*env.values())
+        for path in ("fast", "jit"):
+            launch = Launch(k.graph, spec, name)
+            launch.fast_ok = path == "fast"
+            for _ in range(3):  # the third call runs on the path under test
+                launch(env)
+            err = ((env[spec.outputs[0]] - ref).norm() / ref.norm()).item()
+            took = launch.fast is not None
+            print(f"{name} {rows}x{C} {path} (compiled-kernel runner in use: {took}): back to back "
+                  f"{back_to_back_us(lambda: launch(env)):.1f} us per call, host {host_us(lambda: launch(env)):.1f} "
+                  f"us, do_bench {do_bench(lambda: launch(env), warmup=5, rep=50, return_mode='median') * 1e3:.1f} "
+                  f"us, relative error {err:.1e}", flush=True)
 
 
 def report(label, fn):
@@ -84,6 +84,8 @@ def report(label, fn):
 def main():
     if "--fast" in sys.argv:
         return fast_against_jit()
+    if "--fast-small" in sys.argv:  # the eighth only, three rounds: host times vary between runs
+        return fast_against_jit((R // 8,), rounds=3)
     for name in ("column_center", "column_standardize"):
         k, spec, env = generated_column(name)
         launch = Launch(k.graph, spec, name)
