@@ -142,7 +142,7 @@ class Launch:
             if not self.resident_checked and spec.coop_group and not interpreting() and (
                     spec.gluon or spec.cooperative or spec.coop_group > max_coop_split(_sms(device))):
                 self._check_residency(args, device)
-            self.resident_checked = True  # once: Gluon kernels come here on every call
+            self.resident_checked = True  # once (a kernel without the fast path comes here on every call)
             compiled = [self.module.kernel[self.grid](*args, PHASE=phase, num_warps=spec.num_warps,
                                                       **self.launch_options)
                         for phase in range(spec.phases)]
