@@ -22,15 +22,28 @@ from column_wide_probe import generated_column  # noqa: E402 - a sibling script
 R, C = 65536, 1024
 
 
-def host_us(fn, calls=20):
+def per_call_us(fn, calls: int, until_done: bool) -> float:
+    """Wall time per call of `calls` calls in a loop: until the host has issued them (until_done=False: the host's
+    own time, as long as the launch queue does not fill) or until the device has run them (what a user's loop
+    sees, back to back with no flush between)."""
     fn()
     torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(calls):
         fn()
-    host = (time.perf_counter() - t) / calls
+    if until_done:
+        torch.cuda.synchronize()
+    took = (time.perf_counter() - t) / calls
     torch.cuda.synchronize()
-    return host * 1e6
+    return took * 1e6
+
+
+def host_us(fn):
+    return per_call_us(fn, 20, until_done=False)
+
+
+def back_to_back_us(fn):
+    return per_call_us(fn, 200, until_done=True)
 
 
 def kernel_us(fn, calls=20):
@@ -42,17 +55,6 @@ def kernel_us(fn, calls=20):
         torch.cuda.synchronize()
     times = sorted(e.device_time for e in prof.events() if e.device_type.name == "CUDA" and e.device_time > 50)
     return times[len(times) // 2] if times else float("nan"), len(times)
-
-
-def back_to_back_us(fn, calls=200):
-    """Per-call time of calls issued back to back (no flush between): what a user's loop sees."""
-    fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / calls * 1e6
 
 
 def fast_against_jit(shapes=(R, R // 8), rounds: int = 1):
