@@ -5,7 +5,7 @@ kernels against eager PyTorch and torch.compile (default mode), same process, sa
     stitchflow.bench.stitching.run(patterns=None, out_dir="bench-results")
 
 Every competitor is checked against eager first (relative error), then timed with
-triton.testing.do_bench medians, rotating several input sets when the data fits in L2.
+medians over calls (each after a clean L2 eviction), rotating several input sets when the data fits in L2.
 Bandwidth is the traffic floor (inputs read once, outputs written once) over the time, as a
 fraction of a device-to-device copy measured in the same run.
 """
@@ -34,15 +34,16 @@ LARGE_BYTES = 256 << 20  # patterns moving at least this much count as large-sha
 
 
 def copy_bandwidth(device) -> float:
-    """Bytes/s of a large device-to-device copy, counting bytes read plus bytes written."""
-    from triton.testing import do_bench
+    """Bytes/s of a large device-to-device copy, counting bytes read plus bytes written, timed as the
+    patterns are (`_time`)."""
+    from stitchflow.targets.gpu.timing import timed_median
 
     src = torch.empty(1 << 28, dtype=torch.float32, device=device).normal_()
     dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    seconds = timed_median(lambda: dst.copy_(src), budget_s=0.2)
     nbytes = 2 * src.numel() * src.element_size()
     del src, dst
-    return nbytes / (ms * 1e-3)
+    return nbytes / seconds
 
 
 def _l2_bytes(device) -> int:
@@ -58,17 +59,21 @@ def _input_sets(pat, shape, device, l2: int):
 
 
 def _time(fn, sets) -> float:
-    from triton.testing import do_bench
+    """Median µs of plain calls, L2 evicted clean before each (`timing.timed_median`). do_bench's flush
+    zeroes 256 MB and leaves L2 full of dirty lines, whose write-back then lands in the timed call: extra
+    DRAM traffic that is not the pattern's, and a larger share of a 0.5 GB pattern than of the 2 GB copy
+    that sets the ceiling."""
+    from stitchflow.targets.gpu.timing import timed_median
 
     cycle = itertools.cycle(sets)
-    return do_bench(lambda: fn(*next(cycle)), warmup=10, rep=60, return_mode="median") * 1e3  # us
+    return timed_median(lambda: fn(*next(cycle)), budget_s=0.06) * 1e6
 
 
 ROUNDS = 3  # each competitor timed this many times, in turn
 
 
 def _time_in_rounds(fns: dict, sets, rounds: int = ROUNDS) -> dict[str, list[float]]:
-    """Each callable's do_bench median, `rounds` times over, the competitors in turn: a stall on the host that
+    """Each callable's median (`_time`), `rounds` times over, the competitors in turn: a stall on the host that
     idles the GPU through one round (end to end 216.6 µs for a 137.5 µs kernel, once, on the H100) then shows as
     one outlier round instead of the result."""
     times: dict[str, list[float]] = {key: [] for key in fns}
@@ -188,8 +193,9 @@ def markdown(rows, info: dict, summ: dict) -> str:
         f"Command: `{info['command']}`  ",
         f"Device: {info['device']}; {info['date']}; torch {info['torch']}, triton {info['triton']}  ",
         f"Measured device-to-device copy bandwidth (read + write): {info['copy_bw_tbs']:.2f} TB/s  ",
-        f"Times are the median of {ROUNDS} rounds (the competitors timed in turn) of `triton.testing.do_bench` "
-        "medians; input sets rotate when the data fits in L2; bandwidth is "
+        f"Times are the median of {ROUNDS} rounds (the competitors timed in turn) of medians over calls, "
+        "each call after L2 is evicted clean by reading 256 MB (`targets/gpu/timing.py`; do_bench's zeroing "
+        "flush left dirty lines whose write-back was charged to the timed call), the copy too; input sets rotate when the data fits in L2; bandwidth is "
         "the traffic floor (inputs read once, outputs written once) over the time. Every result was checked "
         "against eager before timing. stitchflow: `stitchflow.compile(..., target=\"gpu\", fusion=\"full\", "
         "options={\"cuda_graphs\": False})`, end to end through `Program.__call__` (each call launches its one "

@@ -321,7 +321,7 @@ class GroupKernel:
         return hashlib.sha256(f"{CODEGEN_VERSION}|{dev}|{sig}|{text}".encode()).hexdigest()[:32]
 
     def _tune(self, configs, strides, env, key) -> Launch:
-        from triton.testing import do_bench
+        from .timing import timed_median
 
         best, best_t, timings = None, float("inf"), {}
         for v, cfgs in enumerate(configs):
@@ -330,7 +330,7 @@ class GroupKernel:
                 scratch = dict(env)
                 launch(scratch)
                 torch.cuda.synchronize()
-                t = do_bench(lambda: launch(scratch), warmup=5, rep=20, return_mode="median")
+                t = timed_median(lambda: launch(scratch), budget_s=0.02) * 1e3  # ms
             except Exception as err:  # a config the device cannot run (resources): skip it
                 log.info("config %s failed: %s", [str(c) for c in cfgs], err)
                 continue
