@@ -4,7 +4,10 @@ column_standardize (65536x1024 fp32, the bench's config), each generated source 
 - "scale after the sum": mean = sum_k(x * 1/N) summed first and scaled once (the IR's mean is a sum of scaled
   elements, one multiply per element);
 - "shifted piece variance" (standardize): the piece's centred sum of squares as S2 - S1^2/n over d = x - K, K the
-  piece's first row (loaded before the piece lands), so both reductions run at once instead of one after the other.
+  piece's first row (loaded before the piece lands), so both reductions run at once instead of one after the other;
+- "shifted, single use" and "shifted, one tree" (standardize): the same sums with d formed separately for each (a d
+  used by both reductions stays live beside the piece and spilled), as two sums or as one two-value reduction
+  (one shuffle tree and one shared-memory round for both).
 
 Every variant is checked against eager and timed in rounds (the variants in turn). Not a test.
 
@@ -14,12 +17,12 @@ import dataclasses
 import statistics
 
 import torch
-from triton.testing import do_bench
 
 from stitchflow.bench.stitching_patterns import PATTERNS, pattern_kernel
 from stitchflow.targets.gpu.codegen import build_kernel
 from stitchflow.targets.gpu.mapping import Config
 from stitchflow.targets.gpu.runtime import Launch
+from stitchflow.targets.gpu.timing import timed_median
 
 R, C = 65536, 1024
 SCALED_SUM = """        t4 = (x3 * (1.52587890625e-05))
@@ -46,6 +49,18 @@ SHIFTED = """        d9 = x3 - k0
         gl.store(buf0_mean + pid_s * 1024 + p, r6)
         r15 = gl.maximum(s2 - s1 * s1 * (1.0 / 1024), 0.0) * (1.52587890625e-05)
 """
+SINGLE_USE = """        s1 = gl.sum(x3 - k0, axis=1, keep_dims=True)
+        s2 = gl.sum((k0 - x3) * (k0 - x3), axis=1, keep_dims=True)
+""" + SHIFTED.split("\n", 3)[3]
+ONE_TREE = """        s1, s2 = gl.reduce((x3 - k0, (k0 - x3) * (k0 - x3)), 1, _add_pairs, keep_dims=True)
+""" + SHIFTED.split("\n", 3)[3]
+ADD_PAIRS = """
+@gluon.jit
+def _add_pairs(a1, a2, b1, b2):
+    return a1 + b1, a2 + b2
+
+@gluon.jit
+def _part0("""
 WAIT = "        mbarrier.wait(bar, it & 1)\n"
 
 
@@ -59,6 +74,9 @@ def variants(name: str, src: str) -> dict:
                               SHIFTED)
         # K: the piece's first row, read (from L2 or DRAM) while the piece lands
         out["shifted piece variance"] = shifted.replace(WAIT, "        k0 = gl.load(in0_x + lo * 1024 + p)\n" + WAIT)
+        for label, body in (("shifted, single use", SINGLE_USE), ("shifted, one tree", ONE_TREE)):
+            edited = out["shifted piece variance"].replace(SHIFTED, body)
+            out[label] = edited.replace("\n@gluon.jit\ndef _part0(", ADD_PAIRS, 1)
     return out
 
 
@@ -80,7 +98,7 @@ def main():
         times = {label: [] for label in launches}
         for _ in range(3):
             for label, launch in launches.items():
-                times[label].append(do_bench(lambda: launch(env), warmup=5, rep=100, return_mode="median") * 1e3)
+                times[label].append(timed_median(lambda: launch(env), budget_s=0.1) * 1e6)
         for label, ts in times.items():
             print(f"{name} {label}: {statistics.median(ts):.1f} us (rounds {', '.join(f'{t:.1f}' for t in ts)})",
                   flush=True)
