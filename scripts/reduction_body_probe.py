@@ -7,7 +7,8 @@ column_standardize (65536x1024 fp32, the bench's config), each generated source 
   piece's first row (loaded before the piece lands), so both reductions run at once instead of one after the other;
 - "shifted, single use" and "shifted, one tree" (standardize): the same sums with d formed separately for each (a d
   used by both reductions stays live beside the piece and spilled), as two sums or as one two-value reduction
-  (one shuffle tree and one shared-memory round for both).
+  (one shuffle tree and one shared-memory round for both); each with K loaded from global memory before the piece
+  lands, or a block ahead (loaded with the partials after the barrier).
 
 Every variant is checked against eager and timed in rounds (the variants in turn). Not a test.
 
@@ -62,6 +63,14 @@ def _add_pairs(a1, a2, b1, b2):
 @gluon.jit
 def _part0("""
 WAIT = "        mbarrier.wait(bar, it & 1)\n"
+WAIT_K = "        k0 = gl.load(in0_x + lo * 1024 + p)\n" + WAIT
+COLUMNS = "gl.arange(0, 32, layout=gl.SliceLayout(1, LAYOUT))[:, None]"
+FIRST_K_AT = "    it = 0\n"
+FIRST_K = f"    k0 = gl.load(in0_x + lo * 1024 + grp * 32 + {COLUMNS})\n"
+SPIN = "            arrived = gl.atomic_add(buf2_rows_arrived + pid_p, 0, sem='acquire', scope='gpu')\n"
+NEXT_K = (f"        k_next = gl.load(in0_x + lo * 1024 + (pid_p + 2) * 32 + {COLUMNS}, "
+          f"mask=(pid_p + 2) * 32 + {COLUMNS} < 1024, other=0.0)\n")
+LOOP_END = "        it += 1\n"
 
 
 def variants(name: str, src: str) -> dict:
@@ -73,10 +82,15 @@ def variants(name: str, src: str) -> dict:
         shifted = src.replace(SCALED_SUM + "        gl.store(buf0_mean + pid_s * 1024 + p, r6)\n" + PIECE_VARIANCE,
                               SHIFTED)
         # K: the piece's first row, read (from L2 or DRAM) while the piece lands
-        out["shifted piece variance"] = shifted.replace(WAIT, "        k0 = gl.load(in0_x + lo * 1024 + p)\n" + WAIT)
+        out["shifted piece variance"] = shifted.replace(WAIT, WAIT_K)
         for label, body in (("shifted, single use", SINGLE_USE), ("shifted, one tree", ONE_TREE)):
             edited = out["shifted piece variance"].replace(SHIFTED, body)
             out[label] = edited.replace("\n@gluon.jit\ndef _part0(", ADD_PAIRS, 1)
+            # K loaded a block ahead, with the partials after the barrier: a load issued just before the wait
+            # queues behind the previous block's stores, and the swizzled piece in shared memory cannot be sliced
+            ahead = shifted.replace(WAIT_K, WAIT).replace(SHIFTED, body).replace(FIRST_K_AT, FIRST_K + FIRST_K_AT)
+            ahead = ahead.replace(SPIN, SPIN + NEXT_K).replace(LOOP_END, LOOP_END + "        k0 = k_next\n")
+            out[label + ", K a block ahead"] = ahead.replace("\n@gluon.jit\ndef _part0(", ADD_PAIRS, 1)
     return out
 
 
