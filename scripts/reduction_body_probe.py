@@ -8,13 +8,16 @@ column_standardize (65536x1024 fp32, the bench's config), each generated source 
 - "shifted, single use" and "shifted, one tree" (standardize): the same sums with d formed separately for each (a d
   used by both reductions stays live beside the piece and spilled), as two sums or as one two-value reduction
   (one shuffle tree and one shared-memory round for both); each with K loaded from global memory before the piece
-  lands, or a block ahead (loaded with the partials after the barrier).
+  lands, or a block ahead (loaded with the partials after the barrier);
+- "one combine tree" (standardize): after the barrier, the partials' two sums (mean; centred squares with the spread
+  about piece 0's mean) as one two-value reduction, one cross-warp round instead of two.
 
 Every variant is checked against eager and timed in rounds (the variants in turn). Not a test.
 
     python scripts/reduction_body_probe.py
 """
 import dataclasses
+import re
 import statistics
 
 import torch
@@ -73,6 +76,19 @@ NEXT_K = (f"        k_next = gl.load(in0_x + lo * 1024 + (pid_p + 2) * 32 + {COL
 LOOP_END = "        it += 1\n"
 
 
+def one_combine_tree(src: str) -> str:
+    """The mean's sum over the partials and the variance's (independent of it: the spread is about piece 0's mean)
+    as one two-value reduction: one cross-warp round after the barrier instead of two."""
+    mean_sum = re.search(r"        (r\d+) = gl.sum\((parts\d+), axis=1, keep_dims=True\)\n        (v\d+) = \1.to\(gl.float32\)\n",
+                         src)
+    var_sum = re.search(r"        (r\d+) = gl.sum\((parts\d+ \+ [^\n]*), axis=1, keep_dims=True\)\n", src)
+    assert mean_sum and var_sum, "the generated combine changed: update the probe"
+    (r_mean, parts, v_mean), (r_var, terms) = mean_sum.groups(), var_sum.groups()
+    src = src.replace(mean_sum.group(0), "")
+    return src.replace(var_sum.group(0), f"        {r_mean}, {r_var} = gl.reduce(({parts}, {terms}), 1, _add_pairs, "
+                                         f"keep_dims=True)\n        {v_mean} = {r_mean}.to(gl.float32)\n")
+
+
 def variants(name: str, src: str) -> dict:
     out = {"generated": src}
     assert SCALED_SUM in src, "the generated mean changed: update the probe"
@@ -91,6 +107,8 @@ def variants(name: str, src: str) -> dict:
             ahead = shifted.replace(WAIT_K, WAIT).replace(SHIFTED, body).replace(FIRST_K_AT, FIRST_K + FIRST_K_AT)
             ahead = ahead.replace(SPIN, SPIN + NEXT_K).replace(LOOP_END, LOOP_END + "        k0 = k_next\n")
             out[label + ", K a block ahead"] = ahead.replace("\n@gluon.jit\ndef _part0(", ADD_PAIRS, 1)
+        out["one combine tree"] = one_combine_tree(src).replace("\n@gluon.jit\ndef _part0(", ADD_PAIRS, 1)
+        out["one combine tree, K a block ahead"] = one_combine_tree(out["shifted, single use, K a block ahead"])
     return out
 
 
