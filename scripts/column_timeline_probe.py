@@ -1,0 +1,90 @@
+"""Device probe: where does column_standardize lose its 5-6 µs to column_center? Both generated kernels at the
+bench's config (65536x1024 fp32, pieces of 32x1024, two groups of 64 persistent programs), each edited to stamp
+%globaltimer at five points of every block: the top of the loop, the piece landed (after the mbarrier wait), the
+arrival, the barrier's release (after the spin) and the stores issued (the end of the body). Prints the mean of each
+phase over programs and blocks, and the kernel time with and without the stamps. Not a test.
+
+    PYTHONPATH=. python3 scripts/column_timeline_probe.py
+"""
+from __future__ import annotations
+
+import re
+import statistics
+
+import torch
+
+from stitchflow.bench.stitching_patterns import PATTERNS, pattern_kernel
+from stitchflow.targets.gpu.codegen import build_kernel
+from stitchflow.targets.gpu.mapping import Config
+from stitchflow.targets.gpu.runtime import load_source, tma_descriptor
+from stitchflow.targets.gpu.timing import timed_median
+
+R, C = 65536, 1024
+BLOCKS = 16  # column blocks per group: 32 blocks of 32 columns over two groups
+SPIN = re.compile(r"            arrived = gl.atomic_add\(buf\d+_rows_arrived \+ pid_p, 0, sem='acquire', scope='gpu'\)\n")
+POINTS = ("top", "landed", "arrived", "released", "stored")
+STAMP = ('gl.store(stamps + ((pid * {blocks} + it) * {points} + {k}), gl.inline_asm_elementwise('
+         '"mov.u64 $0, %globaltimer;", "=l,r", [{dep}], dtype=gl.int64, is_pure=False, pack=1))')
+
+
+def stamped(src: str) -> str:
+    """The generated source with a `stamps` argument and a stamp at each of POINTS."""
+    def at(k: int, dep: str, indent: str = "        ") -> str:
+        return indent + STAMP.format(blocks=BLOCKS, points=len(POINTS), k=k, dep=dep) + "\n"
+
+    spin = SPIN.search(src)
+    assert spin, "the generated kernel changed: no acquiring poll"
+    edits = [
+        ("        mbarrier.wait(bar, it & 1)\n", at(0, "pid") + "        mbarrier.wait(bar, it & 1)\n" + at(1, "pid")),
+        ("        arrived += 1\n", "        arrived += 1\n" + at(2, "arrived")),
+        (spin.group(0), spin.group(0) + at(3, "arrived")),
+        ("        it += 1\n", at(4, "pid") + "        it += 1\n"),
+        ("desc0_x, PHASE: gl.constexpr):", "desc0_x, stamps, PHASE: gl.constexpr):"),
+        ("desc0_x, PHASE)", "desc0_x, stamps, PHASE)"),
+    ]
+    for old, new in edits:
+        assert old in src, f"the generated kernel changed: {old.strip()!r} not found"
+        src = src.replace(old, new)
+    return src
+
+
+def kernel_args(k, spec, x):
+    typed = {k.inputs[0]: x}
+    out = [torch.empty(k.graph.type_of[t].shape, dtype=k.graph.type_of[t].dtype, device="cuda") for t in spec.outputs]
+    bufs = [torch.zeros(n, dtype=dt, device="cuda") for _, n, dt in spec.buffers]
+    descs = [tma_descriptor(typed[t], box, view) for t, box, view in spec.tma]
+    return [x] + out + bufs + descs, out[0]
+
+
+def main():
+    cfg = Config(32, 1024, 64, 8, persistent=128, coop=True, tma=True)
+    x = PATTERNS["column_standardize"].make((R, C), torch.float32, "cuda", torch.Generator().manual_seed(0))
+    x = x[0] if isinstance(x, tuple) else x
+    for name in ("column_center", "column_standardize"):
+        k, strides = pattern_kernel(name, (R, C))
+        spec = build_kernel(k.graph, [(k.plans[0], cfg)], strides, False, k.title, k.group_names)
+        assert spec.grid == 128
+        plain, timed = load_source(spec.source).kernel, load_source(stamped(spec.source)).kernel
+        args, out = kernel_args(k, spec, x)
+        stamps = torch.zeros(spec.grid * BLOCKS * len(POINTS), dtype=torch.int64, device="cuda")
+        run_plain = lambda: plain[(spec.grid,)](*args, PHASE=0, num_warps=spec.num_warps)  # noqa: E731
+        run_timed = lambda: timed[(spec.grid,)](*args, stamps, PHASE=0, num_warps=spec.num_warps)  # noqa: E731
+        run_timed()
+        ref = PATTERNS[name].module()(x)
+        print(f"{name}: relative error {((out - ref).norm() / ref.norm()).item():.1e}; kernel "
+              f"{timed_median(run_plain) * 1e6:.1f} us, with stamps {timed_median(run_timed) * 1e6:.1f} us", flush=True)
+        run_timed()
+        torch.cuda.synchronize()
+        t = stamps.view(spec.grid, BLOCKS, len(POINTS)).double() / 1e3  # µs
+        phases = {f"{POINTS[i]} -> {POINTS[i + 1]}": (t[:, :, i + 1] - t[:, :, i]) for i in range(len(POINTS) - 1)}
+        phases["stored -> next top"] = t[:, 1:, 0] - t[:, :-1, 4]
+        for label, d in phases.items():
+            d = d.flatten().tolist()
+            print(f"  {label:22s} mean {statistics.mean(d):6.2f}  median {statistics.median(d):6.2f}  "
+                  f"max {max(d):6.2f} us", flush=True)
+        span = (t[:, -1, 4].max() - t[:, 0, 0].min()).item()
+        print(f"  first top -> last store {span:.1f} us, {span / BLOCKS:.2f} us per block", flush=True)
+
+
+if __name__ == "__main__":
+    main()
