@@ -32,3 +32,22 @@ def test_run_case_fills_a_row(monkeypatch):
     assert row["eager_s"] == row["ours_s"] == row["compile_s"] == 1e-6
     assert row["ours_ok"] and row["plan"] == str(library) and row["dsm"] == []
     torch.testing.assert_close(torch.tensor(row["ours_err"]), torch.tensor(0.0))
+
+
+def test_a_check_that_must_be_refused_passes_only_on_its_refusal():
+    from stitchflow.bench.chains_checks import Refusal, _run_check
+
+    def refuse(message):
+        def fn():
+            raise ValueError(message)
+        return fn
+
+    expected = Refusal("16-bit operands only")
+    assert _run_check(refuse("the transposed kernel takes 16-bit operands only"), expected, 1e-4)["ok"]
+    assert not _run_check(refuse("N <= 256, not gated"), expected, 1e-4)["ok"]       # refused for another reason
+    assert not _run_check(lambda: torch.ones(3), expected, 1e-4)["ok"]                # ran where it should refuse
+    x = torch.randn(5, dtype=torch.float64)
+    assert _run_check(lambda: x + 1e-9, x, 1e-4)["ok"]
+    assert not _run_check(lambda: x + 1.0, x, 1e-4)["ok"]
+    broken = _run_check(refuse("anything"), x, 1e-4)                                  # a broken numeric check
+    assert not broken["ok"] and "ValueError" in broken["error"]
