@@ -4,7 +4,7 @@ bench's config (65536x1024 fp32, pieces of 32x1024, two groups of 64 persistent 
 arrival, the barrier's release (after the spin) and the stores issued (the end of the body). Prints the mean of each
 phase over programs and blocks, and the kernel time with and without the stamps. Not a test.
 
-    PYTHONPATH=. python3 scripts/column_timeline_probe.py
+    PYTHONPATH=.:scripts python3 scripts/column_timeline_probe.py
 """
 from __future__ import annotations
 
@@ -13,13 +13,10 @@ import statistics
 
 import torch
 
-from stitchflow.bench.stitching_patterns import PATTERNS, pattern_kernel
-from stitchflow.targets.gpu.codegen import build_kernel
-from stitchflow.targets.gpu.mapping import Config
-from stitchflow.targets.gpu.runtime import load_source, tma_descriptor
+from column_tma_store_probe import launcher
+from column_wide_probe import generated_column
 from stitchflow.targets.gpu.timing import timed_median
 
-R, C = 65536, 1024
 BLOCKS = 16  # column blocks per group: 32 blocks of 32 columns over two groups
 SPIN = re.compile(r"            arrived = gl.atomic_add\(buf\d+_rows_arrived \+ pid_p, 0, sem='acquire', scope='gpu'\)\n")
 POINTS = ("top", "landed", "arrived", "released", "stored")
@@ -48,31 +45,15 @@ def stamped(src: str) -> str:
     return src
 
 
-def kernel_args(k, spec, x):
-    typed = {k.inputs[0]: x}
-    out = [torch.empty(k.graph.type_of[t].shape, dtype=k.graph.type_of[t].dtype, device="cuda") for t in spec.outputs]
-    bufs = [torch.zeros(n, dtype=dt, device="cuda") for _, n, dt in spec.buffers]
-    descs = [tma_descriptor(typed[t], box, view) for t, box, view in spec.tma]
-    return [x] + out + bufs + descs, out[0]
-
-
 def main():
-    cfg = Config(32, 1024, 64, 8, persistent=128, coop=True, tma=True)
-    x = PATTERNS["column_standardize"].make((R, C), torch.float32, "cuda", torch.Generator().manual_seed(0))
-    x = x[0] if isinstance(x, tuple) else x
     for name in ("column_center", "column_standardize"):
-        k, strides = pattern_kernel(name, (R, C))
-        spec = build_kernel(k.graph, [(k.plans[0], cfg)], strides, False, k.title, k.group_names)
+        k, spec, _ = generated_column(name)
         assert spec.grid == 128
-        plain, timed = load_source(spec.source).kernel, load_source(stamped(spec.source)).kernel
-        args, out = kernel_args(k, spec, x)
         stamps = torch.zeros(spec.grid * BLOCKS * len(POINTS), dtype=torch.int64, device="cuda")
-        run_plain = lambda: plain[(spec.grid,)](*args, PHASE=0, num_warps=spec.num_warps)  # noqa: E731
-        run_timed = lambda: timed[(spec.grid,)](*args, stamps, PHASE=0, num_warps=spec.num_warps)  # noqa: E731
-        run_timed()
-        ref = PATTERNS[name].module()(x)
-        print(f"{name}: relative error {((out - ref).norm() / ref.norm()).item():.1e}; kernel "
-              f"{timed_median(run_plain) * 1e6:.1f} us, with stamps {timed_median(run_timed) * 1e6:.1f} us", flush=True)
+        run_plain, _ = launcher(name, spec.source)
+        run_timed, check = launcher(name, stamped(spec.source), extra=(stamps,))
+        print(f"{name}: relative error {check():.1e}; kernel {timed_median(run_plain) * 1e6:.1f} us, "
+              f"with stamps {timed_median(run_timed) * 1e6:.1f} us", flush=True)
         run_timed()
         torch.cuda.synchronize()
         t = stamps.view(spec.grid, BLOCKS, len(POINTS)).double() / 1e3  # µs

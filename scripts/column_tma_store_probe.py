@@ -6,7 +6,7 @@ tensor copies from a 64 KB staging buffer, in two halves of 512 rows: a copy of 
 arrival's fence need not wait for. Prints each kernel's time, generated and edited, in rounds, and the timeline of
 the edited ones. Not a test.
 
-    PYTHONPATH=. python3 scripts/column_tma_store_probe.py
+    PYTHONPATH=.:scripts python3 scripts/column_tma_store_probe.py
 """
 from __future__ import annotations
 
@@ -15,13 +15,11 @@ import statistics
 
 import torch
 
-from stitchflow.bench.stitching_patterns import PATTERNS, pattern_kernel
-from stitchflow.targets.gpu.codegen import build_kernel
-from stitchflow.targets.gpu.mapping import Config
+from column_wide_probe import generated_column
+from stitchflow.bench.stitching_patterns import PATTERNS
 from stitchflow.targets.gpu.runtime import load_source, tma_descriptor
 from stitchflow.targets.gpu.timing import timed_median
 
-R, C = 65536, 1024
 OUTPUT_STORE = re.compile(r"        gl.store\((out0_\w+) \+ c\d+ \* 1024 \+ c1, (v\d+)\.to\(gl.float32\)\)\n")
 STAGED = """        lo_half, hi_half = gl.split(gl.permute(gl.reshape({value}, [32, 2, 512]), (0, 2, 1)))
         tma.store_wait(0)
@@ -59,34 +57,48 @@ def tma_stored(src: str) -> str:
     return src
 
 
-def main():
-    cfg = Config(32, 1024, 64, 8, persistent=128, coop=True, tma=True)
-    x = PATTERNS["column_standardize"].make((R, C), torch.float32, "cuda", torch.Generator().manual_seed(0))
-    x = x[0] if isinstance(x, tuple) else x
-    runs = {}
-    for name in ("column_center", "column_standardize"):
-        k, strides = pattern_kernel(name, (R, C))
-        spec = build_kernel(k.graph, [(k.plans[0], cfg)], strides, False, k.title, k.group_names)
-        (_, box, view), = spec.tma
+def launcher(name: str, source: str, out_descriptor: bool = False, extra: tuple = ()):
+    """(run, check) for `source`, an edit of the generated kernel of `name` at the bench's config: run launches it
+    directly on the probe's input (with out_descriptor, a TMA descriptor of the output after the input's; then the
+    `extra` arguments); check returns its relative error against eager."""
+    k, spec, env = generated_column(name)
+    (_, box, view), = spec.tma
+    x = env[k.inputs[0]]
+    out = torch.empty_like(x)
+    bufs = [torch.zeros(n, dtype=dt, device="cuda") for _, n, dt in spec.buffers]
+    args = [x, out] + bufs + [tma_descriptor(x, box, view)]
+    args += ([tma_descriptor(out, box, view)] if out_descriptor else []) + list(extra)
+    kernel = load_source(source).kernel
+
+    def run():
+        kernel[(spec.grid,)](*args, PHASE=0, num_warps=spec.num_warps)
+
+    def check() -> float:
+        run()
         ref = PATTERNS[name].module()(x)
-        for label, src, extra in (("generated", spec.source, False), ("TMA stores", tma_stored(spec.source), True)):
-            out = torch.empty_like(x)
-            bufs = [torch.zeros(n, dtype=dt, device="cuda") for _, n, dt in spec.buffers]
-            args = [x, out] + bufs + [tma_descriptor(x, box, view)] + ([tma_descriptor(out, box, view)] if extra else [])
-            kernel = load_source(src).kernel
-            run = (lambda kernel=kernel, args=args:
-                   kernel[(spec.grid,)](*args, PHASE=0, num_warps=spec.num_warps))
-            run()
-            torch.cuda.synchronize()
-            err = ((out - ref).norm() / ref.norm()).item()
-            print(f"{name} {label}: relative error {err:.1e}", flush=True)
-            runs[f"{name} {label}"] = run
+        return ((out - ref).norm() / ref.norm()).item()
+    return run, check
+
+
+def time_rounds(runs: dict, rounds: int = 3) -> None:
+    """Each run's clean-flush median, `rounds` times over with the runs in turn; prints the medians."""
     times = {key: [] for key in runs}
-    for _ in range(3):
+    for _ in range(rounds):
         for key, run in runs.items():
             times[key].append(timed_median(run, budget_s=0.1) * 1e6)
     for key, ts in times.items():
         print(f"{key}: {statistics.median(ts):.1f} us (rounds {', '.join(f'{t:.1f}' for t in ts)})", flush=True)
+
+
+def main():
+    runs = {}
+    for name in ("column_center", "column_standardize"):
+        source = generated_column(name)[1].source
+        for label, src, extra in (("generated", source, False), ("TMA stores", tma_stored(source), True)):
+            run, check = launcher(name, src, extra)
+            print(f"{name} {label}: relative error {check():.1e}", flush=True)
+            runs[f"{name} {label}"] = run
+    time_rounds(runs)
 
 
 if __name__ == "__main__":
