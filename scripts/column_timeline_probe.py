@@ -18,7 +18,8 @@ from column_wide_probe import generated_column
 from stitchflow.targets.gpu.timing import timed_median
 
 BLOCKS = 16  # column blocks per group: 32 blocks of 32 columns over two groups
-SPIN = re.compile(r"            arrived = gl.atomic_add\(buf\d+_rows_arrived \+ pid_p, 0, sem='acquire', scope='gpu'\)\n")
+SPIN = re.compile(r"            arrived = gl.atomic_add\(buf\d+_rows_arrived \+ pid_p, 0, "
+                  r"sem='acquire', scope='gpu'\)\n")
 POINTS = ("top", "landed", "arrived", "released", "stored")
 STAMP = ('gl.store(stamps + ((pid * {blocks} + it) * {points} + {k}), gl.inline_asm_elementwise('
          '"mov.u64 $0, %globaltimer;", "=l,r", [{dep}], dtype=gl.int64, is_pure=False, pack=1))')

@@ -79,8 +79,8 @@ LOOP_END = "        it += 1\n"
 def one_combine_tree(src: str) -> str:
     """The mean's sum over the partials and the variance's (independent of it: the spread is about piece 0's mean)
     as one two-value reduction: one cross-warp round after the barrier instead of two."""
-    mean_sum = re.search(r"        (r\d+) = gl.sum\((parts\d+), axis=1, keep_dims=True\)\n        (v\d+) = \1.to\(gl.float32\)\n",
-                         src)
+    mean_sum = re.search(r"        (r\d+) = gl.sum\((parts\d+), axis=1, keep_dims=True\)\n"
+                         r"        (v\d+) = \1.to\(gl.float32\)\n", src)
     var_sum = re.search(r"        (r\d+) = gl.sum\((parts\d+ \+ [^\n]*), axis=1, keep_dims=True\)\n", src)
     assert mean_sum and var_sum, "the generated combine changed: update the probe"
     (r_mean, parts, v_mean), (r_var, terms) = mean_sum.groups(), var_sum.groups()

@@ -4,8 +4,8 @@ kernels against eager PyTorch and torch.compile (default mode), same process, sa
     python -m stitchflow.bench.stitching [--patterns a,b] [--out-dir DIR] [--markdown BENCHMARKS.md]
     stitchflow.bench.stitching.run(patterns=None, out_dir="bench-results")
 
-Every competitor is checked against eager first (relative error), then timed with
-medians over calls (each after a clean L2 eviction), rotating several input sets when the data fits in L2.
+Every competitor is checked against eager first (relative error), then timed with medians over
+calls (each after a clean L2 eviction), rotating several input sets when the data fits in L2.
 Bandwidth is the traffic floor (inputs read once, outputs written once) over the time, as a
 fraction of a device-to-device copy measured in the same run.
 """
@@ -195,7 +195,8 @@ def markdown(rows, info: dict, summ: dict) -> str:
         f"Measured device-to-device copy bandwidth (read + write): {info['copy_bw_tbs']:.2f} TB/s  ",
         f"Times are the median of {ROUNDS} rounds (the competitors timed in turn) of medians over calls, "
         "each call after L2 is evicted clean by reading 256 MB (`targets/gpu/timing.py`; do_bench's zeroing "
-        "flush left dirty lines whose write-back was charged to the timed call), the copy too; input sets rotate when the data fits in L2; bandwidth is "
+        "flush left dirty lines whose write-back was charged to the timed call), the copy too; input sets "
+        "rotate when the data fits in L2; bandwidth is "
         "the traffic floor (inputs read once, outputs written once) over the time. Every result was checked "
         "against eager before timing. stitchflow: `stitchflow.compile(..., target=\"gpu\", fusion=\"full\", "
         "options={\"cuda_graphs\": False})`, end to end through `Program.__call__` (each call launches its one "

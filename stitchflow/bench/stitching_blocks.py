@@ -86,7 +86,8 @@ def markdown(rows: list[dict], info: dict) -> str:
              "bf16, `APPS[...].build(size=\"default\")` (BERT: bert-base, Llama: llama3-8b); stitchflow uses "
              "`fusion=\"auto\"`, its GEMM chains autotuned against cuBLAS, and each call of a gpu program replays "
              f"as one CUDA graph after warm-up. The median of {ROUNDS} rounds (the runners timed in turn) of "
-             "medians over calls, L2 evicted clean before each (`targets/gpu/timing.py`), all runners in one process, "
+             "medians over calls, L2 evicted clean before each (`targets/gpu/timing.py`), all runners in one "
+             "process, "
              "same inputs; every runner is checked against eager first (relative error ≤ 2e-2).", "",
              head, "|" + "---|" * 9]
     for r in rows:
