@@ -21,7 +21,7 @@ from .common import collect_param_formats, make_generator, small_uniform, sparse
 ACTIVATIONS = ("relu", "softmax", "none")
 
 
-def _activate(h: torch.Tensor, activation: str) -> torch.Tensor:
+def activate(h: torch.Tensor, activation: str) -> torch.Tensor:
     """Apply a layer's activation; ``activation`` is a constructor constant, so this traces."""
     if activation == "relu":
         return torch.relu(h)
@@ -58,7 +58,7 @@ class GCNLayer(nn.Module):
     def forward(self, a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         h = (a @ x) @ self.weight if self.association == "ax_w" else a @ (x @ self.weight)
         h = h + self.bias
-        return _activate(h, self.activation)
+        return activate(h, self.activation)
 
 
 class SAGELayer(nn.Module):
@@ -80,7 +80,7 @@ class SAGELayer(nn.Module):
         h_self = x @ self.weight_self
         h_neigh = (a @ x) @ self.weight_neigh
         h = h_self + h_neigh + self.bias
-        return _activate(h, self.activation)
+        return activate(h, self.activation)
 
 
 class _StackedGNN(nn.Module):
