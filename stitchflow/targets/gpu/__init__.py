@@ -133,8 +133,7 @@ def region_chains(graph: Graph, region: Region) -> list[tuple[str, ...]]:
     by the chain's last node (so fusing them writes nothing the rest of the program needs)."""
     inside = set(region.nodes)
     chains = [c for c in match_chains(graph) if set(c) <= inside]
-    taken = {n for c in chains for n in c}
-    chains += [c for c in match_gemm_epilogues(graph, exclude=taken) if set(c) <= inside]
+    chains += [c for c in match_gemm_epilogues(graph, chains) if set(c) <= inside]
     return chains
 
 

@@ -196,29 +196,44 @@ def match_chains(graph: Graph) -> list[tuple[str, ...]]:
     return found
 
 
-def match_gemm_epilogues(graph: Graph, exclude=()) -> list[tuple[str, ...]]:
-    """GEMM followed by any of: bias add, one activation, residual add (in that order)."""
-    found, taken = [], set(exclude)
+def match_gemm_epilogues(graph: Graph, chains=()) -> list[tuple[str, ...]]:
+    """GEMM followed by any of: bias add, one activation, residual add (in that order), beside the
+    `chains` already matched. Only a chain's last node is stored, so no two chains share a node, no
+    residual is a node inside another chain, and a value one chain reads as its residual is no
+    chain's inner node: GraphSAGE's x·Ws + (A·x)·Wn once matched both GEMMs with the same add,
+    and one of them was never computed."""
+    found, taken = [], {n for c in chains for n in c}
+    unstored, read = {n for c in chains for n in c[:-1]}, set()
     for node in graph.nodes:
         c = _contraction(node)
-        if c is None or node.name in taken:
+        if c is None or node.name in taken or node.name in read:
             continue
-        spec = _epilogue_spec(graph, c)
-        if spec is not None and len(spec.nodes) > 1:
+        spec = _epilogue_spec(graph, c, stop=taken, unstored=unstored)
+        inner = [i for i, name in enumerate(spec.nodes[:-1]) if name in read]
+        if inner:
+            spec = _epilogue_spec(graph, c, limit=inner[0] + 1)
+        if len(spec.nodes) > 1:
             found.append(spec.nodes)
             taken |= set(spec.nodes)
+            unstored |= set(spec.nodes[:-1])
+            read |= {spec.residual} - {None}
     return found
 
 
-def _epilogue_spec(graph: Graph, c: Contraction) -> ChainSpec:
+def _epilogue_spec(graph: Graph, c: Contraction, limit: int | None = None, stop=frozenset(),
+                   unstored=frozenset()) -> ChainSpec:
+    """The longest epilogue after GEMM `c` (at most `limit` nodes with the GEMM), ending before a
+    node in `stop` or an add whose other operand is in `unstored` (computed inside another chain)."""
     spec = dict(bias1=None, act="none", residual=None)
     nodes = [c.node]
     for node, (kind, arg) in _walk_elementwise(graph, c.node):
+        if node.name in stop or (limit is not None and len(nodes) >= limit):
+            break
         if kind == "bias" and spec["bias1"] is None and spec["act"] == "none" and spec["residual"] is None:
             spec["bias1"] = arg
         elif kind == "act" and spec["act"] == "none" and spec["residual"] is None:
             spec["act"] = arg
-        elif kind == "add" and spec["residual"] is None:
+        elif kind == "add" and spec["residual"] is None and arg not in unstored:
             spec["residual"] = arg
         else:
             break
@@ -249,7 +264,7 @@ def spec_for(graph: Graph, names) -> ChainSpec:
         raise ValueError(f"{names[0]} is not a contraction over a 2-D weight")
     spec = _match_from(graph, c1)
     if spec is None or set(spec.nodes) != set(names):
-        spec = _epilogue_spec(graph, c1)
+        spec = _epilogue_spec(graph, c1, limit=len(names))
     if set(spec.nodes) != set(names):
         raise ValueError(f"nodes {names} are not a chain this target fuses (matched {spec.nodes})")
     return spec

@@ -170,6 +170,32 @@ def test_gemm_epilogue_match_and_no_false_chain():
     assert match_chains(stitchflow.compile(not_a_chain, args2).graph) == []
 
 
+def two_gemms_summed(x, ws, y, wn, b):
+    return torch.relu(x @ ws + y @ wn + b)  # GraphSAGE's layer: either GEMM could take the add as its epilogue
+
+
+def residual_inside_a_chain(x, w1, b, w2):
+    h = x @ w1 + b                            # a GEMM + bias chain's inner node...
+    return torch.relu(h) + x @ w2             # ...read by the other GEMM's add only after the relu
+
+
+@pytest.mark.parametrize("fn, shapes", [
+    (two_gemms_summed, [(M, K), (K, N), (M, L), (L, N), (N,)]),
+    (residual_inside_a_chain, [(M, K), (K, N), (N,), (K, N)]),
+])
+def test_epilogue_chains_never_share_a_node_nor_read_an_unstored_one(fn, shapes):
+    args = [rand(*s, dtype=torch.float32) for s in shapes]
+    graph = stitchflow.compile(fn, args).graph
+    chains = match_gemm_epilogues(graph)
+    names = [n for c in chains for n in c]
+    assert chains and len(names) == len(set(names))                  # no node in two chains
+    inner = {n for c in chains for n in c[:-1]}
+    for c in chains:                                                 # every input a chain reads is stored
+        assert not (set(graph.node_of[c[-1]].inputs) & inner - set(c))
+    prog = stitchflow.compile(fn, args, target="gpu", fusion="full")
+    assert rel_err(prog(*args), fn(*[a.double() for a in args])) < TOL[torch.float32]
+
+
 # ---------------------------------------------------------------- cost model
 
 H100 = chain_cost.profile_for("NVIDIA H100 80GB HBM3")

@@ -234,6 +234,19 @@ def test_transformer_blocks_equal_eager(app):
     assert _kernels(prog) and _torch_steps(prog)
 
 
+@pytest.mark.parametrize("app", ["gcn", "graphsage"])
+def test_gnns_equal_eager(app):
+    """Sparse products through torch, dense GEMMs as epilogue chains (GraphSAGE's two GEMMs meet in one add: only
+    one of them may take it), the rest generated."""
+    from stitchflow.apps import APPS
+
+    model, inputs = APPS[app].build(size="small")
+    prog = stitchflow.compile(model, inputs, target="gpu", fusion="auto")
+    with torch.no_grad():
+        assert relative_error(prog(*inputs), model(*inputs)) <= 1e-5
+    assert [c for run in prog._compiled for c in run.chains]
+
+
 def test_head_split_attention_scores_run_as_one_einsum():
     """Q·Kᵀ read through head-split reshapes, with a batch of one (a broadcast output dim)."""
 
