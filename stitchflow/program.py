@@ -145,9 +145,15 @@ class _GraphReplay:
         self.static_env: dict = {}
 
     def applies(self, inputs) -> bool:
+        """CUDA inputs, dense or CSR (a GNN's adjacency); a CSR input must keep the non-zero count of
+        the captured one (its structure is copied in, as a dense input's values are)."""
         tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
-        return self.failed is None and bool(tensors) and all(
-            t.is_cuda and t.layout == torch.strided for t in tensors)
+        if self.failed is not None or not tensors or not all(
+                t.is_cuda and t.layout in (torch.strided, torch.sparse_csr) for t in tensors):
+            return False
+        return self.graph is None or all(
+            s.layout != torch.sparse_csr or s.values().numel() == t.values().numel()
+            for s, t in zip(self.static_inputs, tensors))
 
     def __call__(self, inputs):
         prog = self.prog
@@ -171,7 +177,12 @@ class _GraphReplay:
     def _replay(self, inputs) -> dict:
         prog = self.prog
         for static, x in zip(self.static_inputs, [x for x in inputs if isinstance(x, torch.Tensor)]):
-            static.copy_(x)
+            if static.layout == torch.sparse_csr:  # the members are the static tensor's own storage
+                static.crow_indices().copy_(x.crow_indices())
+                static.col_indices().copy_(x.col_indices())
+                static.values().copy_(x.values())
+            else:
+                static.copy_(x)
         self.graph.replay()
         prog.regions_executed += len(prog._compiled)
         return {name: self.static_env[name].clone() for name in prog.graph.outputs}
