@@ -1,25 +1,19 @@
 """Device probe: where a GNN's time goes under eager and under stitchflow's gpu target (torch.profiler's CUDA
 kernel totals per call, plain calls without a CUDA graph). Not a test.
 
-    PYTHONPATH=. python3 scripts/gnn_profile.py [gcn|graphsage] [dataset]
+    PYTHONPATH=.:scripts python3 scripts/gnn_profile.py [gcn|graphsage] [dataset]
 """
 import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from launch_overhead_probe import profiled
 
 import stitchflow
 from stitchflow.apps import APPS
 
 
 def kernels(fn, calls: int = 10) -> None:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
+    prof = profiled(fn, calls, warmup=3)
     rows = [(e.device_time_total / calls, e.count // calls, e.key) for e in prof.key_averages()
             if e.device_time_total > 0]
     for us, count, key in sorted(rows, reverse=True)[:12]:

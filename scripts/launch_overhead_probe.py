@@ -46,13 +46,20 @@ def back_to_back_us(fn):
     return per_call_us(fn, 200, until_done=True)
 
 
-def kernel_us(fn, calls=20):
-    fn()
+def profiled(fn, calls: int, warmup: int = 1):
+    """torch.profiler's record of `calls` calls of fn (CUDA activity), after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
+    return prof
+
+
+def kernel_us(fn, calls=20):
+    prof = profiled(fn, calls)
     times = sorted(e.device_time for e in prof.events() if e.device_type.name == "CUDA" and e.device_time > 50)
     return times[len(times) // 2] if times else float("nan"), len(times)
 

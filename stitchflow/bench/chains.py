@@ -79,20 +79,16 @@ def measure_ceilings() -> dict:
     the cost model's calibration probes (chain_cost.DeviceProfile), on shapes of their own."""
     from triton.testing import do_bench
 
-    from stitchflow.targets.gpu.timing import timed_median
+    from .stitching import copy_bandwidth
 
-    src = torch.randn(1 << 28, device=DEVICE, dtype=torch.float32)  # 1 GiB
-    dst = torch.empty_like(src)
-    # One long launch each, so plain calls: captured in a CUDA graph, the copy_ read 2.76 TB/s
-    # (H200, round two) against 4.25 as a plain launch in round one, likely a memcpy node on
-    # the copy engines instead of a kernel.
-    # L2 evicted clean before each copy, as before every timed competitor (timing.timed_median).
-    copy_s = timed_median(lambda: dst.copy_(src), budget_s=0.05)
+    # A plain launch, L2 evicted clean before each copy (as the stitching bench measures it): captured in a
+    # CUDA graph, the copy_ read 2.76 TB/s (H200, round two) against 4.25 as a plain launch, likely a memcpy
+    # node on the copy engines instead of a kernel.
+    copy_bw = copy_bandwidth(torch.device(DEVICE))
     a = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
     gemm_s = do_bench(lambda: a @ b, warmup=10, rep=50, return_mode="median") * 1e-3
-    del src, dst
-    ceilings = {"copy_bw": 2 * (1 << 30) / copy_s, "gemm_flops": 2 * 8192 ** 3 / gemm_s}
+    ceilings = {"copy_bw": copy_bw, "gemm_flops": 2 * 8192 ** 3 / gemm_s}
     return {**ceilings, "probes": calibration_probes(ceilings, a, b)}
 
 
