@@ -4,7 +4,9 @@
                               options={"autotune": True})
 
 Each region is split into steps: compute chains inside it (GEMM -> act -> GEMM, gated FFN,
-GEMM + epilogue; chains.py) become fused chain kernels, autotuned against cuBLAS; runs of
+GEMM + epilogue; chains.py) become fused chain kernels, autotuned against cuBLAS; attention
+(softmax of masked, scaled Q·Kᵀ, times V; attention.py) becomes one block-sparse kernel that
+skips the tiles its constant mask drops; runs of
 elementwise, broadcast and reduction nodes become one generated kernel each (grouping.py,
 codegen.py); other GEMMs, scatters and sparse nodes run through torch. With TRITON_INTERPRET=1
 the same kernels run on CPU tensors. options["chains"] = False leaves GEMMs to torch.
@@ -17,10 +19,13 @@ the mapping, for tests and experiments). Environment: STITCHFLOW_CACHE (default
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ...ir.graph import Graph, Region
 from . import chain_cost, chain_plans, cluster_planes
+from .attention import AttentionStep, NotAttention, match_attention
 from .emit import contiguous_strides
 from .chains import chain_shape, compile_chain, match_chains, match_gemm_epilogues
 from .grouping import TorchStep, fold_iotas, split_region
@@ -28,6 +33,7 @@ from .rewrites import gather_one_hots
 from .runtime import LAUNCHES, GroupKernel, interpreting
 
 __all__ = ["TARGET", "GpuTarget", "LAUNCHES", "interpreting"]
+log = logging.getLogger("stitchflow.gpu")
 
 
 class GpuTarget:
@@ -40,19 +46,22 @@ class GpuTarget:
     def compile_region(self, graph: Graph, region: Region, params: dict, options: dict):
         graph = gather_one_hots(fold_iotas(graph, params))
         options = dict(options or {})
-        chains = region_chains(graph, region) if options.get("chains", True) else []
-        chain_at = {c[-1]: c for c in chains}
-        in_chain = {n for c in chains for n in c}
+        attention = region_attention(graph, region, params, options) if options.get("attention", True) else []
+        taken = {n for a in attention for n in a.match.nodes}
+        chains = region_chains(graph, region, taken) if options.get("chains", True) else []
+        fused_at = {c[-1]: (lambda c=c: compile_chain(graph, c, options)) for c in chains}
+        fused_at.update({a.match.output: (lambda a=a: a) for a in attention})
+        taken |= {n for c in chains for n in c}
         steps, pending = [], []
-        # A chain runs where its last node stands: its inputs are ready there, and the matcher
-        # guarantees no other node reads its intermediates.
+        # A chain or an attention runs where its last node stands: its inputs are ready there, and
+        # the matchers guarantee no other node reads its intermediates.
         for name in region.nodes:
-            if name not in in_chain:
+            if name not in taken:
                 pending.append(name)
-            elif name in chain_at:
+            elif name in fused_at:
                 steps += self._stitched(graph, Region(region.name, tuple(pending)), options)
                 pending = []
-                steps.append(compile_chain(graph, chain_at[name], options))
+                steps.append(fused_at[name]())
         steps += self._stitched(graph, Region(region.name, tuple(pending)), options)
 
         def run(env):
@@ -62,6 +71,7 @@ class GpuTarget:
         run.steps = steps
         run.kernels = [s for s in steps if isinstance(s, GroupKernel)]
         run.chains = chains
+        run.attention = attention
         return run
 
     def explain(self, graph: Graph, regions, options: dict | None = None) -> list[str]:
@@ -128,13 +138,31 @@ def _explain_cluster_planes(graph: Graph, regions) -> list[str]:
     return lines
 
 
-def region_chains(graph: Graph, region: Region) -> list[tuple[str, ...]]:
+def region_chains(graph: Graph, region: Region, taken: set = frozenset()) -> list[tuple[str, ...]]:
     """Chains and GEMM epilogues that lie wholly inside the region, their outputs only used
-    by the chain's last node (so fusing them writes nothing the rest of the program needs)."""
-    inside = set(region.nodes)
+    by the chain's last node (so fusing them writes nothing the rest of the program needs),
+    and touching no node of `taken` (another fused step's)."""
+    inside = set(region.nodes) - set(taken)
     chains = [c for c in match_chains(graph) if set(c) <= inside]
     chains += [c for c in match_gemm_epilogues(graph, chains) if set(c) <= inside]
     return chains
+
+
+def region_attention(graph: Graph, region: Region, params: dict, options: dict) -> list[AttentionStep]:
+    """Attention patterns wholly inside the region whose score transform folds into constant tiles;
+    the others are logged with their reason and run as stitched kernels and torch contractions."""
+    matches, refusals = match_attention(graph, params)
+    steps = []
+    for match in matches:
+        if not set(match.nodes) <= set(region.nodes):
+            continue
+        try:
+            steps.append(AttentionStep(graph, match, params, options))
+        except NotAttention as why:
+            refusals.append(f"{match.output}: {why}")
+    for why in refusals:
+        log.info("not fused as attention: %s", why)
+    return steps
 
 
 PACK_ELEMENTS = 1 << 21  # parts at most this large share a launch; larger ones get their own

@@ -1,0 +1,423 @@
+"""Attention regions in the IR: recognise softmax(t(Q·Kᵀ))·V, fold its mask into tiles, run one kernel.
+
+    for match in match_attention(graph, params):       # AttentionMatch(scores .. output)
+        step = AttentionStep(graph, match, options)     # step(env) writes the output node
+    refusals = attention_refusals(graph, params)        # why the near misses are not matched
+
+A match is a contraction S[b..., l, m] = sum_d Q·K, a run of elementwise nodes over S whose only
+other inputs are constants of the program indexed by (l, m) at most (a 0/1 or BSR mask, a scale,
+an additive bias, a masked_fill), the four nodes of a softmax over m, and a contraction
+O[b..., l, e] = sum_m P·V. The elementwise run is evaluated at compile time for three score values
+over the (l, m) grid: if it is affine in the score, t(s) = a·s + b, with -inf where the mask drops
+the position, the whole score transform is two constant maps, and `attention_kernel.tile_plan`
+cuts them into the tiles the kernel visits. The mask's sparsity becomes skipped work, whatever
+format it was stored in. Anything else (a mask per head, a soft cap, a dropout) is refused with
+its reason and runs as before: the contractions through torch, the rest as stitched kernels.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ...ir.expr import Access, Read, map_reads
+from ...ir.graph import Graph, Node
+from ...ir.index import Var, _linear
+from ...ir.interpret import eval_node
+from ...ir.types import dense_type
+from .attention_kernel import MAX_BATCH_AXES, AttentionTiles, Operand, TilePlan, launch, tile_plan
+from .runtime import interpreting, load_choice, save_choice
+
+log = logging.getLogger("stitchflow.gpu.attention")
+SOFTMAX_KINDS = {"softmax"}
+MAX_CONSTANT_ELEMENTS = 1 << 28
+
+
+@dataclass(frozen=True)
+class AttentionMatch:
+    nodes: tuple[str, ...]      # scores, the transform's nodes, softmax's four, output: graph order
+    scores: str
+    transform: tuple[str, ...]
+    probs: str                  # the softmax's output
+    output: str
+    q: Access
+    k: Access
+    v: Access
+
+    def __str__(self) -> str:
+        return f"attention {self.scores} .. {self.output} ({len(self.transform)} score nodes)"
+
+
+class NotAttention(Exception):
+    """Why a softmax between two contractions is not taken as attention."""
+
+
+# ---------------------------------------------------------------- matching
+
+def _affine_vars(access: Access) -> frozenset[str] | None:
+    """The variables of an access whose every index is an integer combination of variables."""
+    names = set()
+    for index in access.indices:
+        terms, _ = _linear(index)
+        if not all(isinstance(atom, Var) for atom in terms):
+            return None
+        names |= {atom.name for atom in terms}
+    return frozenset(names)
+
+
+def _contraction_reads(node: Node) -> tuple[Access, Access] | None:
+    if node.reduce != "sum" or node.is_scatter or len(node.reduce_vars) != 1:
+        return None
+    accesses = node.accesses
+    if len(accesses) != 2 or any(_affine_vars(a) is None for a in accesses):
+        return None
+    return accesses
+
+
+def _softmax_nodes(graph: Graph, probs: Node) -> dict[str, Node]:
+    tagged = [n for n in graph.nodes if n.tag == probs.tag]
+    by_role = {}
+    for n in tagged:
+        role = "max" if n.reduce == "max" else "sum" if n.reduce == "sum" else "probs" if n is probs else "exp"
+        if role in by_role:
+            raise NotAttention(f"softmax {probs.name} has more than one {role} node")
+        by_role[role] = n
+    if set(by_role) != {"max", "sum", "exp", "probs"}:
+        raise NotAttention(f"softmax {probs.name} is not max, exp, sum, div")
+    return by_role
+
+
+def _match_at(graph: Graph, out: Node, params: set) -> AttentionMatch:
+    """The attention pattern ending in contraction `out`, or NotAttention with the reason."""
+    node_of, consumers = graph.node_of, graph.consumers
+    pv = _contraction_reads(out)
+    if pv is None:
+        raise NotAttention(f"{out.name} is not a contraction of two affine reads")
+    r = out.reduce_vars[0]
+    out_batch = out.out_vars[:-2]
+    p_read = next((a for a in pv if a.tensor in node_of and a.indices == tuple(map(Var, out.out_vars[:-1] + (r,)))),
+                  None)
+    if p_read is None:
+        raise NotAttention(f"{out.name} does not read a node as P[..., l, r] with r summed")
+    probs = node_of[p_read.tensor]
+    if probs.tag is None or probs.tag.kind not in SOFTMAX_KINDS:
+        raise NotAttention(f"{out.name} reads {probs.name}, not a softmax")
+    v = pv[1] if pv[0] is p_read else pv[0]
+    if v.tensor == p_read.tensor:
+        raise NotAttention(f"{out.name} multiplies the softmax by itself")
+    soft = _softmax_nodes(graph, probs)
+    (x_access,) = {a for a in soft["max"].accesses}
+    if soft["max"].reduce_vars != (soft["max"].dims[-1][0],) or x_access.indices[-1] != Var(soft["max"].reduce_vars[0]):
+        raise NotAttention(f"softmax {probs.name} does not run over the last axis")
+    transform, name = [], x_access.tensor
+    while name in node_of and node_of[name].reduce is None:
+        transform.append(_transform_node(graph, node_of[name], params))
+        name = transform[-1][1]
+    if name not in node_of:
+        raise NotAttention(f"the scores before softmax {probs.name} come from {name}, not a contraction")
+    scores = node_of[name]
+    qk = _contraction_reads(scores)
+    if qk is None:
+        raise NotAttention(f"{scores.name} is not a contraction of two affine reads")
+    *batch, l_var, m_var = scores.out_vars
+    d = scores.reduce_vars[0]
+    q, k = _order_qk(qk, set(batch), l_var, m_var, d)
+    if len(batch) != len(out_batch) or len(batch) > MAX_BATCH_AXES:
+        raise NotAttention(f"{len(batch)} batch axes (at most {MAX_BATCH_AXES})")
+    if not _affine_vars(v) <= set(out_batch) | {r, out.out_vars[-1]} or out.out_vars[-1] not in _affine_vars(v):
+        raise NotAttention(f"{out.name} reads {v} over axes beyond batch, key and feature")
+    inner = [scores.name, *(t[0].name for t in transform), *(n.name for n in soft.values())]
+    for n in inner:
+        users = set(consumers.get(n, ())) - set(inner) - {out.name}
+        if users or n in graph.outputs:
+            raise NotAttention(f"{n} is also read outside the attention ({sorted(users) or 'a program output'})")
+    nodes = tuple(n.name for n in graph.nodes if n.name in set(inner) | {out.name})
+    return AttentionMatch(nodes, scores.name, tuple(t[0].name for t in reversed(transform)), probs.name,
+                          out.name, q, k, v)
+
+
+def _transform_node(graph: Graph, node: Node, params: set) -> tuple[Node, str]:
+    """An elementwise node over the scores: (node, the node it transforms), or NotAttention."""
+    if node.is_scatter:
+        raise NotAttention(f"{node.name} scatters")
+    *batch, l_var, m_var = node.out_vars
+    upstream = [a for a in node.accesses if a.tensor not in params]
+    if len(upstream) != 1 or upstream[0].indices != node.index:
+        raise NotAttention(f"{node.name} reads {[str(a) for a in upstream]}: a score transform reads the "
+                           f"scores as they are and otherwise only constants")
+    for a in node.accesses:
+        if a.tensor in params and not a.vars <= {l_var, m_var}:
+            raise NotAttention(f"{node.name} reads {a}, which varies over the batch axes (a mask per head "
+                               f"or per sequence is not folded yet)")
+    return node, upstream[0].tensor
+
+
+def _order_qk(accesses, batch: set, l_var: str, m_var: str, d: str) -> tuple[Access, Access]:
+    for q, k in (accesses, accesses[::-1]):
+        qv, kv = _affine_vars(q), _affine_vars(k)
+        if {l_var, d} <= qv <= batch | {l_var, d} and {m_var, d} <= kv <= batch | {m_var, d}:
+            return q, k
+    raise NotAttention(f"the scores do not read Q over (query, d) and K over (key, d): {accesses[0]}, {accesses[1]}")
+
+
+def constants(graph: Graph, params) -> set[str]:
+    """Parameters, and the nodes computed from parameters alone (a mask compared with 0 in the
+    graph, as torch.compile hands it over): values known when the program is compiled."""
+    known = set(params)
+    for node in graph.nodes:
+        if node.inputs and set(node.inputs) <= known:
+            known.add(node.name)
+    return known
+
+
+def match_attention(graph: Graph, params) -> tuple[list[AttentionMatch], list[str]]:
+    """Every attention pattern of the graph, and for each softmax·V contraction that is not one, why."""
+    params = constants(graph, params)
+    found, refusals = [], []
+    for node in graph.nodes:
+        if node.reduce != "sum" or node.is_scatter or (node.tag is not None and node.tag.kind in SOFTMAX_KINDS):
+            continue
+        readers = [graph.node_of.get(a.tensor) for a in node.accesses]
+        if not any(r is not None and r.tag is not None and r.tag.kind in SOFTMAX_KINDS for r in readers):
+            continue
+        try:
+            found.append(_match_at(graph, node, params))
+        except NotAttention as why:
+            refusals.append(f"{node.name}: {why}")
+    return found, refusals
+
+
+# ---------------------------------------------------------------- the score transform as constants
+
+def score_coefficients(graph: Graph, match: AttentionMatch, params: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """a, b over (S_q, S_k), float32, with t(s) = a·s + b and b = -inf where the position is dropped."""
+    scores = graph.node_of[match.scores]
+    s_q, s_k = graph.type_of[match.scores].shape[-2:]
+    values = [_evaluate_transform(graph, match, params, float(s), s_q, s_k) for s in (0.0, 1.0, 2.0)]
+    dropped = torch.isneginf(values[0])
+    if not all(torch.equal(torch.isneginf(t), dropped) for t in values[1:]):
+        raise NotAttention(f"the transform of {scores.name} drops positions depending on the score")
+    kept = [t.masked_fill(dropped, 0.0) for t in values]
+    if not all(torch.isfinite(t).all() for t in kept):
+        raise NotAttention(f"the transform of {scores.name} makes +inf or NaN from finite scores")
+    a, b = kept[1] - kept[0], kept[0]
+    tolerance = 1e-9 * (1 + a.abs() + b.abs())
+    if ((kept[2] - (2 * a + b)).abs() > tolerance).any():
+        raise NotAttention(f"the transform of {scores.name} is not affine in the score")
+    return a.float(), b.float().masked_fill(dropped, float("-inf"))
+
+
+def transform_sources(graph: Graph, match: AttentionMatch, params) -> dict[str, torch.Tensor]:
+    """The parameters the score transform depends on (directly or through constant nodes)."""
+    wanted, names = [], [a.tensor for n in match.transform for a in graph.node_of[n].accesses]
+    while names:
+        name = names.pop()
+        if name in params:
+            wanted.append(name)
+        elif name in graph.node_of and name not in match.nodes:
+            names += graph.node_of[name].inputs
+    return {name: params[name] for name in wanted}
+
+
+def _constant_env(graph: Graph, match: AttentionMatch, params) -> dict[str, torch.Tensor]:
+    """Parameters (dense, float64 where floating) and the constant nodes the transform reads, evaluated."""
+    env = {}
+    for name, t in transform_sources(graph, match, params).items():
+        t = t.to_dense() if t.layout != torch.strided else t
+        env[name] = (t.double() if t.is_floating_point() else t).cpu()
+    for node in graph.nodes:
+        if node.name not in match.nodes and node.inputs and set(node.inputs) <= set(env):
+            if math.prod(graph.type_of[node.name].shape) > MAX_CONSTANT_ELEMENTS:
+                raise NotAttention(f"{node.name}, a constant the transform reads, is too large to fold")
+            env[node.name] = eval_node(node, env, graph.type_of[node.name])
+    return env
+
+
+def _evaluate_transform(graph, match, params, s: float, s_q: int, s_k: int) -> torch.Tensor:
+    """The transform's nodes on the (l, m) grid in float64, the scores all equal to s."""
+    env = _constant_env(graph, match, params)
+    env[match.scores] = torch.full((s_q, s_k), s, dtype=torch.float64)
+    previous = match.scores
+    for name in match.transform:
+        node = graph.node_of[name]
+        *_, l_var, m_var = node.out_vars
+        grid = (Var(l_var), Var(m_var))
+
+        def on_grid(access: Access, previous=previous, grid=grid):
+            if access.tensor == previous:
+                return Read(Access(previous, grid))
+            return Read(access)
+
+        small = Node(name, grid, map_reads(node.body, on_grid), ((l_var, s_q), (m_var, s_k)))
+        env[name] = eval_node(small, env, dense_type((s_q, s_k), torch.float64)).double()
+        previous = name
+    return env[previous]
+
+
+def _digest(*tensors: torch.Tensor) -> str:
+    h = hashlib.sha1()
+    for t in tensors:
+        h.update(t.contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+# ---------------------------------------------------------------- running
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_FEATURES = 256
+DEFAULT_TILES = AttentionTiles(64, 64, 4, 2)
+INTERPRETER_TILES = AttentionTiles(32, 32, 4, 1)
+CANDIDATES_16BIT = tuple(AttentionTiles(*t) for t in (
+    (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 2),
+    (128, 32, 4, 3), (64, 32, 4, 2), (128, 64, 8, 2)))
+CANDIDATES_32BIT = tuple(AttentionTiles(*t) for t in (
+    (64, 32, 4, 2), (64, 64, 4, 2), (32, 64, 4, 2), (128, 32, 8, 2), (32, 32, 4, 2)))
+
+
+class AttentionStep:
+    """One attention match as one kernel launch; tiles autotuned on the device at the first call."""
+
+    def __init__(self, graph: Graph, match: AttentionMatch, params: dict, options: dict):
+        self.graph, self.match, self.options = graph, match, dict(options or {})
+        node_of, type_of = graph.node_of, graph.type_of
+        scores, out = node_of[match.scores], node_of[match.output]
+        dtypes = [type_of[a.tensor].dtype for a in (match.q, match.k, match.v)]
+        if dtypes[0] != dtypes[1] or any(dt not in FLOAT_DTYPES for dt in dtypes):
+            raise NotAttention(f"Q, K, V are {[str(dt) for dt in dtypes]}: Q and K must share a float dtype")
+        *self.batch_vars, self.l_var, self.m_var = scores.out_vars
+        self.d_var = scores.reduce_vars[0]
+        *self.out_batch_vars, _, self.e_var = out.out_vars
+        self.r_var = out.reduce_vars[0]
+        ext = scores.extents
+        self.batch = tuple(ext[v] for v in self.batch_vars)
+        self.s_q, self.s_k, self.d = ext[self.l_var], ext[self.m_var], ext[self.d_var]
+        self.dv = out.extents[self.e_var]
+        if max(self.d, self.dv) > MAX_FEATURES:
+            raise NotAttention(f"head dims {self.d}, {self.dv} exceed {MAX_FEATURES}")
+        self.out_type = type_of[match.output]
+        self.params = params
+        self.sources = transform_sources(graph, match, params)
+        self.versions = self._versions()
+        self.coefficients = score_coefficients(graph, match, params)
+        self.key = (f"attention:{_digest(*self.coefficients)}:{self.batch}x{self.s_q}x{self.s_k}:"
+                    f"{self.d}x{self.dv}:{dtypes[0]}->{self.out_type.dtype}")
+        kept = 1.0 - torch.isneginf(self.coefficients[1]).float().mean().item()
+        log.info("%s: mask folded, %.1f%% of the score positions kept", match, 100 * kept)
+        self.plans: dict = {}
+        self.chosen: AttentionTiles | None = None
+        self.tuned_us: float | None = None
+
+    def _versions(self) -> dict[str, int]:
+        return {name: t._version for name, t in self.sources.items()}
+
+    def _refold_if_changed(self) -> None:
+        """The mask was folded into tiles when compiled; if a parameter it comes from has been
+        written in place since (a torch.compile partition binds buffers by reference), fold again."""
+        versions = self._versions()
+        if versions != self.versions:
+            log.info("%s: %s changed in place, folding the mask again", self.match,
+                     [n for n in versions if versions[n] != self.versions.get(n)])
+            self.coefficients = score_coefficients(self.graph, self.match, self.params)
+            self.plans.clear()
+            self.versions = versions
+
+    # -- operands
+
+    def _operand(self, access: Access, env, batch_vars, seq_var: str, feature_var: str) -> Operand:
+        t = env[access.tensor]
+        coef, offset = {}, 0
+        for index, stride in zip(access.indices, t.stride()):
+            terms, const = _linear(index)
+            offset += const * stride
+            for atom, c in terms.items():
+                coef[atom.name] = coef.get(atom.name, 0) + c * stride
+        return Operand(t, offset, tuple(coef.get(v, 0) for v in batch_vars), coef.get(seq_var, 0),
+                       coef.get(feature_var, 0))
+
+    def _plan(self, tiles: AttentionTiles, device) -> TilePlan:
+        key = (tiles, str(device))
+        if key not in self.plans:
+            self.plans[key] = tile_plan(*self.coefficients, tiles).to(device)
+        return self.plans[key]
+
+    def _precision(self, dtype) -> str:
+        if dtype != torch.float32 or interpreting():
+            return "ieee"
+        return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+
+    def _runner(self, env, tiles: AttentionTiles):
+        m = self.match
+        q = self._operand(m.q, env, self.batch_vars, self.l_var, self.d_var)
+        k = self._operand(m.k, env, self.batch_vars, self.m_var, self.d_var)
+        v = self._operand(m.v, env, self.out_batch_vars, self.r_var, self.e_var)
+        device = q.tensor.device
+        plan = self._plan(tiles, device)
+        out = torch.empty(self.out_type.shape, dtype=self.out_type.dtype, device=device)
+        precision = self._precision(q.tensor.dtype)
+
+        def run():
+            return launch(q, k, v, out, self.batch, plan, self.s_q, self.s_k, self.d, self.dv, precision)
+        return run
+
+    # -- tiles
+
+    def _tiles(self, env) -> AttentionTiles:
+        pinned = self.options.get("attention_tiles")
+        if pinned is not None:
+            return pinned if isinstance(pinned, AttentionTiles) else AttentionTiles(*pinned)
+        if interpreting():
+            return INTERPRETER_TILES
+        if not self.options.get("autotune", True):
+            return DEFAULT_TILES
+        key = f"{self.key}:{torch.cuda.get_device_name()}"
+        cached = load_choice(key)
+        if cached:
+            return AttentionTiles(*cached)
+        return self._tune(env, key)
+
+    def _tune(self, env, key: str) -> AttentionTiles:
+        from .timing import timed_median
+
+        sixteen = env[self.match.q.tensor].dtype != torch.float32
+        timings, best, best_s = {}, None, float("inf")
+        for tiles in CANDIDATES_16BIT if sixteen else CANDIDATES_32BIT:
+            try:
+                run = self._runner(env, tiles)
+                run()
+                torch.cuda.synchronize()
+                seconds = timed_median(run, budget_s=0.02)
+            except Exception as err:  # a config the device cannot run (shared memory, registers)
+                log.info("attention tiles %s failed: %s", tiles, err)
+                continue
+            timings[str(tiles)] = round(seconds * 1e6, 2)
+            if seconds < best_s:
+                best, best_s = tiles, seconds
+        if best is None:
+            raise RuntimeError(f"no tile config of {self.match} could run")
+        log.info("%s: %s", self.match, ", ".join(f"{t} {us} us" for t, us in timings.items()))
+        self.tuned_us = round(best_s * 1e6, 2)
+        save_choice(key, [best.bm, best.bn, best.num_warps, best.num_stages], timings)
+        return best
+
+    def __call__(self, env) -> None:
+        first = env[self.match.q.tensor]
+        if first.device.type == "cpu" and not interpreting():
+            for name in self.match.nodes:  # no GPU and no interpreter: the reference path
+                env[name] = eval_node(self.graph.node_of[name], env, self.graph.type_of[name])
+            return
+        self._refold_if_changed()
+        if self.chosen is None:
+            self.chosen = self._tiles(env)
+        env[self.match.output] = self._runner(env, self.chosen)()
+
+    def describe(self) -> str:
+        plan = next(iter(self.plans.values()), None)
+        tiles = str(plan) if plan is not None else str(self.chosen or "tiles chosen at the first call")
+        return f"{self.match}: batch {self.batch}, {self.s_q}x{self.s_k}, d {self.d}/{self.dv}; {tiles}"
+
+    def __str__(self) -> str:
+        return f"attention({self.match.scores}..{self.match.output})"

@@ -1,0 +1,235 @@
+"""Block-sparse attention on the gpu target, on the CPU under the Triton interpreter: the tile plan,
+the kernel against a float64 reference over random masks, the matcher and its refusals, and whole
+models (the GPT-3/BigBird attention and decoder) against eager."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run on CPU tensors
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import stitchflow
+from stitchflow.apps.bigbird import bigbird_block_mask
+from stitchflow.apps.gpt3 import GPT3, BlockSparseAttention, _mask_tensor
+from stitchflow.program import capture_model
+from stitchflow.targets.gpu.attention import AttentionStep, NotAttention, match_attention, score_coefficients
+from stitchflow.targets.gpu.attention_kernel import LOG2E, AttentionTiles, Operand, launch, tile_plan
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="interpreter tests on CPU tensors (forcing the interpreter here would switch "
+                                "a GPU session's other tests to it too)")
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def rel_err(out, ref):
+    out, ref = out.double(), ref.double()
+    keep = ~torch.isnan(ref)
+    assert torch.equal(torch.isnan(out), ~keep), "NaN rows differ from the reference's"
+    return ((out - ref)[keep].norm() / ref[keep].norm()).item()
+
+
+def reference(q, k, v, a, b):
+    """softmax(a·QKᵀ + b)·V in float64, -inf in b dropping a position (a row of nothing is NaN)."""
+    s = q.double() @ k.double().transpose(-1, -2)
+    s = torch.where(torch.isneginf(b), float("-inf"), s * a.double() + b.double().nan_to_num(neginf=0.0))
+    return torch.softmax(s, -1) @ v.double()
+
+
+def run_kernel(q, k, v, a, b, tiles):
+    """q, k, v: [B, H, S, D] (any strides)."""
+    ops = [Operand(t, 0, tuple(t.stride()[:2]), t.stride(2), t.stride(3)) for t in (q, k, v)]
+    out = torch.empty(*q.shape[:3], v.shape[-1], dtype=q.dtype)
+    plan = tile_plan(a, b, tiles)
+    launch(*ops, out, tuple(q.shape[:2]), plan, q.shape[2], k.shape[2], q.shape[3], v.shape[3], "ieee")
+    return out, plan
+
+
+# ---------------------------------------------------------------- tile plan
+
+def test_tile_plan_classifies_uniform_partial_and_dropped_tiles():
+    a = torch.full((40, 40), 0.5)
+    b = torch.zeros(40, 40)
+    b[:16, 16:32] = float("-inf")        # tile (0, 1) dropped
+    b[16:32, :16] = torch.arange(16.0)   # tile (1, 0): b varies, partial
+    a[32:, 32:] = 2.0                    # tile (2, 2): a uniform, but the padding past 40 drops columns
+    plan = tile_plan(a, b, AttentionTiles(16, 16))
+    assert plan.start.tolist() == [0, 2, 5, 8]
+    assert plan.column.tolist() == [0, 2, 0, 1, 2, 0, 1, 2]
+    slots = plan.slot.tolist()
+    assert slots[0] == -1 and slots[1] >= 0  # (0, 2) covers the padding columns 40..47: partial
+    assert slots[2] >= 0 and slots[3] == -1
+    assert plan.partial == sum(s >= 0 for s in slots)
+    assert plan.scale[0].item() == pytest.approx(0.5 * LOG2E)
+    assert torch.isneginf(plan.partial_b[slots[1]][:, 8:]).all()  # past S_k
+
+
+def test_tile_plan_of_a_block_mask_visits_only_its_blocks():
+    layout = bigbird_block_mask(256, 32, seed=3).layout
+    b = torch.where(layout.repeat_interleave(32, 0).repeat_interleave(32, 1), 0.0, float("-inf"))
+    plan = tile_plan(torch.ones(256, 256), b, AttentionTiles(32, 32))
+    assert plan.visited == int(layout.sum()) and plan.partial == 0
+    coarse = tile_plan(torch.ones(256, 256), b, AttentionTiles(64, 64))
+    assert coarse.visited == int(layout.view(4, 2, 4, 2).any(3).any(1).sum())
+
+
+# ---------------------------------------------------------------- kernel
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tiles", [AttentionTiles(16, 32), AttentionTiles(32, 16)])
+def test_kernel_on_a_bigbird_mask(dtype, tiles):
+    g = torch.Generator().manual_seed(0)
+    B, H, S, D = 2, 3, 176, 24  # nothing a power of two
+    q, k, v = (torch.randn(B, H, S, D, generator=g).to(dtype) for _ in range(3))
+    mask = bigbird_block_mask(S, 16, seed=1).dense_mask()
+    a, b = mask / math.sqrt(D), torch.where(mask > 0, 0.0, float("-inf"))
+    out, plan = run_kernel(q, k, v, a, b, tiles)
+    assert rel_err(out, reference(q, k, v, a, b)) < TOL[dtype]
+    n_q, n_k = -(-S // tiles.bm), -(-S // tiles.bn)
+    assert plan.visited < n_q * n_k  # the mask's empty tiles are skipped
+
+
+@settings(max_examples=12, deadline=None)
+@given(density=st.sampled_from([0.05, 0.2, 0.5, 1.0]), s_q=st.integers(17, 70), s_k=st.integers(17, 70),
+       d=st.sampled_from([8, 16, 40]), seed=st.integers(0, 100))
+def test_kernel_matches_reference_over_random_masks(density, s_q, s_k, d, seed):
+    """Element masks of several densities (rows with nothing kept among them), non-uniform a and b."""
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(1, 2, s_q, d, generator=g), torch.randn(1, 2, s_k, d, generator=g)
+    v = torch.randn(1, 2, s_k, 12, generator=g)
+    kept = torch.rand(s_q, s_k, generator=g) < density
+    a = torch.where(torch.rand(s_q, s_k, generator=g) < 0.5, 0.25, 1.0)
+    b = torch.where(kept, torch.randn(s_q, s_k, generator=g), float("-inf"))
+    out, _ = run_kernel(q, k, v, a, b, AttentionTiles(16, 16))
+    assert rel_err(out, reference(q, k, v, a, b)) < TOL[torch.float32]
+
+
+# ---------------------------------------------------------------- models
+
+def bigbird_attention(seq=80, block=16, heads=2, width=48, causal=False, dtype=torch.float32):
+    mask = _mask_tensor(bigbird_block_mask(seq, block, seed=0), seq, causal, dtype)
+    return BlockSparseAttention(width, heads, mask).to(dtype)
+
+
+def attention_steps(prog):
+    return [s for c in prog.compiled for s in c.steps if isinstance(s, AttentionStep)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_bigbird_attention_compiles_to_one_attention_step(dtype, causal):
+    model = bigbird_attention(causal=causal, dtype=dtype)
+    x = torch.randn(2, 80, 3 * 48).to(dtype)
+    prog = stitchflow.compile(model, (x,), target="gpu", fusion="full")
+    (step,) = attention_steps(prog)
+    for _ in range(2):  # fresh inputs each call
+        x = torch.randn(2, 80, 3 * 48).to(dtype)
+        expected = model.double()(x.double()) if dtype == torch.float32 else model(x)
+        model.to(dtype)
+        assert rel_err(prog(x), expected) < (1e-6 if dtype == torch.float32 else 2e-2)
+    assert "tiles visited" in step.describe()
+
+
+class ScaledBiasAttention(torch.nn.Module):
+    """softmax(Q·Kᵀ·scale + bias)·V with a constant additive bias (ALiBi-like), K shared by the heads."""
+
+    def __init__(self, seq, heads):
+        super().__init__()
+        pos = torch.arange(seq, dtype=torch.float32)
+        self.register_buffer("bias", -(pos[:, None] - pos[None, :]).abs() * 0.1)
+        self.heads = heads
+
+    def forward(self, q, k, v):
+        s = q @ k.transpose(-1, -2).unsqueeze(1) * 0.125 + self.bias
+        return torch.softmax(s, dim=-1) @ v.unsqueeze(1)
+
+
+def test_additive_bias_and_shared_keys():
+    model = ScaledBiasAttention(37, 3)
+    q, k, v = torch.randn(2, 3, 37, 20), torch.randn(2, 37, 20), torch.randn(2, 37, 12)
+    prog = stitchflow.compile(model, (q, k, v), target="gpu", fusion="full")
+    (step,) = attention_steps(prog)
+    a, b = step.coefficients
+    assert torch.allclose(a, torch.full_like(a, 0.125)) and torch.allclose(b, model.bias)
+    assert rel_err(prog(q, k, v), model(q, k, v)) < 1e-5
+
+
+class PerHeadMask(torch.nn.Module):
+    def __init__(self, heads, seq):
+        super().__init__()
+        self.register_buffer("mask", torch.rand(heads, seq, seq, generator=torch.Generator().manual_seed(0)) < 0.5)
+
+    def forward(self, q, k, v):
+        s = (q @ k.transpose(-1, -2)).masked_fill(~self.mask, float("-inf"))
+        return torch.softmax(s, -1) @ v
+
+
+class SoftCap(torch.nn.Module):
+    def forward(self, q, k, v):
+        return torch.softmax(torch.tanh(q @ k.transpose(-1, -2) / 30) * 30, -1) @ v
+
+
+class ProbsToo(torch.nn.Module):
+    def forward(self, q, k, v):
+        p = torch.softmax(q @ k.transpose(-1, -2), -1)
+        return p @ v, p
+
+
+@pytest.mark.parametrize("model,why", [
+    (PerHeadMask(2, 24), "varies over the batch axes"),
+    (ProbsToo(), "also read outside"),
+])
+def test_refusals_name_the_reason_and_the_program_still_matches_eager(model, why):
+    q, k, v = (torch.randn(1, 2, 24, 16) for _ in range(3))
+    graph = capture_model(model, (q, k, v)).graph
+    matches, refusals = match_attention(graph, graph.params)
+    assert not matches and any(why in r for r in refusals), refusals
+    prog = stitchflow.compile(model, (q, k, v), target="gpu", fusion="full")
+    assert not attention_steps(prog)
+    for out, ref in zip(*(torch.utils._pytree.tree_leaves(o) for o in (prog(q, k, v), model(q, k, v)))):
+        assert rel_err(out, ref) < 1e-5
+
+
+class Squared(torch.nn.Module):
+    def forward(self, q, k, v):
+        s = q @ k.transpose(-1, -2)
+        return torch.softmax(s * s, -1) @ v
+
+
+def test_a_transform_that_is_not_affine_in_the_score_is_refused():
+    q, k, v = (torch.randn(1, 1, 16, 16) for _ in range(3))
+    captured = capture_model(SoftCap(), (q, k, v))  # matched as a pattern, refused at its coefficients
+    (match,), _ = match_attention(captured.graph, captured.graph.params)
+    with pytest.raises(NotAttention, match="not affine"):
+        score_coefficients(captured.graph, match, captured.param_values)
+    graph = capture_model(Squared(), (q, k, v)).graph  # reads the scores twice: refused by the matcher
+    matches, refusals = match_attention(graph, graph.params)
+    assert not matches and "reads" in refusals[0]
+    for model in (SoftCap(), Squared()):
+        prog = stitchflow.compile(model, (q, k, v), target="gpu", fusion="full")
+        assert not attention_steps(prog) and rel_err(prog(q, k, v), model(q, k, v)) < 1e-5
+
+
+def test_gpt3_bigbird_decoder_on_the_gpu_target():
+    model = GPT3(num_layers=1, width=48, heads=2, ffn=96, seq=64, block=16)
+    x = torch.randn(1, 64, 48)
+    prog = stitchflow.compile(model, (x,), target="gpu", fusion="full")
+    assert len(attention_steps(prog)) == 1
+    assert rel_err(prog(x), model(x)) < 1e-5
+
+
+def test_torch_compile_backend_folds_the_mask_and_follows_in_place_changes(caplog):
+    model = bigbird_attention()
+    compiled = torch.compile(model, backend="stitchflow", options={"target": "gpu"})
+    x = torch.randn(2, 80, 3 * 48)
+    with caplog.at_level("INFO", logger="stitchflow.gpu.attention"):
+        assert rel_err(compiled(x), model(x)) < 1e-5
+        assert "mask folded" in caplog.text  # the mask == 0 computed in the graph is a constant too
+        with torch.no_grad():
+            model.mask[:16, 32:48] = 1.0  # a block more, written in place
+        assert rel_err(compiled(x), model(x)) < 1e-5
+        assert "folding the mask again" in caplog.text
