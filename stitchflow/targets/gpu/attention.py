@@ -193,8 +193,8 @@ def match_attention(graph: Graph, params) -> tuple[list[AttentionMatch], list[st
 
 # ---------------------------------------------------------------- the score transform as constants
 
-def score_coefficients(graph: Graph, match: AttentionMatch, params: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """a, b over (S_q, S_k), float32, with t(s) = a·s + b and b = -inf where the position is dropped."""
+def score_coefficients(graph: Graph, match: AttentionMatch, params: dict) -> tuple[float, torch.Tensor]:
+    """(a, b): t(s) = a·s + b[l, m] over (S_q, S_k), b float32 and -inf where the position is dropped."""
     scores = graph.node_of[match.scores]
     s_q, s_k = graph.type_of[match.scores].shape[-2:]
     values = [_evaluate_transform(graph, match, params, float(s), s_q, s_k) for s in (0.0, 1.0, 2.0)]
@@ -208,7 +208,12 @@ def score_coefficients(graph: Graph, match: AttentionMatch, params: dict) -> tup
     tolerance = 1e-9 * (1 + a.abs() + b.abs())
     if ((kept[2] - (2 * a + b)).abs() > tolerance).any():
         raise NotAttention(f"the transform of {scores.name} is not affine in the score")
-    return a.float(), b.float().masked_fill(dropped, float("-inf"))
+    factors = a[~dropped]
+    scale = factors[0].item() if factors.numel() else 1.0
+    if factors.numel() and not bool((factors == scale).all()):
+        raise NotAttention(f"the transform of {scores.name} scales the scores by different factors at different "
+                           f"positions (a mask with values other than 0 and 1)")
+    return scale, b.float().masked_fill(dropped, float("-inf"))
 
 
 def transform_sources(graph: Graph, match: AttentionMatch, params) -> dict[str, torch.Tensor]:
@@ -271,11 +276,21 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_FEATURES = 256
 DEFAULT_TILES = AttentionTiles(64, 64, 4, 2)
 INTERPRETER_TILES = AttentionTiles(32, 32, 4, 1)
-CANDIDATES_16BIT = tuple(AttentionTiles(*t) for t in (
-    (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 2),
-    (128, 32, 4, 3), (64, 32, 4, 2), (128, 64, 8, 2)))
-CANDIDATES_32BIT = tuple(AttentionTiles(*t) for t in (
-    (64, 32, 4, 2), (64, 64, 4, 2), (32, 64, 4, 2), (128, 32, 8, 2), (32, 32, 4, 2)))
+# Tile configs the autotuner times, by operand width and head dim: each compiles for sm_90 without
+# spilling (tests/targets/gpu/test_attention.py checks them all; at head dim 128 the 4-warp tiles and
+# bm128 x bn128 spill, and fp32's exact dot takes register-hungry FMA code)
+CANDIDATES = {
+    (16, 64): ((128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2), (64, 128, 4, 2),
+               (128, 32, 4, 3), (128, 32, 8, 3), (64, 32, 4, 2)),
+    (16, 128): ((128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 8, 2), (64, 32, 8, 2)),
+    (32, 64): ((32, 32, 4, 2), (64, 32, 8, 2), (32, 64, 8, 2)),
+    (32, 128): ((32, 32, 8, 2),),
+}
+
+
+def candidates(dtype: torch.dtype, head_dim: int) -> tuple[AttentionTiles, ...]:
+    width = 32 if dtype == torch.float32 else 16
+    return tuple(AttentionTiles(*t) for t in CANDIDATES[width, 64 if head_dim <= 64 else 128])
 
 
 class AttentionStep:
@@ -303,7 +318,7 @@ class AttentionStep:
         self.sources = transform_sources(graph, match, params)
         self.versions = self._versions()
         self.coefficients = score_coefficients(graph, match, params)
-        self.key = (f"attention:{_digest(*self.coefficients)}:{self.batch}x{self.s_q}x{self.s_k}:"
+        self.key = (f"attention:{_digest(self.coefficients[1])}:{self.coefficients[0]!r}:{self.batch}x{self.s_q}x{self.s_k}:"
                     f"{self.d}x{self.dv}:{dtypes[0]}->{self.out_type.dtype}")
         kept = 1.0 - torch.isneginf(self.coefficients[1]).float().mean().item()
         log.info("%s: mask folded, %.1f%% of the score positions kept", match, 100 * kept)
@@ -382,9 +397,8 @@ class AttentionStep:
     def _tune(self, env, key: str) -> AttentionTiles:
         from .timing import timed_median
 
-        sixteen = env[self.match.q.tensor].dtype != torch.float32
         timings, best, best_s = {}, None, float("inf")
-        for tiles in CANDIDATES_16BIT if sixteen else CANDIDATES_32BIT:
+        for tiles in candidates(env[self.match.q.tensor].dtype, max(self.d, self.dv)):
             try:
                 run = self._runner(env, tiles)
                 run()

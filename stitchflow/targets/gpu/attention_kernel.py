@@ -1,12 +1,11 @@
 """Block-sparse attention as one Triton kernel: O = softmax(t(Q·Kᵀ))·V, tiles driven by a tile list.
 
-The score transform t is affine per element, t(s) = a[l, m]·s + b[l, m], or -inf where the mask
-drops the position (attention.py derives a and b from the IR at compile time). `TilePlan` cuts the
-(S_q, S_k) grid into BM×BN tiles and keeps, per query tile, only the key tiles that hold a kept
-position, in CSR form: a *uniform* tile (every position kept, one a and one b) costs nothing beyond
-dense attention; a *partial* tile (some positions dropped, or a and b vary) loads its a and b from a
-compact [n_partial, BM, BN] store. Dropped tiles are never visited, so the work is the mask's
-density at tile granularity.
+The score transform t is affine, t(s) = a·s + b[l, m], with one a for the whole attention and
+b = -inf where the mask drops the position (attention.py derives a and b from the IR at compile
+time). `TilePlan` cuts the (S_q, S_k) grid into BM×BN tiles and keeps, per query tile, only the key
+tiles that hold a kept position: a *uniform* tile (all kept, one b) costs what dense attention
+costs; a *partial* tile loads b per position. Dropped tiles are never visited, so the work is the
+mask's density at tile granularity.
 
 Each program owns one query tile of one batch entry and walks its key tiles with the online
 softmax (running max and sum, in base 2: log2(e) is folded into a and b). A row that keeps no
@@ -41,16 +40,21 @@ class AttentionTiles:
 
 @dataclass(frozen=True, eq=False)
 class TilePlan:
-    """Which key tiles each query tile visits, and with which coefficients (tensors on one device)."""
+    """Which key tiles each query tile visits, and with which offsets (tensors on one device).
+
+    The score transform is s·a + b with one a for the whole attention (`scale`, log2(e) folded in).
+    A *uniform* tile (every position kept, one b) adds its `shift`; a *partial* tile (some positions
+    dropped, or b varies) loads b per position from `offsets` (-inf where dropped). One loop walks
+    both kinds, the uniform tiles' loads masked off: Triton's software pipeliner refuses an scf.if
+    around loads in a loop, and a kernel with a loop per kind spilled at every tile shape (sm_90)."""
 
     tiles: AttentionTiles
+    scale: float             # a·log2(e)
     start: torch.Tensor      # int32 [n_qtiles + 1]: CSR offsets into the tile list
-    column: torch.Tensor     # int32 [n_tiles]: key-tile index
-    slot: torch.Tensor       # int32 [n_tiles]: row of the partial store, -1 for a uniform tile
-    scale: torch.Tensor      # fp32 [n_tiles]: a·log2(e) of a uniform tile
+    column: torch.Tensor     # int32 [n_tiles]: key-tile index, ascending within a query tile
+    slot: torch.Tensor       # int32 [n_tiles]: row of `offsets`, -1 for a uniform tile
     shift: torch.Tensor      # fp32 [n_tiles]: b·log2(e) of a uniform tile
-    partial_a: torch.Tensor  # fp32 [n_partial, BM, BN]
-    partial_b: torch.Tensor  # fp32 [n_partial, BM, BN], -inf where dropped
+    offsets: torch.Tensor    # fp32 [n_partial, BM, BN]: b·log2(e) per position, -inf where dropped
 
     @property
     def visited(self) -> int:
@@ -58,50 +62,46 @@ class TilePlan:
 
     @property
     def partial(self) -> int:
-        return int(self.partial_a.shape[0])
+        return int(self.offsets.shape[0])
 
     def to(self, device) -> "TilePlan":
-        moved = {f: getattr(self, f).to(device) for f in ("start", "column", "slot", "scale", "shift",
-                                                           "partial_a", "partial_b")}
-        return TilePlan(self.tiles, **moved)
+        moved = {f: getattr(self, f).to(device) for f in ("start", "column", "slot", "shift", "offsets")}
+        return TilePlan(self.tiles, self.scale, **moved)
 
     def __str__(self) -> str:
         n_q = self.start.numel() - 1
         return f"{self.tiles}: {self.visited} tiles visited over {n_q} query tiles ({self.partial} partial)"
 
 
-def tile_plan(a: torch.Tensor, b: torch.Tensor, tiles: AttentionTiles) -> TilePlan:
-    """Cut the coefficient maps a, b ([S_q, S_k] fp32, b = -inf where dropped) into tiles."""
-    s_q, s_k = a.shape
+def tile_plan(scale: float, b: torch.Tensor, tiles: AttentionTiles) -> TilePlan:
+    """Cut the offset map b ([S_q, S_k] fp32, -inf where dropped) into tiles; a = `scale` everywhere."""
+    s_q, s_k = b.shape
     bm, bn = tiles.bm, tiles.bn
     n_q, n_k = -(-s_q // bm), -(-s_k // bn)
-    pa = torch.zeros(n_q * bm, n_k * bn, dtype=torch.float32)
     pb = torch.full((n_q * bm, n_k * bn), float("-inf"), dtype=torch.float32)
-    pa[:s_q, :s_k], pb[:s_q, :s_k] = a, b
-    # rows past S_q are never stored: give them the first row's coefficients so that they do not
-    # turn a uniform tile partial
-    pa[s_q:, :], pb[s_q:, :] = pa[s_q - 1], pb[s_q - 1]
-    ta = pa.view(n_q, bm, n_k, bn).permute(0, 2, 1, 3)  # [n_q, n_k, bm, bn]
-    tb = pb.view(n_q, bm, n_k, bn).permute(0, 2, 1, 3)
-    dropped = torch.isneginf(tb)
-    visited = ~dropped.flatten(2).all(-1)
-    first_a, first_b = ta[..., :1, :1], tb[..., :1, :1]
-    uniform = (~dropped.flatten(2).any(-1)) & (ta == first_a).flatten(2).all(-1) & (tb == first_b).flatten(2).all(-1)
+    pb[:s_q, :s_k] = b
+    # rows past S_q are never stored: give them the last row's offsets so that they do not turn a
+    # uniform tile partial
+    pb[s_q:, :] = pb[s_q - 1]
+    tb = pb.view(n_q, bm, n_k, bn).permute(0, 2, 1, 3)  # [n_q, n_k, bm, bn]
+    dropped = torch.isneginf(tb).flatten(2)
+    visited = ~dropped.all(-1)
+    first = tb[..., :1, :1]
+    uniform = ~dropped.any(-1) & (tb == first).flatten(2).all(-1)
     qi, ki = visited.nonzero(as_tuple=True)  # row-major: key tiles ascending within a query tile
     partial = visited & ~uniform
     slot = torch.full(visited.shape, -1, dtype=torch.int32)
     slot[partial] = torch.arange(int(partial.sum()), dtype=torch.int32)
     start = torch.zeros(n_q + 1, dtype=torch.int32)
     start[1:] = torch.cumsum(visited.sum(1), 0).to(torch.int32)
-    return TilePlan(
-        tiles, start, ki.to(torch.int32), slot[qi, ki].contiguous(),
-        (first_a[qi, ki, 0, 0] * LOG2E).contiguous(), (first_b[qi, ki, 0, 0] * LOG2E).contiguous(),
-        (ta[partial] * LOG2E).contiguous(), (tb[partial] * LOG2E).contiguous())
+    shift = torch.where(uniform[qi, ki], first[qi, ki, 0, 0], 0.0)
+    return TilePlan(tiles, scale * LOG2E, start, ki.to(torch.int32), slot[qi, ki].contiguous(),
+                    (shift * LOG2E).contiguous(), (tb[partial] * LOG2E).contiguous())
 
 
 @triton.jit
-def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pa_ptr, pb_ptr,
-                      start_ptr, column_ptr, slot_ptr, scale_ptr, shift_ptr,
+def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, offsets_ptr,
+                      start_ptr, column_ptr, slot_ptr, shift_ptr, scale,
                       E1, E2,
                       sq0, sq1, sq2, sq_l, sq_d,
                       sk0, sk1, sk2, sk_m, sk_d,
@@ -127,19 +127,16 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pa_ptr, pb_ptr,
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BDV], tl.float32)
-    tile_offsets = tl.arange(0, BM)[:, None] * BN + cols[None, :]
+    in_tile = tl.arange(0, BM)[:, None] * BN + cols[None, :]
     for t in range(tl.load(start_ptr + qt), tl.load(start_ptr + qt + 1)):
         key = tl.load(column_ptr + t) * BN + cols
         k = tl.load(k_at + key[None, :] * sk_m + d[:, None] * sk_d,
                     mask=(key[None, :] < S_K) & (d[:, None] < D), other=0.0)
         s = _mma(q, k, tl.zeros([BM, BN], tl.float32), PREC, UPCAST)
         slot = tl.load(slot_ptr + t)
-        if slot >= 0:
-            a = tl.load(pa_ptr + slot * (BM * BN) + tile_offsets)
-            b = tl.load(pb_ptr + slot * (BM * BN) + tile_offsets)
-            s = tl.where(b == float("-inf"), float("-inf"), s * a + b)
-        else:
-            s = s * tl.load(scale_ptr + t) + tl.load(shift_ptr + t)
+        partial = tl.full([BM, BN], slot, tl.int32) >= 0
+        b = tl.load(offsets_ptr + slot * (BM * BN) + in_tile, mask=partial, other=tl.load(shift_ptr + t))
+        s = tl.where(b == float("-inf"), float("-inf"), s * scale + b)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing kept yet
         p = tl.math.exp2(s - m_use[:, None])
@@ -176,13 +173,11 @@ def launch(q: Operand, k: Operand, v: Operand, out: torch.Tensor, batch: tuple[i
     strides = [(0,) * pad + tuple(op.batch_strides) for op in (q, k, v)]
     strides.append((0,) * pad + tuple(out.stride()[:-2]))
     tiles = plan.tiles
-    n_q = plan.start.numel() - 1
-    grid = (n_q, max(1, math.prod(extents)))
+    grid = (plan.start.numel() - 1, max(1, math.prod(extents)))
     # the kernel only takes base pointers: a one-element view at the operand's first element
     views = [op.tensor.as_strided((1,), (1,), op.tensor.storage_offset() + op.offset) for op in (q, k, v)]
     _attention_kernel[grid](
-        *views, out, plan.partial_a, plan.partial_b,
-        plan.start, plan.column, plan.slot, plan.scale, plan.shift,
+        *views, out, plan.offsets, plan.start, plan.column, plan.slot, plan.shift, plan.scale,
         extents[1], extents[2],
         *strides[0], q.seq_stride, q.feature_stride,
         *strides[1], k.seq_stride, k.feature_stride,
@@ -193,3 +188,24 @@ def launch(q: Operand, k: Operand, v: Operand, out: torch.Tensor, batch: tuple[i
         PREC=precision, P_LOW=v.tensor.dtype in (torch.float16, torch.bfloat16), UPCAST=interpreting(),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
+
+
+def compile_for_sm90(dtype: str, tiles: AttentionTiles, head_dim: int = 64) -> dict:
+    """Compile the kernel for sm_90 with Triton's ptxas, no GPU needed (what CI can check of the
+    configs the autotuner may pick): registers, spilled bytes, shared memory per program."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from .chain_wgmma import cubin_resources
+
+    tensors = {"q_ptr": "*" + dtype, "k_ptr": "*" + dtype, "v_ptr": "*" + dtype, "o_ptr": "*" + dtype,
+               "offsets_ptr": "*fp32", "shift_ptr": "*fp32", "scale": "fp32",
+               "start_ptr": "*i32", "column_ptr": "*i32", "slot_ptr": "*i32"}
+    bd = max(16, triton.next_power_of_2(head_dim))
+    meta = {"BM": tiles.bm, "BN": tiles.bn, "BD": bd, "BDV": bd, "PREC": "ieee" if dtype == "fp32" else "tf32",
+            "P_LOW": dtype != "fp32", "UPCAST": False}
+    signature = {name: tensors.get(name, "i32") for name in _attention_kernel.arg_names}
+    signature.update({name: "constexpr" for name in meta})
+    kernel = triton.compile(ASTSource(_attention_kernel, signature, meta), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})
+    return cubin_resources(kernel)

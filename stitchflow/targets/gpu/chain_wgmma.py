@@ -155,9 +155,6 @@ def compile_for_sm90(M: int, K: int, N: int, L: int, tiles: WgmmaTiles, act: str
 def compile_gluon_sm90(fn, args: tuple, meta: dict, num_warps: int, ints: tuple[str, ...]) -> dict:
     """Compile a Gluon kernel for sm_90 with Triton's ptxas (no GPU needed): registers, spilled
     bytes and shared memory per program, read from the cubin. `ints` name the i32 scalar arguments."""
-    import subprocess
-    import tempfile
-
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -168,6 +165,16 @@ def compile_gluon_sm90(fn, args: tuple, meta: dict, num_warps: int, ints: tuple[
     signature.update({name: "constexpr" for name in meta})
     kernel = triton.compile(GluonASTSource(fn, signature, meta), target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": num_warps})
+    return cubin_resources(kernel)
+
+
+def cubin_resources(kernel) -> dict:
+    """Registers, spilled bytes and shared memory per program of a compiled kernel, from its cubin."""
+    import subprocess
+    import tempfile
+
+    import triton
+
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
