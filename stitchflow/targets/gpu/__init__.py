@@ -95,6 +95,13 @@ class GpuTarget:
             note = "" if name else " (no GPU here: --gpu-profile names another)"
             out += ["", f"chain plans on {profile.name}{note}, cheapest first (the autotuner times the shortlist):",
                     *lines]
+        found, refused = match_attention(graph, graph.params)
+        inside = [m for m in found if any(set(m.nodes) <= set(r.nodes) for r in regions)]
+        if found or refused:
+            out += ["", "attention (one block-sparse kernel each; the mask is folded into tiles when compiled):",
+                    *(f"  {m}" for m in inside),
+                    *(f"  {m}: not inside one region" for m in found if m not in inside),
+                    *(f"  not attention: {why}" for why in refused)]
         clusters = _explain_cluster_planes(graph, regions)
         if clusters:
             out += ["", "plane statistics on thread-block clusters (Hopper; timed against the generated kernels):",

@@ -235,6 +235,7 @@ def test_gpt3_bigbird_decoder_on_the_gpu_target():
     prog = stitchflow.compile(model, (x,), target="gpu", fusion="full")
     assert len(attention_steps(prog)) == 1
     assert rel_err(prog(x), model(x)) < 1e-5
+    assert "attention matmul .. matmul_1 (3 score nodes)" in prog.explain()
 
 
 def test_torch_compile_backend_folds_the_mask_and_follows_in_place_changes(caplog):
