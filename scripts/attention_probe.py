@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from stitchflow.apps.bigbird import bigbird_block_mask
 from stitchflow.targets.gpu.attention import candidates
-from stitchflow.targets.gpu.attention_kernel import Operand, launch, tile_plan
+from stitchflow.targets.gpu.attention_kernel import AttentionTiles, Operand, launch, tile_plan
 from stitchflow.targets.gpu.timing import graph_bench
 
 
@@ -26,6 +26,7 @@ def main():
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--block", type=int, default=64)
     parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--extra", default="", help="more tile shapes, bm:bn:warps:stages,...")
     args = parser.parse_args()
     B, H, S, D = args.batch, args.heads, args.seq, args.dim
     q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -42,7 +43,8 @@ def main():
     mask = bigbird_block_mask(S, args.block, seed=0)
     dense_b = torch.zeros(S, S)
     sparse_b = torch.where(mask.dense_mask() > 0, 0.0, float("-inf"))
-    for tiles in candidates(torch.bfloat16, D):
+    extra = [AttentionTiles(*map(int, t.split(":"))) for t in args.extra.split(",") if t]
+    for tiles in (*candidates(torch.bfloat16, D), *extra):
         dense = ours(tile_plan(scale, dense_b, tiles).to("cuda"))
         plan = tile_plan(scale, sparse_b, tiles).to("cuda")
         sparse = ours(plan)

@@ -100,6 +100,21 @@ def tile_plan(scale: float, b: torch.Tensor, tiles: AttentionTiles) -> TilePlan:
 
 
 @triton.jit
+def _load(ptrs, rows_ok, cols_ok, EVEN_ROWS: tl.constexpr, EVEN_COLS: tl.constexpr):
+    """A tile load masked only along the axes that can run past the tensor: a mask that varies along
+    the contiguous axis with a bound known only at run time keeps Triton from vectorising the load."""
+    if EVEN_ROWS and EVEN_COLS:
+        tile = tl.load(ptrs)
+    elif EVEN_ROWS:
+        tile = tl.load(ptrs, mask=cols_ok, other=0.0)
+    elif EVEN_COLS:
+        tile = tl.load(ptrs, mask=rows_ok, other=0.0)
+    else:
+        tile = tl.load(ptrs, mask=rows_ok & cols_ok, other=0.0)
+    return tile
+
+
+@triton.jit
 def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, offsets_ptr,
                       start_ptr, column_ptr, slot_ptr, shift_ptr, scale,
                       E1, E2,
@@ -109,7 +124,8 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, offsets_ptr,
                       so0, so1, so2, so_l, so_e,
                       S_Q, S_K, D, DV,
                       BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-                      PREC: tl.constexpr, P_LOW: tl.constexpr, UPCAST: tl.constexpr):
+                      PREC: tl.constexpr, P_LOW: tl.constexpr, UPCAST: tl.constexpr,
+                      EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr, EVEN_D: tl.constexpr):
     qt = tl.program_id(0)
     batch = tl.program_id(1)
     b2 = batch % E2
@@ -122,16 +138,14 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, offsets_ptr,
     q_at = q_ptr + b0 * sq0 + b1 * sq1 + b2 * sq2
     k_at = k_ptr + b0 * sk0 + b1 * sk1 + b2 * sk2
     v_at = v_ptr + b0 * sv0 + b1 * sv1 + b2 * sv2
-    q = tl.load(q_at + rows[:, None] * sq_l + d[None, :] * sq_d,
-                mask=(rows[:, None] < S_Q) & (d[None, :] < D), other=0.0)
+    q = _load(q_at + rows[:, None] * sq_l + d[None, :] * sq_d, rows[:, None] < S_Q, d[None, :] < D, EVEN_Q, EVEN_D)
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BDV], tl.float32)
     in_tile = tl.arange(0, BM)[:, None] * BN + cols[None, :]
     for t in range(tl.load(start_ptr + qt), tl.load(start_ptr + qt + 1)):
         key = tl.load(column_ptr + t) * BN + cols
-        k = tl.load(k_at + key[None, :] * sk_m + d[:, None] * sk_d,
-                    mask=(key[None, :] < S_K) & (d[:, None] < D), other=0.0)
+        k = _load(k_at + key[None, :] * sk_m + d[:, None] * sk_d, d[:, None] < D, key[None, :] < S_K, EVEN_D, EVEN_K)
         s = _mma(q, k, tl.zeros([BM, BN], tl.float32), PREC, UPCAST)
         slot = tl.load(slot_ptr + t)
         partial = tl.full([BM, BN], slot, tl.int32) >= 0
@@ -142,16 +156,18 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, offsets_ptr,
         p = tl.math.exp2(s - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_at + key[:, None] * sv_m + e[None, :] * sv_e,
-                    mask=(key[:, None] < S_K) & (e[None, :] < DV), other=0.0)
+        v = _load(v_at + key[:, None] * sv_m + e[None, :] * sv_e, key[:, None] < S_K, e[None, :] < DV, EVEN_K, EVEN_D)
         if P_LOW:
             p = p.to(v.dtype)
         acc = _mma(p, v, acc * alpha[:, None], PREC, UPCAST)
         m_i = m_new
     out = acc / l_i[:, None]
     o_at = o_ptr + b0 * so0 + b1 * so1 + b2 * so2
-    tl.store(o_at + rows[:, None] * so_l + e[None, :] * so_e, out.to(o_ptr.dtype.element_ty),
-             mask=(rows[:, None] < S_Q) & (e[None, :] < DV))
+    o_ptrs = o_at + rows[:, None] * so_l + e[None, :] * so_e
+    if EVEN_Q and EVEN_D:
+        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty))
+    else:
+        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=(rows[:, None] < S_Q) & (e[None, :] < DV))
 
 
 @dataclass(frozen=True)
@@ -174,6 +190,7 @@ def launch(q: Operand, k: Operand, v: Operand, out: torch.Tensor, batch: tuple[i
     strides.append((0,) * pad + tuple(out.stride()[:-2]))
     tiles = plan.tiles
     grid = (plan.start.numel() - 1, max(1, math.prod(extents)))
+    bd, bdv = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(dv))
     # the kernel only takes base pointers: a one-element view at the operand's first element
     views = [op.tensor.as_strided((1,), (1,), op.tensor.storage_offset() + op.offset) for op in (q, k, v)]
     _attention_kernel[grid](
@@ -184,8 +201,9 @@ def launch(q: Operand, k: Operand, v: Operand, out: torch.Tensor, batch: tuple[i
         *strides[2], v.seq_stride, v.feature_stride,
         *strides[3], out.stride(-2), out.stride(-1),
         s_q, s_k, d, dv,
-        BM=tiles.bm, BN=tiles.bn, BD=max(16, triton.next_power_of_2(d)), BDV=max(16, triton.next_power_of_2(dv)),
+        BM=tiles.bm, BN=tiles.bn, BD=bd, BDV=bdv,
         PREC=precision, P_LOW=v.tensor.dtype in (torch.float16, torch.bfloat16), UPCAST=interpreting(),
+        EVEN_Q=s_q % tiles.bm == 0, EVEN_K=s_k % tiles.bn == 0, EVEN_D=bd == d and bdv == dv,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 
@@ -203,7 +221,7 @@ def compile_for_sm90(dtype: str, tiles: AttentionTiles, head_dim: int = 64) -> d
                "start_ptr": "*i32", "column_ptr": "*i32", "slot_ptr": "*i32"}
     bd = max(16, triton.next_power_of_2(head_dim))
     meta = {"BM": tiles.bm, "BN": tiles.bn, "BD": bd, "BDV": bd, "PREC": "ieee" if dtype == "fp32" else "tf32",
-            "P_LOW": dtype != "fp32", "UPCAST": False}
+            "P_LOW": dtype != "fp32", "UPCAST": False, "EVEN_Q": True, "EVEN_K": True, "EVEN_D": True}
     signature = {name: tensors.get(name, "i32") for name in _attention_kernel.arg_names}
     signature.update({name: "constexpr" for name in meta})
     kernel = triton.compile(ASTSource(_attention_kernel, signature, meta), target=GPUTarget("cuda", 90, 32),
