@@ -44,15 +44,15 @@ class TilePlan:
 
     The score transform is s·a + b with one a for the whole attention (`scale`, log2(e) folded in).
     A *uniform* tile (every position kept, one b) adds its `shift`; a *partial* tile (some positions
-    dropped, or b varies) loads b per position from `offsets` (-inf where dropped). One loop walks
-    both kinds, the uniform tiles' loads masked off: Triton's software pipeliner refuses an scf.if
-    around loads in a loop, and a kernel with a loop per kind spilled at every tile shape (sm_90)."""
+    dropped, or b varies) loads b per position from `offsets` (-inf where dropped). The kernel walks
+    a query tile's partial tiles, then its uniform ones, in two loops, so that the uniform tiles,
+    most of a block mask's, pay nothing per position beyond dense attention."""
 
     tiles: AttentionTiles
     scale: float             # a·log2(e)
-    start: torch.Tensor      # int32 [n_qtiles + 1]: CSR offsets into the tile list
-    column: torch.Tensor     # int32 [n_tiles]: key-tile index, ascending within a query tile
-    slot: torch.Tensor       # int32 [n_tiles]: row of `offsets`, -1 for a uniform tile
+    start: torch.Tensor      # int32 [n_qtiles, 3]: where a query tile's partial tiles start, its uniform ones, the end
+    column: torch.Tensor     # int32 [n_tiles]: key-tile index, ascending within each kind of a query tile
+    slot: torch.Tensor       # int32 [n_tiles]: row of `offsets` (a partial tile), 0 (a uniform one)
     shift: torch.Tensor      # fp32 [n_tiles]: b·log2(e) of a uniform tile
     offsets: torch.Tensor    # fp32 [n_partial, BM, BN]: b·log2(e) per position, -inf where dropped
 
@@ -69,8 +69,8 @@ class TilePlan:
         return TilePlan(self.tiles, self.scale, **moved)
 
     def __str__(self) -> str:
-        n_q = self.start.numel() - 1
-        return f"{self.tiles}: {self.visited} tiles visited over {n_q} query tiles ({self.partial} partial)"
+        return (f"{self.tiles}: {self.visited} tiles visited over {self.start.shape[0]} query tiles "
+                f"({self.partial} partial)")
 
 
 def tile_plan(scale: float, b: torch.Tensor, tiles: AttentionTiles) -> TilePlan:
@@ -88,15 +88,23 @@ def tile_plan(scale: float, b: torch.Tensor, tiles: AttentionTiles) -> TilePlan:
     visited = ~dropped.all(-1)
     first = tb[..., :1, :1]
     uniform = ~dropped.any(-1) & (tb == first).flatten(2).all(-1)
-    qi, ki = visited.nonzero(as_tuple=True)  # row-major: key tiles ascending within a query tile
     partial = visited & ~uniform
-    slot = torch.full(visited.shape, -1, dtype=torch.int32)
-    slot[partial] = torch.arange(int(partial.sum()), dtype=torch.int32)
-    start = torch.zeros(n_q + 1, dtype=torch.int32)
-    start[1:] = torch.cumsum(visited.sum(1), 0).to(torch.int32)
-    shift = torch.where(uniform[qi, ki], first[qi, ki, 0, 0], 0.0)
-    return TilePlan(tiles, scale * LOG2E, start, ki.to(torch.int32), slot[qi, ki].contiguous(),
-                    (shift * LOG2E).contiguous(), (tb[partial] * LOG2E).contiguous())
+    # per query tile: partial tiles, then uniform ones, columns ascending within each; unvisited last
+    order = torch.where(partial, 0, torch.where(uniform, 1, 2)) * n_k + torch.arange(n_k)
+    ki = order.argsort(-1)
+    qi = torch.arange(n_q)[:, None].expand(n_q, n_k)
+    take = visited.gather(-1, ki)
+    qi, ki = qi[take], ki[take]
+    is_partial = partial[qi, ki]
+    slot = torch.zeros(len(qi), dtype=torch.int32)
+    slot[is_partial] = torch.arange(int(is_partial.sum()), dtype=torch.int32)
+    counts = torch.stack([partial.sum(-1), uniform.sum(-1)], -1)
+    start = torch.zeros(n_q, 3, dtype=torch.int64)
+    start[:, 1:] = counts.cumsum(-1)
+    start += (visited.sum(-1).cumsum(0) - visited.sum(-1))[:, None]
+    shift = torch.where(is_partial, 0.0, first[qi, ki, 0, 0])
+    return TilePlan(tiles, scale * LOG2E, start.to(torch.int32).contiguous(), ki.to(torch.int32).contiguous(),
+                    slot, (shift * LOG2E).contiguous(), (tb[qi[is_partial], ki[is_partial]] * LOG2E).contiguous())
 
 
 @triton.jit
@@ -112,6 +120,34 @@ def _load(ptrs, rows_ok, cols_ok, EVEN_ROWS: tl.constexpr, EVEN_COLS: tl.constex
     else:
         tile = tl.load(ptrs, mask=rows_ok & cols_ok, other=0.0)
     return tile
+
+
+@triton.jit
+def _visit(t, q, m_i, l_i, acc, k_at, v_at, column_ptr, slot_ptr, shift_ptr, offsets_ptr, scale,
+           cols, d, e, in_tile, sk_m, sk_d, sv_m, sv_e, S_K, D, DV,
+           BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, P_LOW: tl.constexpr, UPCAST: tl.constexpr,
+           EVEN_K: tl.constexpr, EVEN_D: tl.constexpr, PARTIAL: tl.constexpr):
+    """One key tile of the online softmax (base 2)."""
+    key = tl.load(column_ptr + t) * BN + cols
+    k = _load(k_at + key[None, :] * sk_m + d[:, None] * sk_d, d[:, None] < D, key[None, :] < S_K, EVEN_D, EVEN_K)
+    s = _mma(q, k, tl.zeros([BM, BN], tl.float32), PREC, UPCAST)
+    if PARTIAL:
+        b = tl.load(offsets_ptr + tl.load(slot_ptr + t) * (BM * BN) + in_tile)
+        s = tl.where(b == float("-inf"), float("-inf"), s * scale + b)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing kept yet
+    else:  # every position kept: the row maximum is finite
+        s = s * scale + tl.load(shift_ptr + t)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = m_new
+    p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = _load(v_at + key[:, None] * sv_m + e[None, :] * sv_e, key[:, None] < S_K, e[None, :] < DV, EVEN_K, EVEN_D)
+    if P_LOW:
+        p = p.to(v.dtype)
+    acc = _mma(p, v, acc * alpha[:, None], PREC, UPCAST)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -143,24 +179,17 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, offsets_ptr,
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BDV], tl.float32)
     in_tile = tl.arange(0, BM)[:, None] * BN + cols[None, :]
-    for t in range(tl.load(start_ptr + qt), tl.load(start_ptr + qt + 1)):
-        key = tl.load(column_ptr + t) * BN + cols
-        k = _load(k_at + key[None, :] * sk_m + d[:, None] * sk_d, d[:, None] < D, key[None, :] < S_K, EVEN_D, EVEN_K)
-        s = _mma(q, k, tl.zeros([BM, BN], tl.float32), PREC, UPCAST)
-        slot = tl.load(slot_ptr + t)
-        partial = tl.full([BM, BN], slot, tl.int32) >= 0
-        b = tl.load(offsets_ptr + slot * (BM * BN) + in_tile, mask=partial, other=tl.load(shift_ptr + t))
-        s = tl.where(b == float("-inf"), float("-inf"), s * scale + b)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing kept yet
-        p = tl.math.exp2(s - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load(v_at + key[:, None] * sv_m + e[None, :] * sv_e, key[:, None] < S_K, e[None, :] < DV, EVEN_K, EVEN_D)
-        if P_LOW:
-            p = p.to(v.dtype)
-        acc = _mma(p, v, acc * alpha[:, None], PREC, UPCAST)
-        m_i = m_new
+    first = tl.load(start_ptr + qt * 3)
+    uniform = tl.load(start_ptr + qt * 3 + 1)
+    end = tl.load(start_ptr + qt * 3 + 2)
+    for t in range(first, uniform):
+        m_i, l_i, acc = _visit(t, q, m_i, l_i, acc, k_at, v_at, column_ptr, slot_ptr, shift_ptr, offsets_ptr,
+                               scale, cols, d, e, in_tile, sk_m, sk_d, sv_m, sv_e, S_K, D, DV, BM, BN,
+                               PREC, P_LOW, UPCAST, EVEN_K, EVEN_D, True)
+    for t in range(uniform, end):
+        m_i, l_i, acc = _visit(t, q, m_i, l_i, acc, k_at, v_at, column_ptr, slot_ptr, shift_ptr, offsets_ptr,
+                               scale, cols, d, e, in_tile, sk_m, sk_d, sv_m, sv_e, S_K, D, DV, BM, BN,
+                               PREC, P_LOW, UPCAST, EVEN_K, EVEN_D, False)
     out = acc / l_i[:, None]
     o_at = o_ptr + b0 * so0 + b1 * so1 + b2 * so2
     o_ptrs = o_at + rows[:, None] * so_l + e[None, :] * so_e
@@ -189,7 +218,7 @@ def launch(q: Operand, k: Operand, v: Operand, out: torch.Tensor, batch: tuple[i
     strides = [(0,) * pad + tuple(op.batch_strides) for op in (q, k, v)]
     strides.append((0,) * pad + tuple(out.stride()[:-2]))
     tiles = plan.tiles
-    grid = (plan.start.numel() - 1, max(1, math.prod(extents)))
+    grid = (plan.start.shape[0], max(1, math.prod(extents)))
     bd, bdv = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(dv))
     # the kernel only takes base pointers: a one-element view at the operand's first element
     views = [op.tensor.as_strided((1,), (1,), op.tensor.storage_offset() + op.offset) for op in (q, k, v)]

@@ -61,13 +61,14 @@ def test_tile_plan_classifies_uniform_partial_and_dropped_tiles():
     b[32:, 32:] = 3.0                    # tile (2, 2): one b, but the padding past 40 drops columns: partial
     b[32:, 16:32] = 2.0                  # tile (2, 1): uniform, b = 2
     plan = tile_plan(0.5, b, AttentionTiles(16, 16))
-    assert plan.start.tolist() == [0, 2, 5, 8]
-    assert plan.column.tolist() == [0, 2, 0, 1, 2, 0, 1, 2]
+    # per query tile: its partial tiles, then its uniform ones, columns ascending within each kind;
     # (0, 2) and (1, 2) reach past S_k = 40: partial
-    assert [s >= 0 for s in plan.slot.tolist()] == [False, True, True, True, True, False, False, True]
-    assert plan.partial == 5 and plan.scale == pytest.approx(0.5 * LOG2E)
-    assert plan.shift[6].item() == pytest.approx(2 * LOG2E)
-    last = plan.offsets[plan.slot[7]]
+    assert plan.start.tolist() == [[0, 1, 2], [2, 5, 5], [5, 6, 8]]
+    assert plan.column.tolist() == [2, 0, 0, 1, 2, 2, 0, 1]
+    assert plan.partial == 5 and plan.slot.tolist() == [0, 0, 1, 2, 3, 4, 0, 0]
+    assert plan.scale == pytest.approx(0.5 * LOG2E)
+    assert plan.shift[7].item() == pytest.approx(2 * LOG2E)
+    last = plan.offsets[4]
     assert torch.isneginf(last[:, 8:]).all() and torch.allclose(last[:, :8], torch.tensor(3 * LOG2E))
 
 
