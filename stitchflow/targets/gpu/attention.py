@@ -429,7 +429,7 @@ class AttentionStep:
         env[self.match.output] = self._runner(env, self.chosen)()
 
     def describe(self) -> str:
-        plan = next(iter(self.plans.values()), None)
+        plan = next((p for (tiles, _), p in self.plans.items() if tiles == self.chosen), None)
         tiles = str(plan) if plan is not None else str(self.chosen or "tiles chosen at the first call")
         return f"{self.match}: batch {self.batch}, {self.s_q}x{self.s_k}, d {self.d}/{self.dv}; {tiles}"
 
