@@ -26,7 +26,7 @@ import torch
 
 from ...ir.expr import Access, Read, map_reads
 from ...ir.graph import Graph, Node
-from ...ir.index import Var, _linear
+from ...ir.index import Var, _linear, rename
 from ...ir.interpret import eval_node
 from ...ir.types import dense_type
 from .attention_kernel import MAX_BATCH_AXES, AttentionTiles, Operand, TilePlan, launch, tile_plan
@@ -47,9 +47,12 @@ class AttentionMatch:
     q: Access
     k: Access
     v: Access
+    key_bias: Access | None = None  # a tensor of the call added to the scores per key (a padding mask),
+                                    # its indices over the scores' variables
 
     def __str__(self) -> str:
-        return f"attention {self.scores} .. {self.output} ({len(self.transform)} score nodes)"
+        bias = f", key bias {self.key_bias}" if self.key_bias else ""
+        return f"attention {self.scores} .. {self.output} ({len(self.transform)} score nodes{bias})"
 
 
 class NotAttention(Exception):
@@ -113,10 +116,14 @@ def _match_at(graph: Graph, out: Node, params: set) -> AttentionMatch:
     (x_access,) = {a for a in soft["max"].accesses}
     if soft["max"].reduce_vars != (soft["max"].dims[-1][0],) or x_access.indices[-1] != Var(soft["max"].reduce_vars[0]):
         raise NotAttention(f"softmax {probs.name} does not run over the last axis")
-    transform, name = [], x_access.tensor
+    transform, name, key_bias = [], x_access.tensor, []
     while name in node_of and node_of[name].reduce is None:
         transform.append(_transform_node(graph, node_of[name], params))
         name = transform[-1][1]
+        key_bias += transform[-1][2]
+    if len(key_bias) > 1:
+        raise NotAttention(f"the scores read {len(key_bias)} tensors of the call ({', '.join(map(str, key_bias))}); "
+                           f"one key bias at most")
     if name not in node_of:
         raise NotAttention(f"the scores before softmax {probs.name} come from {name}, not a contraction")
     scores = node_of[name]
@@ -137,23 +144,39 @@ def _match_at(graph: Graph, out: Node, params: set) -> AttentionMatch:
             raise NotAttention(f"{n} is also read outside the attention ({sorted(users) or 'a program output'})")
     nodes = tuple(n.name for n in graph.nodes if n.name in set(inner) | {out.name})
     return AttentionMatch(nodes, scores.name, tuple(t[0].name for t in reversed(transform)), probs.name,
-                          out.name, q, k, v)
+                          out.name, q, k, v, _on_scores_vars(key_bias, transform, scores))
 
 
-def _transform_node(graph: Graph, node: Node, params: set) -> tuple[Node, str]:
-    """An elementwise node over the scores: (node, the node it transforms), or NotAttention."""
+def _on_scores_vars(key_bias: list, transform, scores: Node) -> Access | None:
+    """The key bias's access with the reading node's variables renamed to the scores' (position by position)."""
+    if not key_bias:
+        return None
+    (node,) = [n for n, _, bias in transform if bias]
+    names = dict(zip(node.out_vars, scores.out_vars))
+    return Access(key_bias[0].tensor, tuple(rename(i, names) for i in key_bias[0].indices))
+
+
+def _transform_node(graph: Graph, node: Node, params: set) -> tuple[Node, str, list[Access]]:
+    """An elementwise node over the scores: (node, the node it transforms, reads of a per-key bias
+    that the call passes), or NotAttention."""
     if node.is_scatter:
         raise NotAttention(f"{node.name} scatters")
     *batch, l_var, m_var = node.out_vars
-    upstream = [a for a in node.accesses if a.tensor not in params]
-    if len(upstream) != 1 or upstream[0].indices != node.index:
-        raise NotAttention(f"{node.name} reads {[str(a) for a in upstream]}: a score transform reads the "
-                           f"scores as they are and otherwise only constants")
+    chain = [a for a in node.accesses if a.tensor not in params and a.indices == node.index]
+    others = [a for a in node.accesses if a.tensor not in params and a.indices != node.index]
+    if len(chain) != 1:
+        raise NotAttention(f"{node.name} reads {[str(a) for a in chain]}: a score transform reads the "
+                           f"scores as they are and otherwise only constants or a per-key bias")
+    for a in others:
+        vars_ = _affine_vars(a)
+        if vars_ is None or m_var not in vars_ or not vars_ <= set(batch) | {m_var} or a.tensor in graph.node_of:
+            raise NotAttention(f"{node.name} reads {a}: besides constants, a score transform reads only a "
+                               f"tensor of the call indexed by batch axes and the key (a padding mask)")
     for a in node.accesses:
         if a.tensor in params and not a.vars <= {l_var, m_var}:
             raise NotAttention(f"{node.name} reads {a}, which varies over the batch axes (a mask per head "
                                f"or per sequence is not folded yet)")
-    return node, upstream[0].tensor
+    return node, chain[0].tensor, others
 
 
 def _order_qk(accesses, batch: set, l_var: str, m_var: str, d: str) -> tuple[Access, Access]:
@@ -193,27 +216,39 @@ def match_attention(graph: Graph, params) -> tuple[list[AttentionMatch], list[st
 
 # ---------------------------------------------------------------- the score transform as constants
 
-def score_coefficients(graph: Graph, match: AttentionMatch, params: dict) -> tuple[float, torch.Tensor]:
-    """(a, b): t(s) = a·s + b[l, m] over (S_q, S_k), b float32 and -inf where the position is dropped."""
+def score_coefficients(graph: Graph, match: AttentionMatch, params: dict) -> tuple[float, torch.Tensor, float]:
+    """(a, b, c): t(s, r) = a·s + b[l, m] + c·r over (S_q, S_k), with r the key bias of the call (c = 0
+    without one); b float32 and -inf where the position is dropped."""
     scores = graph.node_of[match.scores]
     s_q, s_k = graph.type_of[match.scores].shape[-2:]
-    values = [_evaluate_transform(graph, match, params, float(s), s_q, s_k) for s in (0.0, 1.0, 2.0)]
+    points = ((0.0, 0.0), (1.0, 0.0), (2.0, 0.0), (0.0, 1.0), (0.0, 2.0), (1.0, 1.0))
+    if match.key_bias is None:
+        points = points[:3]
+    values = [_evaluate_transform(graph, match, params, s, r, s_q, s_k) for s, r in points]
     dropped = torch.isneginf(values[0])
     if not all(torch.equal(torch.isneginf(t), dropped) for t in values[1:]):
-        raise NotAttention(f"the transform of {scores.name} drops positions depending on the score")
+        raise NotAttention(f"the transform of {scores.name} drops positions depending on the score or the bias")
     kept = [t.masked_fill(dropped, 0.0) for t in values]
     if not all(torch.isfinite(t).all() for t in kept):
         raise NotAttention(f"the transform of {scores.name} makes +inf or NaN from finite scores")
-    a, b = kept[1] - kept[0], kept[0]
-    tolerance = 1e-9 * (1 + a.abs() + b.abs())
-    if ((kept[2] - (2 * a + b)).abs() > tolerance).any():
-        raise NotAttention(f"the transform of {scores.name} is not affine in the score")
-    factors = a[~dropped]
-    scale = factors[0].item() if factors.numel() else 1.0
-    if factors.numel() and not bool((factors == scale).all()):
-        raise NotAttention(f"the transform of {scores.name} scales the scores by different factors at different "
+    b = kept[0]
+    a = kept[1] - b
+    c = kept[3] - b if match.key_bias is not None else torch.zeros_like(b)
+    expected = [b, a + b, 2 * a + b, c + b, 2 * c + b, a + c + b][:len(points)]
+    tolerance = 1e-9 * (1 + a.abs() + b.abs() + c.abs())
+    if any(((t - e).abs() > tolerance).any() for t, e in zip(kept, expected)):
+        raise NotAttention(f"the transform of {scores.name} is not affine in the score"
+                           + (" and the key bias" if match.key_bias is not None else ""))
+    scale, bias_scale = (_one_factor(f[~dropped], scores.name, what) for f, what in ((a, "scores"), (c, "key bias")))
+    return scale, b.float().masked_fill(dropped, float("-inf")), bias_scale
+
+
+def _one_factor(factors: torch.Tensor, scores: str, what: str) -> float:
+    value = factors[0].item() if factors.numel() else 0.0
+    if factors.numel() and not bool((factors == value).all()):
+        raise NotAttention(f"the transform of {scores} scales the {what} by different factors at different "
                            f"positions (a mask with values other than 0 and 1)")
-    return scale, b.float().masked_fill(dropped, float("-inf"))
+    return value
 
 
 def transform_sources(graph: Graph, match: AttentionMatch, params) -> dict[str, torch.Tensor]:
@@ -242,10 +277,15 @@ def _constant_env(graph: Graph, match: AttentionMatch, params) -> dict[str, torc
     return env
 
 
-def _evaluate_transform(graph, match, params, s: float, s_q: int, s_k: int) -> torch.Tensor:
-    """The transform's nodes on the (l, m) grid in float64, the scores all equal to s."""
+KEY_BIAS = "__key_bias"
+
+
+def _evaluate_transform(graph, match, params, s: float, r: float, s_q: int, s_k: int) -> torch.Tensor:
+    """The transform's nodes on the (l, m) grid in float64, the scores all equal to s, the key bias to r."""
     env = _constant_env(graph, match, params)
     env[match.scores] = torch.full((s_q, s_k), s, dtype=torch.float64)
+    env[KEY_BIAS] = torch.full((s_q, s_k), r, dtype=torch.float64)
+    bias = match.key_bias.tensor if match.key_bias is not None else None
     previous = match.scores
     for name in match.transform:
         node = graph.node_of[name]
@@ -255,6 +295,8 @@ def _evaluate_transform(graph, match, params, s: float, s_q: int, s_k: int) -> t
         def on_grid(access: Access, previous=previous, grid=grid):
             if access.tensor == previous:
                 return Read(Access(previous, grid))
+            if access.tensor == bias:
+                return Read(Access(KEY_BIAS, grid))
             return Read(access)
 
         small = Node(name, grid, map_reads(node.body, on_grid), ((l_var, s_q), (m_var, s_k)))
@@ -288,9 +330,13 @@ CANDIDATES = {
 }
 
 
-def candidates(dtype: torch.dtype, head_dim: int) -> tuple[AttentionTiles, ...]:
+SPILL_WITH_KEY_BIAS = {(128, 128, 8, 2), (64, 128, 4, 2)}  # 8-16 bytes each at head dim 64
+
+
+def candidates(dtype: torch.dtype, head_dim: int, key_bias: bool = False) -> tuple[AttentionTiles, ...]:
     width = 32 if dtype == torch.float32 else 16
-    return tuple(AttentionTiles(*t) for t in CANDIDATES[width, 64 if head_dim <= 64 else 128])
+    shapes = CANDIDATES[width, 64 if head_dim <= 64 else 128]
+    return tuple(AttentionTiles(*t) for t in shapes if not (key_bias and t in SPILL_WITH_KEY_BIAS))
 
 
 class AttentionStep:
@@ -356,7 +402,7 @@ class AttentionStep:
     def _plan(self, tiles: AttentionTiles, device) -> TilePlan:
         key = (tiles, str(device))
         if key not in self.plans:
-            self.plans[key] = tile_plan(*self.coefficients, tiles).to(device)
+            self.plans[key] = tile_plan(*self.coefficients[:2], tiles).to(device)
         return self.plans[key]
 
     def _precision(self, dtype) -> str:
@@ -369,13 +415,15 @@ class AttentionStep:
         q = self._operand(m.q, env, self.batch_vars, self.l_var, self.d_var)
         k = self._operand(m.k, env, self.batch_vars, self.m_var, self.d_var)
         v = self._operand(m.v, env, self.out_batch_vars, self.r_var, self.e_var)
+        bias = None if m.key_bias is None else self._operand(m.key_bias, env, self.batch_vars, self.m_var, "")
         device = q.tensor.device
         plan = self._plan(tiles, device)
         out = torch.empty(self.out_type.shape, dtype=self.out_type.dtype, device=device)
         precision = self._precision(q.tensor.dtype)
 
         def run():
-            return launch(q, k, v, out, self.batch, plan, self.s_q, self.s_k, self.d, self.dv, precision)
+            return launch(q, k, v, out, self.batch, plan, self.s_q, self.s_k, self.d, self.dv, precision,
+                          bias, self.coefficients[2])
         return run
 
     # -- tiles
@@ -398,7 +446,7 @@ class AttentionStep:
         from .timing import timed_median
 
         timings, best, best_s = {}, None, float("inf")
-        for tiles in candidates(env[self.match.q.tensor].dtype, max(self.d, self.dv)):
+        for tiles in candidates(env[self.match.q.tensor].dtype, max(self.d, self.dv), self.match.key_bias is not None):
             try:
                 run = self._runner(env, tiles)
                 run()

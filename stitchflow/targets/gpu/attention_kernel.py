@@ -123,22 +123,25 @@ def _load(ptrs, rows_ok, cols_ok, EVEN_ROWS: tl.constexpr, EVEN_COLS: tl.constex
 
 
 @triton.jit
-def _visit(t, q, m_i, l_i, acc, k_at, v_at, column_ptr, slot_ptr, shift_ptr, offsets_ptr, scale,
-           cols, d, e, in_tile, sk_m, sk_d, sv_m, sv_e, S_K, D, DV,
+def _visit(t, q, m_i, l_i, acc, k_at, v_at, kb_at, column_ptr, slot_ptr, shift_ptr, offsets_ptr, scale, kscale,
+           cols, d, e, in_tile, sk_m, sk_d, sv_m, sv_e, skb_m, S_K, D, DV,
            BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, P_LOW: tl.constexpr, UPCAST: tl.constexpr,
-           EVEN_K: tl.constexpr, EVEN_D: tl.constexpr, PARTIAL: tl.constexpr):
-    """One key tile of the online softmax (base 2)."""
+           EVEN_K: tl.constexpr, EVEN_D: tl.constexpr, PARTIAL: tl.constexpr, HAS_KB: tl.constexpr):
+    """One key tile of the online softmax (base 2); HAS_KB adds the call's per-key bias, times kscale."""
     key = tl.load(column_ptr + t) * BN + cols
     k = _load(k_at + key[None, :] * sk_m + d[:, None] * sk_d, d[:, None] < D, key[None, :] < S_K, EVEN_D, EVEN_K)
     s = _mma(q, k, tl.zeros([BM, BN], tl.float32), PREC, UPCAST)
     if PARTIAL:
         b = tl.load(offsets_ptr + tl.load(slot_ptr + t) * (BM * BN) + in_tile)
         s = tl.where(b == float("-inf"), float("-inf"), s * scale + b)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+    else:
+        s = s * scale + tl.load(shift_ptr + t)
+    if HAS_KB:
+        s += tl.load(kb_at + key * skb_m, mask=key < S_K, other=0.0).to(tl.float32)[None, :] * kscale
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if PARTIAL or HAS_KB:
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing kept yet
     else:  # every position kept: the row maximum is finite
-        s = s * scale + tl.load(shift_ptr + t)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = m_new
     p = tl.math.exp2(s - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)
@@ -151,17 +154,18 @@ def _visit(t, q, m_i, l_i, acc, k_at, v_at, column_ptr, slot_ptr, shift_ptr, off
 
 
 @triton.jit
-def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, offsets_ptr,
-                      start_ptr, column_ptr, slot_ptr, shift_ptr, scale,
+def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, kb_ptr, offsets_ptr,
+                      start_ptr, column_ptr, slot_ptr, shift_ptr, scale, kscale,
                       E1, E2,
                       sq0, sq1, sq2, sq_l, sq_d,
                       sk0, sk1, sk2, sk_m, sk_d,
                       sv0, sv1, sv2, sv_m, sv_e,
+                      skb0, skb1, skb2, skb_m,
                       so0, so1, so2, so_l, so_e,
                       S_Q, S_K, D, DV,
                       BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                       PREC: tl.constexpr, P_LOW: tl.constexpr, UPCAST: tl.constexpr,
-                      EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr, EVEN_D: tl.constexpr):
+                      EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr, EVEN_D: tl.constexpr, HAS_KB: tl.constexpr):
     qt = tl.program_id(0)
     batch = tl.program_id(1)
     b2 = batch % E2
@@ -174,6 +178,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, offsets_ptr,
     q_at = q_ptr + b0 * sq0 + b1 * sq1 + b2 * sq2
     k_at = k_ptr + b0 * sk0 + b1 * sk1 + b2 * sk2
     v_at = v_ptr + b0 * sv0 + b1 * sv1 + b2 * sv2
+    kb_at = kb_ptr + b0 * skb0 + b1 * skb1 + b2 * skb2
     q = _load(q_at + rows[:, None] * sq_l + d[None, :] * sq_d, rows[:, None] < S_Q, d[None, :] < D, EVEN_Q, EVEN_D)
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
@@ -183,13 +188,13 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, offsets_ptr,
     uniform = tl.load(start_ptr + qt * 3 + 1)
     end = tl.load(start_ptr + qt * 3 + 2)
     for t in range(first, uniform):
-        m_i, l_i, acc = _visit(t, q, m_i, l_i, acc, k_at, v_at, column_ptr, slot_ptr, shift_ptr, offsets_ptr,
-                               scale, cols, d, e, in_tile, sk_m, sk_d, sv_m, sv_e, S_K, D, DV, BM, BN,
-                               PREC, P_LOW, UPCAST, EVEN_K, EVEN_D, True)
+        m_i, l_i, acc = _visit(t, q, m_i, l_i, acc, k_at, v_at, kb_at, column_ptr, slot_ptr, shift_ptr,
+                               offsets_ptr, scale, kscale, cols, d, e, in_tile, sk_m, sk_d, sv_m, sv_e, skb_m,
+                               S_K, D, DV, BM, BN, PREC, P_LOW, UPCAST, EVEN_K, EVEN_D, True, HAS_KB)
     for t in range(uniform, end):
-        m_i, l_i, acc = _visit(t, q, m_i, l_i, acc, k_at, v_at, column_ptr, slot_ptr, shift_ptr, offsets_ptr,
-                               scale, cols, d, e, in_tile, sk_m, sk_d, sv_m, sv_e, S_K, D, DV, BM, BN,
-                               PREC, P_LOW, UPCAST, EVEN_K, EVEN_D, False)
+        m_i, l_i, acc = _visit(t, q, m_i, l_i, acc, k_at, v_at, kb_at, column_ptr, slot_ptr, shift_ptr,
+                               offsets_ptr, scale, kscale, cols, d, e, in_tile, sk_m, sk_d, sv_m, sv_e, skb_m,
+                               S_K, D, DV, BM, BN, PREC, P_LOW, UPCAST, EVEN_K, EVEN_D, False, HAS_KB)
     out = acc / l_i[:, None]
     o_at = o_ptr + b0 * so0 + b1 * so1 + b2 * so2
     o_ptrs = o_at + rows[:, None] * so_l + e[None, :] * so_e
@@ -211,33 +216,39 @@ class Operand:
 
 
 def launch(q: Operand, k: Operand, v: Operand, out: torch.Tensor, batch: tuple[int, ...],
-           plan: TilePlan, s_q: int, s_k: int, d: int, dv: int, precision: str) -> torch.Tensor:
-    """Run the kernel; `out` is [*batch, S_q, dv] with any strides."""
+           plan: TilePlan, s_q: int, s_k: int, d: int, dv: int, precision: str,
+           key_bias: Operand | None = None, bias_scale: float = 0.0) -> torch.Tensor:
+    """Run the kernel; `out` is [*batch, S_q, dv] with any strides; `key_bias` (its seq stride over the
+    keys) is added to the scores times `bias_scale`."""
     pad = MAX_BATCH_AXES - len(batch)
     extents = (1,) * pad + tuple(batch)
-    strides = [(0,) * pad + tuple(op.batch_strides) for op in (q, k, v)]
+    bias = key_bias or Operand(plan.shift, 0, (0,) * len(batch), 0, 0)  # a dummy pointer without a bias
+    strides = [(0,) * pad + tuple(op.batch_strides) for op in (q, k, v, bias)]
     strides.append((0,) * pad + tuple(out.stride()[:-2]))
     tiles = plan.tiles
     grid = (plan.start.shape[0], max(1, math.prod(extents)))
     bd, bdv = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(dv))
     # the kernel only takes base pointers: a one-element view at the operand's first element
-    views = [op.tensor.as_strided((1,), (1,), op.tensor.storage_offset() + op.offset) for op in (q, k, v)]
+    views = [op.tensor.as_strided((1,), (1,), op.tensor.storage_offset() + op.offset) for op in (q, k, v, bias)]
     _attention_kernel[grid](
-        *views, out, plan.offsets, plan.start, plan.column, plan.slot, plan.shift, plan.scale,
+        *views[:3], out, views[3], plan.offsets, plan.start, plan.column, plan.slot, plan.shift, plan.scale,
+        bias_scale * LOG2E,
         extents[1], extents[2],
         *strides[0], q.seq_stride, q.feature_stride,
         *strides[1], k.seq_stride, k.feature_stride,
         *strides[2], v.seq_stride, v.feature_stride,
-        *strides[3], out.stride(-2), out.stride(-1),
+        *strides[3], bias.seq_stride,
+        *strides[4], out.stride(-2), out.stride(-1),
         s_q, s_k, d, dv,
         BM=tiles.bm, BN=tiles.bn, BD=bd, BDV=bdv,
         PREC=precision, P_LOW=v.tensor.dtype in (torch.float16, torch.bfloat16), UPCAST=interpreting(),
         EVEN_Q=s_q % tiles.bm == 0, EVEN_K=s_k % tiles.bn == 0, EVEN_D=bd == d and bdv == dv,
+        HAS_KB=key_bias is not None,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 
 
-def compile_for_sm90(dtype: str, tiles: AttentionTiles, head_dim: int = 64) -> dict:
+def compile_for_sm90(dtype: str, tiles: AttentionTiles, head_dim: int = 64, key_bias: bool = False) -> dict:
     """Compile the kernel for sm_90 with Triton's ptxas, no GPU needed (what CI can check of the
     configs the autotuner may pick): registers, spilled bytes, shared memory per program."""
     from triton.backends.compiler import GPUTarget
@@ -246,11 +257,12 @@ def compile_for_sm90(dtype: str, tiles: AttentionTiles, head_dim: int = 64) -> d
     from .chain_wgmma import cubin_resources
 
     tensors = {"q_ptr": "*" + dtype, "k_ptr": "*" + dtype, "v_ptr": "*" + dtype, "o_ptr": "*" + dtype,
-               "offsets_ptr": "*fp32", "shift_ptr": "*fp32", "scale": "fp32",
+               "kb_ptr": "*fp32", "offsets_ptr": "*fp32", "shift_ptr": "*fp32", "scale": "fp32", "kscale": "fp32",
                "start_ptr": "*i32", "column_ptr": "*i32", "slot_ptr": "*i32"}
     bd = max(16, triton.next_power_of_2(head_dim))
     meta = {"BM": tiles.bm, "BN": tiles.bn, "BD": bd, "BDV": bd, "PREC": "ieee" if dtype == "fp32" else "tf32",
-            "P_LOW": dtype != "fp32", "UPCAST": False, "EVEN_Q": True, "EVEN_K": True, "EVEN_D": True}
+            "P_LOW": dtype != "fp32", "UPCAST": False, "EVEN_Q": True, "EVEN_K": True, "EVEN_D": True,
+            "HAS_KB": key_bias}
     signature = {name: tensors.get(name, "i32") for name in _attention_kernel.arg_names}
     signature.update({name: "constexpr" for name in meta})
     kernel = triton.compile(ASTSource(_attention_kernel, signature, meta), target=GPUTarget("cuda", 90, 32),

@@ -17,8 +17,8 @@ import stitchflow
 from stitchflow.apps.bigbird import bigbird_block_mask
 from stitchflow.apps.gpt3 import GPT3, BlockSparseAttention, _mask_tensor
 from stitchflow.program import capture_model
-from stitchflow.targets.gpu.attention import (CANDIDATES, AttentionStep, NotAttention, match_attention,
-                                             score_coefficients)
+from stitchflow.targets.gpu.attention import (CANDIDATES, SPILL_WITH_KEY_BIAS, AttentionStep, NotAttention,
+                                             match_attention, score_coefficients)
 from stitchflow.targets.gpu.attention_kernel import LOG2E, AttentionTiles, Operand, launch, tile_plan
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -118,10 +118,11 @@ def test_every_candidate_compiles_for_sm90_without_spilling(fresh_python):
     code = ("import json, torch\n"
             "from stitchflow.targets.gpu.attention import candidates\n"
             "from stitchflow.targets.gpu.attention_kernel import compile_for_sm90\n"
-            "print(json.dumps([(str(t), dt, d, compile_for_sm90(dt, t, d)) for dt, dtype in (('bf16', torch.bfloat16), "
-            "('fp32', torch.float32)) for d in (64, 128) for t in candidates(dtype, d)]))\n")
+            "print(json.dumps([(str(t), dt, d, kb, compile_for_sm90(dt, t, d, kb)) for dt, dtype in (('bf16', "
+            "torch.bfloat16), ('fp32', torch.float32)) for d in (64, 128) for kb in (False, True) "
+            "for t in candidates(dtype, d, kb)]))\n")
     reports = fresh_python(code, None)
-    assert len(reports) == sum(len(v) for v in CANDIDATES.values())
+    assert len(reports) == 2 * sum(len(v) for v in CANDIDATES.values()) - len(SPILL_WITH_KEY_BIAS)
     assert all(r["spilled"] == 0 and r["smem"] <= 227 * 1024 for *_, r in reports), reports
 
 
@@ -169,9 +170,44 @@ def test_additive_bias_and_shared_keys():
     q, k, v = torch.randn(2, 3, 37, 20), torch.randn(2, 37, 20), torch.randn(2, 37, 12)
     prog = stitchflow.compile(model, (q, k, v), target="gpu", fusion="full")
     (step,) = attention_steps(prog)
-    a, b = step.coefficients
-    assert a == 0.125 and torch.allclose(b, model.bias)
+    a, b, c = step.coefficients
+    assert a == 0.125 and torch.allclose(b, model.bias) and c == 0.0
     assert rel_err(prog(q, k, v), model(q, k, v)) < 1e-5
+
+
+class PaddedAttention(torch.nn.Module):
+    """BERT's attention: softmax(Q·Kᵀ·scale + mask[b, None, None, key])·V, the padding mask an input of the call."""
+
+    def forward(self, q, k, v, mask):
+        s = q @ k.transpose(-1, -2) * 0.125 + mask[:, None, None, :]
+        return torch.softmax(s, -1) @ v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fill", [-10000.0, float("-inf")])
+def test_a_padding_mask_passed_with_the_call(dtype, fill):
+    model = PaddedAttention()
+    q, k, v = (torch.randn(3, 2, 45, 24).to(dtype) for _ in range(3))
+    lengths = torch.tensor([45, 30, 7])
+    mask = torch.where(torch.arange(45)[None, :] < lengths[:, None], 0.0, fill).to(dtype)
+    prog = stitchflow.compile(model, (q, k, v, mask), target="gpu", fusion="full")
+    (step,) = attention_steps(prog)
+    assert step.match.key_bias is not None and step.coefficients[2] == 1.0
+    for seed in range(2):  # another mask each call: it is read when the kernel runs
+        lengths = torch.randint(1, 46, (3,), generator=torch.Generator().manual_seed(seed))
+        mask = torch.where(torch.arange(45)[None, :] < lengths[:, None], 0.0, fill).to(dtype)
+        ref = PaddedAttention()(*(t.double() for t in (q, k, v, mask)))
+        assert rel_err(prog(q, k, v, mask), ref) < TOL[dtype]
+
+
+def test_bert_block_attention_takes_its_padding_mask():
+    from stitchflow.apps import APPS
+
+    model, inputs = APPS["bert"].build(size="small")
+    prog = stitchflow.compile(model, inputs, target="gpu", fusion="full")
+    (step,) = attention_steps(prog)
+    assert step.match.key_bias is not None
+    assert rel_err(prog(*inputs), model(*inputs)) < 1e-5
 
 
 class PerHeadMask(torch.nn.Module):

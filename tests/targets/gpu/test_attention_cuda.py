@@ -59,3 +59,18 @@ def test_gpt3_decoder_with_bigbird_attention():
     steps = [s for c in prog.compiled for s in c.steps if isinstance(s, AttentionStep)]
     assert len(steps) == 2
     assert rel_err(prog(x), copy.deepcopy(model).double()(x.double())) < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padding_mask_of_the_call(dtype):
+    class Padded(torch.nn.Module):
+        def forward(self, q, k, v, mask):
+            return torch.softmax(q @ k.transpose(-1, -2) * 0.125 + mask[:, None, None, :], -1) @ v
+
+    q, k, v = (torch.randn(4, 8, 500, 64, device="cuda", dtype=dtype) for _ in range(3))
+    lengths = torch.tensor([500, 321, 64, 1], device="cuda")
+    mask = torch.where(torch.arange(500, device="cuda")[None, :] < lengths[:, None], 0.0, float("-inf")).to(dtype)
+    prog = stitchflow.compile(Padded(), (q, k, v, mask), target="gpu", fusion="full")
+    assert [s for c in prog.compiled for s in c.steps if isinstance(s, AttentionStep)]
+    ref = Padded()(*(t.double() for t in (q, k, v, mask)))
+    assert rel_err(prog(q, k, v, mask), ref) < (1e-5 if dtype == torch.float32 else 2e-2)
