@@ -4,6 +4,10 @@ a speed reference only, it computes something else), same process, same inputs.
 
     python -m stitchflow.bench.attention [--cases b2h16s4096b64,b1h12s1024b16] [--out DIR] [--markdown FILE]
 
+A case `gpt3b{block}` is the whole model FuseFlow runs: GPT-3 small (12 decoders, width 768, 12 heads, FFN 3072)
+at sequence 1024, batch 1, with the BigBird mask of that block size, bf16, against eager and torch.compile (the
+attention-only competitors do not apply); stitchflow uses `fusion="auto"`.
+
 A case `b{B}h{H}s{S}b{block}` is the app zoo's attention core (`apps.gpt3.BlockSparseAttention`: scores times
 the 0/1 BigBird mask, scaled, the dropped positions -inf, softmax, times V) on a packed bf16 QKV tensor of width
 64·H. Every competitor takes that tensor and returns the heads merged, (B, S, 64·H), checked against the module
@@ -27,16 +31,21 @@ from .report import replace_section, write_results
 from .stitching_patterns import relative_error
 
 SECTION = "## Block-sparse attention on the GPU"
-CASES = ("b2h16s4096b64", "b1h12s1024b16", "b1h12s1024b32", "b1h12s1024b64")
+CASES = ("b2h16s4096b64", "b1h12s1024b16", "b1h12s1024b32", "b1h12s1024b64", "gpt3b16", "gpt3b64")
+MODEL_RUNNERS = ("eager", "torch.compile", "stitchflow")
 RUNNERS = ("eager", "torch.compile", "sdpa_mask", "flex", "stitchflow", "dense_flash")
 ROUNDS = 3
 HEAD_DIM = 64
 
 
 def parse_case(case: str) -> tuple[int, int, int, int]:
+    """(batch, heads, seq, block); a whole-model case `gpt3b<block>` is GPT-3 small's (1, 12, 1024, block)."""
+    model = re.fullmatch(r"gpt3b(\d+)", case)
+    if model:
+        return 1, 12, 1024, int(model.group(1))
     found = re.fullmatch(r"b(\d+)h(\d+)s(\d+)b(\d+)", case)
     if not found:
-        raise ValueError(f"case {case!r} is not b<batch>h<heads>s<seq>b<block>")
+        raise ValueError(f"case {case!r} is neither b<batch>h<heads>s<seq>b<block> nor gpt3b<block>")
     return tuple(int(g) for g in found.groups())
 
 
@@ -82,11 +91,67 @@ def competitors(model, qkv: torch.Tensor, layout: torch.Tensor, block: int, head
     }
 
 
+def _timed(ready: dict, x: torch.Tensor) -> dict[str, list[float]]:
+    from ..targets.gpu.timing import graph_bench
+
+    times = {name: [] for name in ready}
+    for _ in range(ROUNDS):
+        for name, fn in ready.items():
+            times[name].append(graph_bench(lambda fn=fn: fn(x))[0] * 1e6)
+    return times
+
+
+def _checked(makers: dict, x: torch.Tensor, ref: torch.Tensor, row: dict, exempt=()) -> dict:
+    """The competitors that build and match `ref` (relative error ≤ 2e-2); failures noted in `row`."""
+    ready = {}
+    for name, make in makers.items():
+        try:  # one failing competitor must not hide the others
+            fn = make()
+            err = relative_error(fn(x), ref)
+            row[f"{name} err"] = err
+            if name in exempt or err <= 2e-2:
+                ready[name] = fn
+            else:
+                row[f"{name} error"] = f"relative error {err:.2g} against the float32 model"
+        except Exception as exc:
+            row[f"{name} error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    return ready
+
+
+def bench_model(case: str) -> dict:
+    """The whole GPT-3 small with BigBird attention: eager, torch.compile and stitchflow."""
+    import copy
+
+    import stitchflow
+    from ..apps.gpt3 import GPT3
+
+    _, heads, seq, block = parse_case(case)
+    torch._dynamo.reset()
+    reference = GPT3.preset("gpt3-small", block=block).cuda()
+    model = copy.deepcopy(reference).to(torch.bfloat16)
+    x = torch.randn(1, seq, 768, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    row = {"case": case, "batch": 1, "heads": heads, "seq": seq, "block": block,
+           "density": reference.block_mask.density}
+    with torch.no_grad():
+        ref = reference(x)
+        x = x.to(torch.bfloat16)
+        ready = _checked({"eager": lambda: model, "torch.compile": lambda: torch.compile(model, dynamic=False),
+                          "stitchflow": lambda: stitchflow.compile(model, (x,), target="gpu", fusion="auto",
+                                                                   options={"cuda_graphs": False})},
+                         x, ref, row)
+        times = _timed(ready, x)
+    for name, ts in times.items():
+        row[f"{name} us"] = statistics.median(ts)
+        row[f"{name} rounds us"] = [round(t, 1) for t in ts]
+    return row
+
+
 def bench_case(case: str, gemm_flops: float) -> dict:
     from ..apps.bigbird import bigbird_block_mask
     from ..apps.gpt3 import BlockSparseAttention, _mask_tensor
-    from ..targets.gpu.timing import graph_bench
 
+    if case.startswith("gpt3"):
+        return bench_model(case)
     batch, heads, seq, block = parse_case(case)
     torch._dynamo.reset()
     mask = bigbird_block_mask(seq, block, seed=0)
@@ -98,23 +163,10 @@ def bench_case(case: str, gemm_flops: float) -> dict:
     qkv = qkv.to(torch.bfloat16)
     attended = 4 * batch * heads * seq * seq * HEAD_DIM * mask.density
     row = {"case": case, "batch": batch, "heads": heads, "seq": seq, "block": block, "density": mask.density}
-    ready = {}
     with torch.no_grad():
-        for name, make in competitors(model, qkv, mask.layout.cuda(), block, heads).items():
-            try:  # one failing competitor must not hide the others
-                fn = make()
-                err = relative_error(fn(qkv), ref)
-                row[f"{name} err"] = err
-                if name == "dense_flash" or err <= 2e-2:
-                    ready[name] = fn
-                else:
-                    row[f"{name} error"] = f"relative error {err:.2g} against the float32 module"
-            except Exception as exc:
-                row[f"{name} error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-        times = {name: [] for name in ready}
-        for _ in range(ROUNDS):
-            for name, fn in ready.items():
-                times[name].append(graph_bench(lambda fn=fn: fn(qkv))[0] * 1e6)
+        ready = _checked(competitors(model, qkv, mask.layout.cuda(), block, heads), qkv, ref, row,
+                         exempt=("dense_flash",))
+        times = _timed(ready, qkv)
     for name, ts in times.items():
         row[f"{name} us"] = statistics.median(ts)
         row[f"{name} rounds us"] = [round(t, 1) for t in ts]
@@ -154,6 +206,11 @@ def markdown(rows: list[dict], info: dict) -> str:
     for r in rows:
         if "density" not in r:
             lines.append(f"| {r['case']} | failed: {r.get('error', '')[:100]} |")
+            continue
+        if r["case"].startswith("gpt3"):
+            lines.append(f"| {r['case']} (whole model) | {r['density']:.1%} | {_us(r, 'eager')} | "
+                         f"{_us(r, 'torch.compile')} | - | - | - | {_us(r, 'stitchflow')} | {_ratio(r, 'eager')} | "
+                         f"{_ratio(r, 'torch.compile')} | - | - | - | - |")
             continue
         tf = r.get("stitchflow tflops")
         rate = f"{tf:.0f} ({tf / r['gemm tflops']:.0%})" if tf else "-"

@@ -15,7 +15,8 @@ from stitchflow.bench import attention
 
 def test_parse_case():
     assert attention.parse_case("b2h16s4096b64") == (2, 16, 4096, 64)
-    with pytest.raises(ValueError, match="is not b<batch>"):
+    assert attention.parse_case("gpt3b32") == (1, 12, 1024, 32)
+    with pytest.raises(ValueError, match="is neither b<batch>"):
         attention.parse_case("2x16x4096")
 
 
@@ -40,7 +41,10 @@ def test_markdown_reports_ratios_and_failures():
            "gemm tflops": 700.0, "flex error": "InductorError: no", "stitchflow plan": "attention: bm64 bn64"}
     info = {"command": "stitchflow bench attention", "device": "GPU", "date": "today", "torch": "2",
             "triton": "3", "gemm_tflops": 700.0}
-    text = attention.markdown([row, {"case": "b2h16s4096b64", "error": "OutOfMemoryError"}], info)
+    model = {"case": "gpt3b16", "density": 0.134, "eager us": 3000.0, "torch.compile us": 2000.0,
+             "stitchflow us": 1000.0}
+    text = attention.markdown([row, {"case": "b2h16s4096b64", "error": "OutOfMemoryError"}, model], info)
+    assert "| gpt3b16 (whole model) | 13.4% | 3000.0 | 2000.0 | - | - | - | 1000.0 | 3.00x | 2.00x |" in text
     assert ("| b1h12s1024b16 | 13.4% | 160.0 | 109.0 | 35.0 | failed | 17.5 | 10.0 | 16.00x | 10.90x | 3.50x | - "
             "| 1.75x | 100 (14%) |") in text
     assert "b1h12s1024b16 flex: InductorError: no" in text and "b1h12s1024b16: attention: bm64 bn64" in text
