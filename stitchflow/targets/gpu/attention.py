@@ -35,6 +35,8 @@ from .runtime import interpreting, load_choice, save_choice
 log = logging.getLogger("stitchflow.gpu.attention")
 SOFTMAX_KINDS = {"softmax"}
 MAX_CONSTANT_ELEMENTS = 1 << 28
+# the transform is evaluated over the whole (S_q, S_k) grid in float64, six times at most: 268 MB a time here
+MAX_FOLDED_POSITIONS = 1 << 25
 
 
 @dataclass(frozen=True)
@@ -221,6 +223,9 @@ def score_coefficients(graph: Graph, match: AttentionMatch, params: dict) -> tup
     without one); b float32 and -inf where the position is dropped."""
     scores = graph.node_of[match.scores]
     s_q, s_k = graph.type_of[match.scores].shape[-2:]
+    if s_q * s_k > MAX_FOLDED_POSITIONS:
+        raise NotAttention(f"the score grid {s_q}x{s_k} is too large to fold at compile time "
+                           f"(at most {MAX_FOLDED_POSITIONS} positions)")
     points = ((0.0, 0.0), (1.0, 0.0), (2.0, 0.0), (0.0, 1.0), (0.0, 2.0), (1.0, 1.0))
     if match.key_bias is None:
         points = points[:3]

@@ -266,6 +266,17 @@ def test_a_transform_that_is_not_affine_in_the_score_is_refused():
         assert not attention_steps(prog) and rel_err(prog(q, k, v), model(q, k, v)) < 1e-5
 
 
+def test_a_score_grid_too_large_to_fold_is_refused(monkeypatch):
+    import stitchflow.targets.gpu.attention as attention
+
+    monkeypatch.setattr(attention, "MAX_FOLDED_POSITIONS", 80 * 80 - 1)
+    model = bigbird_attention()
+    captured = capture_model(model, (torch.randn(1, 80, 144),))
+    (match,), _ = match_attention(captured.graph, captured.graph.params)
+    with pytest.raises(NotAttention, match="too large to fold"):
+        score_coefficients(captured.graph, match, captured.param_values)
+
+
 def test_gpt3_bigbird_decoder_on_the_gpu_target():
     model = GPT3(num_layers=1, width=48, heads=2, ffn=96, seq=64, block=16)
     x = torch.randn(1, 64, 48)
