@@ -9,7 +9,9 @@ GEMM + epilogue; chains.py) become fused chain kernels, autotuned against cuBLAS
 skips the tiles its constant mask drops; runs of
 elementwise, broadcast and reduction nodes become one generated kernel each (grouping.py,
 codegen.py); other GEMMs, scatters and sparse nodes run through torch. With TRITON_INTERPRET=1
-the same kernels run on CPU tensors. options["chains"] = False leaves GEMMs to torch.
+the same kernels run on CPU tensors. options["chains"] = False leaves GEMMs to torch. A sparse
+product followed by a narrowing GEMM, (S·X)·W, is computed as S·(X·W) (reassociate.py;
+options["reassociate"] = False keeps the program's order).
 
 Options (all optional): autotune (bool, default True: time a few configs per kernel on the
 device and cache the choice on disk); block_p, block_l, split, num_warps, persistent (pin
@@ -29,6 +31,7 @@ from .attention import AttentionStep, NotAttention, match_attention
 from .emit import contiguous_strides
 from .chains import chain_shape, compile_chain, match_chains, match_gemm_epilogues
 from .grouping import TorchStep, fold_iotas, split_region
+from .reassociate import find_reassociations, reassociate
 from .rewrites import gather_one_hots
 from .runtime import LAUNCHES, GroupKernel, interpreting
 
@@ -46,6 +49,11 @@ class GpuTarget:
     def compile_region(self, graph: Graph, region: Region, params: dict, options: dict):
         graph = gather_one_hots(fold_iotas(graph, params))
         options = dict(options or {})
+        if options.get("reassociate", True):
+            found = find_reassociations(graph, set(region.nodes))
+            for r in found:
+                log.info("%s: %s", region.name, r)
+            graph = reassociate(graph, found)
         attention = region_attention(graph, region, params, options) if options.get("attention", True) else []
         taken = {n for a in attention for n in a.match.nodes}
         chains = region_chains(graph, region, taken) if options.get("chains", True) else []
@@ -95,6 +103,10 @@ class GpuTarget:
             note = "" if name else " (no GPU here: --gpu-profile names another)"
             out += ["", f"chain plans on {profile.name}{note}, cheapest first (the autotuner times the shortlist):",
                     *lines]
+        reassociated = [f"  {region.name}: {r}" for region in regions
+                        for r in find_reassociations(graph, set(region.nodes))]
+        if reassociated:
+            out += ["", "sparse products reassociated (the narrowing GEMM first):", *reassociated]
         found, refused = match_attention(graph, graph.params)
         inside = [m for m in found if any(set(m.nodes) <= set(r.nodes) for r in regions)]
         if found or refused:
