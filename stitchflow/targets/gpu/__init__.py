@@ -8,10 +8,11 @@ GEMM + epilogue; chains.py) become fused chain kernels, autotuned against cuBLAS
 (softmax of masked, scaled Q·Kᵀ, times V; attention.py) becomes one block-sparse kernel that
 skips the tiles its constant mask drops; runs of
 elementwise, broadcast and reduction nodes become one generated kernel each (grouping.py,
-codegen.py); other GEMMs, scatters and sparse nodes run through torch. With TRITON_INTERPRET=1
+codegen.py); other GEMMs, scatters and other sparse nodes run through torch. With TRITON_INTERPRET=1
 the same kernels run on CPU tensors. options["chains"] = False leaves GEMMs to torch. A sparse
 product followed by a narrowing GEMM, (S·X)·W, is computed as S·(X·W) (reassociate.py;
-options["reassociate"] = False keeps the program's order).
+options["reassociate"] = False keeps the program's order); a CSR × dense product runs as our
+Triton kernel or torch's, whichever times faster (spmm.py).
 
 Options (all optional): autotune (bool, default True: time a few configs per kernel on the
 device and cache the choice on disk); block_p, block_l, split, num_warps, persistent (pin
@@ -33,6 +34,7 @@ from .chains import chain_shape, compile_chain, match_chains, match_gemm_epilogu
 from .grouping import TorchStep, fold_iotas, split_region
 from .reassociate import find_reassociations, reassociate
 from .rewrites import gather_one_hots
+from .spmm import SpmmStep, sparse_product
 from .runtime import LAUNCHES, GroupKernel, interpreting
 
 __all__ = ["TARGET", "GpuTarget", "LAUNCHES", "interpreting"]
@@ -131,6 +133,8 @@ class GpuTarget:
                 for plans in pack(extra):
                     first, last = plans[0].nodes[0].name, plans[-1].nodes[-1].name
                     steps.append(GroupKernel(graph, plans, options, f"{region.name}:{first}..{last}", names))
+            elif sparse_product(graph, nodes[0]) is not None:
+                steps.append(SpmmStep(graph, nodes[0], sparse_product(graph, nodes[0])))
             else:
                 steps.append(TorchStep(graph, nodes[0], extra))
         return steps

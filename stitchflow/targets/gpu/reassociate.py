@@ -34,7 +34,7 @@ class Reassociation:
                 f"gathers {self.features[1]} features instead of {self.features[0]}")
 
 
-def _plain_product(node: Node) -> tuple[Access, Access] | None:
+def plain_product(node: Node) -> tuple[Access, Access] | None:
     """The two reads of out[a, b] = sum_r x * y, both plain 2-D accesses."""
     body = node.body
     if node.reduce != "sum" or node.is_scatter or len(node.reduce_vars) != 1 or len(node.out_vars) != 2:
@@ -54,7 +54,7 @@ def find_reassociations(graph: Graph, names: set) -> list[Reassociation]:
     for outer in graph.nodes:
         if outer.name not in names:
             continue
-        reads = _plain_product(outer)
+        reads = plain_product(outer)
         if reads is None:
             continue
         for p, w in (reads, reads[::-1]):
@@ -63,7 +63,7 @@ def find_reassociations(graph: Graph, names: set) -> list[Reassociation]:
                 continue
             if inner.name in graph.outputs:
                 continue
-            inner_reads = _plain_product(inner)
+            inner_reads = plain_product(inner)
             # the product's reduce variable runs over the inner node's features (its second index)
             if inner_reads is None or p.indices != (Var(outer.out_vars[0]), Var(outer.reduce_vars[0])):
                 continue
@@ -89,9 +89,9 @@ def reassociate(graph: Graph, found: list[Reassociation]) -> Graph:
     nodes, types = dict(graph.node_of), dict(graph.type_of)
     for r in found:
         inner, outer = graph.node_of[r.inner], graph.node_of[r.outer]
-        (s_read,) = [a for a in _plain_product(inner) if a.tensor == r.sparse]
-        (x_read,) = [a for a in _plain_product(inner) if a.tensor != r.sparse]
-        (w_read,) = [a for a in _plain_product(outer) if a.tensor != r.inner]
+        (s_read,) = [a for a in plain_product(inner) if a.tensor == r.sparse]
+        (x_read,) = [a for a in plain_product(inner) if a.tensor != r.sparse]
+        (w_read,) = [a for a in plain_product(outer) if a.tensor != r.inner]
         # fresh variables: i rows of S, m its columns (rows of X), k X's features, j W's outputs
         on_inner = {inner.out_vars[0]: "i", inner.reduce_vars[0]: "m", inner.out_vars[1]: "k"}
         on_outer = {outer.reduce_vars[0]: "k", outer.out_vars[1]: "j"}
