@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 import stitchflow
 from stitchflow.program import capture_model
-from stitchflow.targets.gpu.spmm import SpmmStep, sparse_product, spmm
+from stitchflow.targets.gpu.spmm import CONFIGS, SpmmStep, sparse_product, spmm
 
 from conftest import random_sparse
 
@@ -22,14 +22,14 @@ def rel_err(out, ref):
 
 @settings(max_examples=15, deadline=None)
 @given(rows=st.integers(1, 40), cols=st.integers(1, 90), features=st.integers(1, 40),
-       density=st.sampled_from([0.0, 0.03, 0.3, 1.0]), transposed=st.booleans(), bnz=st.sampled_from([16, 32]),
-       seed=st.integers(0, 50))
-def test_kernel_matches_a_float64_product(rows, cols, features, density, transposed, bnz, seed):
+       density=st.sampled_from([0.0, 0.03, 0.3, 1.0]), transposed=st.booleans(),
+       config=st.sampled_from(CONFIGS), seed=st.integers(0, 50))
+def test_kernel_matches_a_float64_product(rows, cols, features, density, transposed, config, seed):
     g = torch.Generator().manual_seed(seed)
     s = random_sparse(rows, cols, density, generator=g)
     s[0] = 0.0  # an empty row
     d = torch.randn(features, cols, generator=g).t() if transposed else torch.randn(cols, features, generator=g)
-    out = spmm(s.to_sparse_csr(), d, torch.float32, bnz=bnz)
+    out = spmm(s.to_sparse_csr(), d, torch.float32, *config)
     ref = s.double() @ d.double()
     assert out.shape == ref.shape and torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-5)
 
@@ -39,7 +39,8 @@ def test_bf16_features_accumulate_in_fp32():
     s = random_sparse(30, 200, 0.5, generator=g).to_sparse_csr()  # rows far longer than a chunk
     d = torch.randn(200, 12, generator=g).to(torch.bfloat16)
     ref = s.to_dense().double() @ d.double()
-    assert rel_err(spmm(s, d, torch.bfloat16), ref) < 1e-2
+    for config in CONFIGS:
+        assert rel_err(spmm(s, d, torch.bfloat16, *config), ref) < 1e-2
 
 
 class Aggregate(torch.nn.Module):

@@ -10,9 +10,9 @@ from stitchflow.targets.gpu.spmm import CONFIGS, SpmmStep, spmm
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@pytest.mark.parametrize("bnz,warps", CONFIGS)
+@pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("features", [7, 16, 128])
-def test_every_config_on_a_power_law_graph(bnz, warps, features):
+def test_every_config_on_a_power_law_graph(config, features):
     g = torch.Generator().manual_seed(0)
     n = 5000
     degree = (torch.rand(n, generator=g) ** -1.5).clamp(max=2000).long()  # a few rows thousands long
@@ -21,7 +21,7 @@ def test_every_config_on_a_power_law_graph(bnz, warps, features):
     s = torch.sparse_coo_tensor(torch.stack([rows, cols]), torch.rand(rows.numel(), generator=g), (n, n))
     s = s.coalesce().to_sparse_csr().cuda()
     d = torch.randn(n, features, device="cuda")
-    out = spmm(s, d, torch.float32, bnz, warps)
+    out = spmm(s, d, torch.float32, *config)
     ref = s.to_dense().double() @ d.double()
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-6
 
