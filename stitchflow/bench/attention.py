@@ -20,14 +20,13 @@ near the tensor cores each competitor runs on the work the mask leaves.
 from __future__ import annotations
 
 import argparse
-import datetime
 import re
 import statistics
 from pathlib import Path
 
 import torch
 
-from .report import replace_section, write_results
+from .report import device_info, publish, run_cases
 from .stitching_patterns import relative_error
 
 SECTION = "## Block-sparse attention on the GPU"
@@ -235,8 +234,6 @@ def gemm_rate() -> float:
 
 
 def main(argv=None) -> int:
-    import triton
-
     parser = argparse.ArgumentParser(prog="stitchflow bench attention", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default=",".join(CASES), help="b<batch>h<heads>s<seq>b<block>, comma-separated")
@@ -249,24 +246,10 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("stitchflow bench attention needs a CUDA GPU")
     flops = gemm_rate()
-    rows = []
-    for case in cases:
-        try:
-            rows.append(bench_case(case, flops))
-        except Exception as err:  # report and go on with the next case
-            rows.append({"case": case, "error": f"{type(err).__name__}: {err}"})
-        print({k: v for k, v in rows[-1].items() if "rounds" not in k}, flush=True)
-    info = {"command": "stitchflow bench attention " + " ".join(argv if argv is not None else []),
-            "device": torch.cuda.get_device_name(), "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
-            "torch": torch.__version__, "triton": triton.__version__, "gemm_tflops": flops / 1e12}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_results(out, "attention", {"info": info, "rows": rows}, rows)
-    section = markdown(rows, info)
-    (out / "attention.md").write_text(section)
-    if args.markdown:
-        replace_section(Path(args.markdown), SECTION, section)
-    print(section)
+    rows = run_cases(cases, lambda case: bench_case(case, flops))
+    info = device_info("stitchflow bench attention " + " ".join(argv if argv is not None else []),
+                       gemm_tflops=flops / 1e12)
+    publish(Path(args.out), "attention", rows, info, markdown(rows, info), SECTION, args.markdown)
     return 0
 
 

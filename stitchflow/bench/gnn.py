@@ -15,7 +15,6 @@ through torch; the dense GEMMs with their epilogues and the softmax are generate
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import torch
 from torch import nn
 
 from ..apps.gnn import GCNLayer, SAGELayer, activate
-from .report import replace_section, write_results
+from .report import device_info, publish, run_cases
 from .stitching import ROUNDS, _time_in_rounds, copy_bandwidth
 from .stitching_patterns import relative_error
 
@@ -157,8 +156,6 @@ def markdown(rows: list[dict], info: dict) -> str:
 
 
 def main(argv=None) -> int:
-    import triton
-
     parser = argparse.ArgumentParser(prog="stitchflow bench gnn", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default=",".join(CASES), help="app:dataset pairs (app zoo names)")
@@ -168,24 +165,10 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("stitchflow bench gnn needs a CUDA GPU")
     copy_bw = copy_bandwidth(torch.device("cuda"))
-    rows = []
-    for case in args.cases.split(","):
-        try:
-            rows.append(bench_case(case, copy_bw))
-        except Exception as err:  # report and go on with the next case
-            rows.append({"case": case, "error": f"{type(err).__name__}: {err}"})
-        print({k: v for k, v in rows[-1].items() if "rounds" not in k}, flush=True)
-    info = {"command": "stitchflow bench gnn " + " ".join(argv if argv is not None else []),
-            "device": torch.cuda.get_device_name(), "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
-            "torch": torch.__version__, "triton": triton.__version__, "copy_bw_tbs": copy_bw / 1e12}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_results(out, "gnn", {"info": info, "rows": rows}, rows)
-    section = markdown(rows, info)
-    (out / "gnn.md").write_text(section)
-    if args.markdown:
-        replace_section(Path(args.markdown), SECTION, section)
-    print(section)
+    rows = run_cases(args.cases.split(","), lambda case: bench_case(case, copy_bw))
+    info = device_info("stitchflow bench gnn " + " ".join(argv if argv is not None else []),
+                       copy_bw_tbs=copy_bw / 1e12)
+    publish(Path(args.out), "gnn", rows, info, markdown(rows, info), SECTION, args.markdown)
     return 0
 
 

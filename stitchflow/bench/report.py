@@ -29,3 +29,39 @@ def write_results(out: Path, stem: str, payload: dict, rows: Sequence[dict], fie
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
+
+
+def run_cases(cases, bench) -> list[dict]:
+    """`bench(case)` for each case, a failure kept as the case's row with its error; each row printed
+    (without its per-round lists) as it finishes."""
+    rows = []
+    for case in cases:
+        try:
+            rows.append(bench(case))
+        except Exception as err:  # report and go on with the next case
+            rows.append({"case": case, "error": f"{type(err).__name__}: {err}"})
+        print({k: v for k, v in rows[-1].items() if "rounds" not in k}, flush=True)
+    return rows
+
+
+def device_info(command: str, **extra) -> dict:
+    """Where and when a GPU bench ran: command, device, date, torch and triton versions, and `extra`."""
+    import datetime
+
+    import torch
+    import triton
+
+    return {"command": command, "device": torch.cuda.get_device_name(),
+            "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__,
+            "triton": triton.__version__, **extra}
+
+
+def publish(out: Path, stem: str, rows: list[dict], info: dict, section: str, heading: str,
+            markdown: str = "") -> None:
+    """`stem`.json, .csv and .md under `out`; the section also replaces `heading` in `markdown` if given."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_results(out, stem, {"info": info, "rows": rows}, rows)
+    (out / f"{stem}.md").write_text(section)
+    if markdown:
+        replace_section(Path(markdown), heading, section)
+    print(section)

@@ -3,6 +3,7 @@
 import csv
 import json
 
+from stitchflow.bench import report
 from stitchflow.bench.report import replace_section, write_results
 
 
@@ -21,3 +22,24 @@ def test_json_and_csv(tmp_path):
     assert json.loads((tmp_path / "suite.json").read_text())["rows"] == rows
     read = list(csv.DictReader(open(tmp_path / "suite.csv")))
     assert [r["case"] for r in read] == ["x", "y"] and read[1]["note"] == "z"
+
+
+def test_run_cases_keeps_a_failing_case_as_its_error(capsys):
+    def bench(case):
+        if case == "bad":
+            raise ValueError("no such graph")
+        return {"case": case, "us": 1.0, "x rounds us": [1.0, 1.0]}
+
+    rows = report.run_cases(["good", "bad"], bench)
+    assert rows == [{"case": "good", "us": 1.0, "x rounds us": [1.0, 1.0]},
+                    {"case": "bad", "error": "ValueError: no such graph"}]
+    assert "rounds" not in capsys.readouterr().out
+
+
+def test_publish_writes_files_and_the_section(tmp_path):
+    md = tmp_path / "B.md"
+    md.write_text("# Benchmarks\n\n## Mine\n\nold\n\n## Other\n\nkept\n")
+    report.publish(tmp_path / "out", "mine", [{"case": "a", "us": 2.0}], {"device": "GPU"}, "## Mine\n\nnew\n",
+                   "## Mine", str(md))
+    assert {p.name for p in (tmp_path / "out").iterdir()} == {"mine.json", "mine.csv", "mine.md"}
+    assert md.read_text() == "# Benchmarks\n\n## Mine\n\nnew\n\n## Other\n\nkept\n"

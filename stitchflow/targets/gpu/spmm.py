@@ -1,6 +1,6 @@
 """Sparse × dense products driven by the CSR metadata: out[i, j] = sum_m S[i, m] · D[m, j].
 
-One Triton program per row of S walks that row's non-zeros in chunks, gathers the matching rows of D
+One Triton program per row of S (or per few consecutive rows) walks a row's non-zeros in chunks, gathers the matching rows of D
 (every feature at once: after `reassociate.py` a GNN's products gather 7-16 features) and sums them with
 the values as weights, in fp32. A row never waits for another, so a power-law graph's long rows cost only
 their own programs. On the device the step times itself against torch's product (cuSPARSE) at the first
@@ -43,30 +43,9 @@ def sparse_product(graph: Graph, node: Node) -> tuple[str, str] | None:
 
 
 @triton.jit
-def _spmm_kernel(crow_ptr, col_ptr, val_ptr, d_ptr, out_ptr, F, sd_m, sd_f, so_i, so_f,
-                 BNZ: tl.constexpr, BF: tl.constexpr):
-    row = tl.program_id(0)
-    start = tl.load(crow_ptr + row)
-    end = tl.load(crow_ptr + row + 1)
-    f = tl.arange(0, BF)
-    f_ok = f < F
-    acc = tl.zeros([BF], tl.float32)
-    for p in range(start, end, BNZ):
-        at = p + tl.arange(0, BNZ)
-        ok = at < end
-        cols = tl.load(col_ptr + at, mask=ok, other=0)
-        vals = tl.load(val_ptr + at, mask=ok, other=0.0).to(tl.float32)
-        rows = tl.load(d_ptr + cols[:, None] * sd_m + f[None, :] * sd_f, mask=ok[:, None] & f_ok[None, :],
-                       other=0.0).to(tl.float32)
-        acc += tl.sum(vals[:, None] * rows, 0)
-    tl.store(out_ptr + row * so_i + f * so_f, acc.to(out_ptr.dtype.element_ty), mask=f_ok)
-
-
-@triton.jit
 def _spmm_rows_kernel(crow_ptr, col_ptr, val_ptr, d_ptr, out_ptr, N, F, sd_m, sd_f, so_i, so_f,
                       BR: tl.constexpr, BNZ: tl.constexpr, BF: tl.constexpr):
-    """BR consecutive rows per program, one after another: a graph of 169K rows is 169K tiny programs
-    otherwise, and launching that many thread blocks takes longer than their work (H100, 16 features)."""
+    """BR consecutive rows per program, one after another, each walking its non-zeros BNZ at a time."""
     f = tl.arange(0, BF)
     f_ok = f < F
     for row in range(tl.program_id(0) * BR, tl.minimum(tl.program_id(0) * BR + BR, N)):
@@ -94,12 +73,8 @@ def spmm(s: torch.Tensor, d: torch.Tensor, out_dtype: torch.dtype, bnz: int = 32
         return out
     args = (s.crow_indices(), s.col_indices(), s.values(), d, out)
     strides = (d.stride(0), d.stride(1), out.stride(0), out.stride(1))
-    bf = max(16, triton.next_power_of_2(f))
-    if rows == 1:
-        _spmm_kernel[(n,)](*args, f, *strides, BNZ=bnz, BF=bf, num_warps=num_warps)
-    else:
-        _spmm_rows_kernel[(triton.cdiv(n, rows),)](*args, n, f, *strides, BR=rows, BNZ=bnz, BF=bf,
-                                                   num_warps=num_warps)
+    _spmm_rows_kernel[(triton.cdiv(n, rows),)](*args, n, f, *strides, BR=rows, BNZ=bnz,
+                                               BF=max(16, triton.next_power_of_2(f)), num_warps=num_warps)
     return out
 
 
