@@ -1,18 +1,19 @@
 """Attention regions in the IR: recognise softmax(t(Q·Kᵀ))·V, fold its mask into tiles, run one kernel.
 
-    for match in match_attention(graph, params):       # AttentionMatch(scores .. output)
-        step = AttentionStep(graph, match, options)     # step(env) writes the output node
-    refusals = attention_refusals(graph, params)        # why the near misses are not matched
+    matches, refusals = match_attention(graph, params)  # AttentionMatch(scores .. output); why not, per miss
+    step = AttentionStep(graph, match, params, options)   # folds the mask; step(env) writes the output node
 
-A match is a contraction S[b..., l, m] = sum_d Q·K, a run of elementwise nodes over S whose only
-other inputs are constants of the program indexed by (l, m) at most (a 0/1 or BSR mask, a scale,
-an additive bias, a masked_fill), the four nodes of a softmax over m, and a contraction
-O[b..., l, e] = sum_m P·V. The elementwise run is evaluated at compile time for three score values
-over the (l, m) grid: if it is affine in the score, t(s) = a·s + b, with -inf where the mask drops
-the position, the whole score transform is two constant maps, and `attention_kernel.tile_plan`
-cuts them into the tiles the kernel visits. The mask's sparsity becomes skipped work, whatever
-format it was stored in. Anything else (a mask per head, a soft cap, a dropout) is refused with
-its reason and runs as before: the contractions through torch, the rest as stitched kernels.
+A match is a contraction S[b..., l, m] = sum_d Q·K, a run of elementwise nodes over S whose other
+inputs are constants of the program indexed by (l, m) at most (a 0/1 or BSR mask, a scale, an
+additive bias, a masked_fill; nodes computed from parameters alone count as constants) and at most
+one tensor of the call indexed by batch axes and the key (a padding mask), the four nodes of a
+softmax over m, and a contraction O[b..., l, e] = sum_m P·V. The elementwise run is evaluated at
+compile time over the (l, m) grid for a few values of the score s and the key bias r: if it is
+a·s + b[l, m] + c·r with one a and one c, and -inf where the mask drops the position, the whole
+score transform is one map b and two scalars, and `attention_kernel.tile_plan` cuts b into the
+tiles the kernel visits. The mask's sparsity becomes skipped work, whatever format it was stored
+in. Anything else (a mask per head, a soft cap, a non-0/1 multiplicative mask) is refused with its
+reason and runs as before: the contractions through torch, the rest as stitched kernels.
 """
 
 from __future__ import annotations
