@@ -236,7 +236,9 @@ def gemm_rate() -> float:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="stitchflow bench attention", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", default=",".join(CASES), help="b<batch>h<heads>s<seq>b<block>, comma-separated")
+    parser.add_argument("--cases", default=",".join(CASES),
+                        help="b<batch>h<heads>s<seq>b<block> (attention alone) or gpt3b<block> (the whole model), "
+                        "comma-separated")
     parser.add_argument("--out", default="bench-results", help="folder for attention.json, .csv and .md")
     parser.add_argument("--markdown", default="", help="file whose attention section is rewritten (BENCHMARKS.md)")
     args = parser.parse_args(argv)
