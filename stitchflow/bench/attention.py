@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .report import device_info, publish, run_cases
+from .report import device_info, failure_lines, publish, run_cases, us_cell
 from .stitching_patterns import relative_error
 
 SECTION = "## Block-sparse attention on the GPU"
@@ -177,10 +177,6 @@ def bench_case(case: str, gemm_flops: float) -> dict:
     return row
 
 
-def _us(row: dict, name: str) -> str:
-    return f"{row[name + ' us']:.1f}" if row.get(name + " us") else "failed"
-
-
 def _ratio(row: dict, slow: str) -> str:
     fast = row.get("stitchflow us")
     return f"{row[slow + ' us'] / fast:.2f}x" if row.get(slow + " us") and fast else "-"
@@ -207,22 +203,20 @@ def markdown(rows: list[dict], info: dict) -> str:
             lines.append(f"| {r['case']} | failed: {r.get('error', '')[:100]} |")
             continue
         if r["case"].startswith("gpt3"):
-            lines.append(f"| {r['case']} (whole model) | {r['density']:.1%} | {_us(r, 'eager')} | "
-                         f"{_us(r, 'torch.compile')} | - | - | - | {_us(r, 'stitchflow')} | {_ratio(r, 'eager')} | "
+            lines.append(f"| {r['case']} (whole model) | {r['density']:.1%} | {us_cell(r, 'eager')} | "
+                         f"{us_cell(r, 'torch.compile')} | - | - | - | {us_cell(r, 'stitchflow')} | {_ratio(r, 'eager')} | "
                          f"{_ratio(r, 'torch.compile')} | - | - | - | - |")
             continue
         tf = r.get("stitchflow tflops")
         rate = f"{tf:.0f} ({tf / r['gemm tflops']:.0%})" if tf else "-"
-        lines.append(f"| {r['case']} | {r['density']:.1%} | " + " | ".join(_us(r, n) for n in (
+        lines.append(f"| {r['case']} | {r['density']:.1%} | " + " | ".join(us_cell(r, n) for n in (
             "eager", "torch.compile", "sdpa_mask", "flex", "dense_flash", "stitchflow")) + " | " +
             " | ".join(_ratio(r, n) for n in ("eager", "torch.compile", "sdpa_mask", "flex", "dense_flash")) +
             f" | {rate} |")
     plans = [f"{r['case']}: {r['stitchflow plan']}" for r in rows if r.get("stitchflow plan")]
     if plans:
         lines += ["", "stitchflow's plans (tiles chosen by the autotuner):", ""] + [f"- {p}" for p in plans]
-    failures = [f"{r['case']} {name}: {r[name + ' error']}" for r in rows for name in RUNNERS if r.get(name + " error")]
-    if failures:
-        lines += ["", "Competitors that did not run or did not match:", ""] + [f"- {f}" for f in failures]
+    lines += failure_lines(rows, RUNNERS, "the float32 model")
     return "\n".join(lines) + "\n"
 
 

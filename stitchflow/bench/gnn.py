@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..apps.gnn import GCNLayer, SAGELayer, activate
-from .report import device_info, publish, run_cases
+from .report import device_info, failure_lines, publish, run_cases, us_cell
 from .stitching import ROUNDS, _time_in_rounds, copy_bandwidth
 from .stitching_patterns import relative_error
 
@@ -117,10 +117,6 @@ def bench_case(case: str, copy_bw: float) -> dict:
     return row
 
 
-def _us(row: dict, name: str) -> str:
-    return f"{row[name + ' us']:.1f}" if row.get(name + " us") else "failed"
-
-
 def _ratio(row: dict, slow: str, fast: str) -> str:
     return f"{row[slow + ' us'] / row[fast + ' us']:.2f}x" if row.get(slow + " us") and row.get(fast + " us") else "-"
 
@@ -145,13 +141,11 @@ def markdown(rows: list[dict], info: dict) -> str:
             continue
         sf = r.get("stitchflow us")
         over_floor = f"{sf / r['floor us']:.1f}" if sf else "-"
-        lines.append(f"| {r['case']} | {r['nodes']} | {r['nnz']} | {r['features']} | {_us(r, 'eager')} | "
-                     f"{_us(r, 'torch.compile')} | {_us(r, 'torch_geometric')} | {_us(r, 'stitchflow')} | "
+        lines.append(f"| {r['case']} | {r['nodes']} | {r['nnz']} | {r['features']} | {us_cell(r, 'eager')} | "
+                     f"{us_cell(r, 'torch.compile')} | {us_cell(r, 'torch_geometric')} | {us_cell(r, 'stitchflow')} | "
                      f"{_ratio(r, 'eager', 'stitchflow')} | {_ratio(r, 'torch_geometric', 'stitchflow')} | "
                      f"{r['floor us']:.1f} | {over_floor} |")
-    failures = [f"{r['case']} {name}: {r[name + ' error']}" for r in rows for name in RUNNERS if r.get(name + " error")]
-    if failures:
-        lines += ["", "Competitors that did not run or did not match eager:", ""] + [f"- {f}" for f in failures]
+    lines += failure_lines(rows, RUNNERS, "eager")
     return "\n".join(lines) + "\n"
 
 

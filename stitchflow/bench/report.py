@@ -65,3 +65,16 @@ def publish(out: Path, stem: str, rows: list[dict], info: dict, section: str, he
     if markdown:
         replace_section(Path(markdown), heading, section)
     print(section)
+
+
+def us_cell(row: dict, name: str) -> str:
+    """A competitor's median µs for a table, or "failed" when it did not run or did not match."""
+    return f"{row[name + ' us']:.1f}" if row.get(name + " us") else "failed"
+
+
+def failure_lines(rows: list[dict], runners, against: str) -> list[str]:
+    """The markdown list of competitors that did not run or did not match `against`, with their reasons."""
+    failures = [f"{r['case']} {name}: {r[name + ' error']}" for r in rows for name in runners if r.get(name + " error")]
+    if not failures:
+        return []
+    return ["", f"Competitors that did not run or did not match {against}:", ""] + [f"- {f}" for f in failures]

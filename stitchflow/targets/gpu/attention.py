@@ -230,7 +230,8 @@ def score_coefficients(graph: Graph, match: AttentionMatch, params: dict) -> tup
     points = ((0.0, 0.0), (1.0, 0.0), (2.0, 0.0), (0.0, 1.0), (0.0, 2.0), (1.0, 1.0))
     if match.key_bias is None:
         points = points[:3]
-    values = [_evaluate_transform(graph, match, params, s, r, s_q, s_k) for s, r in points]
+    constants = _constant_env(graph, match, params)  # once: the parameters converted, constant nodes evaluated
+    values = [_evaluate_transform(graph, match, constants, s, r, s_q, s_k) for s, r in points]
     dropped = torch.isneginf(values[0])
     if not all(torch.equal(torch.isneginf(t), dropped) for t in values[1:]):
         raise NotAttention(f"the transform of {scores.name} drops positions depending on the score or the bias")
@@ -286,9 +287,9 @@ def _constant_env(graph: Graph, match: AttentionMatch, params) -> dict[str, torc
 KEY_BIAS = "__key_bias"
 
 
-def _evaluate_transform(graph, match, params, s: float, r: float, s_q: int, s_k: int) -> torch.Tensor:
+def _evaluate_transform(graph, match, constants: dict, s: float, r: float, s_q: int, s_k: int) -> torch.Tensor:
     """The transform's nodes on the (l, m) grid in float64, the scores all equal to s, the key bias to r."""
-    env = _constant_env(graph, match, params)
+    env = dict(constants)
     env[match.scores] = torch.full((s_q, s_k), s, dtype=torch.float64)
     env[KEY_BIAS] = torch.full((s_q, s_k), r, dtype=torch.float64)
     bias = match.key_bias.tensor if match.key_bias is not None else None
