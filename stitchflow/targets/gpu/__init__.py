@@ -29,6 +29,7 @@ import torch
 from ...ir.graph import Graph, Region
 from . import chain_cost, chain_plans, cluster_planes
 from .attention import AttentionStep, NotAttention, match_attention
+from .layout import output_copy
 from .emit import contiguous_strides
 from .chains import chain_shape, compile_chain, match_chains, match_gemm_epilogues
 from .grouping import TorchStep, fold_iotas, split_region
@@ -57,7 +58,7 @@ class GpuTarget:
                 log.info("%s: %s", region.name, r)
             graph = reassociate(graph, found)
         attention = region_attention(graph, region, params, options) if options.get("attention", True) else []
-        taken = {n for a in attention for n in a.match.nodes}
+        taken = {n for a in attention for n in a.nodes}
         chains = region_chains(graph, region, taken) if options.get("chains", True) else []
         fused_at = {c[-1]: (lambda c=c: compile_chain(graph, c, options)) for c in chains}
         fused_at.update({a.match.output: (lambda a=a: a) for a in attention})
@@ -180,7 +181,8 @@ def region_attention(graph: Graph, region: Region, params: dict, options: dict) 
         if not set(match.nodes) <= set(region.nodes):
             continue
         try:
-            steps.append(AttentionStep(graph, match, params, options))
+            store = output_copy(graph, match.output, set(region.nodes)) if options.get("attention_store", True) else None
+            steps.append(AttentionStep(graph, match, params, options, store))
         except NotAttention as why:
             refusals.append(f"{match.output}: {why}")
     for why in refusals:

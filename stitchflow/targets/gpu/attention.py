@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import torch
 
@@ -30,7 +30,8 @@ from ...ir.graph import Graph, Node
 from ...ir.index import Var, _linear, rename
 from ...ir.interpret import eval_node
 from ...ir.types import dense_type
-from .attention_kernel import MAX_BATCH_AXES, AttentionTiles, Operand, TilePlan, launch, tile_plan
+from .attention_kernel import (MAX_BATCH_AXES, AttentionTiles, Operand, TilePlan, chunk_options, launch, scratch,
+                               tile_plan)
 from .runtime import interpreting, load_choice, save_choice
 
 log = logging.getLogger("stitchflow.gpu.attention")
@@ -338,6 +339,7 @@ CANDIDATES = {
 
 
 SPILL_WITH_KEY_BIAS = {(128, 128, 8, 2), (64, 128, 4, 2)}  # 8-16 bytes each at head dim 64
+SPILL_SPLIT_WITH_KEY_BIAS = {(128, 64, 8, 3), (128, 64, 8, 2)}  # split runs, head dim 128: 32 bytes each
 
 
 def candidates(dtype: torch.dtype, head_dim: int, key_bias: bool = False) -> tuple[AttentionTiles, ...]:
@@ -349,8 +351,13 @@ def candidates(dtype: torch.dtype, head_dim: int, key_bias: bool = False) -> tup
 class AttentionStep:
     """One attention match as one kernel launch; tiles autotuned on the device at the first call."""
 
-    def __init__(self, graph: Graph, match: AttentionMatch, params: dict, options: dict):
+    def __init__(self, graph: Graph, match: AttentionMatch, params: dict, options: dict,
+                 store: tuple[str, tuple[int, ...]] | None = None):
+        """`store`: (y, strides) when the output's only reader is a copy y that reorders it (the heads
+        merged, layout.output_copy): the kernel then writes y through those strides and y's node never runs."""
         self.graph, self.match, self.options = graph, match, dict(options or {})
+        self.store = store
+        self.nodes = match.nodes + ((store[0],) if store else ())
         node_of, type_of = graph.node_of, graph.type_of
         scores, out = node_of[match.scores], node_of[match.output]
         dtypes = [type_of[a.tensor].dtype for a in (match.q, match.k, match.v)]
@@ -371,7 +378,8 @@ class AttentionStep:
         self.sources = transform_sources(graph, match, params)
         self.versions = self._versions()
         self.coefficients = score_coefficients(graph, match, params)
-        self.key = (f"attention:{_digest(self.coefficients[1])}:{self.coefficients[0]!r}:{self.batch}x{self.s_q}x{self.s_k}:"
+        self.key = (f"attention-split:{_digest(self.coefficients[1])}:{self.coefficients[0]!r}:"
+                    f"{self.batch}x{self.s_q}x{self.s_k}:"
                     f"{self.d}x{self.dv}:{dtypes[0]}->{self.out_type.dtype}")
         kept = 1.0 - torch.isneginf(self.coefficients[1]).float().mean().item()
         log.info("%s: mask folded, %.1f%% of the score positions kept", match, 100 * kept)
@@ -425,13 +433,25 @@ class AttentionStep:
         bias = None if m.key_bias is None else self._operand(m.key_bias, env, self.batch_vars, self.m_var, "")
         device = q.tensor.device
         plan = self._plan(tiles, device)
-        out = torch.empty(self.out_type.shape, dtype=self.out_type.dtype, device=device)
+        results = self._outputs(device)
+        out = results[m.output]
+        parts = scratch(plan, math.prod(self.batch), self.dv, self.out_type.dtype, device)
         precision = self._precision(q.tensor.dtype)
 
         def run():
-            return launch(q, k, v, out, self.batch, plan, self.s_q, self.s_k, self.d, self.dv, precision,
-                          bias, self.coefficients[2])
+            launch(q, k, v, out, self.batch, plan, self.s_q, self.s_k, self.d, self.dv, precision,
+                   bias, self.coefficients[2], parts)
+            return results
         return run
+
+    def _outputs(self, device) -> dict[str, torch.Tensor]:
+        """The output node's tensor, and the copy's it is a view of when the kernel writes that directly."""
+        shape, dtype = self.out_type.shape, self.out_type.dtype
+        if self.store is None:
+            return {self.match.output: torch.empty(shape, dtype=dtype, device=device)}
+        name, strides = self.store
+        y = torch.empty(self.graph.type_of[name].shape, dtype=dtype, device=device)
+        return {self.match.output: y.as_strided(shape, strides), name: y}
 
     # -- tiles
 
@@ -453,7 +473,7 @@ class AttentionStep:
         from .timing import timed_median
 
         timings, best, best_s = {}, None, float("inf")
-        for tiles in candidates(env[self.match.q.tensor].dtype, max(self.d, self.dv), self.match.key_bias is not None):
+        for tiles in self._candidates(env):
             try:
                 run = self._runner(env, tiles)
                 run()
@@ -469,24 +489,34 @@ class AttentionStep:
             raise RuntimeError(f"no tile config of {self.match} could run")
         log.info("%s: %s", self.match, ", ".join(f"{t} {us} us" for t, us in timings.items()))
         self.tuned_us = round(best_s * 1e6, 2)
-        save_choice(key, [best.bm, best.bn, best.num_warps, best.num_stages], timings)
+        save_choice(key, [best.bm, best.bn, best.num_warps, best.num_stages, best.chunk], timings)
         return best
+
+    def _candidates(self, env):
+        """Tile shapes, each with the runs its plan may be split into (chunk_options)."""
+        head_dim, key_bias = max(self.d, self.dv), self.match.key_bias is not None
+        device = env[self.match.q.tensor].device
+        for tiles in candidates(env[self.match.q.tensor].dtype, head_dim, key_bias):
+            spills = head_dim > 64 and key_bias and astuple(tiles)[:4] in SPILL_SPLIT_WITH_KEY_BIAS
+            for chunk in (0,) if spills else chunk_options(self._plan(tiles, device)):
+                yield tiles.chunked(chunk)
 
     def __call__(self, env) -> None:
         first = env[self.match.q.tensor]
         if first.device.type == "cpu" and not interpreting():
-            for name in self.match.nodes:  # no GPU and no interpreter: the reference path
+            for name in self.nodes:  # no GPU and no interpreter: the reference path
                 env[name] = eval_node(self.graph.node_of[name], env, self.graph.type_of[name])
             return
         self._refold_if_changed()
         if self.chosen is None:
             self.chosen = self._tiles(env)
-        env[self.match.output] = self._runner(env, self.chosen)()
+        env.update(self._runner(env, self.chosen)())
 
     def describe(self) -> str:
         plan = next((p for (tiles, _), p in self.plans.items() if tiles == self.chosen), None)
         tiles = str(plan) if plan is not None else str(self.chosen or "tiles chosen at the first call")
-        return f"{self.match}: batch {self.batch}, {self.s_q}x{self.s_k}, d {self.d}/{self.dv}; {tiles}"
+        into = f", written into {self.store[0]} (strides {self.store[1]})" if self.store else ""
+        return f"{self.match}: batch {self.batch}, {self.s_q}x{self.s_k}, d {self.d}/{self.dv}{into}; {tiles}"
 
     def __str__(self) -> str:
         return f"attention({self.match.scores}..{self.match.output})"

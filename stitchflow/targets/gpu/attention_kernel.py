@@ -7,9 +7,14 @@ tiles that hold a kept position: a *uniform* tile (all kept, one b) costs what d
 costs; a *partial* tile loads b per position. Dropped tiles are never visited, so the work is the
 mask's density at tile granularity.
 
-Each program owns one query tile of one batch entry and walks its key tiles with the online
-softmax (running max and sum, in base 2: log2(e) is folded into a and b). A row that keeps no
-position ends as 0/0 = NaN, as eager's softmax over a row of -inf does.
+Each program owns one *work item* of one batch entry: a query tile's key tiles, or a run of at
+most `chunk` of them, walked with the online softmax (running max and sum, in base 2: log2(e) is
+folded into a and b). A query tile split into several items (a BigBird global row visits every key
+tile, the others a handful) leaves each item's unnormalised sum and its running max and sum in a
+scratch buffer, and `_merge_kernel` combines them, as flash-decoding does; without the split such a
+row is the launch's critical path. Items are launched longest first, every batch entry's before the
+next item's, so that the long ones do not start last. A row that keeps no position ends as
+0/0 = NaN, as eager's softmax over a row of -inf does.
 """
 
 from __future__ import annotations
@@ -33,9 +38,14 @@ class AttentionTiles:
     bn: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    chunk: int = 0  # at most this many key tiles per program (a longer query tile is split); 0: no split
 
     def __str__(self) -> str:
-        return f"bm{self.bm} bn{self.bn} w{self.num_warps} s{self.num_stages}"
+        split = f" c{self.chunk}" if self.chunk else ""
+        return f"bm{self.bm} bn{self.bn} w{self.num_warps} s{self.num_stages}{split}"
+
+    def chunked(self, chunk: int) -> "AttentionTiles":
+        return AttentionTiles(self.bm, self.bn, self.num_warps, self.num_stages, chunk)
 
 
 @dataclass(frozen=True, eq=False)
@@ -55,6 +65,12 @@ class TilePlan:
     slot: torch.Tensor       # int32 [n_tiles]: row of `offsets` (a partial tile), 0 (a uniform one)
     shift: torch.Tensor      # fp32 [n_tiles]: b·log2(e) of a uniform tile
     offsets: torch.Tensor    # fp32 [n_partial, BM, BN]: b·log2(e) per position, -inf where dropped
+    items: torch.Tensor      # int32 [n_items, 5]: query tile, first partial, first uniform, end, scratch part
+                             # (-1: the item is the whole query tile), longest first
+    merges: torch.Tensor     # int32 [n_split, 3]: a split query tile, its first scratch part, its part count
+    parts: int = 0           # scratch slots per batch entry: the items of split query tiles (host-side, so
+                             # that a launch reads nothing back from the device, as a CUDA-graph capture needs)
+    longest: int = 0         # the most key tiles one query tile visits
 
     @property
     def visited(self) -> int:
@@ -65,12 +81,46 @@ class TilePlan:
         return int(self.offsets.shape[0])
 
     def to(self, device) -> "TilePlan":
-        moved = {f: getattr(self, f).to(device) for f in ("start", "column", "slot", "shift", "offsets")}
-        return TilePlan(self.tiles, self.scale, **moved)
+        moved = {f: getattr(self, f).to(device) for f in TENSOR_FIELDS}
+        return TilePlan(self.tiles, self.scale, **moved, parts=self.parts, longest=self.longest)
 
     def __str__(self) -> str:
+        split = f", {self.merges.shape[0]} split into {self.parts} programs" if self.merges.numel() else ""
         return (f"{self.tiles}: {self.visited} tiles visited over {self.start.shape[0]} query tiles "
-                f"({self.partial} partial)")
+                f"({self.partial} partial{split})")
+
+
+TENSOR_FIELDS = ("start", "column", "slot", "shift", "offsets", "items", "merges")
+CHUNKS = (4, 8, 16, 32)  # runs the autotuner tries for a plan whose longest query tile is longer
+
+
+def chunk_options(plan: TilePlan) -> tuple[int, ...]:
+    """Splits worth timing: none, and each run length shorter than the plan's longest query tile. Measured
+    on an H100 (scripts/attention_split_probe.py): BigBird at S=4096 runs fastest with runs of 16-32 (its
+    global rows visit all 64 key tiles, the others about 7), FuseFlow's S=1024 with runs of 4-8 (192
+    programs otherwise leave SMs idle), a dense plan without a split."""
+    return (0, *(c for c in CHUNKS if c < plan.longest))
+
+
+def work_items(start: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(items, merges) of TilePlan: each query tile's tile list [first, end) cut into runs of at most
+    `chunk` tiles (as even as possible; chunk 0 cuts nothing), longest run first."""
+    rows, merges, part = [], [], 0
+    for qt, (first, uniform, end) in enumerate(start.tolist()):
+        n = end - first
+        pieces = max(1, -(-n // chunk)) if chunk else 1
+        if pieces == 1:
+            rows.append((qt, first, uniform, end, -1))
+            continue
+        merges.append((qt, part, pieces))
+        bounds = [first + n * i // pieces for i in range(pieces + 1)]
+        for i in range(pieces):
+            lo, hi = bounds[i], bounds[i + 1]
+            rows.append((qt, lo, min(max(uniform, lo), hi), hi, part + i))
+        part += pieces
+    rows.sort(key=lambda r: (r[1] - r[3], r[0]))  # longest first (a stable LPT order)
+    items = torch.tensor(rows, dtype=torch.int32).reshape(-1, 5)
+    return items, torch.tensor(merges, dtype=torch.int32).reshape(-1, 3)
 
 
 def tile_plan(scale: float, b: torch.Tensor, tiles: AttentionTiles) -> TilePlan:
@@ -103,8 +153,10 @@ def tile_plan(scale: float, b: torch.Tensor, tiles: AttentionTiles) -> TilePlan:
     start[:, 1:] = counts.cumsum(-1)
     start += (visited.sum(-1).cumsum(0) - visited.sum(-1))[:, None]
     shift = torch.where(is_partial, 0.0, first[qi, ki, 0, 0])
+    items, merges = work_items(start, tiles.chunk)
     return TilePlan(tiles, scale * LOG2E, start.to(torch.int32).contiguous(), ki.to(torch.int32).contiguous(),
-                    slot, (shift * LOG2E).contiguous(), (tb[qi[is_partial], ki[is_partial]] * LOG2E).contiguous())
+                    slot, (shift * LOG2E).contiguous(), (tb[qi[is_partial], ki[is_partial]] * LOG2E).contiguous(),
+                    items, merges, int(merges[:, 2].sum()), int(visited.sum(-1).max()))
 
 
 @triton.jit
@@ -154,9 +206,27 @@ def _visit(t, q, m_i, l_i, acc, k_at, v_at, kb_at, column_ptr, slot_ptr, shift_p
 
 
 @triton.jit
+def _batch_offsets(batch, E1, E2, s0, s1, s2):
+    """Element offset of a batch entry (its index over three axes of extents *, E1, E2)."""
+    b2 = batch % E2
+    b1 = (batch // E2) % E1
+    b0 = batch // (E1 * E2)
+    return b0 * s0 + b1 * s1 + b2 * s2
+
+
+@triton.jit
+def _store_out(o_at, out, rows, e, so_l, so_e, S_Q, DV, EVEN_Q: tl.constexpr, EVEN_D: tl.constexpr):
+    o_ptrs = o_at + rows[:, None] * so_l + e[None, :] * so_e
+    if EVEN_Q and EVEN_D:
+        tl.store(o_ptrs, out.to(o_at.dtype.element_ty))
+    else:
+        tl.store(o_ptrs, out.to(o_at.dtype.element_ty), mask=(rows[:, None] < S_Q) & (e[None, :] < DV))
+
+
+@triton.jit
 def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, kb_ptr, offsets_ptr,
-                      start_ptr, column_ptr, slot_ptr, shift_ptr, scale, kscale,
-                      E1, E2,
+                      items_ptr, column_ptr, slot_ptr, shift_ptr, part_o_ptr, part_ml_ptr, scale, kscale,
+                      NB, E1, E2, NPARTS,
                       sq0, sq1, sq2, sq_l, sq_d,
                       sk0, sk1, sk2, sk_m, sk_d,
                       sv0, sv1, sv2, sv_m, sv_e,
@@ -165,28 +235,27 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, kb_ptr, offsets_ptr,
                       S_Q, S_K, D, DV,
                       BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                       PREC: tl.constexpr, P_LOW: tl.constexpr, UPCAST: tl.constexpr,
-                      EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr, EVEN_D: tl.constexpr, HAS_KB: tl.constexpr):
-    qt = tl.program_id(0)
-    batch = tl.program_id(1)
-    b2 = batch % E2
-    b1 = (batch // E2) % E1
-    b0 = batch // (E1 * E2)
+                      EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr, EVEN_D: tl.constexpr, HAS_KB: tl.constexpr,
+                      SPLIT: tl.constexpr):
+    item = tl.program_id(0) // NB  # every batch entry's program of an item before the next item's: longest first
+    batch = tl.program_id(0) % NB
+    qt = tl.load(items_ptr + item * 5)
+    first = tl.load(items_ptr + item * 5 + 1)
+    uniform = tl.load(items_ptr + item * 5 + 2)
+    end = tl.load(items_ptr + item * 5 + 3)
     rows = qt * BM + tl.arange(0, BM)
     d = tl.arange(0, BD)
     e = tl.arange(0, BDV)
     cols = tl.arange(0, BN)
-    q_at = q_ptr + b0 * sq0 + b1 * sq1 + b2 * sq2
-    k_at = k_ptr + b0 * sk0 + b1 * sk1 + b2 * sk2
-    v_at = v_ptr + b0 * sv0 + b1 * sv1 + b2 * sv2
-    kb_at = kb_ptr + b0 * skb0 + b1 * skb1 + b2 * skb2
+    q_at = q_ptr + _batch_offsets(batch, E1, E2, sq0, sq1, sq2)
+    k_at = k_ptr + _batch_offsets(batch, E1, E2, sk0, sk1, sk2)
+    v_at = v_ptr + _batch_offsets(batch, E1, E2, sv0, sv1, sv2)
+    kb_at = kb_ptr + _batch_offsets(batch, E1, E2, skb0, skb1, skb2)
     q = _load(q_at + rows[:, None] * sq_l + d[None, :] * sq_d, rows[:, None] < S_Q, d[None, :] < D, EVEN_Q, EVEN_D)
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BDV], tl.float32)
     in_tile = tl.arange(0, BM)[:, None] * BN + cols[None, :]
-    first = tl.load(start_ptr + qt * 3)
-    uniform = tl.load(start_ptr + qt * 3 + 1)
-    end = tl.load(start_ptr + qt * 3 + 2)
     for t in range(first, uniform):
         m_i, l_i, acc = _visit(t, q, m_i, l_i, acc, k_at, v_at, kb_at, column_ptr, slot_ptr, shift_ptr,
                                offsets_ptr, scale, kscale, cols, d, e, in_tile, sk_m, sk_d, sv_m, sv_e, skb_m,
@@ -195,13 +264,64 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, kb_ptr, offsets_ptr,
         m_i, l_i, acc = _visit(t, q, m_i, l_i, acc, k_at, v_at, kb_at, column_ptr, slot_ptr, shift_ptr,
                                offsets_ptr, scale, kscale, cols, d, e, in_tile, sk_m, sk_d, sv_m, sv_e, skb_m,
                                S_K, D, DV, BM, BN, PREC, P_LOW, UPCAST, EVEN_K, EVEN_D, False, HAS_KB)
-    out = acc / l_i[:, None]
-    o_at = o_ptr + b0 * so0 + b1 * so1 + b2 * so2
-    o_ptrs = o_at + rows[:, None] * so_l + e[None, :] * so_e
-    if EVEN_Q and EVEN_D:
-        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty))
+    # a whole query tile stores its output; one run of a split tile stores its own normalised output in
+    # the scratch (the output's dtype) with its running max and sum, for _merge_kernel. One store for both,
+    # its base and strides chosen as scalars: a branch per kind kept two copies of the accumulator's
+    # registers, a select between two pointer tiles cost the stores their vector width (both spilled)
+    item = tl.program_id(0) // NB  # the program's coordinates again, not held through the loops
+    batch = tl.program_id(0) % NB
+    qt = tl.load(items_ptr + item * 5)
+    r = tl.arange(0, BM)
+    out = (acc / l_i[:, None]).to(o_ptr.dtype.element_ty)
+    base = o_ptr + _batch_offsets(batch, E1, E2, so0, so1, so2) + qt * BM * so_l
+    if SPLIT:
+        part = tl.load(items_ptr + item * 5 + 4)
+        split = part >= 0
+        slot = batch * NPARTS + part
+        base = tl.where(split, part_o_ptr + slot * (BM * BDV), base)
+        stride_l = tl.where(split, BDV, so_l)
+        stride_e = tl.where(split, 1, so_e)
+        tl.store(part_ml_ptr + slot * (2 * BM) + r, m_i, mask=split & (r >= 0))
+        tl.store(part_ml_ptr + slot * (2 * BM) + BM + r, l_i, mask=split & (r >= 0))
     else:
-        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=(rows[:, None] < S_Q) & (e[None, :] < DV))
+        split = False
+        stride_l = so_l
+        stride_e = so_e
+    o_ptrs = base + r[:, None] * stride_l + e[None, :] * stride_e
+    if EVEN_Q and EVEN_D:
+        tl.store(o_ptrs, out)
+    else:
+        tl.store(o_ptrs, out, mask=((qt * BM + r[:, None] < S_Q) & (e[None, :] < DV)) | split)
+
+
+@triton.jit
+def _merge_kernel(o_ptr, merges_ptr, part_o_ptr, part_ml_ptr, NB, E1, E2, NPARTS,
+                  so0, so1, so2, so_l, so_e, S_Q, DV,
+                  BM: tl.constexpr, BDV: tl.constexpr, EVEN_Q: tl.constexpr, EVEN_D: tl.constexpr):
+    """A split query tile's output from its runs' outputs, each weighed by its sum of exponentials
+    relative to the common maximum (base 2)."""
+    pid = tl.program_id(0)
+    j = pid // NB
+    batch = pid % NB
+    qt = tl.load(merges_ptr + j * 3)
+    first = batch * NPARTS + tl.load(merges_ptr + j * 3 + 1)
+    n = tl.load(merges_ptr + j * 3 + 2)
+    r = tl.arange(0, BM)
+    e = tl.arange(0, BDV)
+    m = tl.full([BM], float("-inf"), tl.float32)
+    for i in range(n):
+        m = tl.maximum(m, tl.load(part_ml_ptr + (first + i) * (2 * BM) + r))
+    m_use = tl.where(m == float("-inf"), 0.0, m)  # a row that keeps nothing: 0/0, NaN as eager
+    l_sum = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, BDV], tl.float32)
+    for i in range(n):
+        w = tl.math.exp2(tl.load(part_ml_ptr + (first + i) * (2 * BM) + r) - m_use)
+        w = w * tl.load(part_ml_ptr + (first + i) * (2 * BM) + BM + r)  # 0 for a run that kept nothing
+        o = tl.load(part_o_ptr + (first + i) * (BM * BDV) + r[:, None] * BDV + e[None, :]).to(tl.float32)
+        acc += tl.where(w[:, None] > 0, o * w[:, None], 0.0)  # such a run's own output is 0/0
+        l_sum += w
+    o_at = o_ptr + _batch_offsets(batch, E1, E2, so0, so1, so2)
+    _store_out(o_at, acc / l_sum[:, None], qt * BM + r, e, so_l, so_e, S_Q, DV, EVEN_Q, EVEN_D)
 
 
 @dataclass(frozen=True)
@@ -215,40 +335,62 @@ class Operand:
     feature_stride: int
 
 
+def scratch(plan: TilePlan, n_batch: int, dv: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The split query tiles' runs' results: (outputs [n_batch·parts, BM, BDV] in the output's dtype,
+    running max and sum [.., 2, BM] fp32)."""
+    if not plan.parts:
+        return None
+    slots, bm = n_batch * plan.parts, plan.tiles.bm
+    bdv = max(16, triton.next_power_of_2(dv))
+    return (torch.empty(slots, bm, bdv, dtype=dtype, device=device),
+            torch.empty(slots, 2, bm, dtype=torch.float32, device=device))
+
+
 def launch(q: Operand, k: Operand, v: Operand, out: torch.Tensor, batch: tuple[int, ...],
            plan: TilePlan, s_q: int, s_k: int, d: int, dv: int, precision: str,
-           key_bias: Operand | None = None, bias_scale: float = 0.0) -> torch.Tensor:
-    """Run the kernel; `out` is [*batch, S_q, dv] with any strides; `key_bias` (its seq stride over the
-    keys) is added to the scores times `bias_scale`."""
+           key_bias: Operand | None = None, bias_scale: float = 0.0,
+           parts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Run the kernel (and the merge of split query tiles); `out` is [*batch, S_q, dv] with any strides;
+    `key_bias` (its seq stride over the keys) is added to the scores times `bias_scale`; `parts`: the
+    scratch of `scratch()` (allocated here when not given)."""
     pad = MAX_BATCH_AXES - len(batch)
     extents = (1,) * pad + tuple(batch)
+    n_batch = max(1, math.prod(extents))
     bias = key_bias or Operand(plan.shift, 0, (0,) * len(batch), 0, 0)  # a dummy pointer without a bias
     strides = [(0,) * pad + tuple(op.batch_strides) for op in (q, k, v, bias)]
-    strides.append((0,) * pad + tuple(out.stride()[:-2]))
+    out_strides = (0,) * pad + tuple(out.stride()[:-2])
     tiles = plan.tiles
-    grid = (plan.start.shape[0], max(1, math.prod(extents)))
     bd, bdv = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(dv))
+    if plan.parts and parts is None:
+        parts = scratch(plan, n_batch, dv, out.dtype, out.device)
+    part_o, part_ml = parts if plan.parts else (out, plan.shift)  # dummies when nothing is split
+    even = {"EVEN_Q": s_q % tiles.bm == 0, "EVEN_D": bd == d and bdv == dv}
     # the kernel only takes base pointers: a one-element view at the operand's first element
     views = [op.tensor.as_strided((1,), (1,), op.tensor.storage_offset() + op.offset) for op in (q, k, v, bias)]
-    _attention_kernel[grid](
-        *views[:3], out, views[3], plan.offsets, plan.start, plan.column, plan.slot, plan.shift, plan.scale,
-        bias_scale * LOG2E,
-        extents[1], extents[2],
+    _attention_kernel[(plan.items.shape[0] * n_batch,)](
+        *views[:3], out, views[3], plan.offsets, plan.items, plan.column, plan.slot, plan.shift, part_o, part_ml,
+        plan.scale, bias_scale * LOG2E,
+        n_batch, extents[1], extents[2], plan.parts,
         *strides[0], q.seq_stride, q.feature_stride,
         *strides[1], k.seq_stride, k.feature_stride,
         *strides[2], v.seq_stride, v.feature_stride,
         *strides[3], bias.seq_stride,
-        *strides[4], out.stride(-2), out.stride(-1),
+        *out_strides, out.stride(-2), out.stride(-1),
         s_q, s_k, d, dv,
         BM=tiles.bm, BN=tiles.bn, BD=bd, BDV=bdv,
         PREC=precision, P_LOW=v.tensor.dtype in (torch.float16, torch.bfloat16), UPCAST=interpreting(),
-        EVEN_Q=s_q % tiles.bm == 0, EVEN_K=s_k % tiles.bn == 0, EVEN_D=bd == d and bdv == dv,
-        HAS_KB=key_bias is not None,
+        EVEN_K=s_k % tiles.bn == 0, HAS_KB=key_bias is not None, SPLIT=plan.parts > 0, **even,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    if plan.parts:
+        _merge_kernel[(plan.merges.shape[0] * n_batch,)](
+            out, plan.merges, part_o, part_ml, n_batch, extents[1], extents[2], plan.parts,
+            *out_strides, out.stride(-2), out.stride(-1), s_q, dv, BM=tiles.bm, BDV=bdv, **even,
+            num_warps=4)
     return out
 
 
-def compile_for_sm90(dtype: str, tiles: AttentionTiles, head_dim: int = 64, key_bias: bool = False) -> dict:
+def compile_for_sm90(dtype: str, tiles: AttentionTiles, head_dim: int = 64, key_bias: bool = False,
+                     split: bool = False) -> dict:
     """Compile the kernel for sm_90 with Triton's ptxas, no GPU needed (what CI can check of the
     configs the autotuner may pick): registers, spilled bytes, shared memory per program."""
     from triton.backends.compiler import GPUTarget
@@ -258,11 +400,12 @@ def compile_for_sm90(dtype: str, tiles: AttentionTiles, head_dim: int = 64, key_
 
     tensors = {"q_ptr": "*" + dtype, "k_ptr": "*" + dtype, "v_ptr": "*" + dtype, "o_ptr": "*" + dtype,
                "kb_ptr": "*fp32", "offsets_ptr": "*fp32", "shift_ptr": "*fp32", "scale": "fp32", "kscale": "fp32",
-               "start_ptr": "*i32", "column_ptr": "*i32", "slot_ptr": "*i32"}
+               "items_ptr": "*i32", "column_ptr": "*i32", "slot_ptr": "*i32", "part_o_ptr": "*" + dtype,
+               "part_ml_ptr": "*fp32"}
     bd = max(16, triton.next_power_of_2(head_dim))
     meta = {"BM": tiles.bm, "BN": tiles.bn, "BD": bd, "BDV": bd, "PREC": "ieee" if dtype == "fp32" else "tf32",
             "P_LOW": dtype != "fp32", "UPCAST": False, "EVEN_Q": True, "EVEN_K": True, "EVEN_D": True,
-            "HAS_KB": key_bias}
+            "HAS_KB": key_bias, "SPLIT": split}
     signature = {name: tensors.get(name, "i32") for name in _attention_kernel.arg_names}
     signature.update({name: "constexpr" for name in meta})
     kernel = triton.compile(ASTSource(_attention_kernel, signature, meta), target=GPUTarget("cuda", 90, 32),

@@ -17,9 +17,10 @@ import stitchflow
 from stitchflow.apps.bigbird import bigbird_block_mask
 from stitchflow.apps.gpt3 import GPT3, BlockSparseAttention, _mask_tensor
 from stitchflow.program import capture_model
-from stitchflow.targets.gpu.attention import (CANDIDATES, SPILL_WITH_KEY_BIAS, AttentionStep, NotAttention,
-                                             match_attention, score_coefficients)
-from stitchflow.targets.gpu.attention_kernel import LOG2E, AttentionTiles, Operand, launch, tile_plan
+from stitchflow.targets.gpu.attention import (CANDIDATES, SPILL_SPLIT_WITH_KEY_BIAS, SPILL_WITH_KEY_BIAS,
+                                             AttentionStep, NotAttention, candidates, match_attention,
+                                             score_coefficients)
+from stitchflow.targets.gpu.attention_kernel import LOG2E, AttentionTiles, Operand, launch, tile_plan, work_items
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="interpreter tests on CPU tensors (forcing the interpreter here would switch "
@@ -81,6 +82,17 @@ def test_tile_plan_of_a_block_mask_visits_only_its_blocks():
     assert coarse.visited == int(layout.view(4, 2, 4, 2).any(3).any(1).sum())
 
 
+def test_work_items_split_long_query_tiles_evenly_longest_first():
+    start = torch.tensor([[0, 2, 9], [9, 9, 11], [11, 15, 15]])  # 9 tiles (2 partial), 2 uniform, 4 partial
+    items, merges = work_items(start, 4)
+    # 9 tiles in chunks of at most 4: 3, 3, 3; the partial/uniform boundary (2) falls in the first run
+    assert items.tolist() == [[2, 11, 15, 15, -1], [0, 0, 2, 3, 0], [0, 3, 3, 6, 1], [0, 6, 6, 9, 2],
+                              [1, 9, 9, 11, -1]]
+    assert merges.tolist() == [[0, 0, 3]]
+    whole, none = work_items(start, 0)
+    assert whole[:, 4].eq(-1).all() and none.numel() == 0 and whole[:, 0].tolist() == [0, 2, 1]
+
+
 # ---------------------------------------------------------------- kernel
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -112,18 +124,40 @@ def test_kernel_matches_reference_over_random_masks(density, s_q, s_k, d, seed):
     assert rel_err(out, reference(q, k, v, a, b)) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("chunk", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_query_tiles_merge_to_the_unsplit_result(chunk, dtype):
+    """Runs of `chunk` key tiles per program, merged by _merge_kernel: a BigBird mask's global rows
+    (every key tile) split most, a row that keeps nothing still NaN, a random offset per position."""
+    g = torch.Generator().manual_seed(chunk)
+    B, H, S, D = 2, 2, 100, 24
+    q, k, v = (torch.randn(B, H, S, D, generator=g).to(dtype) for _ in range(3))
+    kept = bigbird_block_mask(S, 10, seed=2).dense_mask() > 0
+    b = torch.where(kept, torch.randn(S, S, generator=g), float("-inf"))
+    b[7] = float("-inf")
+    a = 0.2
+    out, plan = run_kernel(q, k, v, a, b, AttentionTiles(16, 16, chunk=chunk))
+    assert plan.parts > 0 and plan.items.shape[0] == plan.start.shape[0] - plan.merges.shape[0] + plan.parts
+    assert rel_err(out, reference(q, k, v, a, b)) < TOL[dtype]
+
+
 def test_every_candidate_compiles_for_sm90_without_spilling(fresh_python):
     """Triton's software pipeliner once refused the kernel (an scf.if around loads in the loop): the device
-    autotuner then had no config left. Compiling for sm_90 here catches that without a GPU."""
+    autotuner then had no config left. Compiling for sm_90 here catches that without a GPU. Each shape also
+    with split query tiles (their runs' stores), except the ones the autotuner does not split."""
     code = ("import json, torch\n"
             "from stitchflow.targets.gpu.attention import candidates\n"
             "from stitchflow.targets.gpu.attention_kernel import compile_for_sm90\n"
-            "print(json.dumps([(str(t), dt, d, kb, compile_for_sm90(dt, t, d, kb)) for dt, dtype in (('bf16', "
-            "torch.bfloat16), ('fp32', torch.float32)) for d in (64, 128) for kb in (False, True) "
-            "for t in candidates(dtype, d, kb)]))\n")
+            "print(json.dumps([((t.bm, t.bn, t.num_warps, t.num_stages), dt, d, kb, split, "
+            "compile_for_sm90(dt, t, d, kb, split)) for dt, dtype in (('bf16', torch.bfloat16), ('fp32', "
+            "torch.float32)) for d in (64, 128) for kb in (False, True) for t in candidates(dtype, d, kb) "
+            "for split in (False, True)]))\n")
     reports = fresh_python(code, None)
-    assert len(reports) == 2 * sum(len(v) for v in CANDIDATES.values()) - len(SPILL_WITH_KEY_BIAS)
-    assert all(r["spilled"] == 0 and r["smem"] <= 227 * 1024 for *_, r in reports), reports
+    assert len(reports) == 2 * (2 * sum(len(v) for v in CANDIDATES.values()) - len(SPILL_WITH_KEY_BIAS))
+    for tiles, dt, d, kb, split, r in reports:
+        if split and kb and d > 64 and tuple(tiles) in SPILL_SPLIT_WITH_KEY_BIAS:
+            continue  # spills: the autotuner never splits these (AttentionStep._candidates)
+        assert r["spilled"] == 0 and r["smem"] <= 227 * 1024, (tiles, dt, d, kb, split, r)
 
 
 # ---------------------------------------------------------------- models
@@ -149,6 +183,40 @@ def test_bigbird_attention_compiles_to_one_attention_step(dtype, causal):
         x = torch.randn(2, 80, 3 * 48).to(dtype)
         assert rel_err(prog(x), reference(x.double())) < (1e-6 if dtype == torch.float32 else 2e-2)
     assert "tiles visited" in step.describe() and str(step.chosen) in step.describe()
+
+
+def test_split_tiles_through_the_program_and_the_autotuners_candidates():
+    """Tiles pinned with a split (options["attention_tiles"], five numbers) run the app's BigBird attention
+    as split runs and a merge; the autotuner times every tile shape unsplit and split into runs shorter than
+    its plan's longest query tile."""
+    model = bigbird_attention(seq=96)
+    x = torch.randn(2, 96, 3 * 48)
+    prog = stitchflow.compile(model, (x,), target="gpu", fusion="full", options={"attention_tiles": (16, 16, 4, 1, 2)})
+    assert rel_err(prog(x), model.double()(x.double())) < 1e-6
+    (step,) = attention_steps(prog)
+    assert step.chosen.chunk == 2 and "split into" in step.describe()
+    env = {step.match.q.tensor: x}
+    tried = list(step._candidates(env))
+    longest = {t: step._plan(t, x.device).longest for t in candidates(torch.float32, 24)}
+    assert {t.chunked(0) for t in tried} == set(longest)
+    assert {(t.chunked(0), t.chunk) for t in tried} == {(t, c) for t, n in longest.items() for c in (0, 4, 8, 16, 32)
+                                                         if c < n}
+
+
+def test_the_kernel_writes_the_merged_heads_and_the_copy_never_runs():
+    """The app merges the heads (transpose, reshape) after attention: the kernel writes that layout through
+    strides, so the program has no step left for the copy; options["attention_store"]=False keeps the copy."""
+    model = bigbird_attention()
+    x = torch.randn(2, 80, 3 * 48)
+    merged = stitchflow.compile(model, (x,), target="gpu", fusion="full")
+    plain = stitchflow.compile(model, (x,), target="gpu", fusion="full", options={"attention_store": False})
+    (step,) = attention_steps(merged)
+    assert step.store is not None and step.store[0] in step.nodes and "written into" in step.describe()
+    assert len(merged.compiled[0].steps) == 1 < len(plain.compiled[0].steps)
+    assert attention_steps(plain)[0].store is None
+    y = merged(x)
+    assert y.is_contiguous() and rel_err(y, model.double()(x.double())) < 1e-6
+    assert torch.equal(y, plain(x))
 
 
 class ScaledBiasAttention(torch.nn.Module):

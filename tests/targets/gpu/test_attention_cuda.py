@@ -1,5 +1,6 @@
-"""Block-sparse attention on the device: every autotuned tile config the kernel may pick, the app's
-BigBird attention and decoder against float64, and the mask changed in place (needs a CUDA GPU)."""
+"""Block-sparse attention on the device: every autotuned tile config the kernel may pick (unsplit and split),
+the app's BigBird attention and decoder against float64, the heads merged by the kernel's store, a split plan
+replayed from a CUDA graph, and the mask changed in place (needs a CUDA GPU)."""
 
 import copy
 import math
@@ -21,9 +22,12 @@ def rel_err(out, ref):
     return ((out - ref).norm() / ref.norm()).item()
 
 
+@pytest.mark.parametrize("chunk", [0, 4])
 @pytest.mark.parametrize("dtype,D,tiles", [(dt, d, t) for dt in (torch.bfloat16, torch.float32) for d in (64, 128)
                                            for t in candidates(dt, d)])
-def test_every_candidate_tile_config(dtype, D, tiles):
+def test_every_candidate_tile_config(dtype, D, tiles, chunk):
+    """Unsplit and with query tiles split into runs of 4 key tiles (S = 1000: the last query tile partial)."""
+    tiles = tiles.chunked(chunk)
     g = torch.Generator("cuda").manual_seed(0)
     B, H, S = 2, 3, 1000
     q, k, v = (torch.randn(B, H, S, D, device="cuda", generator=g).to(dtype) for _ in range(3))
@@ -50,6 +54,23 @@ def test_bigbird_attention_autotuned(dtype, causal):
     for _ in range(2):
         x = torch.randn(2, seq, 3 * width, device="cuda", dtype=dtype)
         assert rel_err(prog(x), reference(x.double())) < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_split_plan_in_a_cuda_graph_writing_the_merged_heads():
+    """The autotuned S = 4096 BigBird plan splits its global rows; a CUDA-graph replay of the program (the
+    scratch allocated once, nothing read back at launch) equals eager on fresh inputs."""
+    seq, heads, width = 4096, 2, 128
+    model = BlockSparseAttention(width, heads, _mask_tensor(bigbird_block_mask(seq, 64, seed=0), seq, False,
+                                                            torch.bfloat16)).to("cuda", torch.bfloat16)
+    x = torch.randn(1, seq, 3 * width, device="cuda", dtype=torch.bfloat16)
+    prog = stitchflow.compile(model, (x,), target="gpu", fusion="full",
+                              options={"cuda_graphs": "always", "attention_tiles": (64, 64, 4, 2, 16)})
+    (step,) = [s for c in prog.compiled for s in c.steps if isinstance(s, AttentionStep)]
+    reference = BlockSparseAttention(width, heads, model.mask.double()).cuda()
+    for _ in range(4):
+        x = torch.randn(1, seq, 3 * width, device="cuda", dtype=torch.bfloat16)
+        assert rel_err(prog(x), reference(x.double())) < 2e-2
+    assert step.store is not None and "split into" in step.describe()
 
 
 def test_gpt3_decoder_with_bigbird_attention():

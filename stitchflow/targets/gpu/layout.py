@@ -1,0 +1,78 @@
+"""Copies that only move elements: a kernel may write its output straight into the copy's result.
+
+A node `y[v...] = x[f(v...)]` whose indices f are digits of y's variables (v, v // c, v % m,
+(v // c) % m, a 0 where x has extent 1) is a bijection when the digits of every variable tile it
+exactly: then x is a strided view of a contiguous y, and the producer of x (a kernel that takes
+an output with any strides) can write y directly, so that the copy never runs. Merging attention
+heads, `o.transpose(1, 2).reshape(B, S, H * D)`, is such a node: `out[i, j, l] = o[0, l // 64, j,
+l % 64]`, and o is out seen with strides (S·H·D, 64, H·D, 1).
+"""
+
+from __future__ import annotations
+
+import math
+
+from ...ir.expr import Read
+from ...ir.graph import Graph, Node
+from ...ir.index import Div, Lit, Mod, Var
+
+
+def _digit(index) -> tuple[str, int, bool] | None:
+    """(variable, weight of the digit's lowest place, bounded) of v, v // c, v % m, (v // c) % m;
+    `bounded` when a modulus caps the digit (else it must be the variable's top digit)."""
+    if isinstance(index, Var):
+        return index.name, 1, False
+    if isinstance(index, Div) and isinstance(index.arg, Var):
+        return index.arg.name, index.divisor, False
+    if isinstance(index, Mod):
+        inner = _digit(index.arg)
+        if inner is not None and not inner[2]:
+            return inner[0], inner[1], True
+    return None
+
+
+def copy_strides(node: Node, x_shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The strides of x inside a contiguous y when `node` (y = a reordering of x) moves every element of x
+    once, else None."""
+    if node.reduce or node.is_scatter or not isinstance(node.body, Read):
+        return None
+    access = node.body.access
+    extents = node.extents
+    y_vars = node.out_vars
+    if len(access.indices) != len(x_shape) or math.prod(extents[v] for v in y_vars) != math.prod(x_shape):
+        return None
+    y_stride = {v: math.prod(extents[w] for w in y_vars[k + 1:]) for k, v in enumerate(y_vars)}
+    places: dict[str, list[tuple[int, int, int, bool]]] = {}  # var -> (weight, size, x dim, bounded)
+    for dim, (index, size) in enumerate(zip(access.indices, x_shape)):
+        if isinstance(index, Lit) and index.value == 0 and size == 1:
+            continue
+        digit = _digit(index)
+        if digit is None or digit[0] not in y_stride:
+            return None
+        places.setdefault(digit[0], []).append((digit[1], size, dim, digit[2]))
+    strides = [0] * len(x_shape)
+    for v, extent in extents.items():
+        digits = sorted(places.get(v, ()))
+        weight = 1
+        for k, (low, size, dim, bounded) in enumerate(digits):  # lowest place first, tiling v exactly
+            if low != weight or (not bounded and k != len(digits) - 1):
+                return None
+            strides[dim] = low * y_stride[v]
+            weight = low * size
+        if weight != extent and extent > 1:
+            return None
+    return tuple(strides)
+
+
+def output_copy(graph: Graph, output: str, inside: set) -> tuple[str, tuple[int, ...]] | None:
+    """(y, strides of `output` inside y) when `output`'s only reader is a copy node in `inside` that
+    reorders it (copy_strides) in the same dtype and `output` is not a result of the program."""
+    readers = graph.consumers.get(output, ())
+    if len(readers) != 1 or readers[0] not in inside or output in graph.outputs:
+        return None
+    node = graph.node_of[readers[0]]
+    x_type, y_type = graph.type_of[output], graph.type_of[node.name]
+    if x_type.dtype != y_type.dtype or not y_type.format.is_dense:
+        return None
+    strides = copy_strides(node, tuple(x_type.shape))
+    return None if strides is None else (node.name, strides)

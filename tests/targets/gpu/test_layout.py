@@ -1,0 +1,50 @@
+"""Copies that only reorder elements, seen as strided views of their result (targets/gpu/layout.py):
+the strides against torch's own view of the same reordering, and the copies that are not views."""
+
+import torch
+
+from stitchflow.ir.expr import Access, Read
+from stitchflow.ir.graph import Node
+from stitchflow.ir.index import Div, Lit, Mod, Sum, Var
+from stitchflow.targets.gpu.layout import copy_strides
+
+
+def copy_node(index, reads, dims):
+    return Node("y", tuple(Var(v) for v in index), Read(Access("x", tuple(reads))), tuple(dims))
+
+
+def test_merged_heads_are_a_view_of_the_result():
+    """out[i, j, l] = o[0, l // 8, j, l % 8]: o (1, H, S, 8) transposed and flattened into (1, S, 8·H)."""
+    H, S, D = 3, 5, 8
+    node = copy_node("ijl", [Lit(0), Div(Var("l"), D), Var("j"), Mod(Var("l"), D)],
+                     [("i", 1), ("j", S), ("l", H * D)])
+    strides = copy_strides(node, (1, H, S, D))
+    y = torch.arange(S * H * D).view(1, S, H * D)
+    o = y.as_strided((1, H, S, D), strides)
+    assert torch.equal(o.transpose(1, 2).flatten(-2), y)
+
+
+def test_permutes_and_splits_into_three_digits():
+    # y[a, b] = x[b % 2, a, (b // 2) % 3, b // 6]: b (extent 24) read as three digits
+    node = copy_node("ab", [Mod(Var("b"), 2), Var("a"), Mod(Div(Var("b"), 2), 3), Div(Var("b"), 6)],
+                     [("a", 5), ("b", 24)])
+    strides = copy_strides(node, (2, 5, 3, 4))
+    y = torch.arange(5 * 24).view(5, 24)
+    x = y.as_strided((2, 5, 3, 4), strides)
+    a, b = torch.meshgrid(torch.arange(5), torch.arange(24), indexing="ij")
+    assert torch.equal(x[b % 2, a, (b // 2) % 3, b // 6], y)
+
+
+def test_copies_that_are_not_views():
+    dims = [("a", 4), ("b", 4)]
+    assert copy_strides(copy_node("ab", [Var("a"), Var("a")], dims), (4, 4)) is None  # a diagonal
+    assert copy_strides(copy_node("ab", [Var("a")], dims), (4,)) is None  # a broadcast
+    assert copy_strides(copy_node("ab", [Var("b"), Sum(((1, Var("a")),), 1)], dims), (4, 5)) is None  # a shift
+    # b // 2 is not b's top digit when b % 2 is missing
+    assert copy_strides(copy_node("ab", [Var("a"), Div(Var("b"), 2), Lit(0)], dims), (4, 2, 2)) is None
+    # the digit b % 2 read, its weight-2 digit as b // 2 (unbounded) but then a further digit
+    node = copy_node("ab", [Mod(Var("b"), 2), Div(Var("b"), 2), Var("a")], [("a", 4), ("b", 8)])
+    assert copy_strides(node, (2, 4, 4)) is not None
+    assert copy_strides(copy_node("ab", [Div(Var("b"), 2), Mod(Var("b"), 4), Var("a")], [("a", 4), ("b", 8)]),
+                        (4, 4, 4)) is None  # overlapping digits
+
