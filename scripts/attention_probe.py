@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from stitchflow.apps.bigbird import bigbird_block_mask
 from stitchflow.targets.gpu.attention import candidates
-from stitchflow.targets.gpu.attention_kernel import AttentionTiles, Operand, launch, tile_plan
+from stitchflow.targets.gpu.attention_kernel import Operand, launch
+from stitchflow.targets.gpu.attention_plan import AttentionTiles, tile_plan
 from stitchflow.targets.gpu.timing import graph_bench
 
 

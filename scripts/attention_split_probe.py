@@ -17,7 +17,8 @@ import torch
 
 from stitchflow.apps.bigbird import bigbird_block_mask
 from stitchflow.bench.attention import parse_case
-from stitchflow.targets.gpu.attention_kernel import AttentionTiles, Operand, launch, scratch, tile_plan
+from stitchflow.targets.gpu.attention_kernel import Operand, launch, scratch
+from stitchflow.targets.gpu.attention_plan import AttentionTiles, tile_plan
 from stitchflow.targets.gpu.timing import graph_bench
 
 TILES = (AttentionTiles(64, 64, 4, 3), AttentionTiles(64, 128, 4, 2), AttentionTiles(128, 64, 8, 3),

@@ -18,7 +18,6 @@ reason and runs as before: the contractions through torch, the rest as stitched 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 from dataclasses import astuple, dataclass
@@ -27,18 +26,23 @@ import torch
 
 from ...ir.expr import Access, Read, map_reads
 from ...ir.graph import Graph, Node
-from ...ir.index import Var, _linear, rename
+from ...ir.index import Var, _linear, add, rename, substitute
 from ...ir.interpret import eval_node
 from ...ir.types import dense_type
-from .attention_kernel import (MAX_BATCH_AXES, AttentionTiles, Operand, TilePlan, chunk_options, launch, scratch,
-                               tile_plan)
+from .attention_kernel import MAX_BATCH_AXES, Operand, launch, scratch
+from .attention_plan import (BLOCK, MAX_TILE, AttentionTiles, BlockMap, TilePlan, block_map, chunk_options,
+                             tile_plan)
 from .runtime import interpreting, load_choice, save_choice
 
 log = logging.getLogger("stitchflow.gpu.attention")
 SOFTMAX_KINDS = {"softmax"}
 MAX_CONSTANT_ELEMENTS = 1 << 28
-# the transform is evaluated over the whole (S_q, S_k) grid in float64, six times at most: 268 MB a time here
-MAX_FOLDED_POSITIONS = 1 << 25
+# the transform is evaluated in float64 over bands of query rows of about FOLD_POSITIONS positions (six
+# times at most: 32 MB a time); grids up to MAX_FOLDED_POSITIONS (S = 32768) fold in tens of seconds, and
+# at most MAX_FOLDED_MIXED offsets that vary within a block are kept (a BigBird mask keeps none)
+FOLD_POSITIONS = 1 << 22
+MAX_FOLDED_POSITIONS = 1 << 30
+MAX_FOLDED_MIXED = 1 << 26
 
 
 @dataclass(frozen=True)
@@ -220,35 +224,58 @@ def match_attention(graph: Graph, params) -> tuple[list[AttentionMatch], list[st
 
 # ---------------------------------------------------------------- the score transform as constants
 
-def score_coefficients(graph: Graph, match: AttentionMatch, params: dict) -> tuple[float, torch.Tensor, float]:
+def score_coefficients(graph: Graph, match: AttentionMatch, params: dict) -> tuple[float, BlockMap, float]:
     """(a, b, c): t(s, r) = a·s + b[l, m] + c·r over (S_q, S_k), with r the key bias of the call (c = 0
-    without one); b float32 and -inf where the position is dropped."""
-    scores = graph.node_of[match.scores]
+    without one); b, -inf where the position is dropped, folded band by band of query rows into a
+    BlockMap (a long context's offsets are never all held at once)."""
     s_q, s_k = graph.type_of[match.scores].shape[-2:]
     if s_q * s_k > MAX_FOLDED_POSITIONS:
         raise NotAttention(f"the score grid {s_q}x{s_k} is too large to fold at compile time "
                            f"(at most {MAX_FOLDED_POSITIONS} positions)")
+    constants = _constant_env(graph, match, params)  # once: the parameters converted, constant nodes evaluated
+    rows = max(MAX_TILE, FOLD_POSITIONS // s_k // MAX_TILE * MAX_TILE)
+    factors: dict[str, float] = {}
+
+    def bands():
+        for r0 in range(0, s_q, rows):
+            b, a, c = _fold_band(graph, match, constants, r0, min(rows, s_q - r0), s_k)
+            for what, f in (("scores", a), ("key bias", c)):
+                value = _one_factor(f, match.scores, what)
+                if f.numel() and factors.setdefault(what, value) != value:
+                    raise NotAttention(f"the transform of {match.scores} scales the {what} by different factors "
+                                       f"at different positions (a mask with values other than 0 and 1)")
+            yield r0, b
+
+    folded = block_map(bands(), s_q, s_k)
+    if folded.mixed.shape[0] * BLOCK * BLOCK > MAX_FOLDED_MIXED:
+        raise NotAttention(f"the offsets of {match.scores} vary within {folded.mixed.shape[0]} blocks of "
+                           f"{BLOCK}x{BLOCK}: more than {MAX_FOLDED_MIXED} positions to keep")
+    return factors.get("scores", 0.0), folded, factors.get("key bias", 0.0)
+
+
+def _fold_band(graph, match, constants: dict, r0: int, rows: int, s_k: int):
+    """(b, a's values, c's values) of query rows [r0, r0 + rows): b float64 with -inf where dropped, a and c
+    at the kept positions; NotAttention when the transform is not affine there."""
+    scores = match.scores
     points = ((0.0, 0.0), (1.0, 0.0), (2.0, 0.0), (0.0, 1.0), (0.0, 2.0), (1.0, 1.0))
     if match.key_bias is None:
         points = points[:3]
-    constants = _constant_env(graph, match, params)  # once: the parameters converted, constant nodes evaluated
-    values = [_evaluate_transform(graph, match, constants, s, r, s_q, s_k) for s, r in points]
+    values = [_evaluate_transform(graph, match, constants, s, r, r0, rows, s_k) for s, r in points]
     dropped = torch.isneginf(values[0])
     if not all(torch.equal(torch.isneginf(t), dropped) for t in values[1:]):
-        raise NotAttention(f"the transform of {scores.name} drops positions depending on the score or the bias")
+        raise NotAttention(f"the transform of {scores} drops positions depending on the score or the bias")
     kept = [t.masked_fill(dropped, 0.0) for t in values]
     if not all(torch.isfinite(t).all() for t in kept):
-        raise NotAttention(f"the transform of {scores.name} makes +inf or NaN from finite scores")
+        raise NotAttention(f"the transform of {scores} makes +inf or NaN from finite scores")
     b = kept[0]
     a = kept[1] - b
     c = kept[3] - b if match.key_bias is not None else torch.zeros_like(b)
     expected = [b, a + b, 2 * a + b, c + b, 2 * c + b, a + c + b][:len(points)]
     tolerance = 1e-9 * (1 + a.abs() + b.abs() + c.abs())
     if any(((t - e).abs() > tolerance).any() for t, e in zip(kept, expected)):
-        raise NotAttention(f"the transform of {scores.name} is not affine in the score"
+        raise NotAttention(f"the transform of {scores} is not affine in the score"
                            + (" and the key bias" if match.key_bias is not None else ""))
-    scale, bias_scale = (_one_factor(f[~dropped], scores.name, what) for f, what in ((a, "scores"), (c, "key bias")))
-    return scale, b.float().masked_fill(dropped, float("-inf")), bias_scale
+    return b.masked_fill(dropped, float("-inf")), a[~dropped], c[~dropped]
 
 
 def _one_factor(factors: torch.Tensor, scores: str, what: str) -> float:
@@ -272,11 +299,11 @@ def transform_sources(graph: Graph, match: AttentionMatch, params) -> dict[str, 
 
 
 def _constant_env(graph: Graph, match: AttentionMatch, params) -> dict[str, torch.Tensor]:
-    """Parameters (dense, float64 where floating) and the constant nodes the transform reads, evaluated."""
+    """Parameters (dense, in their own dtype: the transform's float64 arithmetic promotes the band it reads)
+    and the constant nodes the transform reads, evaluated."""
     env = {}
     for name, t in transform_sources(graph, match, params).items():
-        t = t.to_dense() if t.layout != torch.strided else t
-        env[name] = (t.double() if t.is_floating_point() else t).cpu()
+        env[name] = (t.to_dense() if t.layout != torch.strided else t).cpu()
     for node in graph.nodes:
         if node.name not in match.nodes and node.inputs and set(node.inputs) <= set(env):
             if math.prod(graph.type_of[node.name].shape) > MAX_CONSTANT_ELEMENTS:
@@ -288,36 +315,33 @@ def _constant_env(graph: Graph, match: AttentionMatch, params) -> dict[str, torc
 KEY_BIAS = "__key_bias"
 
 
-def _evaluate_transform(graph, match, constants: dict, s: float, r: float, s_q: int, s_k: int) -> torch.Tensor:
-    """The transform's nodes on the (l, m) grid in float64, the scores all equal to s, the key bias to r."""
+def _evaluate_transform(graph, match, constants: dict, s: float, r: float, r0: int, rows: int,
+                        s_k: int) -> torch.Tensor:
+    """The transform's nodes on query rows [r0, r0 + rows) × all keys in float64, the scores all equal to s,
+    the key bias to r."""
     env = dict(constants)
-    env[match.scores] = torch.full((s_q, s_k), s, dtype=torch.float64)
-    env[KEY_BIAS] = torch.full((s_q, s_k), r, dtype=torch.float64)
+    env[match.scores] = torch.full((rows, s_k), s, dtype=torch.float64)
+    env[KEY_BIAS] = torch.full((rows, s_k), r, dtype=torch.float64)
     bias = match.key_bias.tensor if match.key_bias is not None else None
     previous = match.scores
     for name in match.transform:
         node = graph.node_of[name]
         *_, l_var, m_var = node.out_vars
         grid = (Var(l_var), Var(m_var))
+        extents = {l_var: rows, m_var: s_k}
+        shifted = {l_var: add(Var(l_var), r0)}  # a constant's row is the band's row plus r0
 
-        def on_grid(access: Access, previous=previous, grid=grid):
+        def on_grid(access: Access, previous=previous, grid=grid, extents=extents, shifted=shifted):
             if access.tensor == previous:
                 return Read(Access(previous, grid))
             if access.tensor == bias:
                 return Read(Access(KEY_BIAS, grid))
-            return Read(access)
+            return Read(Access(access.tensor, tuple(substitute(i, shifted, extents) for i in access.indices)))
 
-        small = Node(name, grid, map_reads(node.body, on_grid), ((l_var, s_q), (m_var, s_k)))
-        env[name] = eval_node(small, env, dense_type((s_q, s_k), torch.float64)).double()
+        small = Node(name, grid, map_reads(node.body, on_grid), tuple(extents.items()))
+        env[name] = eval_node(small, env, dense_type((rows, s_k), torch.float64)).double()
         previous = name
     return env[previous]
-
-
-def _digest(*tensors: torch.Tensor) -> str:
-    h = hashlib.sha1()
-    for t in tensors:
-        h.update(t.contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 # ---------------------------------------------------------------- running
@@ -378,10 +402,10 @@ class AttentionStep:
         self.sources = transform_sources(graph, match, params)
         self.versions = self._versions()
         self.coefficients = score_coefficients(graph, match, params)
-        self.key = (f"attention-split:{_digest(self.coefficients[1])}:{self.coefficients[0]!r}:"
+        self.key = (f"attention-split:{self.coefficients[1].digest()}:{self.coefficients[0]!r}:"
                     f"{self.batch}x{self.s_q}x{self.s_k}:"
                     f"{self.d}x{self.dv}:{dtypes[0]}->{self.out_type.dtype}")
-        kept = 1.0 - torch.isneginf(self.coefficients[1]).float().mean().item()
+        kept = self.coefficients[1].kept / (self.s_q * self.s_k)
         log.info("%s: mask folded, %.1f%% of the score positions kept", match, 100 * kept)
         self.plans: dict = {}
         self.chosen: AttentionTiles | None = None

@@ -2,10 +2,10 @@
 
 The score transform t is affine, t(s) = a·s + b[l, m], with one a for the whole attention and
 b = -inf where the mask drops the position (attention.py derives a and b from the IR at compile
-time). `TilePlan` cuts the (S_q, S_k) grid into BM×BN tiles and keeps, per query tile, only the key
-tiles that hold a kept position: a *uniform* tile (all kept, one b) costs what dense attention
-costs; a *partial* tile loads b per position. Dropped tiles are never visited, so the work is the
-mask's density at tile granularity.
+time). A `TilePlan` (attention_plan.py) lists, per query tile, only the key tiles that hold a kept
+position: a *uniform* tile (all kept, one b) costs what dense attention costs; a *partial* tile
+loads b per position. Dropped tiles are never visited, so the work is the mask's density at tile
+granularity.
 
 Each program owns one *work item* of one batch entry: a query tile's key tiles, or a run of at
 most `chunk` of them, walked with the online softmax (running max and sum, in base 2: log2(e) is
@@ -26,137 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .attention_plan import LOG2E, AttentionTiles, TilePlan
 from .chain_kernels import _mma, interpreting
 
-LOG2E = 1.0 / math.log(2.0)
 MAX_BATCH_AXES = 3
-
-
-@dataclass(frozen=True)
-class AttentionTiles:
-    bm: int = 64
-    bn: int = 64
-    num_warps: int = 4
-    num_stages: int = 2
-    chunk: int = 0  # at most this many key tiles per program (a longer query tile is split); 0: no split
-
-    def __str__(self) -> str:
-        split = f" c{self.chunk}" if self.chunk else ""
-        return f"bm{self.bm} bn{self.bn} w{self.num_warps} s{self.num_stages}{split}"
-
-    def chunked(self, chunk: int) -> "AttentionTiles":
-        return AttentionTiles(self.bm, self.bn, self.num_warps, self.num_stages, chunk)
-
-
-@dataclass(frozen=True, eq=False)
-class TilePlan:
-    """Which key tiles each query tile visits, and with which offsets (tensors on one device).
-
-    The score transform is s·a + b with one a for the whole attention (`scale`, log2(e) folded in).
-    A *uniform* tile (every position kept, one b) adds its `shift`; a *partial* tile (some positions
-    dropped, or b varies) loads b per position from `offsets` (-inf where dropped). The kernel walks
-    a query tile's partial tiles, then its uniform ones, in two loops, so that the uniform tiles,
-    most of a block mask's, pay nothing per position beyond dense attention."""
-
-    tiles: AttentionTiles
-    scale: float             # a·log2(e)
-    start: torch.Tensor      # int32 [n_qtiles, 3]: where a query tile's partial tiles start, its uniform ones, the end
-    column: torch.Tensor     # int32 [n_tiles]: key-tile index, ascending within each kind of a query tile
-    slot: torch.Tensor       # int32 [n_tiles]: row of `offsets` (a partial tile), 0 (a uniform one)
-    shift: torch.Tensor      # fp32 [n_tiles]: b·log2(e) of a uniform tile
-    offsets: torch.Tensor    # fp32 [n_partial, BM, BN]: b·log2(e) per position, -inf where dropped
-    items: torch.Tensor      # int32 [n_items, 5]: query tile, first partial, first uniform, end, scratch part
-                             # (-1: the item is the whole query tile), longest first
-    merges: torch.Tensor     # int32 [n_split, 3]: a split query tile, its first scratch part, its part count
-    parts: int = 0           # scratch slots per batch entry: the items of split query tiles (host-side, so
-                             # that a launch reads nothing back from the device, as a CUDA-graph capture needs)
-    longest: int = 0         # the most key tiles one query tile visits
-
-    @property
-    def visited(self) -> int:
-        return int(self.column.numel())
-
-    @property
-    def partial(self) -> int:
-        return int(self.offsets.shape[0])
-
-    def to(self, device) -> "TilePlan":
-        moved = {f: getattr(self, f).to(device) for f in TENSOR_FIELDS}
-        return TilePlan(self.tiles, self.scale, **moved, parts=self.parts, longest=self.longest)
-
-    def __str__(self) -> str:
-        split = f", {self.merges.shape[0]} split into {self.parts} programs" if self.merges.numel() else ""
-        return (f"{self.tiles}: {self.visited} tiles visited over {self.start.shape[0]} query tiles "
-                f"({self.partial} partial{split})")
-
-
-TENSOR_FIELDS = ("start", "column", "slot", "shift", "offsets", "items", "merges")
-CHUNKS = (4, 8, 16, 32)  # runs the autotuner tries for a plan whose longest query tile is longer
-
-
-def chunk_options(plan: TilePlan) -> tuple[int, ...]:
-    """Splits worth timing: none, and each run length shorter than the plan's longest query tile. Measured
-    on an H100 (scripts/attention_split_probe.py): BigBird at S=4096 runs fastest with runs of 16-32 (its
-    global rows visit all 64 key tiles, the others about 7), FuseFlow's S=1024 with runs of 4-8 (192
-    programs otherwise leave SMs idle), a dense plan without a split."""
-    return (0, *(c for c in CHUNKS if c < plan.longest))
-
-
-def work_items(start: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(items, merges) of TilePlan: each query tile's tile list [first, end) cut into runs of at most
-    `chunk` tiles (as even as possible; chunk 0 cuts nothing), longest run first."""
-    rows, merges, part = [], [], 0
-    for qt, (first, uniform, end) in enumerate(start.tolist()):
-        n = end - first
-        pieces = max(1, -(-n // chunk)) if chunk else 1
-        if pieces == 1:
-            rows.append((qt, first, uniform, end, -1))
-            continue
-        merges.append((qt, part, pieces))
-        bounds = [first + n * i // pieces for i in range(pieces + 1)]
-        for i in range(pieces):
-            lo, hi = bounds[i], bounds[i + 1]
-            rows.append((qt, lo, min(max(uniform, lo), hi), hi, part + i))
-        part += pieces
-    rows.sort(key=lambda r: (r[1] - r[3], r[0]))  # longest first (a stable LPT order)
-    items = torch.tensor(rows, dtype=torch.int32).reshape(-1, 5)
-    return items, torch.tensor(merges, dtype=torch.int32).reshape(-1, 3)
-
-
-def tile_plan(scale: float, b: torch.Tensor, tiles: AttentionTiles) -> TilePlan:
-    """Cut the offset map b ([S_q, S_k] fp32, -inf where dropped) into tiles; a = `scale` everywhere."""
-    s_q, s_k = b.shape
-    bm, bn = tiles.bm, tiles.bn
-    n_q, n_k = -(-s_q // bm), -(-s_k // bn)
-    pb = torch.full((n_q * bm, n_k * bn), float("-inf"), dtype=torch.float32)
-    pb[:s_q, :s_k] = b
-    # rows past S_q are never stored: give them the last row's offsets so that they do not turn a
-    # uniform tile partial
-    pb[s_q:, :] = pb[s_q - 1]
-    tb = pb.view(n_q, bm, n_k, bn).permute(0, 2, 1, 3)  # [n_q, n_k, bm, bn]
-    dropped = torch.isneginf(tb).flatten(2)
-    visited = ~dropped.all(-1)
-    first = tb[..., :1, :1]
-    uniform = ~dropped.any(-1) & (tb == first).flatten(2).all(-1)
-    partial = visited & ~uniform
-    # per query tile: partial tiles, then uniform ones, columns ascending within each; unvisited last
-    order = torch.where(partial, 0, torch.where(uniform, 1, 2)) * n_k + torch.arange(n_k)
-    ki = order.argsort(-1)
-    qi = torch.arange(n_q)[:, None].expand(n_q, n_k)
-    take = visited.gather(-1, ki)
-    qi, ki = qi[take], ki[take]
-    is_partial = partial[qi, ki]
-    slot = torch.zeros(len(qi), dtype=torch.int32)
-    slot[is_partial] = torch.arange(int(is_partial.sum()), dtype=torch.int32)
-    counts = torch.stack([partial.sum(-1), uniform.sum(-1)], -1)
-    start = torch.zeros(n_q, 3, dtype=torch.int64)
-    start[:, 1:] = counts.cumsum(-1)
-    start += (visited.sum(-1).cumsum(0) - visited.sum(-1))[:, None]
-    shift = torch.where(is_partial, 0.0, first[qi, ki, 0, 0])
-    items, merges = work_items(start, tiles.chunk)
-    return TilePlan(tiles, scale * LOG2E, start.to(torch.int32).contiguous(), ki.to(torch.int32).contiguous(),
-                    slot, (shift * LOG2E).contiguous(), (tb[qi[is_partial], ki[is_partial]] * LOG2E).contiguous(),
-                    items, merges, int(merges[:, 2].sum()), int(visited.sum(-1).max()))
 
 
 @triton.jit

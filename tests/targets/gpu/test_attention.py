@@ -20,7 +20,8 @@ from stitchflow.program import capture_model
 from stitchflow.targets.gpu.attention import (CANDIDATES, SPILL_SPLIT_WITH_KEY_BIAS, SPILL_WITH_KEY_BIAS,
                                              AttentionStep, NotAttention, candidates, match_attention,
                                              score_coefficients)
-from stitchflow.targets.gpu.attention_kernel import LOG2E, AttentionTiles, Operand, launch, tile_plan, work_items
+from stitchflow.targets.gpu.attention_kernel import Operand, launch
+from stitchflow.targets.gpu.attention_plan import LOG2E, AttentionTiles, dense_block_map, tile_plan, work_items
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="interpreter tests on CPU tensors (forcing the interpreter here would switch "
@@ -239,7 +240,7 @@ def test_additive_bias_and_shared_keys():
     prog = stitchflow.compile(model, (q, k, v), target="gpu", fusion="full")
     (step,) = attention_steps(prog)
     a, b, c = step.coefficients
-    assert a == 0.125 and torch.allclose(b, model.bias) and c == 0.0
+    assert a == 0.125 and torch.allclose(b.dense(), model.bias) and c == 0.0
     assert rel_err(prog(q, k, v), model(q, k, v)) < 1e-5
 
 
@@ -365,3 +366,48 @@ def test_torch_compile_backend_folds_the_mask_and_follows_in_place_changes(caplo
             model.mask[:16, 32:48] = 1.0  # a block more, written in place
         assert rel_err(compiled(x), model(x)) < 1e-5
         assert "folding the mask again" in caplog.text
+
+
+# ---------------------------------------------------------------- the folded map by blocks
+
+def test_block_map_keeps_dropped_uniform_and_mixed_blocks():
+    g = torch.Generator().manual_seed(0)
+    b = torch.full((150, 70), float("-inf"))
+    b[:32, :32] = 1.5                                   # two uniform blocks... and more
+    b[40:60, 10:50] = torch.randn(20, 40, generator=g)  # mixed
+    b[100:150, :] = 0.0                                 # the last rows: uniform but for the padding past S_k
+    m = dense_block_map(b)
+    assert torch.equal(m.dense(), b) and m.kept == int((~torch.isneginf(b)).sum())
+    assert m.kind.shape == (128 * 2 // 16, 128 // 16)   # padded to MAX_TILE
+    assert int((m.kind == 1).sum()) >= 4 and m.mixed.shape[0] < m.kind.numel() // 4
+    # rows past S_q repeat the last row; columns past S_k are dropped
+    assert (m.kind[150 // 16 + 1:, :70 // 16] == 1).all() and (m.kind[:, 80 // 16:] == 0).all()
+
+
+def test_the_transform_folds_band_by_band(monkeypatch):
+    """Bands of 128 query rows (FOLD_POSITIONS made small): a causal BigBird mask, whose constants are read
+    at the band's rows plus its first row, folds to the same map and the same result as in one band."""
+    import stitchflow.targets.gpu.attention as attention
+
+    model = bigbird_attention(seq=300, block=20, causal=True)
+    x = torch.randn(1, 300, 3 * 48)
+    whole = stitchflow.compile(model, (x,), target="gpu", fusion="full")
+    monkeypatch.setattr(attention, "FOLD_POSITIONS", 128 * 300)
+    banded = stitchflow.compile(model, (x,), target="gpu", fusion="full")
+    (w,), (b,) = attention_steps(whole), attention_steps(banded)
+    assert torch.equal(w.coefficients[1].dense(), b.coefficients[1].dense())
+    keep = model.mask > 0
+    assert torch.equal(~torch.isneginf(b.coefficients[1].dense()), keep)
+    assert rel_err(banded(x), model.double()(x.double())) < 1e-6
+
+
+def test_too_many_varying_offsets_are_refused(monkeypatch):
+    import stitchflow.targets.gpu.attention as attention
+
+    monkeypatch.setattr(attention, "MAX_FOLDED_MIXED", 16 * 16 * 4)
+    model = ScaledBiasAttention(80, 2)  # an ALiBi-like bias varies within every block
+    q, k, v = torch.randn(1, 2, 80, 16), torch.randn(1, 80, 16), torch.randn(1, 80, 8)
+    captured = capture_model(model, (q, k, v))
+    (match,), _ = match_attention(captured.graph, captured.param_values)
+    with pytest.raises(NotAttention, match="vary within .* blocks"):
+        score_coefficients(captured.graph, match, captured.param_values)

@@ -12,7 +12,8 @@ import stitchflow
 from stitchflow.apps.bigbird import bigbird_block_mask
 from stitchflow.apps.gpt3 import GPT3, BlockSparseAttention, _mask_tensor
 from stitchflow.targets.gpu.attention import AttentionStep, candidates
-from stitchflow.targets.gpu.attention_kernel import Operand, launch, tile_plan
+from stitchflow.targets.gpu.attention_kernel import Operand, launch
+from stitchflow.targets.gpu.attention_plan import tile_plan
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
