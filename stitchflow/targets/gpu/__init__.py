@@ -29,7 +29,7 @@ import torch
 from ...ir.graph import Graph, Region
 from . import chain_cost, chain_plans, cluster_planes
 from .attention import AttentionStep, NotAttention, match_attention
-from .layout import output_copy
+from .layout import output_store
 from .emit import contiguous_strides
 from .chains import chain_shape, compile_chain, match_chains, match_gemm_epilogues
 from .grouping import TorchStep, fold_iotas, split_region
@@ -111,10 +111,16 @@ class GpuTarget:
         if reassociated:
             out += ["", "sparse products reassociated (the narrowing GEMM first):", *reassociated]
         found, refused = match_attention(graph, graph.params)
-        inside = [m for m in found if any(set(m.nodes) <= set(r.nodes) for r in regions)]
+        region_of = {m: next((r for r in regions if set(m.nodes) <= set(r.nodes)), None) for m in found}
+        inside = [m for m in found if region_of[m] is not None]
+
+        def merged(m) -> str:
+            store = output_store(graph, m.output, set(region_of[m].nodes))
+            return f"; its output {store}" if store else ""
+
         if found or refused:
             out += ["", "attention (one block-sparse kernel each; the mask is folded into tiles when compiled):",
-                    *(f"  {m}" for m in inside),
+                    *(f"  {m}{merged(m)}" for m in inside),
                     *(f"  {m}: not inside one region" for m in found if m not in inside),
                     *(f"  not attention: {why}" for why in refused)]
         clusters = _explain_cluster_planes(graph, regions)
@@ -181,7 +187,7 @@ def region_attention(graph: Graph, region: Region, params: dict, options: dict) 
         if not set(match.nodes) <= set(region.nodes):
             continue
         try:
-            store = output_copy(graph, match.output, set(region.nodes)) if options.get("attention_store", True) else None
+            store = output_store(graph, match.output, set(region.nodes)) if options.get("attention_store", True) else None
             steps.append(AttentionStep(graph, match, params, options, store))
         except NotAttention as why:
             refusals.append(f"{match.output}: {why}")

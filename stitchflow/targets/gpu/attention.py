@@ -30,6 +30,7 @@ from ...ir.index import Var, _linear, add, rename, substitute
 from ...ir.interpret import eval_node
 from ...ir.types import dense_type
 from .attention_kernel import MAX_BATCH_AXES, Operand, launch, scratch
+from .layout import Store
 from .attention_plan import (BLOCK, MAX_TILE, AttentionTiles, BlockMap, TilePlan, block_map, chunk_options,
                              tile_plan)
 from .runtime import interpreting, load_choice, save_choice
@@ -376,12 +377,13 @@ class AttentionStep:
     """One attention match as one kernel launch; tiles autotuned on the device at the first call."""
 
     def __init__(self, graph: Graph, match: AttentionMatch, params: dict, options: dict,
-                 store: tuple[str, tuple[int, ...]] | None = None):
-        """`store`: (y, strides) when the output's only reader is a copy y that reorders it (the heads
-        merged, layout.output_copy): the kernel then writes y through those strides and y's node never runs."""
+                 store: Store | None = None):
+        """`store` (layout.output_store): the output written through strides as a view of a contiguous
+        buffer, the result of the copy node that only reorders it (the heads merged; that node then never
+        runs) or a buffer laid out as the output's reader walks it."""
         self.graph, self.match, self.options = graph, match, dict(options or {})
         self.store = store
-        self.nodes = match.nodes + ((store[0],) if store else ())
+        self.nodes = match.nodes + ((store.into,) if store and store.into else ())
         node_of, type_of = graph.node_of, graph.type_of
         scores, out = node_of[match.scores], node_of[match.output]
         dtypes = [type_of[a.tensor].dtype for a in (match.q, match.k, match.v)]
@@ -469,13 +471,15 @@ class AttentionStep:
         return run
 
     def _outputs(self, device) -> dict[str, torch.Tensor]:
-        """The output node's tensor, and the copy's it is a view of when the kernel writes that directly."""
+        """The output node's tensor, a view of the copy's it is written into when there is one."""
         shape, dtype = self.out_type.shape, self.out_type.dtype
         if self.store is None:
             return {self.match.output: torch.empty(shape, dtype=dtype, device=device)}
-        name, strides = self.store
-        y = torch.empty(self.graph.type_of[name].shape, dtype=dtype, device=device)
-        return {self.match.output: y.as_strided(shape, strides), name: y}
+        buffer = torch.empty(self.store.shape, dtype=dtype, device=device)
+        out = {self.match.output: buffer.as_strided(shape, self.store.strides)}
+        if self.store.into:
+            out[self.store.into] = buffer
+        return out
 
     # -- tiles
 
@@ -539,7 +543,7 @@ class AttentionStep:
     def describe(self) -> str:
         plan = next((p for (tiles, _), p in self.plans.items() if tiles == self.chosen), None)
         tiles = str(plan) if plan is not None else str(self.chosen or "tiles chosen at the first call")
-        into = f", written into {self.store[0]} (strides {self.store[1]})" if self.store else ""
+        into = f", {self.store}" if self.store else ""
         return f"{self.match}: batch {self.batch}, {self.s_q}x{self.s_k}, d {self.d}/{self.dv}{into}; {tiles}"
 
     def __str__(self) -> str:

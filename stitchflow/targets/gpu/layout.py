@@ -1,16 +1,19 @@
-"""Copies that only move elements: a kernel may write its output straight into the copy's result.
+"""Where a kernel that takes an output with any strides (the attention kernel) should write it.
 
 A node `y[v...] = x[f(v...)]` whose indices f are digits of y's variables (v, v // c, v % m,
 (v // c) % m, a 0 where x has extent 1) is a bijection when the digits of every variable tile it
-exactly: then x is a strided view of a contiguous y, and the producer of x (a kernel that takes
-an output with any strides) can write y directly, so that the copy never runs. Merging attention
-heads, `o.transpose(1, 2).reshape(B, S, H * D)`, is such a node: `out[i, j, l] = o[0, l // 64, j,
-l % 64]`, and o is out seen with strides (S·H·D, 64, H·D, 1).
+exactly: then x is a strided view of a contiguous y, and the producer of x can write y directly,
+so that the copy never runs. Merging attention heads, `o.transpose(1, 2).reshape(B, S, H * D)`, is
+such a node: `out[i, j, l] = o[0, l // 64, j, l % 64]`, and o is out seen with strides
+(S·H·D, 64, H·D, 1). When the single reader is not a copy but reads x the same way (GPT-3's
+output projection, `sum_k o[k // 64, i, k % 64] · W[j, k]`), x is laid out as that reader walks
+it, so that the reader sees a contiguous [i, k] operand instead of copying a permuted one.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from ...ir.expr import Read
 from ...ir.graph import Graph, Node
@@ -64,15 +67,46 @@ def copy_strides(node: Node, x_shape: tuple[int, ...]) -> tuple[int, ...] | None
     return tuple(strides)
 
 
-def output_copy(graph: Graph, output: str, inside: set) -> tuple[str, tuple[int, ...]] | None:
-    """(y, strides of `output` inside y) when `output`'s only reader is a copy node in `inside` that
-    reorders it (copy_strides) in the same dtype and `output` is not a result of the program."""
+@dataclass(frozen=True)
+class Store:
+    """x written as a view of a contiguous buffer of `shape`: the copy node `into` (which then never runs),
+    or a buffer of x's own (into None) laid out as x's reader walks it."""
+
+    into: str | None
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+
+    def __str__(self) -> str:
+        where = f"into {self.into}" if self.into else f"as its reader walks it, {list(self.shape)}"
+        return f"written {where} (strides {self.strides})"
+
+
+def output_store(graph: Graph, output: str, inside: set) -> Store | None:
+    """How `output` is best stored for its only reader (a node in `inside`; `output` not a result of the
+    program): into that reader when it is a copy that reorders it (copy_strides) in the same dtype, else
+    laid out as the reader's access walks it when that access is such a reordering and not already the
+    plain row-major one. None: store it contiguous."""
     readers = graph.consumers.get(output, ())
     if len(readers) != 1 or readers[0] not in inside or output in graph.outputs:
         return None
     node = graph.node_of[readers[0]]
     x_type, y_type = graph.type_of[output], graph.type_of[node.name]
-    if x_type.dtype != y_type.dtype or not y_type.format.is_dense:
+    x_shape = tuple(x_type.shape)
+    if x_type.dtype == y_type.dtype and y_type.format.is_dense:
+        strides = copy_strides(node, x_shape)
+        if strides is not None:
+            return Store(node.name, tuple(y_type.shape), strides)
+    accesses = {a for a in node.accesses if a.tensor == output}
+    if len(accesses) != 1:
         return None
-    strides = copy_strides(node, tuple(x_type.shape))
-    return None if strides is None else (node.name, strides)
+    (access,) = accesses
+    order = [v for v, _ in node.dims if v in access.vars]  # the reader's loop order over x
+    walk = Node("__walk", tuple(Var(v) for v in order), Read(access), tuple((v, node.extents[v]) for v in order))
+    strides = copy_strides(walk, x_shape)
+    if strides is None or strides == _row_major(x_shape):
+        return None
+    return Store(None, tuple(node.extents[v] for v in order), strides)
+
+
+def _row_major(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(math.prod(shape[k + 1:]) if shape[k] > 1 else 0 for k in range(len(shape)))

@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 
 import stitchflow
 from stitchflow.apps.bigbird import bigbird_block_mask
-from stitchflow.apps.gpt3 import GPT3, BlockSparseAttention, _mask_tensor
+from stitchflow.apps.gpt3 import GPT3, BlockSparseAttention, GPT3Decoder, _mask_tensor
 from stitchflow.program import capture_model
 from stitchflow.targets.gpu.attention import (CANDIDATES, SPILL_SPLIT_WITH_KEY_BIAS, SPILL_WITH_KEY_BIAS,
                                              AttentionStep, NotAttention, candidates, match_attention,
@@ -186,6 +186,19 @@ def test_bigbird_attention_compiles_to_one_attention_step(dtype, causal):
     assert "tiles visited" in step.describe() and str(step.chosen) in step.describe()
 
 
+def test_the_output_laid_out_as_the_output_projection_reads_it():
+    """GPT-3's decoder reads the attention output straight into its output projection, sum_k o[k // 64, i,
+    k % 64]·W[j, k]: no copy to write into, so the kernel lays o out as [i, k] row-major, the GEMM's operand
+    a contiguous view; the decoder equals eager."""
+    model = GPT3Decoder(width=48, heads=2, ffn=96, seq=64, block=16)
+    x = torch.randn(64, 48)
+    prog = stitchflow.compile(model, (x,), target="gpu", fusion="auto")
+    (step,) = attention_steps(prog)
+    assert step.store.into is None and step.store.shape == (64, 48) and step.store.strides == (24, 48, 1)
+    assert "as its reader walks it" in step.describe()
+    assert rel_err(prog(x), copy.deepcopy(model).double()(x.double())) < 1e-6
+
+
 def test_split_tiles_through_the_program_and_the_autotuners_candidates():
     """Tiles pinned with a split (options["attention_tiles"], five numbers) run the app's BigBird attention
     as split runs and a merge; the autotuner times every tile shape unsplit and split into runs shorter than
@@ -212,7 +225,7 @@ def test_the_kernel_writes_the_merged_heads_and_the_copy_never_runs():
     merged = stitchflow.compile(model, (x,), target="gpu", fusion="full")
     plain = stitchflow.compile(model, (x,), target="gpu", fusion="full", options={"attention_store": False})
     (step,) = attention_steps(merged)
-    assert step.store is not None and step.store[0] in step.nodes and "written into" in step.describe()
+    assert step.store.into in step.nodes and step.store.shape == (2, 80, 48) and "written into" in step.describe()
     assert len(merged.compiled[0].steps) == 1 < len(plain.compiled[0].steps)
     assert attention_steps(plain)[0].store is None
     y = merged(x)
