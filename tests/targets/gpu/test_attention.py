@@ -424,3 +424,23 @@ def test_too_many_varying_offsets_are_refused(monkeypatch):
     (match,), _ = match_attention(captured.graph, captured.param_values)
     with pytest.raises(NotAttention, match="vary within .* blocks"):
         score_coefficients(captured.graph, match, captured.param_values)
+
+
+class AttentionThenProjection(torch.nn.Module):
+    """The attention output read in its own row-major order by a projection: nothing to lay out."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(24, 10))
+
+    def forward(self, q, k, v):
+        return (torch.softmax(q @ k.transpose(-1, -2) * 0.125, -1) @ v) @ self.w
+
+
+def test_an_output_read_row_major_is_stored_contiguous():
+    q, k, v = (torch.randn(2, 3, 40, 24) for _ in range(3))
+    model = AttentionThenProjection()
+    prog = stitchflow.compile(model, (q, k, v), target="gpu", fusion="full")
+    (step,) = attention_steps(prog)
+    assert step.store is None
+    assert rel_err(prog(q, k, v), model.double()(q.double(), k.double(), v.double())) < 1e-6

@@ -1,7 +1,10 @@
 """Copies that only reorder elements, seen as strided views of their result (targets/gpu/layout.py):
 the strides against torch's own view of the same reordering, and the copies that are not views."""
 
+import math
+
 import torch
+from hypothesis import given, settings, strategies as st
 
 from stitchflow.ir.expr import Access, Read
 from stitchflow.ir.graph import Node
@@ -48,3 +51,44 @@ def test_copies_that_are_not_views():
     assert copy_strides(copy_node("ab", [Div(Var("b"), 2), Mod(Var("b"), 4), Var("a")], [("a", 4), ("b", 8)]),
                         (4, 4, 4)) is None  # overlapping digits
 
+
+
+def _digits_node(shape, perm, groups):
+    """The IR copy y = x.permute(perm).reshape(merged groups of consecutive permuted dims), reading x through
+    the digits of y's variables, as the frontend writes a reshape: (v // inner) % extent, the top digit without
+    the modulus, the lowest without the division."""
+    reads, dims, k = [None] * len(shape), [], 0
+    for g, size in enumerate(groups):
+        members = perm[k:k + size]
+        k += size
+        extent = 1
+        for d in members:
+            extent *= shape[d]
+        dims.append((f"v{g}", extent))
+        inner = extent
+        for pos, d in enumerate(members):
+            inner //= shape[d]
+            index = Var(f"v{g}") if inner == 1 else Div(Var(f"v{g}"), inner)
+            if pos > 0:
+                index = Mod(index, shape[d])
+            reads[d] = index
+    return copy_node([v for v, _ in dims], reads, dims), tuple(e for _, e in dims)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 5), min_size=1, max_size=4), st.randoms(use_true_random=False))
+def test_any_permute_and_reshape_is_a_view(shape, rnd):
+    """Hypothesis: every x.permute(p).reshape(merging consecutive dims) comes back as strides under which the
+    contiguous result, seen as x, is x (extent-1 dims included)."""
+    perm = list(range(len(shape)))
+    rnd.shuffle(perm)
+    groups, left = [], len(shape)
+    while left:
+        groups.append(rnd.randint(1, left))
+        left -= groups[-1]
+    node, y_shape = _digits_node(shape, perm, groups)
+    x = torch.arange(math.prod(shape)).view(shape)
+    y = x.permute(perm).reshape(y_shape).contiguous()
+    strides = copy_strides(node, tuple(shape))
+    assert strides is not None
+    assert torch.equal(y.as_strided(tuple(shape), strides), x)
