@@ -29,7 +29,7 @@ import torch
 from ...ir.graph import Graph, Region
 from . import chain_cost, chain_plans, cluster_planes
 from .attention import AttentionStep, NotAttention, match_attention
-from .layout import output_store
+from .layout import output_store, read_walked
 from .emit import contiguous_strides
 from .chains import chain_shape, compile_chain, match_chains, match_gemm_epilogues
 from .grouping import TorchStep, fold_iotas, split_region
@@ -58,6 +58,7 @@ class GpuTarget:
                 log.info("%s: %s", region.name, r)
             graph = reassociate(graph, found)
         attention = region_attention(graph, region, params, options) if options.get("attention", True) else []
+        graph = read_walked(graph, {a.match.output: a.store for a in attention if a.store})
         taken = {n for a in attention for n in a.nodes}
         chains = region_chains(graph, region, taken) if options.get("chains", True) else []
         fused_at = {c[-1]: (lambda c=c: compile_chain(graph, c, options)) for c in chains}

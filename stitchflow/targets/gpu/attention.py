@@ -471,15 +471,14 @@ class AttentionStep:
         return run
 
     def _outputs(self, device) -> dict[str, torch.Tensor]:
-        """The output node's tensor, a view of the copy's it is written into when there is one."""
+        """The output node's tensor, and the buffer it is a view of when stored through strides (the copy's
+        result, or `{output}_walked`, which the graph's reader reads instead, layout.read_walked)."""
         shape, dtype = self.out_type.shape, self.out_type.dtype
         if self.store is None:
             return {self.match.output: torch.empty(shape, dtype=dtype, device=device)}
         buffer = torch.empty(self.store.shape, dtype=dtype, device=device)
-        out = {self.match.output: buffer.as_strided(shape, self.store.strides)}
-        if self.store.into:
-            out[self.store.into] = buffer
-        return out
+        return {self.match.output: buffer.as_strided(shape, self.store.strides),
+                self.store.buffer_name(self.match.output): buffer}
 
     # -- tiles
 

@@ -13,11 +13,12 @@ it, so that the reader sees a contiguous [i, k] operand instead of copying a per
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from ...ir.expr import Read
+from ...ir.expr import Access, Read, map_reads
 from ...ir.graph import Graph, Node
-from ...ir.index import Div, Lit, Mod, Var
+from ...ir.index import Div, Mod, Var
+from ...ir.types import dense_type
 
 
 def _digit(index) -> tuple[str, int, bool] | None:
@@ -47,7 +48,7 @@ def copy_strides(node: Node, x_shape: tuple[int, ...]) -> tuple[int, ...] | None
     y_stride = {v: math.prod(extents[w] for w in y_vars[k + 1:]) for k, v in enumerate(y_vars)}
     places: dict[str, list[tuple[int, int, int, bool]]] = {}  # var -> (weight, size, x dim, bounded)
     for dim, (index, size) in enumerate(zip(access.indices, x_shape)):
-        if isinstance(index, Lit) and index.value == 0 and size == 1:
+        if size == 1:  # an index into an extent of 1 (in range, as every read is) is 0, whatever its form
             continue
         digit = _digit(index)
         if digit is None or digit[0] not in y_stride:
@@ -75,10 +76,15 @@ class Store:
     into: str | None
     shape: tuple[int, ...]
     strides: tuple[int, ...]
+    reader: str | None = None    # (into None) the node that reads x, and its loop variables over x in order
+    walk: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         where = f"into {self.into}" if self.into else f"as its reader walks it, {list(self.shape)}"
         return f"written {where} (strides {self.strides})"
+
+    def buffer_name(self, output: str) -> str:
+        return self.into or f"{output}_walked"
 
 
 def output_store(graph: Graph, output: str, inside: set) -> Store | None:
@@ -105,7 +111,26 @@ def output_store(graph: Graph, output: str, inside: set) -> Store | None:
     strides = copy_strides(walk, x_shape)
     if strides is None or strides == _row_major(x_shape):
         return None
-    return Store(None, tuple(node.extents[v] for v in order), strides)
+    return Store(None, tuple(node.extents[v] for v in order), strides, node.name, tuple(order))
+
+
+def read_walked(graph: Graph, stores: dict[str, Store]) -> Graph:
+    """The graph with each reader of a walked output (Store.into None) reading the contiguous buffer at its
+    plain loop variables, `{x}_walked[i, k]`, instead of x through digits: to the GEMM matcher and the
+    stitched kernels an output projection is then a plain GEMM (its bias and residual fused after it)."""
+    walked = {x: st for x, st in stores.items() if st.into is None}
+    if not walked:
+        return graph
+    by_reader = {st.reader: (x, st) for x, st in walked.items()}
+    nodes = []
+    for node in graph.nodes:
+        if node.name in by_reader:
+            x, st = by_reader[node.name]
+            plain = Read(Access(st.buffer_name(x), tuple(Var(v) for v in st.walk)))
+            node = replace(node, body=map_reads(node.body, lambda a, x=x, plain=plain: plain if a.tensor == x else Read(a)))
+        nodes.append(node)
+    types = tuple((st.buffer_name(x), dense_type(st.shape, graph.type_of[x].dtype)) for x, st in walked.items())
+    return replace(graph, nodes=tuple(nodes), types=graph.types + types)
 
 
 def _row_major(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -444,3 +444,22 @@ def test_an_output_read_row_major_is_stored_contiguous():
     (step,) = attention_steps(prog)
     assert step.store is None
     assert rel_err(prog(q, k, v), model.double()(q.double(), k.double(), v.double())) < 1e-6
+
+
+def test_the_projection_of_a_walked_output_is_a_plain_gemm_with_its_epilogue():
+    """Two GPT-3 decoders: the second's output projection shares a region with its bias and residual add;
+    reading the walked buffer at [i, k], it is matched as one GEMM with that epilogue (a chain step), not a
+    contraction through torch followed by a stitched add."""
+    from stitchflow.targets.gpu.chains import match_gemm_epilogues
+    from stitchflow.targets.gpu.layout import read_walked
+
+    model = GPT3(num_layers=2, width=48, heads=2, ffn=96, seq=64, block=16)
+    x = torch.randn(64, 48)
+    prog = stitchflow.compile(model, (x,), target="gpu", fusion="auto")
+    steps = attention_steps(prog)
+    stores = {s.match.output: s.store for s in steps if s.store is not None and s.store.into is None}
+    assert stores
+    graph = read_walked(prog.graph, stores)
+    readers = {st.reader for st in stores.values()}
+    assert any(chain[0] in readers for chain in match_gemm_epilogues(graph))
+    assert rel_err(prog(x), copy.deepcopy(model).double()(x.double())) < 1e-6
