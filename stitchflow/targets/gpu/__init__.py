@@ -58,7 +58,8 @@ class GpuTarget:
                 log.info("%s: %s", region.name, r)
             graph = reassociate(graph, found)
         attention = region_attention(graph, region, params, options) if options.get("attention", True) else []
-        graph = read_walked(graph, {a.match.output: a.store for a in attention if a.store})
+        if options.get("walked_reads", True):
+            graph = read_walked(graph, {a.match.output: a.store for a in attention if a.store})
         taken = {n for a in attention for n in a.nodes}
         chains = region_chains(graph, region, taken) if options.get("chains", True) else []
         fused_at = {c[-1]: (lambda c=c: compile_chain(graph, c, options)) for c in chains}
