@@ -71,7 +71,9 @@ def test_riding_variance_equals_eager(rows, cols, chunk, offset, bf16):
     prog = stitchflow.compile(module, (x, w, b), target="gpu", fusion="full",
                               options={"block_l": chunk, "prefetch": bool(rows % 2), "cuda_graphs": False})
     out, ref = prog(x, w, b), module(x.double(), w.double(), b.double())  # eager in float64: see below
-    assert relative_error(out, ref) <= tolerance(dtype)
+    # float32 arithmetic on values near `offset` rounds at offset·2^-24: centred outputs of unit spread carry
+    # that much error whatever the algorithm (hypothesis found 1.13e-4 at offset 1000, one row of 568)
+    assert relative_error(out, ref) <= tolerance(dtype) + 4 * offset * torch.finfo(torch.float32).eps
 
 
 @needs_device

@@ -222,7 +222,9 @@ def test_gelu_tanh_and_powers_match():
 
 @pytest.mark.parametrize("app", ["bert", "llama"])
 def test_transformer_blocks_equal_eager(app):
-    """GEMMs run through torch, everything between them as generated kernels."""
+    """Everything between the GEMMs as generated kernels; the GEMMs as chain steps (with their epilogues) or
+    through torch. BERT's output projection reads the attention output laid out for it, so no GEMM of that
+    block is left to torch."""
     from stitchflow.apps import APPS
 
     model, inputs = APPS[app].build(size="small")
@@ -231,7 +233,8 @@ def test_transformer_blocks_equal_eager(app):
         out, ref = prog(*inputs), model(*inputs)
     out, ref = as_tuple(out)[0], as_tuple(ref)[0]
     assert relative_error(out, ref) <= 1e-5
-    assert _kernels(prog) and _torch_steps(prog)
+    chains = [c for run in prog._compiled for c in run.chains]
+    assert _kernels(prog) and chains and (_torch_steps(prog) or app == "bert")
 
 
 @pytest.mark.parametrize("app", ["gcn", "graphsage"])
