@@ -30,9 +30,9 @@ from ...ir.index import Var, _linear, add, rename, substitute
 from ...ir.interpret import eval_node
 from ...ir.types import dense_type
 from .attention_kernel import MAX_BATCH_AXES, Operand, launch, scratch
-from .layout import Store
 from .attention_plan import (BLOCK, MAX_TILE, AttentionTiles, BlockMap, TilePlan, block_map, chunk_options,
                              tile_plan)
+from .layout import Store
 from .runtime import interpreting, load_choice, save_choice
 
 log = logging.getLogger("stitchflow.gpu.attention")

@@ -10,9 +10,9 @@ granularity.
 Each program owns one *work item* of one batch entry: a query tile's key tiles, or a run of at
 most `chunk` of them, walked with the online softmax (running max and sum, in base 2: log2(e) is
 folded into a and b). A query tile split into several items (a BigBird global row visits every key
-tile, the others a handful) leaves each item's unnormalised sum and its running max and sum in a
-scratch buffer, and `_merge_kernel` combines them, as flash-decoding does; without the split such a
-row is the launch's critical path. Items are launched longest first, every batch entry's before the
+tile, the others a handful) leaves each item's own normalised output and its running max and sum in
+a scratch buffer, and `_merge_kernel` combines them, as flash-decoding does; without the split such
+a row is the launch's critical path. Items are launched longest first, every batch entry's before the
 next item's, so that the long ones do not start last. A row that keeps no position ends as
 0/0 = NaN, as eager's softmax over a row of -inf does.
 """
