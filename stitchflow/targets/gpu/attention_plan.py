@@ -158,25 +158,24 @@ def _padded_extent(n: int) -> int:
 
 
 def block_map(bands: Iterable[tuple[int, torch.Tensor]], s_q: int, s_k: int) -> BlockMap:
-    """A BlockMap from bands of b's rows, (first row, [rows, S_k] float), the first rows of every band
-    a multiple of MAX_TILE, in order, covering [0, S_q)."""
-    kinds, values, slots, mixed, kept, n_mixed = [], [], [], [], 0, 0
+    """A BlockMap from bands of b's rows, (first row, [rows, S_k] float), in order, covering [0, S_q); every
+    band but the last a multiple of BLOCK rows long."""
+    parts, kept, covered, last = [], 0, 0, None  # parts: (kind, value, slot, mixed) per band
     cols = _padded_extent(s_k)
-    last = None
     for r0, band in bands:
+        if r0 != covered or covered % BLOCK:
+            raise ValueError(f"a band starts at row {r0} after {covered} rows: bands must be in order, each but "
+                             f"the last a multiple of {BLOCK} rows")
         band = band.float()
         kept += int((~torch.isneginf(band)).sum())
-        last = band[-1]
-        kind, value, slot, store = _classify(_pad(band, cols), n_mixed)
-        kinds.append(kind), values.append(value), slots.append(slot), mixed.append(store)
-        n_mixed += store.shape[0]
-    rows = sum(k.shape[0] for k in kinds) * BLOCK
-    if rows < _padded_extent(s_q):  # whole bands of the last row, if the bands stopped at S_q
-        band = last.expand(_padded_extent(s_q) - rows, -1)
-        kind, value, slot, store = _classify(_pad(band, cols), n_mixed)
-        kinds.append(kind), values.append(value), slots.append(slot), mixed.append(store)
-    return BlockMap(s_q, s_k, torch.cat(kinds), torch.cat(values), torch.cat(slots),
-                    torch.cat(mixed) if mixed else torch.zeros(0, BLOCK, BLOCK), kept)
+        covered, last = r0 + band.shape[0], band[-1]
+        parts.append(_classify(_pad(band, cols), sum(p[3].shape[0] for p in parts)))
+    rows = -(-covered // BLOCK) * BLOCK
+    if rows < _padded_extent(s_q):  # whole blocks of the last row up to the padded extent
+        parts.append(_classify(_pad(last.expand(_padded_extent(s_q) - rows, -1), cols),
+                               sum(p[3].shape[0] for p in parts)))
+    kind, value, slot, mixed = (torch.cat(t) for t in zip(*parts))
+    return BlockMap(s_q, s_k, kind, value, slot, mixed, kept)
 
 
 def dense_block_map(b: torch.Tensor) -> BlockMap:
