@@ -189,7 +189,8 @@ def region_attention(graph: Graph, region: Region, params: dict, options: dict) 
         if not set(match.nodes) <= set(region.nodes):
             continue
         try:
-            store = output_store(graph, match.output, set(region.nodes)) if options.get("attention_store", True) else None
+            wanted = options.get("attention_store", True)
+            store = output_store(graph, match.output, set(region.nodes)) if wanted else None
             steps.append(AttentionStep(graph, match, params, options, store))
         except NotAttention as why:
             refusals.append(f"{match.output}: {why}")

@@ -127,7 +127,8 @@ def read_walked(graph: Graph, stores: dict[str, Store]) -> Graph:
         if node.name in by_reader:
             x, st = by_reader[node.name]
             plain = Read(Access(st.buffer_name(x), tuple(Var(v) for v in st.walk)))
-            node = replace(node, body=map_reads(node.body, lambda a, x=x, plain=plain: plain if a.tensor == x else Read(a)))
+            body = map_reads(node.body, lambda a, x=x, plain=plain: plain if a.tensor == x else Read(a))
+            node = replace(node, body=body)
         nodes.append(node)
     types = tuple((st.buffer_name(x), dense_type(st.shape, graph.type_of[x].dtype)) for x, st in walked.items())
     return replace(graph, nodes=tuple(nodes), types=graph.types + types)
