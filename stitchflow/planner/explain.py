@@ -137,5 +137,6 @@ def explain_program(prog) -> str:
     text = explain_regions(prog.graph, prog.regions, prog.fusion, prog.target_name, values)
     target_lines = getattr(prog.target, "explain", None)  # what the target itself decides (gpu: chain plans)
     if target_lines is not None:
-        text = "\n".join([text] + target_lines(prog.graph, prog.regions, prog.options))
+        params = getattr(prog.captured, "param_values", None)
+        text = "\n".join([text] + target_lines(prog.graph, prog.regions, prog.options, params=params))
     return text

@@ -28,7 +28,8 @@ import torch
 
 from ...ir.graph import Graph, Region
 from . import chain_cost, chain_plans, cluster_planes
-from .attention import AttentionStep, NotAttention, match_attention
+from .attention import DEFAULT_TILES, AttentionStep, NotAttention, match_attention, score_coefficients
+from .attention_plan import tile_plan
 from .layout import output_store, read_walked
 from .emit import contiguous_strides
 from .chains import chain_shape, compile_chain, match_chains, match_gemm_epilogues
@@ -87,9 +88,10 @@ class GpuTarget:
         run.attention = attention
         return run
 
-    def explain(self, graph: Graph, regions, options: dict | None = None) -> list[str]:
+    def explain(self, graph: Graph, regions, options: dict | None = None, params: dict | None = None) -> list[str]:
         """Each GEMM → act → GEMM chain inside a region: its shape and the cost model's ranking of
         the plans on a GPU profile (options["gpu_profile"], else this machine's GPU, else an H100);
+        each attention, its output's store and (given the parameters' values) its folded mask's tiles;
         each part with plane statistics: the thread-block cluster plans it may take, or why none."""
         options = options or {}
         name = options.get("gpu_profile") or (torch.cuda.get_device_name() if torch.cuda.is_available() else None)
@@ -122,7 +124,7 @@ class GpuTarget:
 
         if found or refused:
             out += ["", "attention (one block-sparse kernel each; the mask is folded into tiles when compiled):",
-                    *(f"  {m}{merged(m)}" for m in inside),
+                    *(line for m in inside for line in (f"  {m}{merged(m)}", *_explain_tiles(graph, m, params))),
                     *(f"  {m}: not inside one region" for m in found if m not in inside),
                     *(f"  not attention: {why}" for why in refused)]
         clusters = _explain_cluster_planes(graph, regions)
@@ -147,6 +149,23 @@ class GpuTarget:
             else:
                 steps.append(TorchStep(graph, nodes[0], extra))
         return steps
+
+
+def _explain_tiles(graph: Graph, match, params: dict | None) -> list[str]:
+    """The folded mask at the default tile shape: the positions kept, the tiles visited, the longest query
+    tile (what a split into runs would cut); or why the transform does not fold."""
+    if params is None:
+        return []
+    try:
+        a, folded, _ = score_coefficients(graph, match, params)
+    except NotAttention as why:
+        return [f"    not folded: {why}"]
+    plan = tile_plan(a, folded, DEFAULT_TILES)
+    n_q, n_k = plan.start.shape[0], -(-folded.s_k // DEFAULT_TILES.bn)
+    kept = folded.kept / (folded.s_q * folded.s_k)
+    return [f"    mask folded: {kept:.1%} of {folded.s_q}x{folded.s_k} positions kept; at {DEFAULT_TILES.bm}x"
+            f"{DEFAULT_TILES.bn} tiles {plan.visited} of {n_q * n_k} visited ({plan.partial} partial), the longest "
+            f"query tile visits {plan.longest}"]
 
 
 def _explain_cluster_planes(graph: Graph, regions) -> list[str]:

@@ -463,3 +463,12 @@ def test_the_projection_of_a_walked_output_is_a_plain_gemm_with_its_epilogue():
     readers = {st.reader for st in stores.values()}
     assert any(chain[0] in readers for chain in match_gemm_epilogues(graph))
     assert rel_err(prog(x), copy.deepcopy(model).double()(x.double())) < 1e-6
+
+
+def test_explain_reports_the_folded_mask_and_the_store():
+    model = GPT3Decoder(width=48, heads=2, ffn=96, seq=64, block=16)
+    x = torch.randn(64, 48)
+    text = stitchflow.compile(model, (x,), target="gpu", fusion="auto").explain()
+    kept = float((model.attn.mask != 0).float().mean())
+    assert "written as its reader walks it, [64, 48]" in text
+    assert f"mask folded: {kept:.1%} of 64x64 positions kept; at 64x64 tiles 1 of 1 visited" in text
