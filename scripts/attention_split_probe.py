@@ -31,7 +31,7 @@ def in_query_order(plan):
     return dataclasses.replace(plan, items=plan.items[order.to(plan.items.device)].contiguous())
 
 
-def run_case(case: str, chunks: list[int]) -> None:
+def run_case(case: str, chunks: list[int], tiles_list=TILES, narrow: bool = False) -> None:
     B, H, S, block = parse_case(case)
     D = 64
     g = torch.Generator("cuda").manual_seed(0)
@@ -48,18 +48,19 @@ def run_case(case: str, chunks: list[int]) -> None:
         fn = lambda: launch(*ops, target, (B, H), plan, S, S, D, D, "ieee", parts=parts)  # noqa: E731
         return graph_bench(fn)[0] * 1e6
 
-    for tiles in TILES:
-        base = tile_plan(scale, b, tiles).to("cuda")
-        line = [f"{case} {tiles}: {base.visited} tiles over {base.start.shape[0]} query tiles, "
-                f"longest {int((base.start[:, 2] - base.start[:, 0]).max())}"]
+    for tiles in tiles_list:
+        base = tile_plan(scale, b, tiles, narrow).to("cuda")
+        offsets = " bf16 offsets" if narrow else ""
+        line = [f"{case} {tiles}{offsets}: {base.visited} tiles over {base.start.shape[0]} query tiles, "
+                f"longest {base.longest}"]
         line.append(f"query order {timed(in_query_order(base)):.1f}")
         ref = out.clone()
         for chunk in chunks:
-            plan = tile_plan(scale, b, tiles.chunked(chunk)).to("cuda")
+            plan = tile_plan(scale, b, tiles.chunked(chunk), narrow).to("cuda")
             t = timed(plan)
             err = (out.float() - ref.float()).abs().max().item()
             line.append(f"c{chunk} {t:.1f} ({plan.parts} parts, err {err:.1e})")
-        plan = tile_plan(scale, b, tiles).to("cuda")
+        plan = tile_plan(scale, b, tiles, narrow).to("cuda")
         copy = graph_bench(lambda: merged.copy_(out.transpose(1, 2).flatten(-2)))[0] * 1e6
         line.append(f"merged-heads store c0 {timed(plan, merged_view):.1f} (the copy alone {copy:.1f})")
         print("; ".join(line), flush=True)
@@ -69,10 +70,14 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", default="b2h16s4096b64,b1h12s1024b16,b1h12s1024b32,b1h12s1024b64")
     parser.add_argument("--chunks", default="0,2,4,8,16")
+    parser.add_argument("--tiles", default="", help="tile shapes instead of TILES, bm:bn:warps:stages,...")
+    parser.add_argument("--narrow", default="0", help="partial tiles' offsets in bf16 where exact: 0, 1 or 0,1")
     args = parser.parse_args()
     chunks = [int(c) for c in args.chunks.split(",")]
-    for case in args.cases.split(","):
-        run_case(case, chunks)
+    tiles = [AttentionTiles(*map(int, t.split(":"))) for t in args.tiles.split(",") if t] or TILES
+    for narrow in (bool(int(n)) for n in args.narrow.split(",")):
+        for case in args.cases.split(","):
+            run_case(case, chunks, tiles, narrow)
 
 
 if __name__ == "__main__":

@@ -365,6 +365,7 @@ CANDIDATES = {
 
 SPILL_WITH_KEY_BIAS = {(128, 128, 8, 2), (64, 128, 4, 2)}  # 8-16 bytes each at head dim 64
 SPILL_SPLIT_WITH_KEY_BIAS = {(128, 64, 8, 3), (128, 64, 8, 2)}  # split runs, head dim 128: 32 bytes each
+FP32_OFFSETS_ONLY = {(128, 128, 8, 2)}  # bf16 offsets spill 1.8 KB there (the other shapes 0-930 bytes)
 
 
 def candidates(dtype: torch.dtype, head_dim: int, key_bias: bool = False) -> tuple[AttentionTiles, ...]:
@@ -400,6 +401,7 @@ class AttentionStep:
         if max(self.d, self.dv) > MAX_FEATURES:
             raise NotAttention(f"head dims {self.d}, {self.dv} exceed {MAX_FEATURES}")
         self.out_type = type_of[match.output]
+        self.q_dtype = dtypes[0]
         self.params = params
         self.sources = transform_sources(graph, match, params)
         self.versions = self._versions()
@@ -443,7 +445,9 @@ class AttentionStep:
     def _plan(self, tiles: AttentionTiles, device) -> TilePlan:
         key = (tiles, str(device))
         if key not in self.plans:
-            self.plans[key] = tile_plan(*self.coefficients[:2], tiles).to(device)
+            narrow = (self.q_dtype != torch.float32 and max(self.d, self.dv) <= 64
+                      and astuple(tiles)[:4] not in FP32_OFFSETS_ONLY)  # bf16 offsets where they spill little
+            self.plans[key] = tile_plan(*self.coefficients[:2], tiles, narrow).to(device)
         return self.plans[key]
 
     def _precision(self, dtype) -> str:

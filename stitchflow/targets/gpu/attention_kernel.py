@@ -263,7 +263,7 @@ def launch(q: Operand, k: Operand, v: Operand, out: torch.Tensor, batch: tuple[i
 
 
 def compile_for_sm90(dtype: str, tiles: AttentionTiles, head_dim: int = 64, key_bias: bool = False,
-                     split: bool = False) -> dict:
+                     split: bool = False, offsets: str = "fp32") -> dict:
     """Compile the kernel for sm_90 with Triton's ptxas, no GPU needed (what CI can check of the
     configs the autotuner may pick): registers, spilled bytes, shared memory per program."""
     from triton.backends.compiler import GPUTarget
@@ -272,7 +272,7 @@ def compile_for_sm90(dtype: str, tiles: AttentionTiles, head_dim: int = 64, key_
     from .chain_wgmma import cubin_resources
 
     tensors = {"q_ptr": "*" + dtype, "k_ptr": "*" + dtype, "v_ptr": "*" + dtype, "o_ptr": "*" + dtype,
-               "kb_ptr": "*fp32", "offsets_ptr": "*fp32", "shift_ptr": "*fp32", "scale": "fp32", "kscale": "fp32",
+               "kb_ptr": "*fp32", "offsets_ptr": "*" + offsets, "shift_ptr": "*fp32", "scale": "fp32", "kscale": "fp32",
                "items_ptr": "*i32", "column_ptr": "*i32", "slot_ptr": "*i32", "part_o_ptr": "*" + dtype,
                "part_ml_ptr": "*fp32"}
     bd = max(16, triton.next_power_of_2(head_dim))

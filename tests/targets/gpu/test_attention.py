@@ -17,9 +17,9 @@ import stitchflow
 from stitchflow.apps.bigbird import bigbird_block_mask
 from stitchflow.apps.gpt3 import GPT3, BlockSparseAttention, GPT3Decoder, _mask_tensor
 from stitchflow.program import capture_model
-from stitchflow.targets.gpu.attention import (CANDIDATES, SPILL_SPLIT_WITH_KEY_BIAS, SPILL_WITH_KEY_BIAS,
-                                             AttentionStep, NotAttention, candidates, match_attention,
-                                             score_coefficients)
+from stitchflow.targets.gpu.attention import (CANDIDATES, FP32_OFFSETS_ONLY, SPILL_SPLIT_WITH_KEY_BIAS,
+                                             SPILL_WITH_KEY_BIAS, AttentionStep, NotAttention, candidates,
+                                             match_attention, score_coefficients)
 from stitchflow.targets.gpu.attention_kernel import Operand, launch
 from stitchflow.targets.gpu.attention_plan import LOG2E, AttentionTiles, dense_block_map, tile_plan, work_items
 
@@ -125,6 +125,23 @@ def test_kernel_matches_reference_over_random_masks(density, s_q, s_k, d, seed):
     assert rel_err(out, reference(q, k, v, a, b)) < TOL[torch.float32]
 
 
+def test_narrow_offsets_where_exact():
+    """A 0/1 mask's offsets (0 and -inf) go to bf16 when asked for, and the kernel reads them; offsets that
+    bf16 would round stay fp32."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 70, 16, generator=g).to(torch.bfloat16) for _ in range(3))
+    kept = bigbird_block_mask(70, 10, seed=1).dense_mask() > 0
+    b = torch.where(kept, 0.0, float("-inf"))
+    ops = [Operand(t, 0, tuple(t.stride()[:2]), t.stride(2), t.stride(3)) for t in (q, k, v)]
+    plan = tile_plan(0.25, b, AttentionTiles(16, 16), narrow=True)
+    assert plan.offsets.dtype == torch.bfloat16 and plan.partial > 0
+    out = torch.empty(1, 2, 70, 16, dtype=torch.bfloat16)
+    launch(*ops, out, (1, 2), plan, 70, 70, 16, 16, "ieee")
+    assert rel_err(out, reference(q, k, v, 0.25, b)) < TOL[torch.bfloat16]
+    ramp = torch.where(kept, torch.randn(70, 70, generator=g), float("-inf"))
+    assert tile_plan(0.25, ramp, AttentionTiles(16, 16), narrow=True).offsets.dtype == torch.float32
+
+
 @pytest.mark.parametrize("chunk", [1, 2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_split_query_tiles_merge_to_the_unsplit_result(chunk, dtype):
@@ -152,13 +169,24 @@ def test_every_candidate_compiles_for_sm90_without_spilling(fresh_python):
             "print(json.dumps([((t.bm, t.bn, t.num_warps, t.num_stages), dt, d, kb, split, "
             "compile_for_sm90(dt, t, d, kb, split)) for dt, dtype in (('bf16', torch.bfloat16), ('fp32', "
             "torch.float32)) for d in (64, 128) for kb in (False, True) for t in candidates(dtype, d, kb) "
-            "for split in (False, True)]))\n")
+            "for split in (False, True)]"
+            " + [((t.bm, t.bn, t.num_warps, t.num_stages), 'bf16 offsets', 64, kb, split, "
+            "compile_for_sm90('bf16', t, 64, kb, split, 'bf16')) for kb in (False, True) "
+            "for t in candidates(torch.bfloat16, 64, kb) for split in (False, True)]))\n")
     reports = fresh_python(code, None)
-    assert len(reports) == 2 * (2 * sum(len(v) for v in CANDIDATES.values()) - len(SPILL_WITH_KEY_BIAS))
+    bf16_64 = 2 * len(CANDIDATES[16, 64]) - len(SPILL_WITH_KEY_BIAS)
+    assert len(reports) == 2 * (2 * sum(len(v) for v in CANDIDATES.values()) - len(SPILL_WITH_KEY_BIAS) + bf16_64)
     for tiles, dt, d, kb, split, r in reports:
-        if split and kb and d > 64 and tuple(tiles) in SPILL_SPLIT_WITH_KEY_BIAS:
-            continue  # spills: the autotuner never splits these (AttentionStep._candidates)
-        assert r["spilled"] == 0 and r["smem"] <= 227 * 1024, (tiles, dt, d, kb, split, r)
+        assert r["smem"] <= 227 * 1024, (tiles, dt, d, kb, split, r)
+        if dt == "bf16 offsets" and tuple(tiles) in FP32_OFFSETS_ONLY:
+            continue  # never given bf16 offsets (AttentionStep._plan)
+        if dt == "bf16 offsets":
+            # bf16 offsets leave the offset loads out of the pipeliner's shared-memory stages, and most shapes
+            # spill (40-930 bytes); measured faster anyway on an H100 (BENCHMARKS: 140.6 -> 112.0 us at S = 4096
+            # with block-16 masks): bounded here, so that a blow-up is caught
+            assert r["spilled"] <= 1024, (tiles, d, kb, split, r)
+        elif not (split and kb and d > 64 and tuple(tiles) in SPILL_SPLIT_WITH_KEY_BIAS):  # never split
+            assert r["spilled"] == 0, (tiles, dt, d, kb, split, r)
 
 
 # ---------------------------------------------------------------- models

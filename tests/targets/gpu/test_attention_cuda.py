@@ -36,7 +36,8 @@ def test_every_candidate_tile_config(dtype, D, tiles, chunk):
     a, b = 1 / math.sqrt(D), torch.where(mask > 0, 0.0, float("-inf"))
     ops = [Operand(t, 0, tuple(t.stride()[:2]), t.stride(2), t.stride(3)) for t in (q, k, v)]
     out = torch.empty_like(q)
-    launch(*ops, out, (B, H), tile_plan(a, b.cpu(), tiles).to("cuda"), S, S, D, D, "ieee")
+    narrow = dtype == torch.bfloat16 and D == 64 and (tiles.bm, tiles.bn) != (128, 128)  # as AttentionStep does
+    launch(*ops, out, (B, H), tile_plan(a, b.cpu(), tiles, narrow).to("cuda"), S, S, D, D, "ieee")
     s = (q.double() @ k.double().transpose(-1, -2)) * a + b.double()
     ref = torch.softmax(s, -1) @ v.double()
     assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
