@@ -239,12 +239,10 @@ def score_coefficients(graph: Graph, match: AttentionMatch, params: dict) -> tup
 
     def bands():
         for r0 in range(0, s_q, rows):
-            b, a, c = _fold_band(graph, match, constants, r0, min(rows, s_q - r0), s_k)
-            for what, f in (("scores", a), ("key bias", c)):
-                value = _one_factor(f, match.scores, what)
-                if f.numel() and factors.setdefault(what, value) != value:
-                    raise NotAttention(f"the transform of {match.scores} scales the {what} by different factors "
-                                       f"at different positions (a mask with values other than 0 and 1)")
+            b, band_factors = _fold_band(graph, match, constants, r0, min(rows, s_q - r0), s_k)
+            for what, value in band_factors.items():
+                if factors.setdefault(what, value) != value:
+                    raise NotAttention(_varying(match.scores, what))
             yield r0, b
 
     folded = block_map(bands(), s_q, s_k)
@@ -254,37 +252,55 @@ def score_coefficients(graph: Graph, match: AttentionMatch, params: dict) -> tup
     return factors.get("scores", 0.0), folded, factors.get("key bias", 0.0)
 
 
-def _fold_band(graph, match, constants: dict, r0: int, rows: int, s_k: int):
-    """(b, a's values, c's values) of query rows [r0, r0 + rows): b float64 with -inf where dropped, a and c
-    at the kept positions; NotAttention when the transform is not affine there."""
-    scores = match.scores
-    points = ((0.0, 0.0), (1.0, 0.0), (2.0, 0.0), (0.0, 1.0), (0.0, 2.0), (1.0, 1.0))
-    if match.key_bias is None:
-        points = points[:3]
+def _fold_band(graph, match, constants: dict, r0: int, rows: int, s_k: int) -> tuple[torch.Tensor, dict]:
+    """(b, factors) of query rows [r0, r0 + rows): b float64 with -inf where dropped, and the scale of the
+    scores ("scores") and of the key bias ("key bias", 0 without one) where the band keeps a position;
+    NotAttention when the transform is not affine there. Every value is worked in place, in as few passes
+    over the band as the checks allow (folding a long context is this loop)."""
+    scores, bias = match.scores, match.key_bias is not None
+    # (s, r) probe points: b, a + b, 2a + b; with a key bias also c + b, 2c + b, a + c + b
+    points = ((0.0, 0.0), (1.0, 0.0), (2.0, 0.0), (0.0, 1.0), (0.0, 2.0), (1.0, 1.0))[:6 if bias else 3]
     values = [_evaluate_transform(graph, match, constants, s, r, r0, rows, s_k) for s, r in points]
     dropped = torch.isneginf(values[0])
     if not all(torch.equal(torch.isneginf(t), dropped) for t in values[1:]):
         raise NotAttention(f"the transform of {scores} drops positions depending on the score or the bias")
-    kept = [t.masked_fill(dropped, 0.0) for t in values]
-    if not all(torch.isfinite(t).all() for t in kept):
-        raise NotAttention(f"the transform of {scores} makes +inf or NaN from finite scores")
-    b = kept[0]
-    a = kept[1] - b
-    c = kept[3] - b if match.key_bias is not None else torch.zeros_like(b)
-    expected = [b, a + b, 2 * a + b, c + b, 2 * c + b, a + c + b][:len(points)]
-    tolerance = 1e-9 * (1 + a.abs() + b.abs() + c.abs())
-    if any(((t - e).abs() > tolerance).any() for t, e in zip(kept, expected)):
-        raise NotAttention(f"the transform of {scores} is not affine in the score"
-                           + (" and the key bias" if match.key_bias is not None else ""))
-    return b.masked_fill(dropped, float("-inf")), a[~dropped], c[~dropped]
+    for t in values:
+        t.masked_fill_(dropped, 0.0)
+        if not torch.isfinite(t).all():
+            raise NotAttention(f"the transform of {scores} makes +inf or NaN from finite scores")
+    b = values[0]
+    a = values[1] - b
+    c = values[3] - b if bias else None
+    tolerance = a.abs().add_(b.abs()).add_(1.0)
+    if bias:
+        tolerance.add_(c.abs())
+    tolerance.mul_(1e-9)
+    for t, k_a, k_c in ((values[2], 2, 0), *(((values[4], 0, 2), (values[5], 1, 1)) if bias else ())):
+        residual = (t - b).sub_(a, alpha=k_a)
+        if k_c:
+            residual.sub_(c, alpha=k_c)
+        if (residual.abs_() > tolerance).any():
+            raise NotAttention(f"the transform of {scores} is not affine in the score"
+                               + (" and the key bias" if bias else ""))
+    factors = {"scores": _one_factor(a, dropped, scores, "scores"),
+               "key bias": _one_factor(c, dropped, scores, "key bias") if bias else 0.0}
+    return b.masked_fill_(dropped, float("-inf")), {k: v for k, v in factors.items() if v is not None}
 
 
-def _one_factor(factors: torch.Tensor, scores: str, what: str) -> float:
-    value = factors[0].item() if factors.numel() else 0.0
-    if factors.numel() and not bool((factors == value).all()):
-        raise NotAttention(f"the transform of {scores} scales the {what} by different factors at different "
-                           f"positions (a mask with values other than 0 and 1)")
+def _one_factor(factors: torch.Tensor, dropped: torch.Tensor, scores: str, what: str) -> float | None:
+    """The one value `factors` takes where nothing is dropped (None where everything is)."""
+    kept = ~dropped.view(-1)
+    if not kept.any():
+        return None
+    value = factors.view(-1)[int(kept.to(torch.uint8).argmax())].item()
+    if not bool(((factors == value) | dropped).all()):
+        raise NotAttention(_varying(scores, what))
     return value
+
+
+def _varying(scores: str, what: str) -> str:
+    return (f"the transform of {scores} scales the {what} by different factors at different positions (a mask "
+            f"with values other than 0 and 1)")
 
 
 def transform_sources(graph: Graph, match: AttentionMatch, params) -> dict[str, torch.Tensor]:
@@ -342,7 +358,10 @@ def _evaluate_transform(graph, match, constants: dict, s: float, r: float, r0: i
         small = Node(name, grid, map_reads(node.body, on_grid), tuple(extents.items()))
         env[name] = eval_node(small, env, dense_type((rows, s_k), torch.float64)).double()
         previous = name
-    return env[previous]
+    out = env[previous]
+    # the caller works on the result in place: never on a parameter's (or a constant node's) storage
+    shared = {c.untyped_storage().data_ptr() for c in constants.values() if isinstance(c, torch.Tensor)}
+    return out.clone() if out.untyped_storage().data_ptr() in shared else out
 
 
 # ---------------------------------------------------------------- running

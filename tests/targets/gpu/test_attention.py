@@ -431,6 +431,7 @@ def test_the_transform_folds_band_by_band(monkeypatch):
     import stitchflow.targets.gpu.attention as attention
 
     model = bigbird_attention(seq=300, block=20, causal=True)
+    mask = model.mask.clone()
     x = torch.randn(1, 300, 3 * 48)
     whole = stitchflow.compile(model, (x,), target="gpu", fusion="full")
     monkeypatch.setattr(attention, "FOLD_POSITIONS", 128 * 300)
@@ -439,6 +440,7 @@ def test_the_transform_folds_band_by_band(monkeypatch):
     assert torch.equal(w.coefficients[1].dense(), b.coefficients[1].dense())
     keep = model.mask > 0
     assert torch.equal(~torch.isneginf(b.coefficients[1].dense()), keep)
+    assert torch.equal(model.mask, mask)  # the fold works in place, never on a parameter
     assert rel_err(banded(x), model.double()(x.double())) < 1e-6
 
 
@@ -500,3 +502,31 @@ def test_explain_reports_the_folded_mask_and_the_store():
     kept = float((model.attn.mask != 0).float().mean())
     assert "written as its reader walks it, [64, 48]" in text
     assert f"mask folded: {kept:.1%} of 64x64 positions kept; at 64x64 tiles 1 of 1 visited" in text
+
+
+class ScaledMask(torch.nn.Module):
+    """Scores times a mask whose kept values are not all 1: the score's factor differs between positions."""
+
+    def __init__(self, mask):
+        super().__init__()
+        self.register_buffer("mask", mask)
+
+    def forward(self, q, k, v):
+        return torch.softmax(q @ k.transpose(-1, -2) * self.mask, -1) @ v
+
+
+@pytest.mark.parametrize("band_rows", [None, 128])
+def test_factors_that_vary_are_refused_within_and_across_bands(monkeypatch, band_rows):
+    """A mask of 1 in the first 128 query rows and 0.5 below: the score's factor varies within one band, or
+    each band is uniform but the bands disagree; refused with the reason either way."""
+    import stitchflow.targets.gpu.attention as attention
+
+    if band_rows:
+        monkeypatch.setattr(attention, "FOLD_POSITIONS", band_rows * 200)
+    q, k, v = (torch.randn(1, 2, 200, 8) for _ in range(3))
+    mask = torch.ones(200, 200)
+    mask[128:] = 0.5
+    captured = capture_model(ScaledMask(mask), (q, k, v))
+    (match,), _ = match_attention(captured.graph, captured.param_values)
+    with pytest.raises(NotAttention, match="scales the scores by different factors"):
+        score_coefficients(captured.graph, match, captured.param_values)
