@@ -203,13 +203,12 @@ def region_attention(graph: Graph, region: Region, params: dict, options: dict) 
     """Attention patterns wholly inside the region whose score transform folds into constant tiles;
     the others are logged with their reason and run as stitched kernels and torch contractions."""
     matches, refusals = match_attention(graph, params)
-    steps = []
+    steps, inside, stores = [], set(region.nodes), options.get("attention_store", True)
     for match in matches:
-        if not set(match.nodes) <= set(region.nodes):
+        if not set(match.nodes) <= inside:
             continue
         try:
-            wanted = options.get("attention_store", True)
-            store = output_store(graph, match.output, set(region.nodes)) if wanted else None
+            store = output_store(graph, match.output, inside) if stores else None
             steps.append(AttentionStep(graph, match, params, options, store))
         except NotAttention as why:
             refusals.append(f"{match.output}: {why}")

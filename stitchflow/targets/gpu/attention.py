@@ -387,6 +387,12 @@ SPILL_SPLIT_WITH_KEY_BIAS = {(128, 64, 8, 3), (128, 64, 8, 2)}  # split runs, he
 FP32_OFFSETS_ONLY = {(128, 128, 8, 2)}  # bf16 offsets spill 1.8 KB there (the other shapes 0-930 bytes)
 
 
+def narrow_offsets(dtype: torch.dtype, head_dim: int, tiles: AttentionTiles) -> bool:
+    """Whether partial tiles take bf16 offsets (attention_plan.tile_plan's `narrow`): 16-bit operands at head
+    dim 64 or less, except the shapes where they spill too much."""
+    return dtype != torch.float32 and head_dim <= 64 and astuple(tiles)[:4] not in FP32_OFFSETS_ONLY
+
+
 def candidates(dtype: torch.dtype, head_dim: int, key_bias: bool = False) -> tuple[AttentionTiles, ...]:
     width = 32 if dtype == torch.float32 else 16
     shapes = CANDIDATES[width, 64 if head_dim <= 64 else 128]
@@ -464,8 +470,7 @@ class AttentionStep:
     def _plan(self, tiles: AttentionTiles, device) -> TilePlan:
         key = (tiles, str(device))
         if key not in self.plans:
-            narrow = (self.q_dtype != torch.float32 and max(self.d, self.dv) <= 64
-                      and astuple(tiles)[:4] not in FP32_OFFSETS_ONLY)  # bf16 offsets where they spill little
+            narrow = narrow_offsets(self.q_dtype, max(self.d, self.dv), tiles)
             self.plans[key] = tile_plan(*self.coefficients[:2], tiles, narrow).to(device)
         return self.plans[key]
 

@@ -272,9 +272,9 @@ def compile_for_sm90(dtype: str, tiles: AttentionTiles, head_dim: int = 64, key_
     from .chain_wgmma import cubin_resources
 
     tensors = {"q_ptr": "*" + dtype, "k_ptr": "*" + dtype, "v_ptr": "*" + dtype, "o_ptr": "*" + dtype,
-               "kb_ptr": "*fp32", "offsets_ptr": "*" + offsets, "shift_ptr": "*fp32", "scale": "fp32", "kscale": "fp32",
-               "items_ptr": "*i32", "column_ptr": "*i32", "slot_ptr": "*i32", "part_o_ptr": "*" + dtype,
-               "part_ml_ptr": "*fp32"}
+               "kb_ptr": "*fp32", "offsets_ptr": "*" + offsets, "shift_ptr": "*fp32", "scale": "fp32",
+               "kscale": "fp32", "items_ptr": "*i32", "column_ptr": "*i32", "slot_ptr": "*i32",
+               "part_o_ptr": "*" + dtype, "part_ml_ptr": "*fp32"}
     bd = max(16, triton.next_power_of_2(head_dim))
     meta = {"BM": tiles.bm, "BN": tiles.bn, "BD": bd, "BDV": bd, "PREC": "ieee" if dtype == "fp32" else "tf32",
             "P_LOW": dtype != "fp32", "UPCAST": False, "EVEN_Q": True, "EVEN_K": True, "EVEN_D": True,

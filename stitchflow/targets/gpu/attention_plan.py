@@ -161,8 +161,14 @@ def _padded_extent(n: int) -> int:
 def block_map(bands: Iterable[tuple[int, torch.Tensor]], s_q: int, s_k: int) -> BlockMap:
     """A BlockMap from bands of b's rows, (first row, [rows, S_k] float), in order, covering [0, S_q); every
     band but the last a multiple of BLOCK rows long."""
-    parts, kept, covered, last = [], 0, 0, None  # parts: (kind, value, slot, mixed) per band
+    parts, kept, covered, last, n_mixed = [], 0, 0, None, 0  # parts: (kind, value, slot, mixed) per band
     cols = _padded_extent(s_k)
+
+    def add(padded: torch.Tensor) -> None:
+        nonlocal n_mixed
+        parts.append(_classify(padded, n_mixed))
+        n_mixed += parts[-1][3].shape[0]
+
     for r0, band in bands:
         if r0 != covered or covered % BLOCK:
             raise ValueError(f"a band starts at row {r0} after {covered} rows: bands must be in order, each but "
@@ -170,11 +176,10 @@ def block_map(bands: Iterable[tuple[int, torch.Tensor]], s_q: int, s_k: int) -> 
         band = band.float()
         kept += int((~torch.isneginf(band)).sum())
         covered, last = r0 + band.shape[0], band[-1]
-        parts.append(_classify(_pad(band, cols), sum(p[3].shape[0] for p in parts)))
+        add(_pad(band, cols))
     rows = -(-covered // BLOCK) * BLOCK
     if rows < _padded_extent(s_q):  # whole blocks of the last row up to the padded extent
-        parts.append(_classify(_pad(last.expand(_padded_extent(s_q) - rows, -1), cols),
-                               sum(p[3].shape[0] for p in parts)))
+        add(_pad(last.expand(_padded_extent(s_q) - rows, -1), cols))
     kind, value, slot, mixed = (torch.cat(t) for t in zip(*parts))
     return BlockMap(s_q, s_k, kind, value, slot, mixed, kept)
 

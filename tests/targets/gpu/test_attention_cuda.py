@@ -11,7 +11,7 @@ import torch
 import stitchflow
 from stitchflow.apps.bigbird import bigbird_block_mask
 from stitchflow.apps.gpt3 import GPT3, BlockSparseAttention, _mask_tensor
-from stitchflow.targets.gpu.attention import AttentionStep, candidates
+from stitchflow.targets.gpu.attention import AttentionStep, candidates, narrow_offsets
 from stitchflow.targets.gpu.attention_kernel import Operand, launch
 from stitchflow.targets.gpu.attention_plan import tile_plan
 
@@ -36,8 +36,8 @@ def test_every_candidate_tile_config(dtype, D, tiles, chunk):
     a, b = 1 / math.sqrt(D), torch.where(mask > 0, 0.0, float("-inf"))
     ops = [Operand(t, 0, tuple(t.stride()[:2]), t.stride(2), t.stride(3)) for t in (q, k, v)]
     out = torch.empty_like(q)
-    narrow = dtype == torch.bfloat16 and D == 64 and (tiles.bm, tiles.bn) != (128, 128)  # as AttentionStep does
-    launch(*ops, out, (B, H), tile_plan(a, b.cpu(), tiles, narrow).to("cuda"), S, S, D, D, "ieee")
+    plan = tile_plan(a, b.cpu(), tiles, narrow_offsets(dtype, D, tiles)).to("cuda")  # as AttentionStep plans
+    launch(*ops, out, (B, H), plan, S, S, D, D, "ieee")
     s = (q.double() @ k.double().transpose(-1, -2)) * a + b.double()
     ref = torch.softmax(s, -1) @ v.double()
     assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
