@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import stitchflow
-from stitchflow.targets.gpu.spmm import CONFIGS, SpmmStep, spmm
+from stitchflow.targets.gpu.spmm import CONFIGS, SpmmStep
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -21,7 +21,7 @@ def test_every_config_on_a_power_law_graph(config, features):
     s = torch.sparse_coo_tensor(torch.stack([rows, cols]), torch.rand(rows.numel(), generator=g), (n, n))
     s = s.coalesce().to_sparse_csr().cuda()
     d = torch.randn(n, features, device="cuda")
-    out = spmm(s, d, torch.float32, *config)
+    out = config(s, d, torch.float32)
     ref = s.to_dense().double() @ d.double()
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-6
 
