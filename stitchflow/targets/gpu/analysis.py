@@ -71,7 +71,7 @@ def node_refusal(graph: Graph, node: Node) -> str | None:
     if node.is_scatter:
         return "scatter-add (runs through torch)"
     if is_contraction(node):
-        return "contraction / GEMM (runs through torch until GEMM fusion lands)"
+        return "contraction / GEMM outside any fused chain (runs as torch's GEMM)"
     types = [graph.type_of[t] for t in (*node.inputs, node.name)]
     if any(not t.format.is_dense for t in types):
         return "reads or writes a sparse tensor (runs through torch)"
