@@ -105,12 +105,13 @@ class Masks:
         return tuple(self.names[k] for k in range(len(self.names)) if mask >> k & 1)
 
     def _union(self, table: list[int], mask: int) -> int:
-        out, k = 0, 0
+        # visit the set bits only: a slice late in a large graph (GPT-3: 336 nodes) is a few
+        # high bits, and shifting through every bit below them dominated the planner's DP
+        out = 0
         while mask:
-            if mask & 1:
-                out |= table[k]
-            mask >>= 1
-            k += 1
+            low = mask & -mask
+            out |= table[low.bit_length() - 1]
+            mask ^= low
         return out
 
     def convex(self, mask: int) -> bool:

@@ -92,6 +92,19 @@ def _memory_density(graph: Graph, dens: Densities, streams, name: str, block) ->
     return dens.storage(graph, name, block)
 
 
+def region_density(graph: Graph, dens: Densities, block: int | None = None):
+    """The densities estimate_region reads, as a function (tensor, inside) -> density: a node's
+    result streamed inside its region, or any tensor as read from memory (RegionKeys keys on them)."""
+    streams = _streams(graph, dens, block)
+
+    def density(name: str, inside: bool = True) -> float:
+        if inside and name in graph.node_of:
+            return streams[name]
+        return _memory_density(graph, dens, streams, name, block)
+
+    return density
+
+
 def _is_contraction(node) -> bool:
     return node.reduce == "sum" and bool(node.reduce_vars) and len(gating_accesses(node.body)) >= 2
 
@@ -309,6 +322,11 @@ class GpuCostModel(_Weighted):
         p = self.profile
         return (est.bytes / p.copy_bandwidth, est.regions * p.launch_s, est.gemm_flops / p.gemm_rate,
                 (est.flops - est.gemm_flops) / p.fp32_rate)
+
+
+# models whose estimate of a region is estimate_region's under their densities: it depends on the
+# region only through what regionkey.RegionKeys keys on (subclasses may estimate otherwise)
+STRUCTURAL = (DataflowCostModel, GpuCostModel)
 
 
 def model_for(target: str, densities: Densities | None = None, profile: DeviceProfile | None = None):

@@ -117,7 +117,6 @@ def load_app(key: AppKey):
     """(captured program, example inputs, densities) of an app, once per process."""
     from ..apps import APPS
     from ..program import capture_model
-    from .stats import measure
 
     if key.app not in APPS:
         raise StitchflowError(f"unknown app {key.app!r}; known: {', '.join(sorted(APPS))}")

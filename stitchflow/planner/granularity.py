@@ -19,7 +19,7 @@ from ..ir.errors import StitchflowError
 from ..ir.graph import Graph
 from .auto import standard_partitions
 from .candidates import Masks
-from .regions import by_layer, by_origin, check_partition
+from .regions import by_origin, check_partition
 
 
 def _role(graph: Graph, names: list[str]) -> str:

@@ -26,7 +26,8 @@ from scipy.sparse import lil_matrix
 from ..ir.errors import StitchflowError
 from ..ir.graph import Graph, Region
 from .candidates import Legality, Masks, Refusal, chain_order, enumerate_candidates
-from .cost import Estimate, model_for
+from .cost import STRUCTURAL, Estimate, model_for, region_density
+from .regionkey import RegionKeys
 from .regions import ordered_regions
 
 ILP_MAX_NODES = 64  # above this the heuristic plans: candidate sets and solve times grow fast
@@ -51,26 +52,51 @@ class Plan:
 
 
 class Costs:
-    """Region costs under one model and options, memoised by node set."""
+    """Region costs under one model and options, memoised by node set, and for the static
+    models also by structure: regions equal up to names (a model's repeated layers) are
+    estimated once (regionkey.py)."""
 
     def __init__(self, graph: Graph, model, options: Mapping | None = None):
         self.graph, self.model, self.options = graph, model, dict(options or {})
-        self._memo: dict[frozenset, tuple[float, Estimate]] = {}
+        # node set -> (cost, estimate, names): the estimate may be of another region with the same
+        # key, renamed to `names` only when asked for (the DP reads thousands of costs, few estimates)
+        self._memo: dict[frozenset, tuple[float, Estimate, tuple[str, ...]]] = {}
+        self._order = {n.name: k for k, n in enumerate(graph.nodes)}
+        self._keys = None
+        if type(model) in STRUCTURAL:
+            self._keys = RegionKeys(graph, region_density(graph, model.densities, self.options.get("block")))
+        self._shapes: dict[tuple, tuple[float, Estimate]] = {}
 
     def of(self, nodes: Sequence[str]) -> float:
-        return self.entry(nodes)[0]
+        return self._entry(frozenset(nodes))[0]
 
     def estimate(self, nodes: Sequence[str]) -> Estimate:
-        return self.entry(nodes)[1]
+        key = frozenset(nodes)
+        cost, est, names = self._entry(key)
+        if self._keys is not None and est.nodes != names:
+            est = self._keys.renamed(est, names)
+            self._memo[key] = (cost, est, names)
+        return est
 
     def entry(self, nodes: Sequence[str]) -> tuple[float, Estimate]:
-        key = frozenset(nodes)
+        return self.of(nodes), self.estimate(nodes)
+
+    def _entry(self, key: frozenset) -> tuple[float, Estimate, tuple[str, ...]]:
         if key not in self._memo:
-            order = {n.name: k for k, n in enumerate(self.graph.nodes)}
-            names = tuple(sorted(key, key=order.__getitem__))
-            est = self.model.estimate(self.graph, names, self.options)
-            self._memo[key] = (self.model.cost(est), est)
+            names = tuple(sorted(key, key=self._order.__getitem__))
+            self._memo[key] = (*self._estimate(names), names)
         return self._memo[key]
+
+    def _estimate(self, names: tuple[str, ...]) -> tuple[float, Estimate]:
+        if self._keys is None:
+            est = self.model.estimate(self.graph, names, self.options)
+            return self.model.cost(est), est
+        shape = self._keys.key(names)
+        hit = self._shapes.get(shape)
+        if hit is None:
+            est = self.model.estimate(self.graph, names, self.options)
+            hit = self._shapes[shape] = (self.model.cost(est), est)
+        return hit
 
 
 def _quotient_cycle(graph: Graph, groups: Sequence[Sequence[str]]) -> list[int] | None:
