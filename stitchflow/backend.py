@@ -81,6 +81,20 @@ class StitchflowModule(torch.nn.Module):
         self.last = call
         if call.program is None:
             return self.gm(*args)
+        if call.trusted:
+            return self._run(call, args)
+        try:  # the first run of a program: a failure here (a kernel that does not build) costs speed only
+            out = self._run(call, args)
+        except Exception as err:
+            _record(f"{self.name}: its program failed on the first call, {type(err).__name__}: {err}")
+            log.warning("stitchflow: %s runs eagerly: its program failed (%s: %s)", self.name, type(err).__name__, err)
+            self.programs[call.key] = None
+            self.last = None
+            return self.gm(*args)
+        call.trusted = True
+        return out
+
+    def _run(self, call: "_Call", args):
         if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             return _RecomputedBackward.apply(self, call, *args)
         return call.program(*[args[k] for k in call.free])
@@ -95,7 +109,7 @@ class StitchflowModule(torch.nn.Module):
             del self.programs[key]
         if key not in self.programs:
             self.programs[key], self.bound[key] = self._compile(args)
-        return _Call(self.programs[key], self.bound[key], args)
+        return _Call(self.programs[key], self.bound[key], args, key)
 
     def _compile(self, args) -> tuple[Program | None, dict]:
         target = self.target or ("gpu" if any(isinstance(a, torch.Tensor) and a.is_cuda for a in args) else "reference")
@@ -109,6 +123,11 @@ class StitchflowModule(torch.nn.Module):
             return prog, bound
         except StitchflowError as err:
             _record(f"{self.name}: {err}")
+            return None, {}
+        except Exception as err:  # a bug of ours must cost speed, never the user's run
+            _record(f"{self.name}: internal error, {type(err).__name__}: {err}")
+            log.warning("stitchflow: %s runs eagerly after an internal error (%s: %s)", self.name,
+                        type(err).__name__, err, exc_info=True)
             return None, {}
 
     @property
@@ -155,8 +174,9 @@ class _Call:
     that costs a pointer per bound tensor and a signature per activation, where the full
     signature of every argument costs more host time than a small block's kernels."""
 
-    def __init__(self, program: Program | None, bound: dict, args):
-        self.program, self.n = program, len(args)
+    def __init__(self, program: Program | None, bound: dict, args, key: tuple = ()):
+        self.program, self.n, self.key = program, len(args), key
+        self.trusted = False  # set once the program has run: later calls skip the fallback's guard
         self.free = tuple(k for k in range(len(args)) if k not in bound)
         self.pointers = tuple((k, t.data_ptr()) for k, t in bound.items())
         self.signature = tuple((k, _signature(args[k])) for k in self.free)

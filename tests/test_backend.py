@@ -80,6 +80,47 @@ def test_unsupported_ops_fall_back_with_a_reason():
     assert backend.regions_executed() >= 2  # the parts around it still ran through stitchflow
 
 
+def test_a_partition_of_views_only_and_ops_between_eager_ones():
+    """Partitions between unsupported ops may hold nothing but a slice (no node to plan) or a
+    single op; the planner once failed on the empty one (zero-size array) and broke the model."""
+    def f(x):
+        a = torch.cumsum(x, 1)
+        b = torch.topk(x, 3, dim=1).values
+        c = torch.sort(x, 1).values[:, :3]
+        return torch.cat([a[:, :3], b, c, torch.where(x > 0, x, x.exp() - 1)[:, :3]], 1).std(0)
+
+    x = torch.randn(5, 8)
+    assert_close(torch.compile(f, backend="stitchflow")(x), f(x))
+
+
+def test_an_internal_error_while_compiling_runs_the_partition_eagerly(monkeypatch):
+    def broken(*args, **kwargs):
+        raise ValueError("a planner bug")
+
+    monkeypatch.setattr(backend, "regions_for", broken)
+    f = lambda x: torch.softmax(x * 2, -1)  # noqa: E731
+    x = torch.randn(4, 6)
+    assert_close(torch.compile(f, backend="stitchflow")(x), f(x))
+    assert "internal error, ValueError: a planner bug" in backend.fallback_report()
+
+
+def test_a_program_failing_on_its_first_call_runs_eagerly_from_then_on(monkeypatch):
+    calls = []
+
+    def broken(self, *args):
+        calls.append(1)
+        raise RuntimeError("a kernel that does not build")
+
+    monkeypatch.setattr(backend.Program, "__call__", broken)
+    f = lambda x: torch.relu(x) + 1  # noqa: E731
+    compiled = torch.compile(f, backend="stitchflow")
+    x = torch.randn(3, 5)
+    assert_close(compiled(x), f(x))
+    assert_close(compiled(x), f(x))
+    assert calls == [1]  # tried once, then eager
+    assert "failed on the first call, RuntimeError: a kernel that does not build" in backend.fallback_report()
+
+
 def test_training_through_the_backend_gets_eagers_gradients():
     """Where autograd records, a partition's forward runs through stitchflow and its backward
     differentiates the eager graph: the same gradients, and the same parameters after SGD steps."""

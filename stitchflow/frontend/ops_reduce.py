@@ -74,6 +74,66 @@ def lower_max(ctx, x, dim=None, keepdim=False):
     return reduce(ctx, x, None, "max", dtype=ctx.dtype)
 
 
+@lowering(torch.amin, "method:amin", "aten.amin")
+def lower_amin(ctx, x, dim=(), keepdim=False):
+    """min = -max(-x): the IR reduces by sum and max only."""
+    tag = ctx.builder.new_tag("amin")
+    peak = reduce(ctx, x, dim, "max", keepdim=keepdim, dtype=ctx.dtype, pre=lambda e, o: call("neg", e), tag=tag,
+                  hint=f"{ctx.hint}_negmax")
+    return ctx.builder.emit(peak.shape, ctx.dtype, lambda o, r, rg: call("neg", peak.read(o, rg)), tag=tag,
+                            hint=ctx.hint)
+
+
+def _correction_args(args, kwargs) -> tuple:
+    """(dim, correction, keepdim) of var/std in any of torch's spellings: var(x, dim, unbiased,
+    keepdim), var(x, unbiased), var(x, dim, *, correction, keepdim)."""
+    args = list(args)
+    unbiased = args.pop(0) if args and isinstance(args[0], bool) else None
+    dim = args.pop(0) if args else kwargs.get("dim")
+    if args and unbiased is None:
+        unbiased = args.pop(0)
+    keepdim = args.pop(0) if args else kwargs.get("keepdim", False)
+    unbiased = kwargs.get("unbiased", unbiased)
+    correction = kwargs.get("correction")
+    if correction is None:
+        correction = 0 if unbiased is False else 1
+    return dim, correction, keepdim
+
+
+def variance(ctx, x, dim, correction, keepdim, tag: Tag):
+    """Two passes, as layer norm: the mean, then the centred sum of squares over (count - correction),
+    in float32 for half-precision inputs."""
+    dims = _dims(dim, x.rank)
+    count = math.prod(x.shape[d] for d in dims)
+    if count - correction <= 0:
+        raise UnsupportedOpError("var/std", f"{count} element(s) with correction {correction} (eager gives nan or "
+                                 "inf and a warning)", ctx.hint)
+    acc = compute_dtype(x.dtype)
+    mean = reduce(ctx, x, dims, "sum", scale=1.0 / count, dtype=acc, tag=tag, hint=f"{ctx.hint}_mean")
+    xc = ctx.builder.emit(x.shape, acc, lambda o, r, rg: call("sub", upcast(x.read(o, rg), x),
+                                                              _row_read(mean, o, dims, rg)),
+                          tag=tag, hint=f"{ctx.hint}_centered")
+    return reduce(ctx, xc, dims, "sum", keepdim=keepdim, scale=1.0 / (count - correction),
+                  pre=lambda e, o: call("mul", e, e), dtype=acc, tag=tag, hint=f"{ctx.hint}_var")
+
+
+@lowering(torch.var, "method:var", "aten.var")
+def lower_var(ctx, x, *args, **kwargs):
+    tag = ctx.builder.new_tag("var")
+    var = variance(ctx, x, *_correction_args(args, kwargs), tag)
+    if var.dtype == ctx.dtype:
+        return var
+    return ctx.builder.emit(var.shape, ctx.dtype, lambda o, r, rg: var.read(o, rg), tag=tag, hint=ctx.hint)
+
+
+@lowering(torch.std, "method:std", "aten.std")
+def lower_std(ctx, x, *args, **kwargs):
+    tag = ctx.builder.new_tag("std")
+    var = variance(ctx, x, *_correction_args(args, kwargs), tag)
+    return ctx.builder.emit(var.shape, ctx.dtype, lambda o, r, rg: call("sqrt", var.read(o, rg)), tag=tag,
+                            hint=ctx.hint)
+
+
 def _binary_max(ctx, a, b):
     from .ops_elementwise import elementwise
 

@@ -251,6 +251,8 @@ def plan(graph: Graph, target="reference", cost_model=None, options: Mapping | N
     legality = target if isinstance(target, Legality) else Legality(target)
     model = cost_model or model_for(legality.name)
     costs = Costs(graph, model, options)
+    if not graph.nodes:  # e.g. a torch.compile partition whose ops all became inputs or views
+        return Plan((), 0.0, method, ("nothing to plan: the graph has no nodes",))
     if method == "auto":
         method = "ilp" if len(graph.nodes) <= ilp_max_nodes else "heuristic"
     notes = [legality.note] if legality.note else []

@@ -12,11 +12,11 @@ from conftest import assert_close
 OPS = [
     "add", "sub", "mul", "div", "neg", "abs", "exp", "log", "sqrt", "rsqrt", "reciprocal", "tanh", "sigmoid",
     "erf", "nn.functional.relu", "nn.functional.gelu", "nn.functional.silu", "softmax", "log_softmax",
-    "nn.functional.layer_norm", "nn.functional.rms_norm", "sum", "mean", "amax", "transpose", "permute", "reshape",
-    "view", "expand", "masked_fill", "where", "matmul", "mm", "bmm", "einsum", "nn.functional.linear", "t",
-    "unsqueeze", "squeeze", "flatten", "clamp", "maximum", "minimum", "pow", "narrow", "select", "index_select",
-    "cat", "chunk", "split", "repeat", "addmm", "nn.functional.dropout", "nn.functional.batch_norm",
-    "nn.functional.group_norm",
+    "nn.functional.layer_norm", "nn.functional.rms_norm", "sum", "mean", "amax", "amin", "var", "std", "transpose",
+    "permute", "reshape", "view", "expand", "masked_fill", "where", "matmul", "mm", "bmm", "einsum",
+    "nn.functional.linear", "t", "unsqueeze", "squeeze", "flatten", "clamp", "maximum", "minimum", "pow", "narrow",
+    "select", "index_select", "cat", "chunk", "split", "repeat", "addmm", "nn.functional.dropout",
+    "nn.functional.batch_norm", "nn.functional.group_norm",
 ]  # instance_norm's samples mostly update running statistics in place (refused by design; tests/frontend/test_ops)
 MIN_SUPPORTED = 0.5  # fraction of an op's samples that must compile
 

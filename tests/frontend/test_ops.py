@@ -71,6 +71,8 @@ REDUCTIONS = {
     "layer_norm": lambda x: F.layer_norm(x, x.shape[-1:]),
     "rms_norm": lambda x: F.rms_norm(x, x.shape[-1:], eps=1e-6),
     "manual_rms": lambda x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6),
+    "amin": lambda x: x.amin(-1), "amin_all": torch.amin, "var_biased": lambda x: x.var(-1, unbiased=False),
+    "std_all": lambda x: torch.std(x, correction=0), "var_keep": lambda x: x.var((0, -1), keepdim=True, correction=0),
 }
 
 
@@ -79,6 +81,23 @@ REDUCTIONS = {
 @given(shape=st.lists(dims, min_size=2, max_size=3))
 def test_reductions(name, shape):
     check(REDUCTIONS[name], torch.randn(shape))
+
+
+@settings(max_examples=10, deadline=None)
+@given(shape=st.lists(st.integers(2, 6), min_size=1, max_size=3), keepdim=st.booleans(), dtype=st.sampled_from(
+    [torch.float32, torch.bfloat16]))
+def test_var_and_std_in_torchs_spellings(shape, keepdim, dtype):
+    x = (torch.randn(shape) * 3 + 10).to(dtype)  # a mean far from zero: the centred pass matters
+    for fn in (lambda x: torch.var(x), lambda x: x.std(0, True, keepdim), lambda x: x.var(dim=-1, keepdim=keepdim),
+               lambda x: torch.std(x, -1, correction=2) if x.shape[-1] > 2 else x.std(-1),
+               lambda x: x.var(unbiased=False)):
+        prog = stitchflow.compile(fn, (x,))
+        assert_close(prog(x), fn(x))
+
+
+def test_var_over_no_more_elements_than_the_correction_is_refused():
+    with pytest.raises(stitchflow.StitchflowError, match="correction"):
+        stitchflow.compile(lambda x: x.var(-1), (torch.randn(3, 1),))
 
 
 def test_layer_norm_with_affine():

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from planner_graphs import KINDS, TwoContractions, build, chain
 from stitchflow.planner.candidates import Legality, enumerate_candidates
 from stitchflow.planner.cost import DataflowCostModel, GpuCostModel
+from stitchflow.ir.graph import Graph
 from stitchflow.planner.ilp import Costs, plan
 from stitchflow.planner.regions import check_partition, node_dag
 
@@ -105,3 +106,12 @@ def test_plan_picks_method_by_size():
     small = build([("relu", 1, 0), ("exp", 2, 0)])
     assert plan(small, "reference", DataflowCostModel()).method == "ilp"
     assert plan(small, "reference", DataflowCostModel(), ilp_max_nodes=1).method == "heuristic"
+
+
+@pytest.mark.parametrize("target", ["reference", "dataflow", "gpu"])
+def test_a_graph_without_nodes_plans_to_no_regions(target):
+    """A torch.compile partition may hold only views of its inputs: nothing to plan, no error."""
+    x = build([("relu", 1, 1)])
+    graph = Graph(("x",), (), (), ("x",), (("x", x.type_of["x"]),)).validate()
+    result = plan(graph, target)
+    assert result.regions == () and result.cost == 0.0

@@ -250,24 +250,29 @@ def _spread(graph: Graph, nodes: list[Node], uf: VarClasses) -> dict | None:
 
 
 def _shared_class_groups(nodes, uf: VarClasses) -> list[list[Node]]:
-    """Groups of nodes that share an axis class."""
-    owner: dict = {}
+    """Groups of nodes that share an axis class. A node without axes (a 0-d result, such as
+    sqrt(x.sum())) shares none, so it joins the group of the producers it reads."""
+    owner: dict = {}  # axis class -> group
+    group_of: dict = {}  # node -> group
     groups: list[list[Node]] = []
     for n in nodes:
         roots = {uf.find((n.name, v)) for v, _ in n.dims}
-        hits = sorted({owner[r] for r in roots if r in owner})
+        hits = sorted({owner[r] for r in roots if r in owner} if roots else {group_of[t] for t in n.inputs if t in group_of})
         if not hits:
             groups.append([n])
             g = len(groups) - 1
         else:
             g = hits[0]
             for other in hits[1:]:
+                for moved in groups[other]:
+                    group_of[moved.name] = g
                 groups[g] += groups[other]
                 for r, o in list(owner.items()):
                     if o == other:
                         owner[r] = g
                 groups[other] = []
             groups[g].append(n)
+        group_of[n.name] = g
         for r in roots:
             owner[r] = g
     order = {n.name: k for k, n in enumerate(nodes)}

@@ -146,6 +146,9 @@ class PartKernel(SplitStitching, TmaStitching, WelfordStitching):
         off = self.body.offset(name, node.index, node, scope)
         dtype = self.graph.type_of[name].dtype
         code = value.code if dtype == torch.bool else to_dtype(value.code, dtype, self.interpret)
+        if value.deps - off.deps:  # a block stored where the address spans less (a 0-d output): lanes share it
+            spread = " + ".join(f"0 * {d}" for d in sorted(value.deps - off.deps))
+            off = Val(f"{off.code} + {spread}", off.kind, off.deps | value.deps)
         mask = self.mask(off.deps, scope)
         self.src.emit(f"tl.store({self.arg[name]} + {off.code}, {code}{', mask=' + mask if mask else ''})")
 

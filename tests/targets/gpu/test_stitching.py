@@ -209,6 +209,22 @@ def test_int_and_bool_values():
     assert torch.equal(out[1], ref[1])
 
 
+@pytest.mark.parametrize("fn", [
+    lambda x: x.sum(), lambda x: x.abs().sum().sqrt() + 1, lambda x: x - x.mean(), lambda x: torch.std(x),
+    lambda x: x.var(0) + x.var(), lambda x: (x - x.mean(0)) / x.std(0), lambda x: x.amin(-1) * x.amin(),
+], ids=["sum", "scalar_then_elementwise", "scalar_broadcast", "std_all", "var_rows_and_all", "column_std", "amin"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reductions_to_a_scalar_and_variances(fn, dtype):
+    """0-d results: a block stored at a scalar address, and elementwise math after a full
+    reduction (once split into a part of its own that re-evaluated the reduction's body)."""
+    x = (torch.randn(37, 19, generator=torch.Generator().manual_seed(0)) * 2 + 3).to(dtype)
+    prog = stitchflow.compile(fn, (x,), target="gpu", fusion="full")
+    out, ref = prog(x), fn(x)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert relative_error(out, ref) <= tolerance(dtype)
+    assert not any(isinstance(s, TorchStep) for c in prog.compiled for s in c.steps)
+
+
 def test_gelu_tanh_and_powers_match():
     class M(nn.Module):
         def forward(self, x):
