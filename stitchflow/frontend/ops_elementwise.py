@@ -138,6 +138,51 @@ def lower_silu(ctx, x, inplace=False):
     return elementwise(ctx, lambda a: call("mul", a, call("sigmoid", a)), x, tag="silu", upcast_reads=True)
 
 
+def _activation(keys, tag: str, formula):
+    """Register an activation built from the IR's ops: `formula(a, **options)` at each point, in
+    float32 for half-precision inputs; the options are the function's keyword defaults, which
+    positional arguments after the input override in order (F.elu(x, 0.5) is alpha=0.5)."""
+    names = tuple(formula.__kwdefaults__ or {})
+
+    def lower(ctx, x, *args, inplace=False, **kwargs):
+        options = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
+        return elementwise(ctx, lambda a: formula(a, **options), x, tag=tag, upcast_reads=True)
+
+    lowering(*keys)(lower)
+
+
+def _c(v):
+    return Const(float(v))
+
+
+def _softplus(a, *, beta=1.0, threshold=20.0):
+    # torch: x where beta * x > threshold (exp would overflow), else log(1 + exp(beta * x)) / beta
+    scaled = call("mul", a, _c(beta))
+    soft = call("div", call("log", call("add", _c(1.0), call("exp", scaled))), _c(beta))
+    return call("where", call("gt", scaled, _c(threshold)), a, soft)
+
+
+def _hardtanh(a, *, min_val=-1.0, max_val=1.0):
+    return call("min", call("max", a, _c(min_val)), _c(max_val))
+
+
+def _elu(a, *, alpha=1.0):
+    return call("where", call("gt", a, _c(0.0)), a, call("mul", _c(alpha), call("sub", call("exp", a), _c(1.0))))
+
+
+_activation((F.softplus, "aten.softplus"), "softplus", _softplus)
+_activation((F.hardtanh, torch._C._nn.hardtanh, "aten.hardtanh"), "hardtanh", _hardtanh)
+_activation((F.relu6, torch._C._nn.relu6, "aten.relu6"), "relu6", lambda a: _hardtanh(a, min_val=0.0, max_val=6.0))
+_activation((F.hardsigmoid, torch._C._nn.hardsigmoid, "aten.hardsigmoid"), "hardsigmoid",
+            lambda a: _hardtanh(call("add", call("div", a, _c(6.0)), _c(0.5)), min_val=0.0, max_val=1.0))
+_activation((F.hardswish, torch._C._nn.hardswish, "aten.hardswish"), "hardswish",
+            lambda a: call("div", call("mul", a, _hardtanh(call("add", a, _c(3.0)), min_val=0.0, max_val=6.0)), _c(6.0)))
+_activation((F.elu, torch._C._nn.elu, "aten.elu"), "elu", _elu)
+_activation((F.leaky_relu, torch._C._nn.leaky_relu, "aten.leaky_relu"), "leaky_relu",
+            lambda a, *, negative_slope=0.01: call("where", call("gt", a, _c(0.0)), a, call("mul", a, _c(negative_slope))))
+_activation((F.mish, torch._C._nn.mish, "aten.mish"), "mish", lambda a: call("mul", a, call("tanh", _softplus(a))))
+
+
 @lowering(torch.clamp, torch.clip, "method:clamp", "method:clip", "aten.clamp", "aten.clip")
 def lower_clamp(ctx, x, min=None, max=None):
     bounds = [(op, b) for op, b in (("max", min), ("min", max)) if b is not None]

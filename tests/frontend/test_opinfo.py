@@ -11,7 +11,9 @@ from conftest import assert_close
 
 OPS = [
     "add", "sub", "mul", "div", "neg", "abs", "exp", "log", "sqrt", "rsqrt", "reciprocal", "tanh", "sigmoid",
-    "erf", "nn.functional.relu", "nn.functional.gelu", "nn.functional.silu", "softmax", "log_softmax",
+    "erf", "nn.functional.relu", "nn.functional.gelu", "nn.functional.silu", "nn.functional.softplus",
+    "nn.functional.hardtanh", "nn.functional.relu6", "nn.functional.hardsigmoid", "nn.functional.hardswish",
+    "nn.functional.elu", "nn.functional.mish", "nn.functional.leaky_relu", "softmax", "log_softmax",
     "nn.functional.layer_norm", "nn.functional.rms_norm", "sum", "mean", "amax", "amin", "var", "std", "transpose",
     "permute", "reshape", "view", "expand", "masked_fill", "where", "matmul", "mm", "bmm", "einsum",
     "nn.functional.linear", "t", "unsqueeze", "squeeze", "flatten", "clamp", "maximum", "minimum", "pow", "narrow",

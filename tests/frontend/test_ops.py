@@ -35,6 +35,10 @@ UNARY = {
     "log": lambda x: torch.log(x.abs() + 1), "erf": torch.erf, "clamp": lambda x: x.clamp(-0.5, 0.5),
     "scalar_ops": lambda x: (2.0 * x + 1) / 3 - x ** 2, "rsub": lambda x: 1 - x,
     "dropout_eval": lambda x: F.dropout(x, 0.3, training=False), "cast": lambda x: x.double().float(),
+    "softplus": lambda x: F.softplus(x * 8, 2.0, 5.0), "hardtanh": lambda x: F.hardtanh(x, -0.5, 0.75),
+    "relu6": lambda x: F.relu6(x * 8), "hardsigmoid": lambda x: F.hardsigmoid(x * 4),
+    "hardswish": lambda x: F.hardswish(x * 4), "elu": lambda x: F.elu(x, 0.5), "mish": F.mish,
+    "leaky_relu": lambda x: F.leaky_relu(x, negative_slope=0.2),
 }
 
 
