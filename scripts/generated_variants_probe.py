@@ -16,6 +16,7 @@ from stitchflow.bench.stitching_patterns import PATTERNS, pattern_kernel
 from stitchflow.targets.gpu.codegen import build_kernel
 from stitchflow.targets.gpu.mapping import Config
 from stitchflow.targets.gpu.runtime import Launch
+from stitchflow.targets.gpu.timing import timed_median
 
 SETUPS = {
     "column_standardize": ((65536, 1024), Config(32, 1024, 64, 8, persistent=128, coop=True, tma=True)),
@@ -129,12 +130,14 @@ CONFIGS = [  # --configs: the generated kernel alone, over other tilings of the 
 ]
 
 
-def time_configs(name: str) -> None:
+def time_configs(name: str, rounds: int = 3) -> None:
+    """Every config of CONFIGS, cooperative launch or not, timed in `rounds` rounds in turn."""
     shape = SETUPS[name][0]
     k, strides = pattern_kernel(name, shape)
     args = PATTERNS[name].make(shape, torch.float32, "cuda", torch.Generator().manual_seed(0))
     env = dict(zip(k.inputs, args if isinstance(args, tuple) else (args,)))
     ref = PATTERNS[name].module()(*env.values())
+    launches = {}
     for cfg in CONFIGS:
         spec = build_kernel(k.graph, [(k.plans[0], cfg)], strides, False, k.title, k.group_names)
         # a cooperative launch against a plain one, where the groups fit without it
@@ -142,8 +145,13 @@ def time_configs(name: str) -> None:
             launch = Launch(k.graph, dataclasses.replace(spec, cooperative=cooperative), f"{name}:{cfg}")
             launch(env)
             err = (env[spec.outputs[0]] - ref).abs().max().item()
-            t = do_bench(lambda: launch(env), warmup=5, rep=100, return_mode="median")
-            print(f"{name} {cfg} cooperative={cooperative}: {t * 1e3:.1f} us (max error {err:.1e})", flush=True)
+            launches[f"{cfg} cooperative={cooperative} (max error {err:.1e})"] = launch
+    times = {label: [] for label in launches}
+    for _ in range(rounds):
+        for label, launch in launches.items():
+            times[label].append(timed_median(lambda: launch(env), budget_s=0.3) * 1e6)  # the clean flush, as the bench
+    for label, ts in times.items():
+        print(f"{name} {label}: " + " / ".join(f"{t:.1f}" for t in ts) + " us", flush=True)
 
 
 def main():
