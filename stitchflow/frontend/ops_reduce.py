@@ -134,6 +134,26 @@ def lower_std(ctx, x, *args, **kwargs):
                             hint=ctx.hint)
 
 
+@lowering(torch.norm, "method:norm", torch.linalg.vector_norm, "aten.linalg_vector_norm", "aten.norm")
+def lower_norm(ctx, x, p=2, dim=None, keepdim=False, *, ord=None, dtype=None, out=None):
+    """Vector norms over `dim` (all of x by default): 2 ("fro"), 1 and inf, in float32 for
+    half-precision inputs; torch.linalg.vector_norm spells p `ord`."""
+    p = ord if ord is not None else p
+    p = 2 if p in ("fro", None) else p
+    if p not in (1, 2, math.inf):
+        raise UnsupportedOpError("norm", f"p={p!r} (2, 'fro', 1 and inf are lowered)", ctx.hint)
+    tag = ctx.builder.new_tag("norm")
+    acc = compute_dtype(x.dtype)
+    if p == math.inf:
+        return reduce(ctx, x, dim, "max", keepdim=keepdim, pre=lambda e, o: call("abs", e), dtype=ctx.dtype, tag=tag)
+    if p == 1:
+        return reduce(ctx, x, dim, "sum", keepdim=keepdim, pre=lambda e, o: call("abs", e), dtype=ctx.dtype, tag=tag)
+    squares = reduce(ctx, x, dim, "sum", keepdim=keepdim, pre=lambda e, o: call("mul", e, e), dtype=acc, tag=tag,
+                     hint=f"{ctx.hint}_squares")
+    return ctx.builder.emit(squares.shape, ctx.dtype, lambda o, r, rg: call("sqrt", squares.read(o, rg)), tag=tag,
+                            hint=ctx.hint)
+
+
 def _binary_max(ctx, a, b):
     from .ops_elementwise import elementwise
 

@@ -187,6 +187,13 @@ def lower_cat(ctx: LowerCtx, tensors, dim=0):
     return ctx.builder.emit(shape, dtype, body, hint=ctx.hint, tag=ctx.builder.new_tag("cat"))
 
 
+@lowering(torch.stack, "aten.stack")
+def lower_stack(ctx: LowerCtx, tensors, dim=0):
+    """A concatenation of the inputs, each seen with a new size-1 axis at `dim`."""
+    dim = V.norm_dim(dim, len(ctx.shape))
+    return lower_cat(ctx, [V.unsqueeze(t, dim) for t in tensors], dim)
+
+
 @lowering(
     "method:new_zeros", "method:new_ones", "method:new_full", "method:new_empty", torch.zeros_like,
     torch.ones_like, torch.full_like, torch.empty_like, "aten.zeros_like", "aten.ones_like", "aten.full_like",

@@ -17,10 +17,12 @@ OPS = [
     "nn.functional.layer_norm", "nn.functional.rms_norm", "sum", "mean", "amax", "amin", "var", "std", "transpose",
     "permute", "reshape", "view", "expand", "masked_fill", "where", "matmul", "mm", "bmm", "einsum",
     "nn.functional.linear", "t", "unsqueeze", "squeeze", "flatten", "clamp", "maximum", "minimum", "pow", "narrow",
-    "select", "index_select", "cat", "chunk", "split", "repeat", "addmm", "nn.functional.dropout",
+    "select", "index_select", "cat", "stack", "norm", "linalg.vector_norm", "chunk", "split", "repeat", "addmm", "nn.functional.dropout",
     "nn.functional.batch_norm", "nn.functional.group_norm",
 ]  # instance_norm's samples mostly update running statistics in place (refused by design; tests/frontend/test_ops)
 MIN_SUPPORTED = 0.5  # fraction of an op's samples that must compile
+# norms of order 1, 2 and inf are lowered; most samples ask for others (0, 3, -inf, "nuc"), refused with the reason
+MIN_SUPPORTED_OF = {"norm": 0.2, "linalg.vector_norm": 0.2}
 
 
 def _opinfos():
@@ -76,4 +78,5 @@ def test_opinfo_samples(info):
             assert_close(a, e)
         supported += 1
     assert total > 0
-    assert supported / total >= MIN_SUPPORTED, f"{info.name}: only {supported}/{total} samples supported"
+    wanted = MIN_SUPPORTED_OF.get(info.name, MIN_SUPPORTED)
+    assert supported / total >= wanted, f"{info.name}: only {supported}/{total} samples supported"

@@ -77,6 +77,9 @@ REDUCTIONS = {
     "manual_rms": lambda x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6),
     "amin": lambda x: x.amin(-1), "amin_all": torch.amin, "var_biased": lambda x: x.var(-1, unbiased=False),
     "std_all": lambda x: torch.std(x, correction=0), "var_keep": lambda x: x.var((0, -1), keepdim=True, correction=0),
+    "norm": lambda x: x.norm(), "norm_dim": lambda x: torch.norm(x, dim=-1, keepdim=True),
+    "norm_1": lambda x: x.norm(p=1, dim=0), "vector_norm_inf": lambda x: torch.linalg.vector_norm(x, ord=math.inf, dim=-1),
+    "stack": lambda x: torch.stack([x, x.relu() * 2], 1), "stack_last": lambda x: torch.stack([x, -x], -1).sum(-1),
 }
 
 

@@ -87,6 +87,7 @@ def _plan(graph: Graph, region: Region, options: dict):
         if O.conflict(dag):  # e.g. csr + csc: one is re-stored in the other order at load
             reformat = O.reformat_to_break_cycles(expr, graph)
             dag = O.constraints_without(expr, graph, reformat)
+        dag.add_nodes_from(out_vars)  # a broadcast axis (keepdim, expand) is iterated though no view reads it
         plans[name] = (expr, out_vars, extents, dag, frozenset(reformat))
     return plans, rx.buffered
 

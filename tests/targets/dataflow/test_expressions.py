@@ -115,3 +115,13 @@ def test_recomputation_shows_in_stream_lengths():
 def test_transposed_access(f):
     a = sparse((6, 4), 0.4, 9)
     check(lambda a, b: a.t() @ b, (a, dense((6, 3), 1)), {0: f}, "full")
+
+
+@SETTINGS
+@given(m=dims, n=dims, d=density, f=fmt, fu=fusion, s=seed, keep=st.sampled_from([0, 1]))
+def test_broadcast_axes_no_input_reads(m, n, d, f, fu, s, keep):
+    """Output axes that no input indexes (a keepdim reduction's size-1 axis, an expand) are
+    iterated too; they were once missing from the order's variables (KeyError)."""
+    inputs = [sparse((m, n), d, s), dense((m, n), s + 1)]
+    check(lambda a, x: ((a * x).sum(keep, keepdim=True) + x.amax(keep, keepdim=True)) * 2, inputs, {0: f}, fu)
+    check(lambda a, x: (x[0] * 2).expand(3, n) + a.sum(0), inputs, {0: f}, fu)
