@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ir.errors import UnsupportedOpError
-from ..ir.expr import Cast, Const, call
+from ..ir.expr import Cast, Const, IndexValue, call
 from ..ir.graph import Tag
 from ..ir.index import Gather
 from . import values as V
@@ -70,8 +70,70 @@ def lower_max(ctx, x, dim=None, keepdim=False):
     if isinstance(dim, TensorValue):
         return _binary_max(ctx, x, dim)
     if dim is not None:
-        raise UnsupportedOpError("max(dim)", "returns indices too; use amax", ctx.hint)
+        return extreme_and_index(ctx, x, dim, keepdim, "max")
     return reduce(ctx, x, None, "max", dtype=ctx.dtype)
+
+
+@lowering(torch.min, "method:min", "aten.min")
+def lower_min(ctx, x, dim=None, keepdim=False):
+    if isinstance(dim, TensorValue):
+        from .ops_elementwise import elementwise
+
+        return elementwise(ctx, lambda p, q: call("min", p, q), x, dim)
+    if dim is not None:
+        return extreme_and_index(ctx, x, dim, keepdim, "min")
+    return lower_amin(ctx, x)
+
+
+@lowering(torch.argmax, "method:argmax", "aten.argmax")
+def lower_argmax(ctx, x, dim=None, keepdim=False):
+    return _argument(ctx, x, dim, keepdim, "max")
+
+
+@lowering(torch.argmin, "method:argmin", "aten.argmin")
+def lower_argmin(ctx, x, dim=None, keepdim=False):
+    return _argument(ctx, x, dim, keepdim, "min")
+
+
+def _argument(ctx, x, dim, keepdim, kind):
+    if dim is None:
+        if x.rank > 1:
+            raise UnsupportedOpError(f"arg{kind}", "without dim it indexes the flattened tensor; give a dim", ctx.hint)
+        dim = 0
+    return extreme_and_index(ctx, x, dim, keepdim, kind)[1]
+
+
+MAX_INDEXED = 1 << 24  # positions are compared as float32, exact up to here
+
+
+def extreme_and_index(ctx, x, dim, keepdim, kind):
+    """(values, indices) of max or min over `dim`: the extreme, then the first position holding
+    it, found as max_k where(x[k] == extreme, -k, -n) in float32 (the IR reduces by sum and max
+    only; a NaN counts as the extreme, as torch returns it and its first index)."""
+    dim = V.norm_dim(dim, x.rank)
+    n = x.shape[dim]
+    if n >= MAX_INDEXED:
+        raise UnsupportedOpError(f"{kind}(dim)", f"{n} positions along dim {dim} (indices are found in float32)",
+                                 ctx.hint)
+    tag = ctx.builder.new_tag(f"{kind}_index")
+    acc = compute_dtype(x.dtype)
+    signed = (lambda e: e) if kind == "max" else (lambda e: call("neg", e))
+    peak = reduce(ctx, x, [dim], "max", pre=lambda e, o: signed(e), dtype=acc, tag=tag, hint=f"{ctx.hint}_peak")
+    shape = [1 if d == dim else size for d, size in enumerate(x.shape) if keepdim or d != dim]
+    outer = (lambda o: [o[d] for d in range(len(o)) if d != dim]) if keepdim else (lambda o: list(o))
+
+    def first_at_peak(o, r, rg):
+        rest = outer(o)
+        v = signed(upcast(x.read(rest[:dim] + [r[0]] + rest[dim:], rg), x))
+        hit = call("or", call("eq", v, peak.read(rest, rg)), call("ne", v, v))
+        return call("where", hit, call("neg", Cast(torch.float32, IndexValue(r[0]))), Const(float(-n)))
+
+    b = ctx.builder
+    first = b.emit(shape, torch.float32, first_at_peak, reduce="max", red_shape=[n], tag=tag, hint=f"{ctx.hint}_first")
+    index = b.emit(shape, torch.int64, lambda o, r, rg: Cast(torch.int64, call("neg", first.read(o, rg))), tag=tag,
+                   hint=f"{ctx.hint}_index")
+    values = b.emit(shape, x.dtype, lambda o, r, rg: signed(peak.read(outer(o), rg)), tag=tag, hint=ctx.hint)
+    return values, index
 
 
 @lowering(torch.amin, "method:amin", "aten.amin")

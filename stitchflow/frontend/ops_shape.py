@@ -215,10 +215,15 @@ def lower_metadata(ctx, *args, **kwargs):
 lowering("method:size", "method:dim", "method:numel", "method:stride", builtins.getattr, "aten.sym_size")(lower_metadata)
 
 
+RETURN_FIELDS = {"values": 0, "indices": 1}
+
+
 @lowering(builtins.getattr)
 def lower_getattr(ctx, x, name):
     if name in ("T", "mT") and isinstance(x, TensorValue):
         return V.transpose(x, -2, -1) if name == "mT" or x.rank == 2 else V.permute(x, list(reversed(range(x.rank))))
+    if isinstance(x, tuple) and name in RETURN_FIELDS:  # torch.return_types: max(dim).values, .indices
+        return x[RETURN_FIELDS[name]]
     if isinstance(ctx.out, torch.Tensor):
         raise UnsupportedOpError(f"attribute .{name}", "returns a tensor that is not a view", ctx.hint)
     return ctx.out

@@ -14,7 +14,7 @@ OPS = [
     "erf", "nn.functional.relu", "nn.functional.gelu", "nn.functional.silu", "nn.functional.softplus",
     "nn.functional.hardtanh", "nn.functional.relu6", "nn.functional.hardsigmoid", "nn.functional.hardswish",
     "nn.functional.elu", "nn.functional.mish", "nn.functional.leaky_relu", "softmax", "log_softmax",
-    "nn.functional.layer_norm", "nn.functional.rms_norm", "sum", "mean", "amax", "amin", "var", "std", "transpose",
+    "nn.functional.layer_norm", "nn.functional.rms_norm", "sum", "mean", "amax", "amin", "argmax", "argmin", "var", "std", "transpose",
     "permute", "reshape", "view", "expand", "masked_fill", "where", "matmul", "mm", "bmm", "einsum",
     "nn.functional.linear", "t", "unsqueeze", "squeeze", "flatten", "clamp", "maximum", "minimum", "pow", "narrow",
     "select", "index_select", "cat", "stack", "norm", "linalg.vector_norm", "chunk", "split", "repeat", "addmm", "nn.functional.dropout",

@@ -80,6 +80,9 @@ REDUCTIONS = {
     "norm": lambda x: x.norm(), "norm_dim": lambda x: torch.norm(x, dim=-1, keepdim=True),
     "norm_1": lambda x: x.norm(p=1, dim=0), "vector_norm_inf": lambda x: torch.linalg.vector_norm(x, ord=math.inf, dim=-1),
     "stack": lambda x: torch.stack([x, x.relu() * 2], 1), "stack_last": lambda x: torch.stack([x, -x], -1).sum(-1),
+    "max_dim": lambda x: x.max(-1), "min_dim_keep": lambda x: torch.min(x, 0, keepdim=True),
+    "max_values": lambda x: x.max(dim=0).values * 2, "argmax": lambda x: x.argmax(-1) + 1,
+    "argmin_keep": lambda x: torch.argmin(x, 0, keepdim=True), "min_all": lambda x: x.min(),
 }
 
 
@@ -100,6 +103,14 @@ def test_var_and_std_in_torchs_spellings(shape, keepdim, dtype):
                lambda x: x.var(unbiased=False)):
         prog = stitchflow.compile(fn, (x,))
         assert_close(prog(x), fn(x))
+
+
+def test_max_and_argmax_take_the_first_of_ties():
+    x = torch.tensor([[1.0, 5.0, 5.0, 0.0], [2.0, 2.0, -1.0, 2.0]]).to(torch.bfloat16)
+    for fn in (lambda x: x.max(-1), lambda x: x.argmin(-1), lambda x: torch.max(x, 0)):
+        prog = stitchflow.compile(fn, (x,))
+        for o, r in zip(prog(x), fn(x)) if not isinstance(fn(x), torch.Tensor) else [(prog(x), fn(x))]:
+            assert torch.equal(o, r)
 
 
 def test_var_over_no_more_elements_than_the_correction_is_refused():

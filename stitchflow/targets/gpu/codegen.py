@@ -388,7 +388,7 @@ class PartKernel(SplitStitching, TmaStitching, WelfordStitching):
                 continue  # the online step of its sum advances this maximum
             else:
                 acc, masked = accs[r.name], self._masked_body(r, scope)
-                e(f"{acc} = tl.maximum({acc}, {masked})" if r.reduce == "max" else f"{acc} = {acc} + {masked}")
+                e(f"{acc} = _max_nan({acc}, {masked})" if r.reduce == "max" else f"{acc} = {acc} + {masked}")
         for name in full_outs:
             self.store(name, self.node_value(name, scope), scope)
 
@@ -450,8 +450,9 @@ class PartKernel(SplitStitching, TmaStitching, WelfordStitching):
         return self.src.let(code, "b")
 
     def _reduce(self, r, tile: str) -> str:
-        fn = "tl.max" if r.reduce == "max" else "tl.sum"
-        return f"{fn}({tile}, axis=1, keep_dims=True)"
+        if r.reduce == "max":  # a NaN is the maximum, as in torch (tl.max drops it)
+            return f"tl.reduce({tile}, 1, _max_nan, keep_dims=True)"
+        return f"tl.sum({tile}, axis=1, keep_dims=True)"
 
     def _finish_reduction(self, r, value: str, root: Scope) -> None:
         dtype = self.graph.type_of[r.name].dtype

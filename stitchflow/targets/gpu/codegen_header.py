@@ -13,6 +13,13 @@ NAN = tl.constexpr(float("nan"))
 
 
 @triton.jit
+def _max_nan(a, b):
+    """max that keeps a NaN, as torch.maximum, amax and max(dim) do (tl.maximum and tl.max
+    drop it); one max.NaN instruction on the device."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _tanh(x):
     """tanh without branches (libdevice's has several, and gelu-tanh kernels are issue-bound):
     an odd Taylor polynomial where |x| < 0.3 (error < 1e-8 relative), else

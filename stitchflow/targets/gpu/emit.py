@@ -359,15 +359,17 @@ class BodyEmitter:
         a = args[0].code
         if op in ("add", "sub", "mul", "div"):
             return self._let(f"({a} {OPS[op].infix} {args[1].code})", kind, deps)
-        if op in ("max", "min"):
+        if op in ("max", "min"):  # torch.maximum and minimum keep a NaN (float operands only have one)
             fn = "tl.maximum" if op == "max" else "tl.minimum"
-            return self._let(f"{fn}({a}, {args[1].code})", kind, deps)
+            nan = ", propagate_nan=tl.PropagateNan.ALL" if kind == "f" else ""
+            return self._let(f"{fn}({a}, {args[1].code}{nan})", kind, deps)
         if op == "neg":
             return self._let(f"(-{a})", kind, deps)
         if op == "abs":
             return self._let(f"tl.abs({a})", kind, deps)
-        if op == "relu":
-            return self._let(f"tl.maximum({a}, 0)", kind, deps)
+        if op == "relu":  # relu(NaN) is NaN in torch
+            nan = ", propagate_nan=tl.PropagateNan.ALL" if kind == "f" else ""
+            return self._let(f"tl.maximum({a}, 0{nan})", kind, deps)
         if op == "recip":
             return self._let(f"(1.0 / {a})", "f", deps)
         raise TargetError(f"scalar op {op} has no Triton lowering")

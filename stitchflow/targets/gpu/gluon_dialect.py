@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 
 GLUON_HEADER = '''import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -30,6 +31,7 @@ TRITON_IMPORTS = ("import triton\nimport triton.language as tl\n"
                   "from triton.language.extra import libdevice  # noqa: F401\n")
 
 RENAMED = {"debug_barrier": "thread_barrier"}
+KEPT = {"PropagateNan"}  # Triton's own enums, which Gluon's functions take as they are
 
 
 class GluonRefusal(ValueError):
@@ -73,6 +75,8 @@ def to_gluon(source: str, layout: str) -> str:
 def _gl_name(match: re.Match) -> str:
     from triton.experimental.gluon import language as gl
 
+    if match.group(1) in KEPT:
+        return match.group(0)
     name = RENAMED.get(match.group(1), match.group(1))
     if not hasattr(gl, name):
         raise GluonRefusal(f"tl.{match.group(1)} has no Gluon counterpart")

@@ -125,7 +125,7 @@ def test_the_generated_source_becomes_gluon_with_one_layout():
     k, strides = pattern_kernel("column_center", BENCH)
     spec = build_kernel(k.graph, [(k.plans[0], CASES[0][3])], strides, False, k.title, k.group_names)
     src = spec.source
-    assert "@triton.jit" not in src and "tl." not in src and "@gluon.jit" in src
+    assert "@triton.jit" not in src and "tl." not in src.replace("tl.PropagateNan", "") and "@gluon.jit" in src
     assert "gl.arange(0, 32, layout=gl.SliceLayout(1, LAYOUT))[:, None]" in src
     assert "smem0.permute((1, 0)).load(LAYOUT)" in src
     assert src.index("sem='acq_rel'") < src.index("if pid_p + 2 < 32:") < src.index("while arrived < launch_base + 64")
@@ -141,6 +141,11 @@ def test_translation_lays_out_fills_and_refuses_what_gluon_lacks():
     out = to_gluon(module + body, blocked_layout(32, 8, 4))
     assert "gl.full([32, 1], 0.0, gl.float32, layout=LAYOUT)" in out and "_broadcast_to(a, [32, 64])" in out
     assert "gl.thread_barrier()" in out
+    # a NaN-keeping max: Gluon's functions take Triton's enum as it is
+    nan_max = "@triton.jit\ndef g(a, b):\n    return tl.reduce(tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL), 1, _max_nan)\n"
+    out = to_gluon(module + nan_max, blocked_layout(32, 8, 4))
+    assert "gl.reduce(gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL), 1, _max_nan)" in out
+    assert "import triton.language as tl" in out and "@gluon.jit\ndef _max_nan(a, b):" in out
     assert "threads_per_warp=[8, 4]" in blocked_layout(32, 8, 4) and "[8, 1]" in blocked_layout(32, 4, 2)
     with pytest.raises(GluonRefusal, match="tl.sigmoid"):
         to_gluon(module + "@triton.jit\ndef g(x):\n    return tl.sigmoid(x)\n", "L")

@@ -225,6 +225,17 @@ def test_reductions_to_a_scalar_and_variances(fn, dtype):
     assert not any(isinstance(s, TorchStep) for c in prog.compiled for s in c.steps)
 
 
+def test_nan_is_kept_by_maxima_as_in_torch():
+    """tl.maximum and tl.max drop a NaN operand; torch's maximum, relu, amax and max(dim) keep it."""
+    x = torch.randn(6, 37, generator=torch.Generator().manual_seed(0))
+    x[1, 4] = x[3, 30] = float("nan")
+    for fn in (lambda x: x.amax(-1), lambda x: x.amax(0), lambda x: torch.maximum(x, x[:, :1]).relu() + torch.minimum(x[:, :1], x),
+               lambda x: torch.max(x, -1), lambda x: x.argmax(0)):
+        prog = stitchflow.compile(fn, (x,), target="gpu", fusion="full")
+        for o, r in zip(as_tuple(prog(x)), as_tuple(fn(x))):
+            torch.testing.assert_close(o, r, equal_nan=True)
+
+
 def test_gelu_tanh_and_powers_match():
     class M(nn.Module):
         def forward(self, x):
