@@ -183,6 +183,15 @@ _activation((F.leaky_relu, torch._C._nn.leaky_relu, "aten.leaky_relu"), "leaky_r
 _activation((F.mish, torch._C._nn.mish, "aten.mish"), "mish", lambda a: call("mul", a, call("tanh", _softplus(a))))
 
 
+@lowering(F.glu, "aten.glu")
+def lower_glu(ctx, x, dim=-1):
+    """a * sigmoid(b) over the two halves of `dim`, read as views of x."""
+    dim = V.norm_dim(dim, x.rank)
+    half = x.shape[dim] // 2
+    a, b = V.slice_dim(x, dim, 0, half, 1), V.slice_dim(x, dim, half, 2 * half, 1)
+    return elementwise(ctx, lambda p, q: call("mul", p, call("sigmoid", q)), a, b, tag="glu", upcast_reads=True)
+
+
 @lowering(torch.clamp, torch.clip, "method:clamp", "method:clip", "aten.clamp", "aten.clip")
 def lower_clamp(ctx, x, min=None, max=None):
     bounds = [(op, b) for op, b in (("max", min), ("min", max)) if b is not None]

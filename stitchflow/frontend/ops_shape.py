@@ -100,6 +100,13 @@ def lower_index_select(ctx, x, dim, index):
     return V.gather_dim(x, dim, _index_value(ctx, index))
 
 
+@lowering(torch.gather, "method:gather", "aten.gather")
+def lower_gather(ctx, x, dim, index, *, sparse_grad=False):
+    if index.rank != x.rank:
+        raise ShapeError(f"gather: the index has {index.rank} dims, the input {x.rank}")
+    return V.gather_along(x, dim, _index_value(ctx, index))
+
+
 @lowering(torch.chunk, "method:chunk", torch.split, "method:split", "aten.split", "aten.chunk", "aten.split_with_sizes")
 def lower_split(ctx, x, sizes_or_chunks, dim=0):
     dim = V.norm_dim(dim, x.rank)

@@ -221,3 +221,13 @@ def gather_dim(v: TensorValue, dim: int, idx: TensorValue) -> TensorValue:
         else:
             old.append(placeholder(d - 1 + k))
     return v.remap(shape, old)
+
+
+def gather_along(v: TensorValue, dim: int, idx: TensorValue) -> TensorValue:
+    """torch.gather: out[..., j, ...] = v[..., idx[..., j, ...], ...] along `dim`, the other axes
+    read at the output's own coordinates (the output has the index tensor's shape)."""
+    dim = norm_dim(dim, v.rank)
+    shape = list(idx.shape)
+    ranges = {f"_{d}": n for d, n in enumerate(shape)}
+    coords = [substitute(i, {f"_{d}": placeholder(d) for d in range(idx.rank)}, ranges) for i in idx.index]
+    return v.remap(shape, [Gather(idx.base, tuple(coords)) if d == dim else placeholder(d) for d in range(v.rank)])

@@ -83,6 +83,7 @@ REDUCTIONS = {
     "max_dim": lambda x: x.max(-1), "min_dim_keep": lambda x: torch.min(x, 0, keepdim=True),
     "max_values": lambda x: x.max(dim=0).values * 2, "argmax": lambda x: x.argmax(-1) + 1,
     "argmin_keep": lambda x: torch.argmin(x, 0, keepdim=True), "min_all": lambda x: x.min(),
+    "glu": lambda x: F.glu(torch.cat([x, x * 2], -1), -1), "global_pool": lambda x: F.adaptive_avg_pool1d(x, 1),
 }
 
 
@@ -111,6 +112,24 @@ def test_max_and_argmax_take_the_first_of_ties():
         prog = stitchflow.compile(fn, (x,))
         for o, r in zip(prog(x), fn(x)) if not isinstance(fn(x), torch.Tensor) else [(prog(x), fn(x))]:
             assert torch.equal(o, r)
+
+
+@settings(max_examples=10, deadline=None)
+@given(shape=st.lists(dims, min_size=1, max_size=3), dim=st.integers(0, 2), seed=st.integers(0, 100))
+def test_gather_along_a_dim(shape, dim, seed):
+    g = torch.Generator().manual_seed(seed)
+    dim = dim % len(shape)
+    x = torch.randn(shape, generator=g)
+    index_shape = [max(1, n - 1) if d != dim else 3 for d, n in enumerate(shape)]
+    index = torch.randint(0, shape[dim], index_shape, generator=g)
+    check(lambda x, i: torch.gather(x, dim, i) * 2, x, index)
+
+
+def test_global_average_pooling_and_its_refusal():
+    x = torch.randn(2, 3, 5, 4)
+    check(lambda x: F.adaptive_avg_pool2d(x, 1).flatten(1) + F.adaptive_avg_pool2d(x, (1, 1)).sum(), x)
+    with pytest.raises(stitchflow.StitchflowError, match="only 1 is lowered"):
+        stitchflow.compile(lambda x: F.adaptive_avg_pool2d(x, 2), (x,))
 
 
 def test_var_over_no_more_elements_than_the_correction_is_refused():

@@ -391,7 +391,8 @@ class Lowerer:
         else:  # dense (or read through index arithmetic): any order, addresses computed
             vars_ = tuple(sorted(view.vars, key=self.pos.__getitem__))
             kinds = ("d",) * len(vars_)
-            if view.plain:
+            whole = all(self.extent[i.name] == n for i, n in zip(view.index, ttype.shape)) if view.plain else False
+            if whole:  # a view over part of a dimension (y[:, :5]) is addressed, not scanned whole
                 modes, index = tuple(view.index.index(_var(v)) for v in vars_), None
             else:
                 modes, index = None, view.index

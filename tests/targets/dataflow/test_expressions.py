@@ -125,3 +125,12 @@ def test_broadcast_axes_no_input_reads(m, n, d, f, fu, s, keep):
     inputs = [sparse((m, n), d, s), dense((m, n), s + 1)]
     check(lambda a, x: ((a * x).sum(keep, keepdim=True) + x.amax(keep, keepdim=True)) * 2, inputs, {0: f}, fu)
     check(lambda a, x: (x[0] * 2).expand(3, n) + a.sum(0), inputs, {0: f}, fu)
+
+
+@SETTINGS
+@given(m=dims, n=dims, fu=fusion, s=seed)
+def test_two_slices_of_one_dense_dimension(m, n, fu, s):
+    """y[:, :n] * y[:, n:]: a plain read over part of a dimension is addressed at its extent (it
+    was scanned whole, and the write ran past the output: IndexError)."""
+    y = dense((m, 2 * n + 1), s)
+    check(lambda y: y[:, :n] * torch.sigmoid(y[:, n:2 * n]) + y[:, 1:n + 1], [y], {}, fu)
