@@ -6,12 +6,13 @@ import builtins
 import operator
 
 import torch
+import torch.nn.functional as F
 
 from ..ir.errors import ShapeError, UnsupportedOpError
 from ..ir.expr import Const, IndexValue, call
 from ..ir.index import add
 from . import values as V
-from .registry import LowerCtx, lowering
+from .registry import LowerCtx, lowering, refusal
 from .values import TensorValue
 
 
@@ -98,6 +99,19 @@ def lower_select(ctx, x, dim, index):
 @lowering(torch.index_select, "method:index_select", "aten.index_select")
 def lower_index_select(ctx, x, dim, index):
     return V.gather_dim(x, dim, _index_value(ctx, index))
+
+
+@lowering(F.embedding, "aten.embedding")
+def lower_embedding(ctx, index, weight, padding_idx=None, max_norm=None, *args, **kwargs):
+    """weight[index]: rows gathered by the index tensor (padding_idx only changes gradients)."""
+    return V.gather_dim(weight, 0, _index_value(ctx, index))
+
+
+@refusal(F.embedding)
+def _embedding_with_max_norm(args, kwargs) -> str | None:
+    """Refused before capture runs it: max_norm renormalises rows of the weight in place."""
+    max_norm = kwargs.get("max_norm", args[3] if len(args) > 3 else None)
+    return None if max_norm is None else "embedding with max_norm renormalises the weight in place"
 
 
 @lowering(torch.gather, "method:gather", "aten.gather")

@@ -17,7 +17,7 @@ OPS = [
     "nn.functional.layer_norm", "nn.functional.rms_norm", "sum", "mean", "amax", "amin", "argmax", "argmin", "var", "std", "transpose",
     "permute", "reshape", "view", "expand", "masked_fill", "where", "matmul", "mm", "bmm", "einsum",
     "nn.functional.linear", "t", "unsqueeze", "squeeze", "flatten", "clamp", "maximum", "minimum", "pow", "narrow",
-    "select", "index_select", "gather", "nn.functional.glu", "cat", "stack", "norm", "linalg.vector_norm", "chunk", "split", "repeat", "addmm", "nn.functional.dropout",
+    "select", "index_select", "gather", "nn.functional.embedding", "nn.functional.glu", "cat", "stack", "norm", "linalg.vector_norm", "chunk", "split", "repeat", "addmm", "nn.functional.dropout",
     "nn.functional.batch_norm", "nn.functional.group_norm",
 ]  # instance_norm's samples mostly update running statistics in place (refused by design; tests/frontend/test_ops)
 MIN_SUPPORTED = 0.5  # fraction of an op's samples that must compile

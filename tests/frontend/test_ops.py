@@ -125,11 +125,39 @@ def test_gather_along_a_dim(shape, dim, seed):
     check(lambda x, i: torch.gather(x, dim, i) * 2, x, index)
 
 
+def test_embedding_gathers_rows():
+    weight, index = torch.randn(20, 6), torch.randint(0, 20, (3, 5))
+    check(lambda i, w: F.embedding(i, w, padding_idx=0) * 2, index, weight)
+    before = weight.clone()
+    with pytest.raises(stitchflow.StitchflowError, match="max_norm"):
+        stitchflow.compile(lambda i, w: F.embedding(i, w, max_norm=1.0), (index, weight))
+    assert torch.equal(weight, before)  # refused before capture ran it
+
+
 def test_global_average_pooling_and_its_refusal():
     x = torch.randn(2, 3, 5, 4)
     check(lambda x: F.adaptive_avg_pool2d(x, 1).flatten(1) + F.adaptive_avg_pool2d(x, (1, 1)).sum(), x)
     with pytest.raises(stitchflow.StitchflowError, match="only 1 is lowered"):
         stitchflow.compile(lambda x: F.adaptive_avg_pool2d(x, 2), (x,))
+
+
+@settings(max_examples=10, deadline=None)
+@given(h=st.integers(2, 9), w=st.integers(2, 9), kh=st.integers(1, 3), kw=st.integers(1, 3),
+       kind=st.sampled_from(["avg", "max"]))
+def test_pools_whose_windows_tile_the_input(h, w, kh, kw, kind):
+    pool = {"avg": F.avg_pool2d, "max": F.max_pool2d}[kind]
+    x = torch.randn(2, 3, h, w)
+    if kh <= h and kw <= w:  # floor mode: the last partial windows are dropped
+        check(lambda x: pool(x, (kh, kw)).relu() + 1, x)
+    check(lambda x: {"avg": F.avg_pool1d, "max": F.max_pool1d}[kind](x[:, :, 0], 2) * 2, x, fusion="full")
+
+
+def test_overlapping_or_padded_pools_are_refused_with_the_reason():
+    x = torch.randn(1, 2, 6, 6)
+    for fn in (lambda x: F.max_pool2d(x, 3, 1), lambda x: F.avg_pool2d(x, 2, padding=1),
+               lambda x: F.max_pool2d(x, 2, return_indices=True)[0]):
+        with pytest.raises(stitchflow.StitchflowError, match="pool"):
+            stitchflow.compile(fn, (x,))
 
 
 def test_var_over_no_more_elements_than_the_correction_is_refused():
