@@ -18,7 +18,7 @@ from ...ir.graph import Graph, Node, Region
 from ...ir.interpret import eval_node
 from ...ir.index import Div, Lit, Mod, Sum, Var, add, bounds, evaluate, substitute
 from ...ir.index import scale as scale_index
-from .analysis import (NotStitchable, PartPlan, components, factor_access, is_contraction, node_refusal,
+from .analysis import (NotStitchable, PartPlan, components, factor_access, inlinable, is_contraction, node_refusal,
                        plan_part, product_factors, unify)
 
 log = logging.getLogger("stitchflow.gpu")
@@ -37,7 +37,23 @@ def plan_group(graph: Graph, nodes: list[Node], region_outputs: set) -> list[Par
     names = {n.name for n in nodes}
     users = outside_users(graph, names) | (region_outputs & names)
     uf = unify(graph, nodes)
-    return [plan_part(graph, comp, uf, users) for comp in components(graph, nodes, uf)]
+    parts = components(graph, nodes, uf)
+    _check_independent(graph, parts, names)
+    return [plan_part(graph, comp, uf, users) for comp in parts]
+
+
+def _check_independent(graph: Graph, parts: list[list[Node]], names: set) -> None:
+    """The parts of one kernel run side by side: a part may recompute another's elementwise
+    node at its own indices (inlining), but a reduction another part computes (x[::2] +
+    x[:, 1::2].sum(): a sum over axes the consumer's loop nest does not share) exists only
+    when that part has run, so the kernel ends before the reader."""
+    owner = {n.name: k for k, part in enumerate(parts) for n in part}
+    for k, part in enumerate(parts):
+        for n in part:
+            for t in n.inputs:
+                if owner.get(t, k) != k and not inlinable(graph, graph.node_of[t], names):
+                    raise NotStitchable(f"{n.name} reads {t}, a reduction computed by another loop nest of "
+                                        "the kernel")
 
 
 def iota_params(params: dict) -> set:

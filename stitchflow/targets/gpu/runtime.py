@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ...ir.errors import TargetError
 from ...ir.graph import Graph
 from ...ir.interpret import eval_node
 from . import cluster_planes
@@ -323,7 +324,7 @@ class GroupKernel:
     def _tune(self, configs, strides, env, key) -> Launch:
         from .timing import timed_median
 
-        best, best_t, timings = None, float("inf"), {}
+        best, best_t, timings, failures = None, float("inf"), {}, []
         for v, cfgs in enumerate(configs):
             try:
                 launch = self._make(cfgs, strides, True)
@@ -333,12 +334,14 @@ class GroupKernel:
                 t = timed_median(lambda: launch(scratch), budget_s=0.02) * 1e3  # ms
             except Exception as err:  # a config the device cannot run (resources): skip it
                 log.info("config %s failed: %s", [str(c) for c in cfgs], err)
+                failures.append(f"{','.join(map(str, cfgs))}: {type(err).__name__}: {str(err).splitlines()[0][:300]}")
                 continue
             timings[",".join(map(str, cfgs))] = round(t * 1000, 2)
             if t < best_t:
                 best, best_t = v, t
         if best is None:
-            raise RuntimeError(f"no config of {self.title} could run")
+            raise TargetError(f"no config of {self.title} could run on this device ({len(failures)} tried); "
+                              f"the first failed with {failures[0] if failures else 'nothing to try'}")
         self.tuned_us = round(best_t * 1000, 2)
         save_choice(key, best, timings)
         return self._make(configs[best], strides, True)

@@ -225,6 +225,17 @@ def test_reductions_to_a_scalar_and_variances(fn, dtype):
     assert not any(isinstance(s, TorchStep) for c in prog.compiled for s in c.steps)
 
 
+def test_a_reduction_read_by_another_loop_nest_ends_the_kernel():
+    """x[::2, ::2] + x[:, 1::2].sum(): the sum's loop nest shares no axis with the add's, so they
+    were two parts of one kernel and the add read a reduction no part of it had computed."""
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+    for fn in (lambda x: x[::2, ::2] + x[:, 1::2].sum(),
+               lambda x: F.max_pool2d(x[None], 2)[0] + F.avg_pool1d(x[:, None], 4)[:, 0].sum()):
+        prog = stitchflow.compile(fn, (x,), target="gpu", fusion="full")
+        torch.testing.assert_close(prog(x), fn(x), rtol=1e-5, atol=1e-4)
+        assert sum(1 for c in prog.compiled for s in c.steps if not isinstance(s, TorchStep)) >= 2
+
+
 def test_nan_is_kept_by_maxima_as_in_torch():
     """tl.maximum and tl.max drop a NaN operand; torch's maximum, relu, amax and max(dim) keep it."""
     x = torch.randn(6, 37, generator=torch.Generator().manual_seed(0))
