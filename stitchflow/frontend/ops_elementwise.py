@@ -113,8 +113,28 @@ for _op, _keys in {
     "sigmoid": (torch.sigmoid, F.sigmoid, "method:sigmoid", "aten.sigmoid"),
     "erf": (torch.erf, torch.special.erf, "method:erf", "aten.erf"),
     "not": (torch.logical_not, operator.invert, "method:logical_not", "aten.logical_not"),
+    "sin": (torch.sin, "method:sin", "aten.sin"),
+    "cos": (torch.cos, "method:cos", "aten.cos"),
+    "log1p": (torch.log1p, "method:log1p", "aten.log1p"),
+    "expm1": (torch.expm1, "method:expm1", "aten.expm1"),
 }.items():
     lowering(*_keys)(_unary(_op))
+
+
+def _rounding(op):
+    """floor, ceil and round: integers are already whole (torch returns them unchanged)."""
+    def lower(ctx, x, *args, decimals=0, **kwargs):
+        if decimals:
+            raise UnsupportedOpError(op, f"decimals={decimals}", ctx.hint)
+        if isinstance(x, TensorValue) and not x.dtype.is_floating_point:
+            return x
+        return elementwise(ctx, lambda a: call(op, a), x, upcast_reads=True)
+
+    return lower
+
+
+for _op in ("floor", "ceil", "round"):
+    lowering(getattr(torch, _op), f"method:{_op}", f"aten.{_op}")(_rounding(_op))
 
 
 @lowering(torch.relu, F.relu, "method:relu", "aten.relu")

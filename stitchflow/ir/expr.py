@@ -163,6 +163,13 @@ OPS: dict[str, OpSpec] = {
     "sigmoid": OpSpec(1, _unary(torch.sigmoid)),
     "erf": OpSpec(1, _unary(torch.erf)),
     "relu": OpSpec(1, _unary(torch.relu)),
+    "sin": OpSpec(1, _unary(torch.sin)),
+    "cos": OpSpec(1, _unary(torch.cos)),
+    "floor": OpSpec(1, _unary(torch.floor)),
+    "ceil": OpSpec(1, _unary(torch.ceil)),
+    "round": OpSpec(1, _unary(torch.round)),  # half to even, as torch.round
+    "log1p": OpSpec(1, _unary(torch.log1p)),
+    "expm1": OpSpec(1, _unary(torch.expm1)),
     "where": OpSpec(3, _where, kind="select"),
 }
 

@@ -22,7 +22,8 @@ from ..ir.graph import Graph, Node
 
 ASSUMED_DENSITY = 0.1  # a sparse input we have no values for (FuseFlow's weights are 50-90% sparse)
 MEASURE_LIMIT = 1 << 26  # above this many entries a dense-stored tensor's tiles are estimated
-ZERO_PRESERVING = frozenset({"neg", "abs", "relu", "sqrt", "tanh", "erf"})
+ZERO_PRESERVING = frozenset({"neg", "abs", "relu", "sqrt", "tanh", "erf", "sin", "floor", "ceil", "round", "log1p",
+                             "expm1"})
 UNION = frozenset({"add", "sub", "max", "min", "or", "where"})
 
 

@@ -11,6 +11,7 @@ from conftest import assert_close
 
 OPS = [
     "add", "sub", "mul", "div", "neg", "abs", "exp", "log", "sqrt", "rsqrt", "reciprocal", "tanh", "sigmoid",
+    "sin", "cos", "floor", "ceil", "round", "log1p", "expm1",
     "erf", "nn.functional.relu", "nn.functional.gelu", "nn.functional.silu", "nn.functional.softplus",
     "nn.functional.hardtanh", "nn.functional.relu6", "nn.functional.hardsigmoid", "nn.functional.hardswish",
     "nn.functional.elu", "nn.functional.mish", "nn.functional.leaky_relu", "softmax", "log_softmax",

@@ -39,6 +39,8 @@ UNARY = {
     "relu6": lambda x: F.relu6(x * 8), "hardsigmoid": lambda x: F.hardsigmoid(x * 4),
     "hardswish": lambda x: F.hardswish(x * 4), "elu": lambda x: F.elu(x, 0.5), "mish": F.mish,
     "leaky_relu": lambda x: F.leaky_relu(x, negative_slope=0.2),
+    "sin_cos": lambda x: x.sin() * torch.cos(x * 3), "rounding": lambda x: (x * 4).round() + torch.floor(x * 3) - x.ceil(),
+    "log1p_expm1": lambda x: torch.log1p(x.abs() * 1e-3) + torch.expm1(x * 1e-4),
 }
 
 

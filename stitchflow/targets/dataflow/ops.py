@@ -20,6 +20,8 @@ _NP = {
     "sqrt": lambda a: _quiet(np.sqrt, a), "rsqrt": lambda a: _quiet(lambda x: 1.0 / np.sqrt(x), a),
     "recip": lambda a: _quiet(lambda x: 1.0 / x, a), "tanh": np.tanh,
     "sigmoid": special.expit, "erf": special.erf, "relu": lambda a: np.maximum(a, 0.0),
+    "sin": np.sin, "cos": np.cos, "floor": np.floor, "ceil": np.ceil, "round": np.round,  # numpy's rounds half to even
+    "log1p": lambda a: _quiet(np.log1p, a), "expm1": np.expm1,
     "where": lambda c, a, b: np.where(np.asarray(c) != 0, a, b),
 }
 

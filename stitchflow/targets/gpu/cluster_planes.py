@@ -44,8 +44,13 @@ INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/", "lt": "<", "le": "<=", 
          "eq": "==", "ne": "!=", "and": "&&", "or": "||"}
 UNARY = {"neg": "(-{0})", "abs": "fabsf({0})", "exp": "expf({0})", "log": "logf({0})", "sqrt": "sqrtf({0})",
          "rsqrt": "rsqrtf({0})", "recip": "(1.0f / {0})", "tanh": "tanhf({0})", "erf": "erff({0})",
-         "sigmoid": "(1.0f / (1.0f + expf(-{0})))", "relu": "fmaxf({0}, 0.0f)", "not": "(!{0})"}
-BINARY = {"max": "fmaxf({0}, {1})", "min": "fminf({0}, {1})", "pow": "powf({0}, {1})"}
+         "sigmoid": "(1.0f / (1.0f + expf(-{0})))", "not": "(!{0})", "sin": "sinf({0})", "cos": "cosf({0})",
+         "floor": "floorf({0})", "ceil": "ceilf({0})", "round": "rintf({0})", "log1p": "log1pf({0})",
+         "expm1": "expm1f({0})",
+         # torch keeps a NaN where fmaxf and fminf drop it
+         "relu": "({0} != {0} ? {0} : fmaxf({0}, 0.0f))"}
+BINARY = {"max": "({0} != {0} || {1} != {1} ? {0} + {1} : fmaxf({0}, {1}))",
+          "min": "({0} != {0} || {1} != {1} ? {0} + {1} : fminf({0}, {1}))", "pow": "powf({0}, {1})"}
 # Nodes rounded to bfloat16 or float16 take the special-function unit's approximations (a few ulp of float32,
 # far below half a bf16 step), as the Triton path does: group norm's SiLU epilogue with expf and an IEEE division
 # issued ~30 instructions an element, as many cycles as its bytes take at copy bandwidth with 8-16 warps an SM.

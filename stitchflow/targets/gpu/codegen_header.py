@@ -13,6 +13,31 @@ NAN = tl.constexpr(float("nan"))
 
 
 @triton.jit
+def _round_even(x):
+    """Nearest integer, ties to even, as torch.round (libdevice's rint has no Gluon counterpart
+    and returns nothing under the interpreter)."""
+    f = tl.floor(x)
+    d = x - f
+    odd = f - 2.0 * tl.floor(f * 0.5)
+    near = tl.where(d > 0.5, f + 1.0, tl.where(d < 0.5, f, f + odd))
+    return tl.where(tl.abs(x) >= 8388608.0, x, near)  # 2^23 and up (and inf) are whole already
+
+
+@triton.jit
+def _log1p(x):
+    """log(1 + x) to a few ulps near 0: log(u) * x / (u - 1) with u = 1 + x rounded (Goldberg)."""
+    u = 1.0 + x
+    return tl.where(u == 1.0, x, tl.where(u == INF, u, tl.log(u) * x / (u - 1.0)))
+
+
+@triton.jit
+def _expm1(x):
+    """exp(x) - 1 to a few ulps near 0: (u - 1) * x / log(u) with u = exp(x) rounded (Kahan)."""
+    u = tl.exp(x)
+    return tl.where(u == 1.0, x, tl.where(u - 1.0 == -1.0, -1.0, tl.where(u == INF, u, (u - 1.0) * x / tl.log(u))))
+
+
+@triton.jit
 def _max_nan(a, b):
     """max that keeps a NaN, as torch.maximum, amax and max(dim) do (tl.maximum and tl.max
     drop it); one max.NaN instruction on the device."""

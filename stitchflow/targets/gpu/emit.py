@@ -37,7 +37,8 @@ TL_DTYPE = {
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 UNARY_FLOAT = {"exp": "tl.exp", "log": "tl.log", "sqrt": "tl.sqrt_rn", "rsqrt": "tl.rsqrt",
-               "sigmoid": "tl.sigmoid", "erf": "tl.erf"}
+               "sigmoid": "tl.sigmoid", "erf": "tl.erf", "sin": "tl.sin", "cos": "tl.cos", "floor": "tl.floor",
+               "ceil": "tl.ceil", "round": "_round_even", "log1p": "_log1p", "expm1": "_expm1"}
 
 
 @dataclass(frozen=True)

@@ -236,6 +236,16 @@ def test_a_reduction_read_by_another_loop_nest_ends_the_kernel():
         assert sum(1 for c in prog.compiled for s in c.steps if not isinstance(s, TorchStep)) >= 2
 
 
+@pytest.mark.parametrize("fn", [torch.round, torch.floor, torch.ceil, torch.log1p, torch.expm1, torch.sin, torch.cos],
+                         ids=lambda f: f.__name__)
+def test_rounding_and_small_argument_functions_at_their_edges(fn):
+    """Ties to even, whole numbers past 2^23, infinities, NaN, and log1p/expm1 near 0 and far out."""
+    x = torch.tensor([[0.5, 1.5, 2.5, -0.5, -1.5, 1e-8, -1e-8, 1e9, float("inf"), -float("inf"), float("nan"),
+                       100.0, -100.0, -1.0, 3.7, -2.2]])
+    prog = stitchflow.compile(fn, (x,), target="gpu", fusion="full")
+    torch.testing.assert_close(prog(x), fn(x), rtol=2e-6, atol=0, equal_nan=True)
+
+
 def test_nan_is_kept_by_maxima_as_in_torch():
     """tl.maximum and tl.max drop a NaN operand; torch's maximum, relu, amax and max(dim) keep it."""
     x = torch.randn(6, 37, generator=torch.Generator().manual_seed(0))
