@@ -1,8 +1,8 @@
 """Device check: ops the frontend lowered in session 15 (var, std, amin, norm, max/min over a dim with
-their indices, argmax, activations, pools, gather, embedding) and NaN-keeping maxima, through the gpu
-target on CUDA tensors, against eager; large column reductions take the TMA-fed (Gluon) pieces. Then
-small models of many kinds through torch.compile(backend="stitchflow") on CUDA. Not a test (the CPU
-tests run the same kernels under the interpreter); prints one line per case, exits 1 on a mismatch.
+their indices, argmax, activations, pools, gather, embedding, rounding, sin/cos, log1p/expm1) and
+NaN-keeping maxima, through the gpu target on CUDA tensors, against eager; large column reductions take the
+TMA-fed (Gluon) pieces. Then small models through torch.compile(backend="stitchflow") on CUDA. Not a test
+(the CPU tests run the same kernels under the interpreter); prints one line per case, exits 1 on a mismatch.
 
     PYTHONPATH=. python3 scripts/reductions_device_check.py
 """
@@ -23,6 +23,8 @@ CASES = {
     "relu, maximum": lambda x: torch.maximum(x, x[:, :1]).relu(),
     "activations": lambda x: F.hardswish(x) + F.mish(x) + F.softplus(x) + F.elu(x) + F.leaky_relu(x, 0.1),
     "pools": lambda x: F.max_pool2d(x[None], 2)[0] + F.avg_pool1d(x[:, None], 4)[:, 0].sum(),
+    "rounding, sin, log1p": lambda x: (x * 4).round() + torch.floor(x) - x.ceil() + torch.sin(x) * torch.cos(x)
+    + torch.log1p(x.abs()) - torch.expm1(x * 1e-3),
     "gather, glu": lambda x: torch.gather(F.glu(x[:, :256], -1), 1, torch.zeros_like(x[:, :3], dtype=torch.long)) * 2,
 }
 
