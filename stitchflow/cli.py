@@ -1,6 +1,7 @@
 """The `stitchflow` command line: one verb per thing a user runs, each with --help.
 
     stitchflow apps                         list the app zoo and the datasets
+    stitchflow ops --grep norm              the PyTorch ops stitchflow lowers (JSON with --json)
     stitchflow show gcn --fusion partial    captured IR and fusion regions (JSON with --json)
     stitchflow run gcn --dataset cora       compile, run, compare with eager, time both
     stitchflow explain gcn --fusion auto    why each pair of neighbouring ops is or is not fused
@@ -76,6 +77,27 @@ def cmd_apps(args) -> int:
     console = Console()
     console.print(table)
     console.print("datasets: " + ", ".join(sorted(DATASETS)))
+    return 0
+
+
+def cmd_ops(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .frontend.registry import catalog
+
+    rows = [r for r in catalog() if args.grep.lower() in r["op"].lower()
+            and (args.family is None or r["family"] == args.family)]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    table = Table(title=f"ops stitchflow lowers ({len(rows)}; * refused before capture for some arguments)")
+    table.add_column("family")
+    table.add_column("ops")
+    for family in sorted({r["family"] for r in rows}):
+        names = [r["op"] + ("*" if r["refused_before_capture"] else "") for r in rows if r["family"] == family]
+        table.add_row(family, ", ".join(names))
+    Console().print(table)
     return 0
 
 
@@ -174,6 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     p = verbs.add_parser("apps", help="list the app zoo and datasets")
     p.set_defaults(fn=cmd_apps)
+    p = verbs.add_parser("ops", help="list the PyTorch ops stitchflow lowers to its IR (everything else runs eagerly)")
+    p.add_argument("--grep", default="", help="only ops whose name contains this text (any case)")
+    p.add_argument("--family", default=None, help="only one family: elementwise, reduce, shape, linalg, pool")
+    p.add_argument("--json", action="store_true", help="print the list as JSON")
+    p.set_defaults(fn=cmd_ops)
     p = verbs.add_parser("show", help="print the captured IR and fusion regions of an app")
     _app_args(p)
     p.add_argument("--json", action="store_true", help="print a JSON summary instead")

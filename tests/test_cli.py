@@ -8,7 +8,7 @@ import pytest
 
 from stitchflow.cli import build_parser, main
 
-VERBS = ["apps", "show", "run", "explain", "explore", "simulate", "bench"]
+VERBS = ["apps", "ops", "show", "run", "explain", "explore", "simulate", "bench"]
 
 
 @pytest.mark.parametrize("verb", VERBS)
@@ -48,3 +48,23 @@ def test_errors_are_reported_not_raised(capsys):
 def test_console_script_runs():
     out = subprocess.run([sys.executable, "-m", "stitchflow.cli", "apps"], capture_output=True, text=True, check=True)
     assert "gcn" in out.stdout
+
+
+def test_ops_lists_the_lowerings_by_names_torch_has(capsys):
+    import importlib
+
+    import torch
+
+    assert main(["ops", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    names = {r["op"] for r in rows}
+    assert {"torch.nn.functional.hardswish", "Tensor.var", "torch.gather", "aten.addmm"} <= names
+    assert any(r["refused_before_capture"] for r in rows if r["op"] == "torch.nn.functional.embedding")
+    for name in names:  # every listed name is one a user can call
+        if name.startswith("Tensor."):
+            assert hasattr(torch.Tensor, name[7:]), name
+        elif name.startswith("torch."):
+            module, _, attr = name.rpartition(".")
+            assert hasattr(importlib.import_module(module), attr), name
+    assert main(["ops", "--grep", "POOL", "--family", "pool"]) == 0
+    assert "max_pool2d" in capsys.readouterr().out

@@ -52,6 +52,37 @@ def early_refusal(node: fx.Node) -> str | None:
     return check(node.args, node.kwargs) if check is not None else None
 
 
+def key_name(key) -> str:
+    """How a user writes a lowering's key: Tensor.view, aten.addmm, torch.relu, F.linear's name."""
+    if isinstance(key, str):
+        return f"Tensor.{key[7:]}" if key.startswith("method:") else key
+    module = (getattr(key, "__module__", None) or "").replace("torch._C._nn", "torch.nn.functional")
+    module = module.replace("torch._C._linalg", "torch.linalg").replace("torch._C._special", "torch.special")
+    name = getattr(key, "__name__", repr(key))
+    for prefix in ("linalg", "special"):  # torch.linalg.vector_norm is the builtin linalg_vector_norm
+        if module == f"torch.{prefix}":
+            name = name.removeprefix(f"{prefix}_")
+    return f"{module}.{name}".lstrip(".") if module else f"torch.{name}"
+
+
+def catalog() -> list[dict]:
+    """Every op with a lowering: its name, the family of lowerings it belongs to (the frontend
+    module), and whether some of its arguments are refused before capture runs it."""
+    import importlib
+
+    importlib.import_module(f"{__package__}.capture")  # imports every lowering module
+
+    rows = {}
+    for key, fn in LOWERINGS.items():
+        # capture registers an in-place twin of every method (x.add_ as x.add); list those torch has
+        if key is None or (isinstance(key, str) and key.startswith("method:") and not hasattr(torch.Tensor, key[7:])):
+            continue
+        name = key_name(key)
+        family = fn.__module__.rsplit(".", 1)[-1].removeprefix("ops_")
+        rows[name] = {"op": name, "family": family, "refused_before_capture": key in REFUSALS}
+    return sorted(rows.values(), key=lambda r: (r["family"], r["op"]))
+
+
 def key_of(node: fx.Node):
     if node.op == "call_method":
         return f"method:{node.target}"
