@@ -68,7 +68,7 @@ def lower_amax(ctx, x, dim=(), keepdim=False):
 @lowering(torch.max, "method:max", "aten.max")
 def lower_max(ctx, x, dim=None, keepdim=False):
     if isinstance(dim, TensorValue):
-        return _binary_max(ctx, x, dim)
+        return _pointwise(ctx, "max", x, dim)
     if dim is not None:
         return extreme_and_index(ctx, x, dim, keepdim, "max")
     return reduce(ctx, x, None, "max", dtype=ctx.dtype)
@@ -77,9 +77,7 @@ def lower_max(ctx, x, dim=None, keepdim=False):
 @lowering(torch.min, "method:min", "aten.min")
 def lower_min(ctx, x, dim=None, keepdim=False):
     if isinstance(dim, TensorValue):
-        from .ops_elementwise import elementwise
-
-        return elementwise(ctx, lambda p, q: call("min", p, q), x, dim)
+        return _pointwise(ctx, "min", x, dim)
     if dim is not None:
         return extreme_and_index(ctx, x, dim, keepdim, "min")
     return lower_amin(ctx, x)
@@ -163,8 +161,8 @@ def _correction_args(args, kwargs) -> tuple:
 
 
 def variance(ctx, x, dim, correction, keepdim, tag: Tag):
-    """Two passes, as layer norm: the mean, then the centred sum of squares over (count - correction),
-    in float32 for half-precision inputs."""
+    """(mean, centred x, variance) over `dim`: the mean, then the centred sum of squares over
+    (count - correction), in float32 for half-precision inputs (layer norm's statistics too)."""
     dims = _dims(dim, x.rank)
     count = math.prod(x.shape[d] for d in dims)
     if count - correction <= 0:
@@ -175,14 +173,15 @@ def variance(ctx, x, dim, correction, keepdim, tag: Tag):
     xc = ctx.builder.emit(x.shape, acc, lambda o, r, rg: call("sub", upcast(x.read(o, rg), x),
                                                               _row_read(mean, o, dims, rg)),
                           tag=tag, hint=f"{ctx.hint}_centered")
-    return reduce(ctx, xc, dims, "sum", keepdim=keepdim, scale=1.0 / (count - correction),
-                  pre=lambda e, o: call("mul", e, e), dtype=acc, tag=tag, hint=f"{ctx.hint}_var")
+    var = reduce(ctx, xc, dims, "sum", keepdim=keepdim, scale=1.0 / (count - correction),
+                 pre=lambda e, o: call("mul", e, e), dtype=acc, tag=tag, hint=f"{ctx.hint}_var")
+    return mean, xc, var
 
 
 @lowering(torch.var, "method:var", "aten.var")
 def lower_var(ctx, x, *args, **kwargs):
     tag = ctx.builder.new_tag("var")
-    var = variance(ctx, x, *_correction_args(args, kwargs), tag)
+    var = variance(ctx, x, *_correction_args(args, kwargs), tag)[2]
     if var.dtype == ctx.dtype:
         return var
     return ctx.builder.emit(var.shape, ctx.dtype, lambda o, r, rg: var.read(o, rg), tag=tag, hint=ctx.hint)
@@ -191,7 +190,7 @@ def lower_var(ctx, x, *args, **kwargs):
 @lowering(torch.std, "method:std", "aten.std")
 def lower_std(ctx, x, *args, **kwargs):
     tag = ctx.builder.new_tag("std")
-    var = variance(ctx, x, *_correction_args(args, kwargs), tag)
+    var = variance(ctx, x, *_correction_args(args, kwargs), tag)[2]
     return ctx.builder.emit(var.shape, ctx.dtype, lambda o, r, rg: call("sqrt", var.read(o, rg)), tag=tag,
                             hint=ctx.hint)
 
@@ -233,10 +232,11 @@ lowering(F.adaptive_avg_pool2d, "aten.adaptive_avg_pool2d", "aten._adaptive_avg_
 lowering(F.adaptive_avg_pool1d, torch.adaptive_avg_pool1d, "aten.adaptive_avg_pool1d")(_global_pool(1))
 
 
-def _binary_max(ctx, a, b):
+def _pointwise(ctx, op: str, a, b):
+    """torch.max(a, b) and torch.min(a, b): the elementwise forms of the reductions."""
     from .ops_elementwise import elementwise
 
-    return elementwise(ctx, lambda p, q: call("max", p, q), a, b)
+    return elementwise(ctx, lambda p, q: call(op, p, q), a, b)
 
 
 def _reduced_read(v: TensorValue, o, dim):
@@ -304,20 +304,13 @@ def layer_norm(ctx, x, normalized_shape, weight=None, bias=None, eps=1e-5):
     """mean, centred x, variance, then (x - mean) * rsqrt(var + eps) * w + b; stats in float32."""
     tag = ctx.builder.new_tag("layernorm")
     dims = _norm_dims(x, normalized_shape)
-    count = math.prod(x.shape[d] for d in dims)
-    acc = compute_dtype(x.dtype)
-    mean = reduce(ctx, x, dims, "sum", scale=1.0 / count, dtype=acc, tag=tag, hint=f"{ctx.hint}_mean")
-    b = ctx.builder
-    xc = b.emit(x.shape, acc, lambda o, r, rg: call("sub", upcast(x.read(o, rg), x), _row_read(mean, o, dims, rg)),
-                tag=tag, hint=f"{ctx.hint}_centered")
-    var = reduce(ctx, xc, dims, "sum", scale=1.0 / count, pre=lambda e, o: call("mul", e, e), dtype=acc, tag=tag,
-                 hint=f"{ctx.hint}_var")
+    mean, xc, var = variance(ctx, x, dims, 0, False, tag)
 
     def body(o, r, rg):
         e = call("mul", xc.read(o, rg), call("rsqrt", call("add", _row_read(var, o, dims, rg), Const(eps))))
         return _affine(e, o, dims, weight, bias, rg)
 
-    out = b.emit(x.shape, x.dtype, body, tag=tag, hint=ctx.hint)
+    out = ctx.builder.emit(x.shape, x.dtype, body, tag=tag, hint=ctx.hint)
     return out, mean, var
 
 
