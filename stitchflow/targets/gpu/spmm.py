@@ -185,6 +185,7 @@ CONFIGS = (SpmmConfig(32, 1), SpmmConfig(64, 2),
            SpmmConfig(128, 4, balanced=True))
 MARGIN = 0.95  # our kernel replaces torch's only when this much faster: the choice holds across processes
 
+
 class SpmmStep:
     """A CSR × dense product: our kernel, or torch's where that times faster (decided per shape)."""
 
