@@ -1,31 +1,45 @@
-"""Lowerings of pooling whose windows tile the input (stride equal to the kernel, no padding, no
-dilation; the default for a pooling layer given only its kernel size): each window is a pair of
-axes of a reshaped view, and the pool is a mean or a max over them, which the stitching targets
-fuse with the ops around it. Overlapping or padded windows are refused with the reason."""
+"""Lowerings of average and max pooling.
+
+Windows that tile the input (stride equal to the kernel, no padding, no dilation: the default for
+a pooling layer given only its kernel size) are pairs of axes of a reshaped view, and the pool a
+mean or a max over them, which the stitching targets fuse with the ops around it. Other windows
+(overlapping, padded, dilated, ceil mode) are a reduction over window coordinates read at
+s·o + d·k - p, positions outside the input excluded by a `where` (-inf for a max, 0 for a sum),
+and the average divided as torch divides it (count_include_pad, divisor_override)."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 
 from ..ir.errors import UnsupportedOpError
+from ..ir.expr import Const, IndexValue, call
 from . import values as V
 from .ops_reduce import lower_amax, lower_mean
-from .registry import LowerCtx, lowering
+from .registry import LowerCtx, lowering, upcast
 
 
 def _tuple(v, n: int) -> tuple:
-    return tuple(v) if isinstance(v, (list, tuple)) else (v,) * n
+    """An int or a sequence of one or n ints, as n ints (torch repeats a single value)."""
+    v = tuple(v) if isinstance(v, (list, tuple)) else (v,)
+    return v * n if len(v) == 1 else v
 
 
-def windows(ctx: LowerCtx, x: V.TensorValue, n: int, kernel, stride=None, padding=0, dilation=1, ceil_mode=False,
-            what: str = "pool"):
-    """x seen as [..., out_1, k_1, ..., out_n, k_n] over its last n axes, and the window axes."""
+def _window(n: int, kernel, stride, padding, dilation):
     kernel = _tuple(kernel, n)
     stride = kernel if stride is None or stride == [] or stride == () else _tuple(stride, n)
-    if stride != kernel or any(_tuple(padding, n)) or any(d != 1 for d in _tuple(dilation, n)) or ceil_mode:
-        raise UnsupportedOpError(what, f"kernel {kernel}, stride {stride}, padding {padding}, dilation {dilation}, "
-                                 f"ceil_mode {ceil_mode}: only windows that tile the input are lowered", ctx.hint)
+    return kernel, stride, _tuple(padding, n), _tuple(dilation, n)
+
+
+def tiles(kernel, stride, padding, dilation, ceil_mode) -> bool:
+    return stride == kernel and not any(padding) and all(d == 1 for d in dilation) and not ceil_mode
+
+
+def windows(ctx: LowerCtx, x: V.TensorValue, n: int, kernel):
+    """x seen as [..., out_1, k_1, ..., out_n, k_n] over its last n axes, and the window axes
+    (windows that tile the input)."""
     lead = x.rank - n
     shape, view = list(x.shape[:lead]), x
     for axis, k in enumerate(kernel):
@@ -35,13 +49,69 @@ def windows(ctx: LowerCtx, x: V.TensorValue, n: int, kernel, stride=None, paddin
     return V.reshape(view, shape), [lead + 2 * axis + 1 for axis in range(n)]
 
 
+def sliding(ctx: LowerCtx, x: V.TensorValue, n: int, window, kind: str, fill: float, scale=None):
+    """out[..., o] = kind over the window k of x[..., s·o + d·k - p] (`fill` where that lies outside
+    x), times `scale` (a constant, or a tensor over the output's last n axes). The output's size
+    is eager's (ceil mode included)."""
+    kernel, stride, padding, dilation = window
+    lead, out = x.rank - n, ctx.shape[-n:]
+    if x.rank != len(ctx.shape):
+        raise UnsupportedOpError(f"{kind} pool", f"input of rank {x.rank}, output of rank {len(ctx.shape)}", ctx.hint)
+
+    def body(o, r, rg):
+        index, conds = list(o[:lead]), []
+        for axis, (k, s, p, d, size) in enumerate(zip(kernel, stride, padding, dilation, x.shape[lead:])):
+            h, i = o[lead + axis], r[axis]
+            pos = V.add(V.scale(h, s), V.scale(i, d), -p)
+            index.append(pos)
+            if p > 0:
+                conds.append(call("ge", IndexValue(pos), Const(0)))
+            if s * (out[axis] - 1) + d * (k - 1) - p >= size:  # ceil mode's last window runs past the end
+                conds.append(call("lt", IndexValue(pos), Const(size)))
+        e = upcast(x.read(index, rg), x)
+        if conds:
+            inside = conds[0]
+            for c in conds[1:]:
+                inside = call("and", inside, c)
+            e = call("where", inside, e, Const(fill))
+        if isinstance(scale, V.TensorValue):
+            return call("mul", e, scale.read(list(o[lead:]), rg))
+        return call("mul", e, Const(scale)) if scale is not None else e
+
+    return ctx.builder.emit(ctx.shape, ctx.dtype, body, reduce=kind, red_shape=list(kernel), hint=ctx.hint)
+
+
+def _average_divisors(ctx, x, window, ceil_mode, count_include_pad, divisor_override):
+    """1 / the divisor of each output position, as torch's avg_pool divides: a constant where every
+    window divides alike."""
+    kernel, stride, padding, _ = window
+    n = len(kernel)
+    if divisor_override is not None:
+        return 1.0 / divisor_override
+    per_axis = []
+    for k, s, p, size, out in zip(kernel, stride, padding, x.shape[-n:], ctx.shape[-n:]):
+        start = torch.arange(out) * s - p
+        end = torch.minimum(start + k, torch.tensor(size + p))
+        if not count_include_pad:
+            start, end = start.clamp(min=0), end.clamp(max=size)
+        per_axis.append((end - start).double())
+    counts = per_axis[0]
+    for c in per_axis[1:]:
+        counts = counts[..., None] * c
+    if bool((counts == counts.flatten()[0]).all()):
+        return 1.0 / float(counts.flatten()[0])
+    return ctx.builder.add_param("pool_divisor", (1.0 / counts).to(device=ctx.out.device, dtype=torch.float32))
+
+
 def _average(n: int):
     def lower(ctx, x, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True,
               divisor_override=None):
-        if divisor_override is not None:
-            raise UnsupportedOpError(f"avg_pool{n}d", "divisor_override", ctx.hint)
-        view, axes = windows(ctx, x, n, kernel_size, stride, padding, 1, ceil_mode, f"avg_pool{n}d")
-        return lower_mean(ctx, view, axes)
+        window = _window(n, kernel_size, stride, padding, 1)
+        if tiles(*window, ceil_mode) and divisor_override is None:
+            view, axes = windows(ctx, x, n, window[0])
+            return lower_mean(ctx, view, axes)
+        scale = _average_divisors(ctx, x, window, ceil_mode, count_include_pad, divisor_override)
+        return sliding(ctx, x, n, window, "sum", 0.0, scale)
 
     return lower
 
@@ -50,13 +120,18 @@ def _maximum(n: int):
     def lower(ctx, x, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
         if return_indices:
             raise UnsupportedOpError(f"max_pool{n}d", "return_indices", ctx.hint)
-        view, axes = windows(ctx, x, n, kernel_size, stride, padding, dilation, ceil_mode, f"max_pool{n}d")
-        return lower_amax(ctx, view, axes)
+        window = _window(n, kernel_size, stride, padding, dilation)
+        if tiles(*window, ceil_mode):
+            view, axes = windows(ctx, x, n, window[0])
+            return lower_amax(ctx, view, axes)
+        return sliding(ctx, x, n, window, "max", -math.inf)
 
     return lower
 
 
+lowering(F.avg_pool1d, torch.avg_pool1d, "aten.avg_pool1d")(_average(1))
 lowering(F.avg_pool2d, "aten.avg_pool2d")(_average(2))
-lowering(F.avg_pool1d, "aten.avg_pool1d")(_average(1))
-lowering(F.max_pool2d, torch.max_pool2d, "aten.max_pool2d")(_maximum(2))
+lowering(F.avg_pool3d, "aten.avg_pool3d")(_average(3))
 lowering(F.max_pool1d, torch.max_pool1d, "aten.max_pool1d")(_maximum(1))
+lowering(F.max_pool2d, torch.max_pool2d, "aten.max_pool2d")(_maximum(2))
+lowering(F.max_pool3d, torch.max_pool3d, "aten.max_pool3d")(_maximum(3))

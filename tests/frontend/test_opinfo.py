@@ -19,19 +19,29 @@ OPS = [
     "permute", "reshape", "view", "expand", "masked_fill", "where", "matmul", "mm", "bmm", "einsum",
     "nn.functional.linear", "t", "unsqueeze", "squeeze", "flatten", "clamp", "maximum", "minimum", "pow", "narrow",
     "select", "index_select", "gather", "nn.functional.embedding", "nn.functional.glu", "cat", "stack", "norm", "linalg.vector_norm", "chunk", "split", "repeat", "addmm", "nn.functional.dropout",
-    "nn.functional.batch_norm", "nn.functional.group_norm",
+    "nn.functional.batch_norm", "nn.functional.group_norm", "nn.functional.conv1d", "nn.functional.conv2d",
+    "nn.functional.conv3d", "nn.functional.pad", "constant_pad_nd", "nn.functional.avg_pool1d",
+    "nn.functional.avg_pool2d", "nn.functional.avg_pool3d", "nn.functional.max_pool1d",
 ]  # instance_norm's samples mostly update running statistics in place (refused by design; tests/frontend/test_ops)
 MIN_SUPPORTED = 0.5  # fraction of an op's samples that must compile
 # norms of order 1, 2 and inf are lowered; most samples ask for others (0, 3, -inf, "nuc"), refused with the reason
 MIN_SUPPORTED_OF = {"norm": 0.2, "linalg.vector_norm": 0.2}
 
 
+EVERY_VARIANT = {"nn.functional.pad"}  # constant, reflect, replicate, circular: one lowering, four index maps
+
+
 def _opinfos():
     by_name = {}
     for info in op_db:
-        if info.name in OPS and info.name not in by_name:
-            by_name[info.name] = info
-    return [by_name[n] for n in OPS if n in by_name]
+        key = (info.name, info.variant_test_name if info.name in EVERY_VARIANT else "")
+        if info.name in OPS and key not in by_name:
+            by_name[key] = info
+    return [info for n in OPS for key, info in by_name.items() if key[0] == n]
+
+
+def _id(info) -> str:
+    return f"{info.name}.{info.variant_test_name}" if info.variant_test_name else info.name
 
 
 def _as_function(info, sample):
@@ -51,7 +61,7 @@ def _as_function(info, sample):
     return call, [leaves[i] for i in tensor_pos]
 
 
-@pytest.mark.parametrize("info", _opinfos(), ids=lambda i: i.name)
+@pytest.mark.parametrize("info", _opinfos(), ids=_id)
 def test_opinfo_samples(info):
     supported = total = 0
     for sample in info.sample_inputs("cpu", torch.float32):

@@ -136,32 +136,6 @@ def test_embedding_gathers_rows():
     assert torch.equal(weight, before)  # refused before capture ran it
 
 
-def test_global_average_pooling_and_its_refusal():
-    x = torch.randn(2, 3, 5, 4)
-    check(lambda x: F.adaptive_avg_pool2d(x, 1).flatten(1) + F.adaptive_avg_pool2d(x, (1, 1)).sum(), x)
-    with pytest.raises(stitchflow.StitchflowError, match="only 1 is lowered"):
-        stitchflow.compile(lambda x: F.adaptive_avg_pool2d(x, 2), (x,))
-
-
-@settings(max_examples=10, deadline=None)
-@given(h=st.integers(2, 9), w=st.integers(2, 9), kh=st.integers(1, 3), kw=st.integers(1, 3),
-       kind=st.sampled_from(["avg", "max"]))
-def test_pools_whose_windows_tile_the_input(h, w, kh, kw, kind):
-    pool = {"avg": F.avg_pool2d, "max": F.max_pool2d}[kind]
-    x = torch.randn(2, 3, h, w)
-    if kh <= h and kw <= w:  # floor mode: the last partial windows are dropped
-        check(lambda x: pool(x, (kh, kw)).relu() + 1, x)
-    check(lambda x: {"avg": F.avg_pool1d, "max": F.max_pool1d}[kind](x[:, :, 0], 2) * 2, x, fusion="full")
-
-
-def test_overlapping_or_padded_pools_are_refused_with_the_reason():
-    x = torch.randn(1, 2, 6, 6)
-    for fn in (lambda x: F.max_pool2d(x, 3, 1), lambda x: F.avg_pool2d(x, 2, padding=1),
-               lambda x: F.max_pool2d(x, 2, return_indices=True)[0]):
-        with pytest.raises(stitchflow.StitchflowError, match="pool"):
-            stitchflow.compile(fn, (x,))
-
-
 def test_var_over_no_more_elements_than_the_correction_is_refused():
     with pytest.raises(stitchflow.StitchflowError, match="correction"):
         stitchflow.compile(lambda x: x.var(-1), (torch.randn(3, 1),))

@@ -18,6 +18,7 @@ from ...ir.graph import Graph, Node, Region
 from ...ir.interpret import eval_node
 from ...ir.index import Div, Lit, Mod, Sum, Var, add, bounds, evaluate, substitute
 from ...ir.index import scale as scale_index
+from .conv import match_conv
 from .analysis import (NotStitchable, PartPlan, components, factor_access, inlinable, is_contraction, node_refusal,
                        plan_part, product_factors, unify)
 
@@ -305,9 +306,13 @@ class TorchStep:
         self.dense_gemm = is_contraction(node) and all(
             graph.type_of[t].format.is_dense for t in node.inputs)
         self.index_cache: dict = {}
+        self.conv = match_conv(graph, node) if self.dense_gemm else None
 
     def __call__(self, env) -> None:
         node, out_type = self.node, self.graph.type_of[self.node.name]
+        if self.conv is not None:
+            env[node.name] = self.conv(env, out_type.dtype)
+            return
         if self.dense_gemm:
             env[node.name] = contract(node, env, out_type.dtype, self.index_cache)
             return
@@ -321,4 +326,6 @@ class TorchStep:
             env[node.name] = eval_node(node, cpu, out_type).to(device)
 
     def __str__(self) -> str:
+        if self.conv is not None:
+            return f"torch({self.node.name}: {self.conv})"
         return f"torch({self.node.name}: {self.reason})"

@@ -1,0 +1,72 @@
+"""Average and max pooling: windows that tile the input (a reshaped view) and sliding windows
+(overlapping, padded, dilated, ceil mode), equal to eager in float32 and bfloat16."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import assume, given, settings, strategies as st
+
+import stitchflow
+from conftest import assert_close
+
+AVG = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
+MAX = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
+
+
+def check(fn, x, fusion="unfused", target="reference"):
+    prog = stitchflow.compile(fn, (x,), fusion=fusion, target=target)
+    expected, actual = fn(x), prog(x)
+    assert actual.shape == expected.shape
+    assert_close(actual, expected)
+    return prog
+
+
+@settings(max_examples=10, deadline=None)
+@given(h=st.integers(2, 9), w=st.integers(2, 9), kh=st.integers(1, 3), kw=st.integers(1, 3),
+       kind=st.sampled_from(["avg", "max"]))
+def test_pools_whose_windows_tile_the_input(h, w, kh, kw, kind):
+    pool = {"avg": AVG, "max": MAX}[kind]
+    x = torch.randn(2, 3, h, w)
+    if kh <= h and kw <= w:  # floor mode: the last partial windows are dropped
+        prog = check(lambda x: pool[2](x, (kh, kw)).relu() + 1, x)
+        assert not any(n.dims and "where" in str(n.body) for n in prog.graph.nodes)  # a view, no bounds checks
+    check(lambda x: pool[1](x[:, :, 0], 2) * 2, x, fusion="full")
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.sampled_from([1, 2, 3]), size=st.integers(2, 9), k=st.integers(1, 4), stride=st.integers(1, 3),
+       padding=st.integers(0, 2), dilation=st.integers(1, 2), ceil_mode=st.booleans(),
+       count_include_pad=st.booleans(), divisor=st.sampled_from([None, 3]), kind=st.sampled_from(["avg", "max"]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), batched=st.booleans())
+def test_sliding_windows(n, size, k, stride, padding, dilation, ceil_mode, count_include_pad, divisor, kind, dtype,
+                         batched):
+    assume(not (kind == "avg" and n == 3 and dtype == torch.bfloat16))  # eager's CPU avg_pool3d has no bf16
+    x = torch.randn(*([2] if batched else []), 3, *[size + d for d in range(n)], dtype=dtype)
+    if kind == "avg":
+        fn = lambda x: AVG[n](x, k, stride, padding, ceil_mode, count_include_pad, *([divisor] if n > 1 else []))  # noqa
+    else:
+        fn = lambda x: MAX[n](x, k, stride, padding, dilation, ceil_mode)  # noqa: E731
+    try:
+        empty = fn(x).numel() == 0
+    except RuntimeError:  # padding over half the window, or a window larger than the input
+        empty = True
+    if empty:
+        with pytest.raises(stitchflow.StitchflowError):
+            stitchflow.compile(fn, (x,))
+        return
+    check(lambda x: fn(x) * 2, x)
+
+
+def test_pooling_layers_and_refusals():
+    x = torch.randn(2, 3, 11, 10)
+    check(torch.nn.MaxPool2d(3, 2, 1), x)  # a ResNet stem's pool
+    check(torch.nn.AvgPool2d(3, 1, 1, count_include_pad=False), x)
+    with pytest.raises(stitchflow.StitchflowError, match="return_indices|with_indices"):
+        stitchflow.compile(lambda x: F.max_pool2d(x, 2, return_indices=True)[0], (x,))
+
+
+def test_global_average_pooling_and_its_refusal():
+    x = torch.randn(2, 3, 5, 4)
+    check(lambda x: F.adaptive_avg_pool2d(x, 1).flatten(1) + F.adaptive_avg_pool2d(x, (1, 1)).sum(), x)
+    with pytest.raises(stitchflow.StitchflowError, match="only 1 is lowered"):
+        stitchflow.compile(lambda x: F.adaptive_avg_pool2d(x, 2), (x,))

@@ -1,0 +1,106 @@
+"""Convolutions on the gpu target: the contraction the frontend lowers a convolution to is found
+again (match_conv) and run as torch's convolution of the padded tensor, with the padding, batch
+norm and activations around it in generated kernels. On CPU tensors under TRITON_INTERPRET=1, on
+CUDA tensors on a GPU."""
+
+import os
+import tempfile
+
+os.environ.setdefault("STITCHFLOW_CACHE", tempfile.mkdtemp(prefix="stitchflow-test-cache-"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import stitchflow  # noqa: E402
+import stitchflow.backend as backend  # noqa: E402
+from stitchflow.targets.gpu.conv import match_conv  # noqa: E402
+from stitchflow.targets.gpu.grouping import TorchStep  # noqa: E402
+from conftest import assert_close  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+runs_kernels = pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+                                  reason="generated kernels run on CPU tensors only under TRITON_INTERPRET=1")
+
+
+def _graph(fn, *inputs):
+    return stitchflow.compile(fn, inputs).graph
+
+
+def _contractions(graph):
+    return [n for n in graph.nodes if n.reduce == "sum" and len(n.reduce_vars) > 1]
+
+
+@pytest.mark.parametrize("conv,x,w,kwargs,expect", [
+    (F.conv1d, (2, 4, 9), (3, 4, 3), dict(stride=2), ((2,), (1,), 1)),
+    (F.conv2d, (2, 4, 9, 8), (6, 2, 3, 2), dict(padding=1, dilation=(2, 1), groups=2), ((1, 1), (2, 1), 2)),
+    (F.conv2d, (1, 4, 7, 7), (4, 1, 3, 3), dict(stride=2, padding=1, groups=4), ((2, 2), (1, 1), 4)),
+    (F.conv3d, (1, 2, 4, 5, 6), (3, 2, 1, 2, 3), dict(padding=(0, 1, 1)), ((1, 1, 1), (1, 1, 1), 1)),
+])
+def test_the_lowered_contraction_is_recognised_as_the_convolution(conv, x, w, kwargs, expect):
+    x, w = torch.randn(x), torch.randn(w)
+    graph = _graph(lambda x, w: conv(x, w, **kwargs), x, w)
+    (node,) = _contractions(graph)
+    found = match_conv(graph, node)
+    assert found is not None and (found.stride, found.dilation, found.groups) == expect
+    assert found.weight == "w" and found.input == ("x" if "padding" not in kwargs else f"{node.name}_pad")
+
+
+def test_contractions_that_are_not_convolutions_are_left_to_einsum():
+    x, w = torch.randn(2, 3, 8), torch.randn(4, 3, 3)
+    # a window read at a constant offset (a convolution of a slice of x), and a matmul
+    graph = _graph(lambda x, w: F.conv1d(x[:, :, 1:], w), x, w)
+    assert match_conv(graph, _contractions(graph)[0]) is None
+    graph = _graph(lambda x, w: torch.einsum("bcl,ock->bol", x, w), x, w)
+    assert all(match_conv(graph, n) is None for n in graph.nodes)
+
+
+class _Block(nn.Module):
+    """A ResNet basic block with a depthwise convolution and reflect padding beside it."""
+
+    def __init__(self, c: int):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(c, c, 3, 1, 1, bias=False), nn.BatchNorm2d(c)
+        self.c2, self.b2 = nn.Conv2d(c, c, 3, 1, 1, bias=False), nn.BatchNorm2d(c)
+        self.dw = nn.Conv2d(c, c, 3, padding=1, groups=c, padding_mode="reflect")
+        self.pool = nn.MaxPool2d(3, 2, 1)
+
+    def forward(self, x):
+        y = F.relu(self.b1(self.c1(x)))
+        y = F.relu(self.b2(self.c2(y)) + x)
+        return self.pool(y + self.dw(y))
+
+
+def _block(dtype):
+    torch.manual_seed(0)
+    m = _Block(8).eval().to(DEVICE, dtype)
+    for bn in (m.b1, m.b2):  # statistics away from the identity
+        bn.running_mean.uniform_(-0.5, 0.5)
+        bn.running_var.uniform_(0.5, 2.0)
+    return m, torch.randn(2, 8, 13, 11, device=DEVICE, dtype=dtype)
+
+
+@runs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_resnet_block_runs_its_convolutions_as_torch_convolutions(dtype):
+    m, x = _block(dtype)
+    prog = stitchflow.compile(m, (x,), target="gpu", fusion="auto")
+    with torch.no_grad():
+        assert_close(prog(x), m(x))
+    steps = [s for run in prog.compiled for s in run.steps]
+    convs = [s for s in steps if isinstance(s, TorchStep) and s.conv is not None]
+    assert len(convs) == 3 and all("conv2d(" in str(s) for s in convs)
+    assert len(steps) - len(convs) >= 1  # padding, batch norm, relu, residual and pool in generated kernels
+
+
+@runs_kernels
+def test_a_cnn_under_torch_compile_runs_wholly_through_stitchflow():
+    m, x = _block(torch.float32)
+    net = nn.Sequential(nn.Conv2d(8, 8, 7, 2, 3), nn.ReLU(), m, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5))
+    net = net.to(DEVICE).eval()
+    backend.reset()
+    compiled = torch.compile(net, backend="stitchflow", options={"target": "gpu"})
+    with torch.no_grad():
+        assert_close(compiled(x), net(x))
+    assert backend.FALLBACKS == []
