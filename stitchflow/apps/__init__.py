@@ -19,6 +19,7 @@ from .bigbird import BlockMask, bigbird_block_mask, expected_density
 from .gnn import GCN, GCNLayer, GraphSAGE, SAGELayer
 from .gpt3 import GPT3, GPT3_PRESETS, BlockSparseAttention, GPT3Decoder, OutputAndFFN, QKVProjection
 from .graphs import DATASETS, GraphData, load_dataset, load_planetoid, synthetic_powerlaw
+from .resnet import RESNET_PRESETS, ResNet
 from .sae import SAE_BATCH, SAE_PRESETS, SAE_SMALL, SparseAutoencoder, SparseLinear, sae_inputs
 from .transformer import (BERT_PRESETS, LLAMA_PRESETS, BertBlock, LlamaBlock, RMSNorm,
                           RotaryEmbedding, bert_preset, llama_preset, rotate_half)
@@ -118,6 +119,17 @@ def _build_block(presets: dict[str, dict[str, int]], factory: Callable[..., nn.M
     return build
 
 
+def _build_resnet(size: str = "small", dataset: str | None = None, block: int | None = None,
+                  seed: int = 0, dtype: torch.dtype = torch.float32) -> Built:
+    """ResNet builder: "small" (two tiny stages on 32x32 images), "default" = resnet18 or a preset,
+    batch 2 at "small" and 32 otherwise."""
+    _check_size(size, ("small", "default", *RESNET_PRESETS), "resnet")
+    cfg = RESNET_PRESETS["resnet18" if size == "default" else size]
+    model = ResNet(seed=seed, dtype=dtype, **cfg)
+    x = torch.randn(cfg["batch"], 3, cfg["image"], cfg["image"], generator=_inputs_gen(seed)).to(dtype)
+    return model.eval(), (x,)
+
+
 APPS: dict[str, AppSpec] = {spec.name: spec for spec in (
     AppSpec("gcn", "FuseFlow GCN: softmax(A·relu(A·X·W1+b1)·W2+b2), 50%-sparse weights",
             _build_gnn(GCN, "gcn"), ("small", "default")),
@@ -134,6 +146,9 @@ APPS: dict[str, AppSpec] = {spec.name: spec for spec in (
     AppSpec("llama", "Llama decoder block: RMSNorm, rotary, GQA causal attention, SwiGLU",
             _build_block(LLAMA_PRESETS, llama_preset, "llama3-8b", "llama"),
             ("small", "default", *[k for k in LLAMA_PRESETS if k != "small"])),
+    AppSpec("resnet", "ResNet in inference mode: convolutions (cuDNN on the gpu target) with batch norm, "
+            "relu, residual adds and pools stitched between them", _build_resnet,
+            ("small", "default", *[k for k in RESNET_PRESETS if k != "small"])),
 )}
 
 __all__ = [
@@ -143,5 +158,5 @@ __all__ = [
     "SAE_PRESETS", "SAE_BATCH", "SAE_SMALL", "sae_inputs", "GPT3", "GPT3Decoder",
     "GPT3_PRESETS", "QKVProjection", "BlockSparseAttention", "OutputAndFFN", "BertBlock",
     "LlamaBlock", "RMSNorm", "RotaryEmbedding", "rotate_half", "BERT_PRESETS",
-    "LLAMA_PRESETS", "bert_preset", "llama_preset",
+    "LLAMA_PRESETS", "bert_preset", "llama_preset", "RESNET_PRESETS", "ResNet",
 ]

@@ -18,6 +18,8 @@ APP_NAMES = sorted(APPS)
 def expected_shape(name, inputs):
     if name in ("gcn", "graphsage"):
         return (inputs[1].shape[0], 8)  # the "tiny" graph has no labels: 8 classes
+    if name == "resnet":
+        return (inputs[0].shape[0], 10)  # class scores
     return tuple(inputs[0].shape)
 
 
@@ -225,3 +227,12 @@ def test_llama_gqa_matches_repeated_heads():
     ref = attn.o_proj(ref.transpose(1, 2).flatten(-2))
     with torch.no_grad():
         torch.testing.assert_close(attn(x), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("preset", ["resnet18", "resnet50"])
+def test_resnet_presets_have_torchvisions_parameter_counts(preset):
+    from stitchflow.apps.resnet import RESNET_PRESETS, ResNet
+
+    model = ResNet(**RESNET_PRESETS[preset])
+    count = sum(p.numel() for p in model.parameters())
+    assert count == {"resnet18": 11_689_512, "resnet50": 25_557_032}[preset]
