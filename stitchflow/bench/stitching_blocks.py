@@ -1,13 +1,12 @@
-"""Transformer blocks end to end on the GPU (issue 6's last acceptance point): the BERT-style
-encoder block and the Llama-style block, eager vs torch.compile (default mode) vs
-torch.compile(backend="stitchflow") vs stitchflow.compile(target="gpu", fusion="auto").
-GEMMs run through torch in stitchflow for now; everything between them is generated.
+"""Whole models end to end on the GPU (issue 6's last acceptance point: the BERT-style encoder
+block and the Llama-style block; any app of the zoo, e.g. resnet): eager vs torch.compile (default
+mode) vs torch.compile(backend="stitchflow") vs stitchflow.compile(target="gpu", fusion="auto").
+GEMMs and convolutions run through torch in stitchflow; everything between them is generated.
 
-    python -m stitchflow.bench.stitching_blocks [--apps bert,llama] [--dtype bfloat16] [--out FILE]
-        [--markdown BENCHMARKS.md]
+    python -m stitchflow.bench.stitching_blocks [--apps bert,llama] [--dtype bfloat16] [--size default]
+        [--out FILE] [--markdown BENCHMARKS.md] [--section "## Transformer blocks end to end"]
 
-With --markdown, the "Transformer blocks end to end" section of that file is rewritten (other
-sections stay).
+With --markdown, that section of the file is rewritten (other sections stay).
 """
 
 from __future__ import annotations
@@ -80,10 +79,10 @@ def _ratio(row, name) -> str:
 def markdown(rows: list[dict], info: dict) -> str:
     head = ("| block | input | eager µs | torch.compile µs | torch.compile(backend=\"stitchflow\") µs | "
             "stitchflow.compile µs | backend vs torch.compile | stitchflow.compile vs torch.compile | max rel. error |")
-    lines = [SECTION, "",
+    lines = [info.get("section", SECTION), "",
              f"Command: `{info['command']}`  ",
              f"Device: {info['device']}; {info['date']}; torch {info['torch']}, triton {info['triton']}  ",
-             "bf16, `APPS[...].build(size=\"default\")` (BERT: bert-base, Llama: llama3-8b); stitchflow uses "
+             f"{info['dtype']}, `APPS[app].build(size=\"{info['size']}\")`; stitchflow uses "
              "`fusion=\"auto\"`, its GEMM chains autotuned against cuBLAS, and each call of a gpu program replays "
              f"as one CUDA graph after warm-up. The median of {ROUNDS} rounds (the runners timed in turn) of "
              "medians over calls, L2 evicted clean before each (`targets/gpu/timing.py`), all runners in one "
@@ -109,7 +108,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--size", default="default")
     parser.add_argument("--out", default="")
-    parser.add_argument("--markdown", default="", help="file whose transformer-blocks section is rewritten")
+    parser.add_argument("--markdown", default="", help="file whose section (--section) is rewritten")
+    parser.add_argument("--section", default=SECTION, help="the markdown section's heading")
     args = parser.parse_args(argv)
     rows = []
     for app in args.apps.split(","):
@@ -126,9 +126,10 @@ def main(argv=None) -> int:
 
         info = {"command": "python -m stitchflow.bench.stitching_blocks " + " ".join(argv if argv is not None else sys.argv[1:]),
                 "device": torch.cuda.get_device_name(), "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
-                "torch": torch.__version__, "triton": triton.__version__}
+                "torch": torch.__version__, "triton": triton.__version__, "dtype": args.dtype, "size": args.size,
+                "section": args.section}
         section = markdown(rows, info)
-        replace_section(Path(args.markdown), SECTION, section)
+        replace_section(Path(args.markdown), args.section, section)
         print(section)
     return 0
 

@@ -10,8 +10,10 @@ def test_markdown_reports_medians_ratios_and_the_rounds_method():
            "backend=stitchflow vs compile": 463 / 98, "stitchflow.compile vs compile": 463 / 99,
            "eager rounds us": [255.0, 260.1, 250.2]}
     slow = dict(row, app="llama", **{"backend=stitchflow vs compile": 0.9, "stitchflow.compile vs compile": None})
-    info = {"command": "cmd", "device": "GPU", "date": "today", "torch": "2", "triton": "3"}
+    info = {"command": "cmd", "device": "GPU", "date": "today", "torch": "2", "triton": "3", "dtype": "bfloat16",
+            "size": "default"}
     text = stitching_blocks.markdown([row, slow], info)
     assert f"median of {stitching_blocks.ROUNDS} rounds (the runners timed in turn)" in text
     assert "| bert | 1x512x768 | 255 | 463 | 98 | 99 | **4.72x faster** | **4.68x faster** | 4.0e-03 |" in text
     assert "0.90x (11.1% slower) | n/a |" in text
+    assert text.startswith("## Transformer blocks end to end") and "build(size=\"default\")" in text

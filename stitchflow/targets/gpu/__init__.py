@@ -33,6 +33,7 @@ from .attention_plan import tile_plan
 from .layout import output_store, read_walked
 from .emit import contiguous_strides
 from .chains import chain_shape, compile_chain, match_chains, match_gemm_epilogues
+from .conv import region_convolutions
 from .grouping import TorchStep, fold_iotas, split_region
 from .reassociate import find_reassociations, reassociate
 from .rewrites import gather_one_hots
@@ -66,6 +67,9 @@ class GpuTarget:
         fused_at = {c[-1]: (lambda c=c: compile_chain(graph, c, options)) for c in chains}
         fused_at.update({a.match.output: (lambda a=a: a) for a in attention})
         taken |= {n for c in chains for n in c}
+        convs = region_convolutions(graph, region, taken) if options.get("conv_padding", True) else []
+        fused_at.update({c.call.node: (lambda c=c: c) for c in convs})
+        taken |= {n for c in convs for n in c.nodes}
         steps, pending = [], []
         # A chain or an attention runs where its last node stands: its inputs are ready there, and
         # the matchers guarantee no other node reads its intermediates.

@@ -87,9 +87,39 @@ def fold_iotas(graph: Graph, params: dict) -> Graph:
     return dataclasses.replace(graph, nodes=nodes)
 
 
+def in_phases(graph: Graph, nodes: list[Node]) -> list[Node]:
+    """The nodes reordered in phases: each node that runs through torch (a GEMM, a convolution)
+    as soon as its inputs are there, each node a generated kernel can hold as late as its
+    readers allow. So a torch node no longer splits the generated run around it when nothing in
+    that run reads it (a ResNet's downsampling convolution between the main branch's batch norm
+    and the residual add that reads both), and elementwise work joins the kernel of its reader
+    (the downsampling branch's batch norm joins the residual add) instead of storing its result."""
+    names = {n.name for n in nodes}
+    through_torch = {n.name: node_refusal(graph, n) is not None for n in nodes}
+    early: dict[str, int] = {}  # torch node: its phase (1, 2, ...); other: the first gap it may run in
+    for n in nodes:
+        after = max((early[t] for t in n.inputs if t in names), default=0)
+        early[n.name] = after + 1 if through_torch[n.name] else after
+    last_gap = max((early[n.name] for n in nodes if through_torch[n.name]), default=0)
+    late: dict[str, int] = {}  # the last gap a kernel node may run in
+    readers: dict[str, list[str]] = {}
+    for n in nodes:
+        for t in set(n.inputs) & names:
+            readers.setdefault(t, []).append(n.name)
+    for n in reversed(nodes):
+        if not through_torch[n.name]:
+            late[n.name] = min((early[r] - 1 if through_torch[r] else late[r] for r in readers.get(n.name, ())),
+                               default=last_gap)
+    order = []
+    for gap in range(last_gap + 1):
+        order += [n for n in nodes if not through_torch[n.name] and late[n.name] == gap]
+        order += [n for n in nodes if through_torch[n.name] and early[n.name] == gap + 1]
+    return order
+
+
 def split_region(graph: Graph, region: Region) -> list[tuple[str, list[Node], list[PartPlan] | str]]:
     """Steps of a region: ("kernel", nodes, plans) or ("torch", [node], reason)."""
-    nodes = [graph.node_of[n] for n in region.nodes if n in graph.node_of]  # rewrites drop dead nodes
+    nodes = in_phases(graph, [graph.node_of[n] for n in region.nodes if n in graph.node_of])  # rewrites drop dead nodes
     steps: list = []
     current: list[Node] = []
     plans: list[PartPlan] = []

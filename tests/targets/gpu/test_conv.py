@@ -16,7 +16,8 @@ from torch import nn  # noqa: E402
 import stitchflow  # noqa: E402
 import stitchflow.backend as backend  # noqa: E402
 from stitchflow.targets.gpu.conv import match_conv  # noqa: E402
-from stitchflow.targets.gpu.grouping import TorchStep  # noqa: E402
+from stitchflow.targets.gpu.grouping import in_phases  # noqa: E402
+from stitchflow.targets.gpu.runtime import GroupKernel  # noqa: E402
 from conftest import assert_close  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -83,15 +84,28 @@ def _block(dtype):
 
 @runs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_resnet_block_runs_its_convolutions_as_torch_convolutions(dtype):
+@pytest.mark.parametrize("fold", [True, False])
+def test_a_resnet_block_runs_its_convolutions_as_torch_convolutions(dtype, fold):
     m, x = _block(dtype)
-    prog = stitchflow.compile(m, (x,), target="gpu", fusion="auto")
+    prog = stitchflow.compile(m, (x,), target="gpu", fusion="auto", options={"conv_padding": fold})
     with torch.no_grad():
         assert_close(prog(x), m(x))
     steps = [s for run in prog.compiled for s in run.steps]
-    convs = [s for s in steps if isinstance(s, TorchStep) and s.conv is not None]
-    assert len(convs) == 3 and all("conv2d(" in str(s) for s in convs)
-    assert len(steps) - len(convs) >= 1  # padding, batch norm, relu, residual and pool in generated kernels
+    convs = [str(s) for s in steps if "conv2d(" in str(s)]
+    assert len(convs) == 3
+    # the two zero pads fold into their convolutions; the depthwise one pads by reflection
+    assert sum("folds" in c for c in convs) == (2 if fold else 0)
+    kernels = [s for s in steps if isinstance(s, GroupKernel)]
+    assert len(kernels) == (3 if fold else 4)  # bn+relu | bn+add+relu+reflect pad | dw + add + pool (+ pad)
+
+
+def test_in_phases_runs_torch_nodes_early_and_kernel_nodes_late():
+    x, w = torch.randn(1, 4, 6, 6), torch.randn(4, 4, 1, 1)
+    graph = _graph(lambda x, w: F.conv2d(F.conv2d(x, w).relu(), w) + F.conv2d(x, w).sigmoid(), x, w)
+    order = [n.name for n in in_phases(graph, list(graph.nodes))]
+    # both convolutions of x first; the sigmoid waits for the add that reads it
+    assert order.index("conv2d_2") < order.index("relu") and order.index("sigmoid") > order.index("conv2d_1")
+    assert sorted(order) == sorted(n.name for n in graph.nodes)
 
 
 @runs_kernels
