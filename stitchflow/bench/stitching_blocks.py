@@ -3,7 +3,7 @@ block and the Llama-style block; any app of the zoo, e.g. resnet): eager vs torc
 mode) vs torch.compile(backend="stitchflow") vs stitchflow.compile(target="gpu", fusion="auto").
 GEMMs and convolutions run through torch in stitchflow; everything between them is generated.
 
-    python -m stitchflow.bench.stitching_blocks [--apps bert,llama] [--dtype bfloat16] [--size default]
+    python -m stitchflow.bench.stitching_blocks [--apps bert,llama,resnet:resnet50] [--dtype bfloat16] [--size default]
         [--out FILE] [--markdown BENCHMARKS.md] [--section "## Transformer blocks end to end"]
 
 With --markdown, that section of the file is rewritten (other sections stay).
@@ -25,7 +25,7 @@ from .stitching import ROUNDS, _time_in_rounds
 from .stitching_patterns import as_tuple, relative_error
 
 SECTION = "## Transformer blocks end to end"
-RUNNERS = ("eager", "torch.compile", "backend=stitchflow", "stitchflow.compile")
+RUNNERS = ("eager", "torch.compile", "torch.compile reduce-overhead", "backend=stitchflow", "stitchflow.compile")
 
 
 def bench_block(app: str, dtype: torch.dtype, size: str = "default") -> dict:
@@ -44,6 +44,8 @@ def bench_block(app: str, dtype: torch.dtype, size: str = "default") -> dict:
         runners = {
             "eager": lambda: model,
             "torch.compile": lambda: torch.compile(model, dynamic=False),
+            # CUDA graphs, as a stitchflow gpu program replays one: the host's launches are not timed
+            "torch.compile reduce-overhead": lambda: torch.compile(model, mode="reduce-overhead", dynamic=False),
             "backend=stitchflow": lambda: torch.compile(model, backend="stitchflow", dynamic=False),
             "stitchflow.compile": lambda: stitchflow.compile(model, inputs, target="gpu", fusion="auto"),
         }
@@ -62,23 +64,25 @@ def bench_block(app: str, dtype: torch.dtype, size: str = "default") -> dict:
         for name, times in _time_in_rounds(ready, [inputs]).items():
             row[f"{name} us"] = statistics.median(times)
             row[f"{name} rounds us"] = [round(t, 1) for t in times]
-    base = row["torch.compile us"]
+    base, graphed = row["torch.compile us"], row.get("torch.compile reduce-overhead us")
     for name in ("backend=stitchflow", "stitchflow.compile"):
         t = row.get(f"{name} us")
         row[f"{name} vs compile"] = base / t if t and base else None
+        row[f"{name} vs reduce-overhead"] = graphed / t if t and graphed else None
     return row
 
 
-def _ratio(row, name) -> str:
-    r = row.get(f"{name} vs compile")
+def _ratio(row, name, versus="compile") -> str:
+    r = row.get(f"{name} vs {versus}")
     if r is None:
         return "n/a"
     return f"**{r:.2f}x faster**" if r >= 1 else f"{r:.2f}x ({(1 / r - 1):.1%} slower)"
 
 
 def markdown(rows: list[dict], info: dict) -> str:
-    head = ("| block | input | eager µs | torch.compile µs | torch.compile(backend=\"stitchflow\") µs | "
-            "stitchflow.compile µs | backend vs torch.compile | stitchflow.compile vs torch.compile | max rel. error |")
+    head = ("| block | input | eager µs | torch.compile µs | torch.compile reduce-overhead µs | "
+            "torch.compile(backend=\"stitchflow\") µs | stitchflow.compile µs | backend vs torch.compile | "
+            "stitchflow.compile vs torch.compile | stitchflow.compile vs reduce-overhead | max rel. error |")
     lines = [info.get("section", SECTION), "",
              f"Command: `{info['command']}`  ",
              f"Device: {info['device']}; {info['date']}; torch {info['torch']}, triton {info['triton']}  ",
@@ -88,23 +92,26 @@ def markdown(rows: list[dict], info: dict) -> str:
              "medians over calls, L2 evicted clean before each (`targets/gpu/timing.py`), all runners in one "
              "process, "
              "same inputs; every runner is checked against eager first (relative error ≤ 2e-2).", "",
-             head, "|" + "---|" * 9]
+             head, "|" + "---|" * 11]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['app']} | failed: {r['error'][:100]} |")
             continue
-        times = [f"{r[f'{n} us']:.0f}" if r.get(f"{n} us") else "failed" for n in RUNNERS]
+        times = [f"{r[f'{n} us']:.0f}" if r.get(f"{n} us") else "failed" if f"{n} error" in r else "-"
+                 for n in RUNNERS]
         errs = [r.get(f"{n} err") for n in RUNNERS[1:]]
         worst = max((e for e in errs if e is not None), default=float("nan"))
         shape = "x".join(map(str, r["shapes"][0])) if r.get("shapes") else ""
-        lines.append(f"| {r['app']} | {shape} | " + " | ".join(times) +
-                     f" | {_ratio(r, 'backend=stitchflow')} | {_ratio(r, 'stitchflow.compile')} | {worst:.1e} |")
+        name = r["app"] if r.get("size", "default") == "default" else f"{r['app']} {r['size']}"
+        lines.append(f"| {name} | {shape} | " + " | ".join(times) +
+                     f" | {_ratio(r, 'backend=stitchflow')} | {_ratio(r, 'stitchflow.compile')} | "
+                     f"{_ratio(r, 'stitchflow.compile', 'reduce-overhead')} | {worst:.1e} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="stitchflow.bench.stitching_blocks", description=__doc__)
-    parser.add_argument("--apps", default="bert,llama")
+    parser.add_argument("--apps", default="bert,llama", help="apps of the zoo, each APP or APP:SIZE")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--size", default="default")
     parser.add_argument("--out", default="")
@@ -112,9 +119,10 @@ def main(argv=None) -> int:
     parser.add_argument("--section", default=SECTION, help="the markdown section's heading")
     args = parser.parse_args(argv)
     rows = []
-    for app in args.apps.split(","):
+    for spec in args.apps.split(","):
+        app, _, size = spec.partition(":")  # resnet:resnet50 names a size of its own
         try:
-            rows.append(bench_block(app, getattr(torch, args.dtype), args.size))
+            rows.append(bench_block(app, getattr(torch, args.dtype), size or args.size))
         except Exception as err:  # report and go on with the next block
             rows.append({"app": app, "error": f"{type(err).__name__}: {err}"})
         print(json.dumps(rows[-1], default=str), flush=True)

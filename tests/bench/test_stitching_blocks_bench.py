@@ -14,6 +14,9 @@ def test_markdown_reports_medians_ratios_and_the_rounds_method():
             "size": "default"}
     text = stitching_blocks.markdown([row, slow], info)
     assert f"median of {stitching_blocks.ROUNDS} rounds (the runners timed in turn)" in text
-    assert "| bert | 1x512x768 | 255 | 463 | 98 | 99 | **4.72x faster** | **4.68x faster** | 4.0e-03 |" in text
+    assert "| bert | 1x512x768 | 255 | 463 | - | 98 | 99 | **4.72x faster** | **4.68x faster** | n/a | 4.0e-03 |" in text
     assert "0.90x (11.1% slower) | n/a |" in text
+    graphed = dict(row, **{"torch.compile reduce-overhead us": 120.0, "stitchflow.compile vs reduce-overhead": 120 / 99})
+    assert "| 120 | 98 | 99 |" in stitching_blocks.markdown([graphed], info) and "**1.21x faster** | 4.0e-03" in \
+        stitching_blocks.markdown([graphed], info)
     assert text.startswith("## Transformer blocks end to end") and "build(size=\"default\")" in text

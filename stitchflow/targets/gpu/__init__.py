@@ -33,6 +33,7 @@ from .attention_plan import tile_plan
 from .layout import output_store, read_walked
 from .emit import contiguous_strides
 from .chains import chain_shape, compile_chain, match_chains, match_gemm_epilogues
+from .channels_last import channels_last
 from .conv import region_convolutions
 from .grouping import TorchStep, fold_iotas, split_region
 from .reassociate import find_reassociations, reassociate
@@ -52,8 +53,10 @@ class GpuTarget:
         return None
 
     def compile_region(self, graph: Graph, region: Region, params: dict, options: dict):
-        graph = gather_one_hots(fold_iotas(graph, params))
         options = dict(options or {})
+        graph = gather_one_hots(fold_iotas(graph, params))
+        if options.get("channels_last", True):
+            graph = channels_last(graph)
         if options.get("reassociate", True):
             found = find_reassociations(graph, set(region.nodes))
             for r in found:

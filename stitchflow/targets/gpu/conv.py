@@ -33,23 +33,41 @@ class ConvCall:
     stride: tuple[int, ...]
     dilation: tuple[int, ...]
     groups: int
-    out_shape: tuple[int, ...]  # the node's shape (a group axis before the channels when groups > 1)
+    out_shape: tuple[int, ...]  # torch's output viewed as [N, G, Og, ...] when groups > 1
+    x_order: tuple[int, ...]  # the stored input's axes in torch's order [N, C, spatial...]
+    y_order: tuple[int, ...]  # torch's output axes (out_shape) in the node's order
     padding: tuple[int, ...] = ()  # zeros on both sides of each spatial axis (a folded pad node)
     folded: str = ""  # the pad node not computed
 
     def __str__(self) -> str:
         pad = f", padding={self.padding} (folds {self.folded})" if self.folded else ""
+        last = ", channels last" if self.x_order[1] != 1 else ""
         return (f"conv{len(self.stride)}d({self.input}, {self.weight}, stride={self.stride}{pad}, "
-                f"dilation={self.dilation}, groups={self.groups})")
+                f"dilation={self.dilation}, groups={self.groups}{last})")
 
-    def __call__(self, env, out_dtype: torch.dtype) -> torch.Tensor:
+    def __call__(self, env, out_dtype: torch.dtype, cache: dict | None = None) -> torch.Tensor:
         x, w = env[self.input], env[self.weight]
-        x = x.to_dense() if x.layout != torch.strided else x
+        x = (x.to_dense() if x.layout != torch.strided else x).permute(self.x_order)
         compute = out_dtype if x.dtype == w.dtype == out_dtype and out_dtype.is_floating_point else \
             torch.promote_types(out_dtype, torch.float32)
-        y = CONVOLUTIONS[len(self.stride)](x.to(compute), w.to(compute), None, self.stride, self.padding or 0,
-                                           self.dilation, self.groups)
-        return y.reshape(self.out_shape).to(out_dtype)
+        x, w = x.to(compute), _weight(w.to(compute), x, cache)
+        y = CONVOLUTIONS[len(self.stride)](x, w, None, self.stride, self.padding or 0, self.dilation, self.groups)
+        return y.reshape(self.out_shape).permute(self.y_order).contiguous().to(out_dtype)
+
+
+def _weight(w: torch.Tensor, x: torch.Tensor, cache: dict | None) -> torch.Tensor:
+    """The weight in the input's memory format, converted once: cuDNN would convert a weight of
+    the other format at every call."""
+    last = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
+    if last is None or not x.is_contiguous(memory_format=last) or x.is_contiguous():
+        return w
+    if cache is None:
+        return w.contiguous(memory_format=last)
+    key = (w.data_ptr(), w._version, w.dtype)
+    if key not in cache:
+        cache.clear()
+        cache[key] = w.contiguous(memory_format=last)
+    return cache[key]
 
 
 def _terms(e) -> dict[str, int] | None:
@@ -62,7 +80,8 @@ def _terms(e) -> dict[str, int] | None:
 
 
 def match_conv(graph: Graph, node: Node) -> ConvCall | None:
-    """The node as a convolution of a dense input and weight, or None."""
+    """The node as a convolution of a dense input and weight, in whatever order the node and its
+    input keep their axes (channels first or last), or None."""
     if node.reduce != "sum" or node.is_scatter or not (isinstance(node.body, Call) and node.body.op == "mul"):
         return None
     if not all(isinstance(a, Read) for a in node.body.args):
@@ -74,47 +93,79 @@ def match_conv(graph: Graph, node: Node) -> ConvCall | None:
     return None
 
 
-def _match(graph: Graph, node: Node, xa, wa) -> ConvCall | None:
-    ext = node.extents
-    out, red = node.out_vars, node.reduce_vars
+def _roles(node: Node, wa) -> tuple | None:
+    """(group or None, channel, cin, window vars) from the weight's read w[g·og + o, c, i...]."""
+    ext, red = node.extents, node.reduce_vars
     n = len(red) - 1
-    if n not in CONVOLUTIONS or len(wa.indices) != n + 2 or len(xa.indices) != n + 2:
+    if n not in CONVOLUTIONS or len(wa.indices) != n + 2:
         return None
-    grouped = len(out) == n + 3
-    if len(out) != n + 2 + grouped:
+    first = _terms(wa.indices[0])
+    if first is None or not set(first) <= set(node.out_vars):
         return None
-    batch, spatial = out[0], out[-n:]
-    group, channel = (out[1], out[2]) if grouped else (None, out[1])
+    ones = [v for v, c in first.items() if c == 1]
+    if len(first) == 1 and ones:
+        group, channel = None, ones[0]
+    elif len(first) == 2 and len(ones) >= 1:
+        channel = next(v for v in ones if first[[u for u in first if u != v][0]] == ext[v])
+        group = next(v for v in first if v != channel)
+    else:
+        return None
     cin, window = red[0], red[1:]
-    x_shape, w_shape = graph.type_of[xa.tensor].shape, graph.type_of[wa.tensor].shape
-    if not (graph.type_of[wa.tensor].format.is_dense and graph.type_of[xa.tensor].format.is_dense):
-        return None
-    groups, og, cg = (ext[group] if grouped else 1), ext[channel], ext[cin]
-    # the weight, read whole: w[g·og + o, c, i...]
-    if _terms(wa.indices[0]) != ({group: og, channel: 1} if grouped else {channel: 1}):
-        return None
     if [_terms(i) for i in wa.indices[1:]] != [{v: 1} for v in (cin, *window)]:
         return None
-    if tuple(w_shape) != (groups * og, cg, *(ext[v] for v in window)):
+    return group, channel, cin, window
+
+
+def _match(graph: Graph, node: Node, xa, wa) -> ConvCall | None:
+    roles = None
+    try:
+        roles = _roles(node, wa)
+    except StopIteration:
         return None
-    # the input: x[n, g·cg + c, s·h + d·i ...], each window inside the tensor
-    if _terms(xa.indices[0]) != {batch: 1} or x_shape[0] != ext[batch]:
+    if roles is None or not (graph.type_of[wa.tensor].format.is_dense and graph.type_of[xa.tensor].format.is_dense):
         return None
-    if _terms(xa.indices[1]) != ({group: cg, cin: 1} if grouped else {cin: 1}) or x_shape[1] != groups * cg:
+    group, channel, cin, window = roles
+    ext, n = node.extents, len(window)
+    groups, og, cg = (ext[group] if group else 1), ext[channel], ext[cin]
+    spatial_vars = [v for v in node.out_vars if v not in (group, channel)]
+    if len(node.out_vars) != n + 2 + (group is not None) or len(xa.indices) != n + 2:
         return None
-    stride, dilation = [], []
-    for idx, h, i, size in zip(xa.indices[2:], spatial, window, x_shape[2:]):
-        t = _terms(idx)
-        if t is None or set(t) != {h, i}:
+    if tuple(graph.type_of[wa.tensor].shape) != (groups * og, cg, *(ext[v] for v in window)):
+        return None
+    # the input: x[n, g·cg + c, s·h + d·i ...] with its axes in any order, each window inside the tensor
+    terms = [_terms(i) for i in xa.indices]
+    if None in terms:
+        return None
+    want_channel = {group: cg, cin: 1} if group else {cin: 1}
+    x_channel = [k for k, t in enumerate(terms) if t == want_channel]
+    x_batch = [k for k, t in enumerate(terms) if len(t) == 1 and next(iter(t)) in spatial_vars and t[next(iter(t))] == 1]
+    if len(x_channel) != 1 or len(x_batch) != 1:
+        return None
+    batch = next(iter(terms[x_batch[0]]))
+    spatial_vars.remove(batch)
+    x_shape = graph.type_of[xa.tensor].shape
+    stride, dilation, x_spatial, out_spatial = [], [], [], []
+    for i in window:
+        found = [(k, t) for k, t in enumerate(terms) if i in t and len(t) == 2]
+        if len(found) != 1:
+            return None
+        k, t = found[0]
+        h = next(v for v in t if v != i)
+        if h not in spatial_vars:
             return None
         s, d = t[h], t[i]
-        if (size - d * (ext[i] - 1) - 1) // s + 1 != ext[h]:
+        if (x_shape[k] - d * (ext[i] - 1) - 1) // s + 1 != ext[h]:
             return None
         stride.append(s)
         dilation.append(d)
-    shape = tuple(ext[v] for v in out)
-    return ConvCall(node.name, xa.tensor, wa.tensor, tuple(stride), tuple(dilation), groups, shape)
-
+        x_spatial.append(k)
+        out_spatial.append(h)
+    if x_shape[x_batch[0]] != ext[batch] or x_shape[x_channel[0]] != groups * cg:
+        return None
+    logical = [batch, *([group, channel] if group else [channel]), *out_spatial]
+    return ConvCall(node.name, xa.tensor, wa.tensor, tuple(stride), tuple(dilation), groups,
+                    tuple(ext[v] for v in logical), (x_batch[0], x_channel[0], *x_spatial),
+                    tuple(logical.index(v) for v in node.out_vars))
 
 
 # ---------------------------------------------------------------- padding done by the convolution
@@ -125,9 +176,10 @@ class ConvStep:
     def __init__(self, graph: Graph, call: ConvCall):
         self.call, self.dtype = call, graph.type_of[call.node].dtype
         self.nodes = (call.folded, call.node)
+        self.weights: dict = {}
 
     def __call__(self, env) -> None:
-        env[self.call.node] = self.call(env, self.dtype)
+        env[self.call.node] = self.call(env, self.dtype, self.weights)
 
     def __str__(self) -> str:
         return f"torch({self.call.node}: {self.call})"
@@ -166,12 +218,13 @@ def fold_padding(graph: Graph, call: ConvCall) -> ConvCall | None:
         if lo is None or lo < 0 or ext[v] != size + 2 * lo:
             return None
         amounts.append((v, lo, size))
-    if any(lo for _, lo, _ in amounts[:2]) or not any(lo for _, lo, _ in amounts):
+    spatial = call.x_order[2:]
+    if any(lo for k, (_, lo, _) in enumerate(amounts) if k not in spatial) or not any(lo for _, lo, _ in amounts):
         return None
     wanted = {(op, v, bound) for v, lo, size in amounts if lo for op, bound in (("ge", lo), ("lt", lo + size))}
     if _conditions(body.args[0]) != wanted:
         return None
-    return dataclasses.replace(call, input=src.tensor, padding=tuple(lo for _, lo, _ in amounts[2:]),
+    return dataclasses.replace(call, input=src.tensor, padding=tuple(amounts[k][1] for k in spatial),
                                folded=pad.name)
 
 

@@ -337,11 +337,12 @@ class TorchStep:
             graph.type_of[t].format.is_dense for t in node.inputs)
         self.index_cache: dict = {}
         self.conv = match_conv(graph, node) if self.dense_gemm else None
+        self.weights: dict = {}  # a convolution's weight in its input's memory format
 
     def __call__(self, env) -> None:
         node, out_type = self.node, self.graph.type_of[self.node.name]
         if self.conv is not None:
-            env[node.name] = self.conv(env, out_type.dtype)
+            env[node.name] = self.conv(env, out_type.dtype, self.weights)
             return
         if self.dense_gemm:
             env[node.name] = contract(node, env, out_type.dtype, self.index_cache)

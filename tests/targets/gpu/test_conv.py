@@ -73,6 +73,16 @@ class _Block(nn.Module):
         return self.pool(y + self.dw(y))
 
 
+@pytest.fixture(autouse=True)
+def exact_float32_convolutions():
+    """cuDNN runs float32 convolutions in TF32 by default, and eager's algorithm for NCHW and ours
+    for channels last round differently (1e-3 apart): compare them in float32 proper."""
+    before = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32 = before
+
+
 def _block(dtype):
     torch.manual_seed(0)
     m = _Block(8).eval().to(DEVICE, dtype)
@@ -93,10 +103,12 @@ def test_a_resnet_block_runs_its_convolutions_as_torch_convolutions(dtype, fold)
     steps = [s for run in prog.compiled for s in run.steps]
     convs = [str(s) for s in steps if "conv2d(" in str(s)]
     assert len(convs) == 3
-    # the two zero pads fold into their convolutions; the depthwise one pads by reflection
-    assert sum("folds" in c for c in convs) == (2 if fold else 0)
+    # the second zero pad folds into its convolution; the first one also moves the block's input (channels
+    # first, as given) to channels last, and the depthwise convolution pads by reflection
+    assert sum("folds" in c for c in convs) == (1 if fold else 0)
+    assert all("channels last" in c for c in convs)
     kernels = [s for s in steps if isinstance(s, GroupKernel)]
-    assert len(kernels) == (3 if fold else 4)  # bn+relu | bn+add+relu+reflect pad | dw + add + pool (+ pad)
+    assert len(kernels) == 4  # pad | bn+relu (and the pad, unfolded) | bn+add+relu+reflect pad | dw+add+pool
 
 
 def test_in_phases_runs_torch_nodes_early_and_kernel_nodes_late():
@@ -118,3 +130,25 @@ def test_a_cnn_under_torch_compile_runs_wholly_through_stitchflow():
     with torch.no_grad():
         assert_close(compiled(x), net(x))
     assert backend.FALLBACKS == []
+
+
+def test_channels_last_permutes_the_activations_around_convolutions_and_changes_no_value():
+    from stitchflow.ir.interpret import run_graph
+    from stitchflow.targets.gpu.channels_last import channels_last
+
+    m, x = _block(torch.float32)
+    prog = stitchflow.compile(m.cpu(), (x.cpu(),))
+    graph = prog.graph
+    last = channels_last(graph)
+    moved = {n.name for n, old in zip(last.nodes, graph.nodes) if n.index != old.index}
+    assert {"conv2d", "batch_norm", "relu", "add"} <= moved and not moved & set(graph.outputs)
+    for name, t in graph.types:
+        if name in moved:
+            assert sorted(last.type_of[name].shape) == sorted(t.shape) and 8 in last.type_of[name].shape[-2:]
+    values = dict(zip(graph.inputs, (x.cpu(),))) | dict(prog.captured.param_values)
+    before, after = run_graph(graph, dict(values)), run_graph(last, dict(values))
+    for out in graph.outputs:
+        assert torch.equal(before[out], after[out])
+    for name in moved:  # the same values, channels last
+        if before[name].dim() == 4:
+            assert torch.equal(before[name].permute(0, 2, 3, 1), after[name])

@@ -1,0 +1,107 @@
+"""Channels-last storage for the activations around convolutions.
+
+cuDNN runs half-precision convolutions on tensor cores in NHWC; given NCHW tensors it transposes
+them first, or picks slower kernels. This pass stores every convolution's output, and the
+intermediates connected to it axis for axis (batch norm, relu, the residual add, padding,
+pooling windows), with the channel axes last. It is a graph rewrite that changes no value: a
+node's output axes are permuted, and every read of it indexes the permuted axes, so the
+generated kernels walk the channels innermost and `match_conv` finds the convolutions over
+channels-last inputs. Graph outputs, inputs and parameters keep their order.
+
+It rewrites the whole graph the same way whichever region is being compiled, so that the
+regions agree on how an intermediate passed between them is stored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+from ...ir.expr import Access, Read, map_reads
+from ...ir.graph import Graph, Node
+from ...ir.index import free_vars
+from ...ir.types import TensorType
+from .conv import match_conv
+
+
+def channels_last(graph: Graph) -> Graph:
+    order = _choose(graph)
+    if not order:
+        return graph
+    nodes = tuple(_permute_node(_reindex(n, order), order.get(n.name)) for n in graph.nodes)
+    types = tuple((name, _permute_type(t, order[name]) if name in order else t) for name, t in graph.types)
+    return dataclasses.replace(graph, nodes=nodes, types=types)
+
+
+def _choose(graph: Graph) -> dict[str, tuple[int, ...]]:
+    """node -> the permutation of its output axes (new axis k is old axis perm[k])."""
+    keep = set(graph.outputs)
+    order: dict[str, tuple[int, ...]] = {}
+    queue: deque = deque()
+    for node in graph.nodes:
+        call = match_conv(graph, node)
+        if call is None or node.name in keep or call.x_order[1] != 1:
+            continue
+        channels = [k for k in range(len(node.out_vars)) if call.y_order[k] in range(1, 2 + (call.groups > 1))]
+        perm = tuple(k for k in range(len(node.out_vars)) if k not in channels) + tuple(channels)
+        order[node.name] = perm
+        queue.append(node.name)
+        x = graph.node_of.get(call.input)  # the input (a pad, a relu) walks the same way
+        if x is not None and x.name not in keep and x.name not in order and len(x.out_vars) == 2 + len(call.stride):
+            order[x.name] = tuple(k for k in range(len(x.out_vars)) if k != 1) + (1,)
+            queue.append(x.name)
+    while queue:  # spread to the neighbours that are aligned axis for axis
+        name = queue.popleft()
+        for other in _aligned_neighbours(graph, name):
+            if other not in order and other not in keep:
+                order[other] = order[name]
+                queue.append(other)
+    return order
+
+
+def _aligned_neighbours(graph: Graph, name: str):
+    """Nodes of the same rank that read `name`, or that `name` reads, with their own k-th output
+    variable in the k-th index of the read (elementwise, shifted, windowed)."""
+    node = graph.node_of[name]
+    for reader in graph.consumers.get(name, ()):
+        if _aligned(graph.node_of[reader], name):
+            yield reader
+    for producer in graph.producers(node):
+        if len(graph.node_of[producer].out_vars) == len(node.out_vars) and _aligned(node, producer):
+            yield producer
+
+
+def _aligned(node: Node, tensor: str) -> bool:
+    accesses = [a for a in node.accesses if a.tensor == tensor]
+    out = node.out_vars
+    if not accesses or node.is_scatter:
+        return False
+    for a in accesses:
+        if len(a.indices) != len(out):
+            return False
+        for k, idx in enumerate(a.indices):
+            if free_vars(idx) & set(out) != {out[k]}:
+                return False
+    return True
+
+
+def _permute_node(node: Node, perm: tuple[int, ...] | None) -> Node:
+    if perm is None:
+        return node
+    out = node.dims[: len(node.index)]
+    dims = tuple(out[k] for k in perm) + node.dims[len(node.index):]
+    return dataclasses.replace(node, index=tuple(node.index[k] for k in perm), dims=dims)
+
+
+def _reindex(node: Node, order: dict) -> Node:
+    def read(a: Access):
+        perm = order.get(a.tensor)
+        return Read(a) if perm is None else Read(Access(a.tensor, tuple(a.indices[k] for k in perm)))
+
+    if not any(a.tensor in order for a in node.accesses):
+        return node
+    return dataclasses.replace(node, body=map_reads(node.body, read))
+
+
+def _permute_type(t: TensorType, perm: tuple[int, ...]) -> TensorType:
+    return dataclasses.replace(t, shape=tuple(t.shape[k] for k in perm))
