@@ -34,7 +34,7 @@ from .layout import output_store, read_walked
 from .emit import contiguous_strides
 from .chains import chain_shape, compile_chain, match_chains, match_gemm_epilogues
 from .channels_last import channels_last
-from .conv import region_convolutions
+from .conv import match_conv, region_convolutions
 from .grouping import TorchStep, fold_iotas, split_region
 from .reassociate import find_reassociations, reassociate
 from .rewrites import gather_one_hots
@@ -134,6 +134,9 @@ class GpuTarget:
                     *(line for m in inside for line in (f"  {m}{merged(m)}", *_explain_tiles(graph, m, params))),
                     *(f"  {m}: not inside one region" for m in found if m not in inside),
                     *(f"  not attention: {why}" for why in refused)]
+        convs = _explain_convolutions(graph, regions, options)
+        if convs:
+            out += ["", "convolutions (torch's, i.e. cuDNN's, with the activations around them channels last):", *convs]
         clusters = _explain_cluster_planes(graph, regions)
         if clusters:
             out += ["", "plane statistics on thread-block clusters (Hopper; timed against the generated kernels):",
@@ -156,6 +159,19 @@ class GpuTarget:
             else:
                 steps.append(TorchStep(graph, nodes[0], extra))
         return steps
+
+
+def _explain_convolutions(graph: Graph, regions, options: dict) -> list[str]:
+    """Each convolution as it will run: its layout, and whether its zero padding is folded into it."""
+    last = channels_last(graph) if options.get("channels_last", True) else graph
+    lines = []
+    for region in regions:
+        folded = {c.call.node: c.call for c in region_convolutions(last, region, set())}
+        for name in region.nodes:
+            call = folded.get(name) or (match_conv(last, last.node_of[name]) if name in last.node_of else None)
+            if call is not None:
+                lines.append(f"  {region.name}: {name} = {call}")
+    return lines
 
 
 def _explain_tiles(graph: Graph, match, params: dict | None) -> list[str]:

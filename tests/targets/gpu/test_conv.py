@@ -77,10 +77,8 @@ class _Block(nn.Module):
 def exact_float32_convolutions():
     """cuDNN runs float32 convolutions in TF32 by default, and eager's algorithm for NCHW and ours
     for channels last round differently (1e-3 apart): compare them in float32 proper."""
-    before = torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32 = before
+    with torch.backends.cudnn.flags(enabled=torch.backends.cudnn.enabled, allow_tf32=False):
+        yield
 
 
 def _block(dtype):
@@ -152,3 +150,12 @@ def test_channels_last_permutes_the_activations_around_convolutions_and_changes_
     for name in moved:  # the same values, channels last
         if before[name].dim() == 4:
             assert torch.equal(before[name].permute(0, 2, 3, 1), after[name])
+
+
+@runs_kernels
+def test_explain_lists_each_convolution_as_it_will_run():
+    m, x = _block(torch.float32)
+    text = stitchflow.compile(m, (x,), target="gpu", fusion="auto").explain()
+    lines = text[text.index("convolutions (torch's"):].splitlines()[1:4]
+    assert len(lines) == 3 and all("channels last" in line for line in lines)
+    assert sum("folds" in line for line in lines) == 1
