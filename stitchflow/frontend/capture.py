@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..ir.errors import ShapeError, StitchflowError, UnsupportedOpError
 from ..ir.graph import Graph
 from ..ir.types import Format, TensorType, format_of_tensor, parse_format
-from . import ops_conv, ops_elementwise, ops_linalg, ops_pool, ops_reduce, ops_shape  # noqa: F401  (register lowerings)
+from . import ops_conv, ops_elementwise, ops_linalg, ops_pool, ops_reduce, ops_resize, ops_shape  # noqa: F401  (register lowerings)
 from .builder import GraphBuilder
 from .registry import LOWERINGS, LowerCtx, describe_target, early_refusal, key_of
 

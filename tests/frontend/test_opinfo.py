@@ -21,14 +21,16 @@ OPS = [
     "select", "index_select", "gather", "nn.functional.embedding", "nn.functional.glu", "cat", "stack", "norm", "linalg.vector_norm", "chunk", "split", "repeat", "addmm", "nn.functional.dropout",
     "nn.functional.batch_norm", "nn.functional.group_norm", "nn.functional.conv1d", "nn.functional.conv2d",
     "nn.functional.conv3d", "nn.functional.pad", "constant_pad_nd", "nn.functional.avg_pool1d",
-    "nn.functional.avg_pool2d", "nn.functional.avg_pool3d", "nn.functional.max_pool1d",
+    "nn.functional.avg_pool2d", "nn.functional.avg_pool3d", "nn.functional.max_pool1d", "nn.functional.interpolate",
+    "nn.functional.upsample_bilinear", "nn.functional.upsample_nearest",
 ]  # instance_norm's samples mostly update running statistics in place (refused by design; tests/frontend/test_ops)
 MIN_SUPPORTED = 0.5  # fraction of an op's samples that must compile
 # norms of order 1, 2 and inf are lowered; most samples ask for others (0, 3, -inf, "nuc"), refused with the reason
 MIN_SUPPORTED_OF = {"norm": 0.2, "linalg.vector_norm": 0.2}
 
 
-EVERY_VARIANT = {"nn.functional.pad"}  # constant, reflect, replicate, circular: one lowering, four index maps
+# one lowering each, several index maps or weight tables: pad's modes, interpolate's modes
+EVERY_VARIANT = {"nn.functional.pad", "nn.functional.interpolate"}
 
 
 def _opinfos():
