@@ -201,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_apps)
     p = verbs.add_parser("ops", help="list the PyTorch ops stitchflow lowers to its IR (everything else runs eagerly)")
     p.add_argument("--grep", default="", help="only ops whose name contains this text (any case)")
-    p.add_argument("--family", default=None, help="only one family: elementwise, reduce, shape, linalg, conv, pool")
+    p.add_argument("--family", default=None, help="only one family: elementwise, reduce, shape, linalg, conv, pool, resize")
     p.add_argument("--json", action="store_true", help="print the list as JSON")
     p.set_defaults(fn=cmd_ops)
     p = verbs.add_parser("show", help="print the captured IR and fusion regions of an app")

@@ -56,7 +56,9 @@ def key_name(key) -> str:
     """How a user writes a lowering's key: Tensor.view, aten.addmm, torch.relu, F.linear's name."""
     if isinstance(key, str):
         return f"Tensor.{key[7:]}" if key.startswith("method:") else key
-    module = (getattr(key, "__module__", None) or "").replace("torch._C._nn", "torch.nn.functional")
+    module = getattr(key, "__module__", None) or ""
+    if module == "torch._C._nn" and hasattr(torch.nn.functional, getattr(key, "__name__", "")):
+        module = "torch.nn.functional"  # the builtin F.gelu is; private ones (_upsample_*_aa) stay where they are
     module = module.replace("torch._C._linalg", "torch.linalg").replace("torch._C._special", "torch.special")
     name = getattr(key, "__name__", repr(key))
     for prefix in ("linalg", "special"):  # torch.linalg.vector_norm is the builtin linalg_vector_norm

@@ -31,8 +31,10 @@ def test_interpolate_2d(h, w, mode, by_size, out, factor, align, dtype):
         kwargs["align_corners"] = align
     fn = lambda x: F.interpolate(x, mode=mode, **kwargs) * 2  # noqa: E731
     try:
-        fn(x)
+        empty = fn(x).numel() == 0
     except RuntimeError:  # an output size of 0 (a factor below 1 on a short axis)
+        empty = True
+    if empty:
         return
     check(fn, x)
 

@@ -159,3 +159,36 @@ def test_explain_lists_each_convolution_as_it_will_run():
     lines = text[text.index("convolutions (torch's"):].splitlines()[1:4]
     assert len(lines) == 3 and all("channels last" in line for line in lines)
     assert sum("folds" in line for line in lines) == 1
+
+
+class _Pyramid(nn.Module):
+    """A feature pyramid's top-down step: upsample, lateral 1x1 convolution, add, smooth; and a
+    sliding max pool and (where eager has it) an antialiased shrink beside it."""
+
+    def __init__(self, c: int, shrink: bool):
+        super().__init__()
+        self.lateral, self.smooth, self.shrink = nn.Conv2d(c, c, 1), nn.Conv2d(c, c, 3, padding=1), shrink
+
+    def forward(self, top, below):
+        p = F.interpolate(top, scale_factor=2, mode="nearest") + self.lateral(below)
+        q = F.interpolate(p, size=(15, 13), mode="bicubic", align_corners=False)
+        out = (self.smooth(q), F.max_pool2d(p, 3, 2, 1, ceil_mode=True) + 1)
+        if self.shrink:
+            out += (F.interpolate(below, size=(5, 7), mode="bilinear", antialias=True),)
+        return out
+
+
+@runs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_feature_pyramid_with_interpolation_and_pools(dtype):
+    torch.manual_seed(0)
+    shrink = dtype == torch.float32 or DEVICE == "cuda"  # eager's CPU antialiasing has no bf16
+    m = _Pyramid(8, shrink).eval().to(DEVICE, dtype)
+    top, below = (torch.randn(2, 8, 5, 6, device=DEVICE, dtype=dtype), torch.randn(2, 8, 10, 12, device=DEVICE,
+                                                                                    dtype=dtype))
+    prog = stitchflow.compile(m, (top, below), target="gpu", fusion="auto")
+    with torch.no_grad():
+        outs, expected = prog(top, below), m(top, below)
+    assert len(outs) == len(expected) == 2 + shrink
+    for a, e in zip(outs, expected):
+        assert_close(a, e)
