@@ -5,7 +5,9 @@ a pooling layer given only its kernel size) are pairs of axes of a reshaped view
 mean or a max over them, which the stitching targets fuse with the ops around it. Other windows
 (overlapping, padded, dilated, ceil mode) are a reduction over window coordinates read at
 s·o + d·k - p, positions outside the input excluded by a `where` (-inf for a max, 0 for a sum),
-and the average divided as torch divides it (count_include_pad, divisor_override)."""
+and the average divided as torch divides it (count_include_pad, divisor_override). Adaptive
+average pooling is a global mean, tiling windows, or (windows of uneven sizes) a weighted sum over
+taps as interpolation's."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from ..ir.errors import UnsupportedOpError
 from ..ir.expr import Const, IndexValue, call
 from . import values as V
 from .ops_reduce import lower_amax, lower_mean
+from .ops_resize import resize
 from .registry import LowerCtx, lowering, upcast
 
 
@@ -135,3 +138,22 @@ lowering(F.avg_pool3d, "aten.avg_pool3d")(_average(3))
 lowering(F.max_pool1d, torch.max_pool1d, "aten.max_pool1d")(_maximum(1))
 lowering(F.max_pool2d, torch.max_pool2d, "aten.max_pool2d")(_maximum(2))
 lowering(F.max_pool3d, torch.max_pool3d, "aten.max_pool3d")(_maximum(3))
+
+
+def _adaptive_average(n: int):
+    def lower(ctx, x, output_size):
+        out, size = ctx.shape[-n:], x.shape[-n:]
+        dims = list(range(x.rank - n, x.rank))
+        if all(o == 1 for o in out):
+            return lower_mean(ctx, x, dims, keepdim=True)
+        if all(s % o == 0 for s, o in zip(size, out)):  # windows of s // o that tile the input
+            view, axes = windows(ctx, x, n, tuple(s // o for s, o in zip(size, out)))
+            return lower_mean(ctx, view, axes)
+        return resize(ctx, x, n, (output_size,), {})
+
+    return lower
+
+
+lowering(F.adaptive_avg_pool1d, torch.adaptive_avg_pool1d, "aten.adaptive_avg_pool1d")(_adaptive_average(1))
+lowering(F.adaptive_avg_pool2d, "aten.adaptive_avg_pool2d", "aten._adaptive_avg_pool2d")(_adaptive_average(2))
+lowering(F.adaptive_avg_pool3d, "aten.adaptive_avg_pool3d", "aten._adaptive_avg_pool3d")(_adaptive_average(3))

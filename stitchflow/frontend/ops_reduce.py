@@ -215,23 +215,6 @@ def lower_norm(ctx, x, p=2, dim=None, keepdim=False, *, ord=None, dtype=None, ou
                             hint=ctx.hint)
 
 
-def _global_pool(spatial: int):
-    def lower(ctx, x, output_size):
-        """The global case (output size 1) of adaptive average pooling: a mean over the spatial axes."""
-        sizes = output_size if isinstance(output_size, (list, tuple)) else [output_size] * spatial
-        if any(s != 1 for s in sizes):
-            raise UnsupportedOpError(f"adaptive_avg_pool{spatial}d", f"output size {output_size} (only 1 is lowered)",
-                                     ctx.hint)
-        dims = list(range(x.rank - spatial, x.rank))
-        return lower_mean(ctx, x, dims, keepdim=True)
-
-    return lower
-
-
-lowering(F.adaptive_avg_pool2d, "aten.adaptive_avg_pool2d", "aten._adaptive_avg_pool2d")(_global_pool(2))
-lowering(F.adaptive_avg_pool1d, torch.adaptive_avg_pool1d, "aten.adaptive_avg_pool1d")(_global_pool(1))
-
-
 def _pointwise(ctx, op: str, a, b):
     """torch.max(a, b) and torch.min(a, b): the elementwise forms of the reductions."""
     from .ops_elementwise import elementwise

@@ -65,8 +65,15 @@ def test_pooling_layers_and_refusals():
         stitchflow.compile(lambda x: F.max_pool2d(x, 2, return_indices=True)[0], (x,))
 
 
-def test_global_average_pooling_and_its_refusal():
-    x = torch.randn(2, 3, 5, 4)
-    check(lambda x: F.adaptive_avg_pool2d(x, 1).flatten(1) + F.adaptive_avg_pool2d(x, (1, 1)).sum(), x)
-    with pytest.raises(stitchflow.StitchflowError, match="only 1 is lowered"):
-        stitchflow.compile(lambda x: F.adaptive_avg_pool2d(x, 2), (x,))
+@pytest.mark.parametrize("shape,size", [((2, 3, 5, 4), 1), ((2, 3, 5, 4), (1, 1)), ((2, 3, 6, 4), (3, 2)),
+                                        ((2, 3, 7, 5), (3, 4)), ((2, 3, 7, 5), (None, 2)), ((2, 3, 9), 4),
+                                        ((1, 2, 5, 6, 7), (2, 3, 3))])
+def test_adaptive_average_pooling(shape, size):
+    pool = {3: F.adaptive_avg_pool1d, 4: F.adaptive_avg_pool2d, 5: F.adaptive_avg_pool3d}[len(shape)]
+    for dtype in (torch.float32, torch.bfloat16):
+        check(lambda x: pool(x, size).relu() * 2, torch.randn(shape, dtype=dtype))
+
+
+def test_adaptive_average_pooling_over_many_uneven_taps_is_refused_with_the_reason():
+    with pytest.raises(stitchflow.StitchflowError, match="taps per output point"):
+        stitchflow.compile(lambda x: F.adaptive_avg_pool2d(x, 3), (torch.randn(1, 1, 40, 40),))
