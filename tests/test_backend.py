@@ -10,7 +10,7 @@ import stitchflow.backend as backend
 from conftest import assert_close
 from stitchflow.apps import APPS
 
-DENSE_APPS = ["sae", "gpt3-bigbird", "bert", "llama"]
+DENSE_APPS = ["sae", "gpt3-bigbird", "bert", "llama", "resnet"]
 
 
 @pytest.fixture(autouse=True)
@@ -40,6 +40,79 @@ def test_dense_apps_equal_eager(app):
         assert_close(compiled(*inputs), model(*inputs))
         assert_close(compiled(*inputs), model(*inputs))  # the cached program
     assert backend.regions_executed() >= 2  # the outputs came from stitchflow programs
+
+
+class _InvertedResidual(nn.Module):  # MobileNetV2's: expand, depthwise, project
+    def __init__(self, c: int, e: int = 4):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(c, c * e, 1, bias=False), nn.BatchNorm2d(c * e), nn.ReLU6(),
+            nn.Conv2d(c * e, c * e, 3, 1, 1, groups=c * e, bias=False), nn.BatchNorm2d(c * e), nn.ReLU6(),
+            nn.Conv2d(c * e, c, 1, bias=False), nn.BatchNorm2d(c))
+
+    def forward(self, x):
+        return x + self.body(x)
+
+
+class _UNet(nn.Module):  # group and instance norm, pooling, bilinear upsampling, a skip concatenation
+    def __init__(self):
+        super().__init__()
+        self.down1 = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.SiLU())
+        self.down2 = nn.Sequential(nn.MaxPool2d(2), nn.Conv2d(8, 16, 3, padding=1), nn.InstanceNorm2d(16), nn.GELU())
+        self.up = nn.Upsample(scale_factor=2, mode="bilinear", align_corners=False)
+        self.out = nn.Conv2d(24, 2, 1)
+
+    def forward(self, x):
+        a = self.down1(x)
+        return self.out(torch.cat([a, self.up(self.down2(a))], 1)).softmax(1)
+
+
+class _SqueezeExcite(nn.Module):  # circular padding, a global pool gating the channels, an overlapping pool
+    def __init__(self, c: int):
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 3, padding=1, padding_mode="circular")
+        self.fc1, self.fc2 = nn.Linear(c, c // 2), nn.Linear(c // 2, c)
+
+    def forward(self, x):
+        y = self.conv(x)
+        w = torch.sigmoid(self.fc2(F.relu(self.fc1(F.adaptive_avg_pool2d(y, 1).flatten(1)))))
+        return F.hardswish(y * w[:, :, None, None]) + F.avg_pool2d(x, 3, 1, 1)
+
+
+class _VGGHead(nn.Module):  # a dilated convolution and an adaptive pool to 3x3
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2, 2),
+                                      nn.Conv2d(8, 8, 3, dilation=2, padding=2), nn.ReLU())
+        self.pool, self.fc = nn.AdaptiveAvgPool2d((3, 3)), nn.Linear(72, 5)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(self.pool(self.features(x)), 1))
+
+
+class _Conv1dTagger(nn.Module):  # a strided 1-d convolution with reflect padding, then layer norm
+    def __init__(self):
+        super().__init__()
+        self.conv, self.norm = nn.Conv1d(4, 6, 5, stride=2, padding=2, padding_mode="reflect"), nn.LayerNorm(6)
+
+    def forward(self, x):
+        return self.norm(F.leaky_relu(self.conv(x)).transpose(1, 2))
+
+
+CNNS = {"mobilenet": (lambda: _InvertedResidual(4), (2, 4, 9, 9)), "unet": (_UNet, (2, 3, 16, 12)),
+        "squeeze_excite": (lambda: _SqueezeExcite(8), (2, 8, 7, 7)), "vgg": (_VGGHead, (2, 3, 14, 14)),
+        "conv1d": (_Conv1dTagger, (2, 4, 17))}
+
+
+@pytest.mark.parametrize("name", sorted(CNNS))
+def test_convolutional_models_run_wholly_through_stitchflow(name):
+    make, shape = CNNS[name]
+    torch.manual_seed(0)
+    model, x = make().eval(), torch.randn(shape)
+    compiled = torch.compile(model, backend="stitchflow")
+    with torch.no_grad():
+        assert_close(compiled(x), model(x))
+    assert backend.FALLBACKS == []
 
 
 class GraphNet(nn.Module):
