@@ -99,7 +99,13 @@ class _Conv1dTagger(nn.Module):  # a strided 1-d convolution with reflect paddin
         return self.norm(F.leaky_relu(self.conv(x)).transpose(1, 2))
 
 
+def _decoder():  # a GAN generator's / U-Net decoder's upsampling by transposed convolutions
+    return nn.Sequential(nn.ConvTranspose2d(6, 4, 4, 2, 1), nn.BatchNorm2d(4), nn.ReLU(),
+                         nn.ConvTranspose2d(4, 3, 3, 2, 1, output_padding=1), nn.Tanh())
+
+
 CNNS = {"mobilenet": (lambda: _InvertedResidual(4), (2, 4, 9, 9)), "unet": (_UNet, (2, 3, 16, 12)),
+        "decoder": (_decoder, (2, 6, 5, 4)),
         "squeeze_excite": (lambda: _SqueezeExcite(8), (2, 8, 7, 7)), "vgg": (_VGGHead, (2, 3, 14, 14)),
         "conv1d": (_Conv1dTagger, (2, 4, 17))}
 

@@ -8,7 +8,8 @@ A convolution is a contraction whose input reads are affine in an output and a w
 coordinate (x[n, c, s·h + d·i]); zero padding is a pad node before it, so the contraction stays
 a product of two reads (the targets run it as one: the gpu target as cuDNN's convolution of the
 padded tensor). Groups add a group axis to the output, merged into the channels by a view.
-Transposed convolutions are refused with the reason."""
+A transposed convolution is a convolution of the input spread apart (zeros between its points)
+with the flipped kernel."""
 
 from __future__ import annotations
 
@@ -196,5 +197,65 @@ def lower_conv(ctx, x, weight, bias=None, stride=1, padding=0, dilation=1, group
 def lower_aten_convolution(ctx, x, weight, bias, stride, padding, dilation, transposed, output_padding, groups,
                            *rest):
     if transposed:
-        raise UnsupportedOpError("convolution", "transposed convolutions are not lowered", ctx.hint)
+        return transposed_convolution(ctx, x, weight, bias, stride, padding, output_padding, groups, dilation)
     return convolution(ctx, x, weight, bias, stride, padding, dilation, groups)
+
+
+# ---------------------------------------------------------------- transposed convolution
+
+def transposed_convolution(ctx: LowerCtx, x: TensorValue, weight: TensorValue, bias, stride, padding,
+                           output_padding, groups: int, dilation) -> TensorValue:
+    """A plain convolution (stride 1) of the input spread `stride` apart and padded, with the kernel
+    flipped and its channel axes swapped: the input point j lands at s·j + d·(k-1) - p."""
+    n = weight.rank - 2
+    if n < 1 or x.rank not in (n + 1, n + 2):
+        raise ShapeError(f"conv_transpose: input of rank {x.rank} for a rank-{weight.rank} weight")
+    stride, padding, output_padding, dilation = (_tuple(v, n) for v in (stride, padding, output_padding, dilation))
+    cin, og, kernel = weight.shape[0], weight.shape[1], weight.shape[2:]
+    if groups < 1 or cin % groups or x.shape[-n - 1] != cin:
+        raise ShapeError(f"conv_transpose{n}d: {x.shape[-n - 1]} input channels, weight {tuple(weight.shape)}, "
+                         f"groups {groups}")
+    cg, lead = cin // groups, x.rank - n
+    spread = [(size - 1) * s + 1 for size, s in zip(x.shape[lead:], stride)]
+    before = [d * (k - 1) - p for k, p, d in zip(kernel, padding, dilation)]
+    after = [b + op for b, op in zip(before, output_padding)]
+    shape = list(x.shape[:lead]) + [m + b + a for m, b, a in zip(spread, before, after)]
+    if any(size <= 0 for size in shape):
+        raise ShapeError(f"conv_transpose{n}d: padding {padding} leaves no output")
+
+    def spread_body(o, r, rg):
+        index, conds = list(o[:lead]), []
+        for axis, (s, b, size) in enumerate(zip(stride, before, x.shape[lead:])):
+            j = V.add(o[lead + axis], s * (max(b, 0) // s + 1) - b)  # j - b, kept non-negative
+            shift = max(b, 0) // s + 1
+            index.append(V.add(V.floordiv(j, s, rg), -shift))
+            if s > 1:
+                conds.append(call("eq", IndexValue(V.mod(j, s, rg)), Const(0)))
+            conds.append(call("ge", IndexValue(o[lead + axis]), Const(b)))
+            conds.append(call("le", IndexValue(o[lead + axis]), Const(b + (size - 1) * s)))
+        cond = conds[0]
+        for c in conds[1:]:
+            cond = call("and", cond, c)
+        return call("where", cond, x.read(index, rg), Const(0.0))
+
+    spread_x = ctx.builder.emit(shape, x.dtype, spread_body, hint=f"{ctx.hint}_spread")
+
+    def flip_body(o, r, rg):  # w'[g·og + o, c, i] = w[g·cg + c, o, k - 1 - i]
+        group, within = V.floordiv(o[0], og, rg), V.mod(o[0], og, rg)
+        flipped = [V.add(V.scale(i, -1), k - 1) for i, k in zip(o[2:], kernel)]
+        return weight.read([V.add(V.scale(group, cg), o[1]), within, *flipped], rg)
+
+    flipped = ctx.builder.emit([og * groups, cg, *kernel], weight.dtype, flip_body, hint=f"{ctx.hint}_weight")
+    return convolution(ctx, spread_x, flipped, bias, 1, 0, dilation, groups)
+
+
+def _transposed(n: int):
+    def lower(ctx, x, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1):
+        return transposed_convolution(ctx, x, weight, bias, stride, padding, output_padding, groups, dilation)
+
+    return lower
+
+
+lowering(F.conv_transpose1d, "aten.conv_transpose1d")(_transposed(1))
+lowering(F.conv_transpose2d, "aten.conv_transpose2d")(_transposed(2))
+lowering(F.conv_transpose3d, "aten.conv_transpose3d")(_transposed(3))

@@ -90,11 +90,33 @@ def test_conv_modules_with_every_padding_mode_and_the_aten_op():
     check(lambda x: torch.ops.aten.convolution(x, w, b, [1, 2], [1, 0], [2, 1], False, [0, 0], 1), x)
 
 
-def test_transposed_convolution_is_refused_with_the_reason():
-    x, w = torch.randn(1, 2, 4, 4), torch.randn(2, 3, 3, 3)
-    with pytest.raises(stitchflow.StitchflowError, match="transposed"):
-        stitchflow.compile(lambda x: torch.ops.aten.convolution(x, w, None, [1, 1], [0, 0], [1, 1], True, [0, 0], 1),
-                           (x,))
+@settings(max_examples=30, deadline=None)
+@given(n=st.sampled_from([1, 2, 3]), size=st.integers(1, 5), cin=st.integers(1, 3), cout=st.integers(1, 3),
+       groups=st.sampled_from([1, 2]), k=st.integers(1, 3), stride=st.integers(1, 3), dilation=st.integers(1, 2),
+       padding=st.integers(0, 2), extra=st.integers(0, 2), bias=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_transposed_convolutions(n, size, cin, cout, groups, k, stride, dilation, padding, extra, bias, dtype):
+    conv = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}[n]
+    x = torch.randn(2, cin * groups, *[size + d for d in range(n)], dtype=dtype)
+    w = torch.randn(cin * groups, cout, *[k] * n, dtype=dtype) / (cin * k ** n) ** 0.5
+    b = torch.randn(cout * groups, dtype=dtype) if bias else None
+    fn = lambda x, w: conv(x, w, b, stride, padding, extra, groups, dilation)  # noqa: E731
+    try:
+        empty = fn(x, w).numel() == 0
+    except RuntimeError:  # output padding not below the stride or the dilation, or padding leaving nothing
+        empty = True
+    if empty:
+        with pytest.raises(stitchflow.StitchflowError):
+            stitchflow.compile(fn, (x, w))
+        return
+    check(fn, x, w)
+
+
+def test_transposed_convolution_layers_and_the_aten_op():
+    x = torch.randn(2, 4, 5, 6)
+    check(torch.nn.ConvTranspose2d(4, 2, 4, 2, 1), x)  # a decoder's 2x upsampling
+    w = torch.randn(4, 3, 3, 2)
+    check(lambda x: torch.ops.aten.convolution(x, w, None, [2, 1], [1, 0], [1, 1], True, [1, 0], 1), x)
 
 
 def test_a_convolution_is_one_contraction_with_its_bias_on_the_dataflow_target():
