@@ -192,3 +192,17 @@ def test_a_feature_pyramid_with_interpolation_and_pools(dtype):
     assert len(outs) == len(expected) == 2 + shrink
     for a, e in zip(outs, expected):
         assert_close(a, e)
+
+
+@runs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decoder_of_transposed_convolutions_and_adaptive_pools(dtype):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.ConvTranspose2d(6, 4, 4, 2, 1), nn.BatchNorm2d(4), nn.ReLU(),
+                      nn.ConvTranspose2d(4, 3, 3, 2, 1, output_padding=1, groups=1), nn.Tanh(),
+                      nn.AdaptiveAvgPool2d((7, 5))).eval().to(DEVICE, dtype)
+    x = torch.randn(2, 6, 5, 4, device=DEVICE, dtype=dtype)
+    prog = stitchflow.compile(m, (x,), target="gpu", fusion="auto")
+    with torch.no_grad():
+        assert_close(prog(x), m(x))
+    assert sum("conv2d(" in str(s) for run in prog.compiled for s in run.steps) == 2  # both as cuDNN convolutions
