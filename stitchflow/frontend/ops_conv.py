@@ -226,8 +226,8 @@ def transposed_convolution(ctx: LowerCtx, x: TensorValue, weight: TensorValue, b
     def spread_body(o, r, rg):
         index, conds = list(o[:lead]), []
         for axis, (s, b, size) in enumerate(zip(stride, before, x.shape[lead:])):
-            j = V.add(o[lead + axis], s * (max(b, 0) // s + 1) - b)  # j - b, kept non-negative
-            shift = max(b, 0) // s + 1
+            shift = max(b, 0) // s + 1  # j - b + s·shift is never negative, so // and % mean what they say
+            j = V.add(o[lead + axis], s * shift - b)
             index.append(V.add(V.floordiv(j, s, rg), -shift))
             if s > 1:
                 conds.append(call("eq", IndexValue(V.mod(j, s, rg)), Const(0)))

@@ -13,6 +13,7 @@ padded tensor."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -102,14 +103,13 @@ def _roles(node: Node, wa) -> tuple | None:
     first = _terms(wa.indices[0])
     if first is None or not set(first) <= set(node.out_vars):
         return None
-    ones = [v for v, c in first.items() if c == 1]
-    if len(first) == 1 and ones:
-        group, channel = None, ones[0]
-    elif len(first) == 2 and len(ones) >= 1:
-        channel = next(v for v in ones if first[[u for u in first if u != v][0]] == ext[v])
-        group = next(v for v in first if v != channel)
-    else:
-        return None
+    if len(first) == 1 and set(first.values()) == {1}:
+        group, (channel,) = None, first
+    else:  # g·og + o: the channel has coefficient 1, the group the channel's extent
+        pairs = [(g, o) for g, o in itertools.permutations(first, 2) if first[o] == 1 and first[g] == ext[o]]
+        if len(first) != 2 or not pairs:
+            return None
+        group, channel = pairs[0]
     cin, window = red[0], red[1:]
     if [_terms(i) for i in wa.indices[1:]] != [{v: 1} for v in (cin, *window)]:
         return None
@@ -117,11 +117,7 @@ def _roles(node: Node, wa) -> tuple | None:
 
 
 def _match(graph: Graph, node: Node, xa, wa) -> ConvCall | None:
-    roles = None
-    try:
-        roles = _roles(node, wa)
-    except StopIteration:
-        return None
+    roles = _roles(node, wa)
     if roles is None or not (graph.type_of[wa.tensor].format.is_dense and graph.type_of[xa.tensor].format.is_dense):
         return None
     group, channel, cin, window = roles
