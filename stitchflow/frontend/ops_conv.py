@@ -139,7 +139,7 @@ def _same_padding(kernel, dilation, stride) -> list[tuple[int, int]]:
 
 
 def convolution(ctx: LowerCtx, x: TensorValue, weight: TensorValue, bias, stride, padding, dilation,
-                groups: int) -> TensorValue:
+                groups: int, tag=None) -> TensorValue:
     n = weight.rank - 2
     if n < 1:
         raise ShapeError(f"conv: a weight of rank {weight.rank}")
@@ -174,7 +174,7 @@ def convolution(ctx: LowerCtx, x: TensorValue, weight: TensorValue, bias, stride
         w_index = [V.add(V.scale(g, og), oc), r[0]] + list(r[1:])
         return call("mul", x.read(x_index, rg), weight.read(w_index, rg))
 
-    tag = ctx.builder.new_tag("conv")
+    tag = tag or ctx.builder.new_tag("conv")
     groups_axes = [groups, og] if groups > 1 else [cout]
     y = ctx.builder.emit([batch] + groups_axes + out_size, ctx.dtype, body, reduce="sum", red_shape=[cg, *kernel],
                          tag=tag, hint=ctx.hint)
@@ -238,15 +238,16 @@ def transposed_convolution(ctx: LowerCtx, x: TensorValue, weight: TensorValue, b
             cond = call("and", cond, c)
         return call("where", cond, x.read(index, rg), Const(0.0))
 
-    spread_x = ctx.builder.emit(shape, x.dtype, spread_body, hint=f"{ctx.hint}_spread")
+    tag = ctx.builder.new_tag("conv_transpose")  # the gpu target finds the three nodes by it (conv.fold_spread)
+    spread_x = ctx.builder.emit(shape, x.dtype, spread_body, tag=tag, hint=f"{ctx.hint}_spread")
 
     def flip_body(o, r, rg):  # w'[g·og + o, c, i] = w[g·cg + c, o, k - 1 - i]
         group, within = V.floordiv(o[0], og, rg), V.mod(o[0], og, rg)
         flipped = [V.add(V.scale(i, -1), k - 1) for i, k in zip(o[2:], kernel)]
         return weight.read([V.add(V.scale(group, cg), o[1]), within, *flipped], rg)
 
-    flipped = ctx.builder.emit([og * groups, cg, *kernel], weight.dtype, flip_body, hint=f"{ctx.hint}_weight")
-    return convolution(ctx, spread_x, flipped, bias, 1, 0, dilation, groups)
+    flipped = ctx.builder.emit([og * groups, cg, *kernel], weight.dtype, flip_body, tag=tag, hint=f"{ctx.hint}_weight")
+    return convolution(ctx, spread_x, flipped, bias, 1, 0, dilation, groups, tag=tag)
 
 
 def _transposed(n: int):

@@ -8,7 +8,8 @@ recognises the form and calls F.conv1d/2d/3d instead. Where the pad node exists 
 convolution (zeros, the same amount on both sides), the convolution pads by itself and the pad
 node is not computed (`fold_padding`): its producer (batch norm, relu) stores the unpadded tensor.
 Otherwise the pad stitches with its producer in a generated kernel and the convolution reads the
-padded tensor."""
+padded tensor. A transposed convolution, which the frontend writes as a convolution of its input
+spread apart with the flipped kernel, runs as cuDNN's transposed convolution (`fold_spread`)."""
 
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ import torch.nn.functional as F
 
 from ...ir.expr import Call, Const, IndexValue, Read
 from ...ir.graph import Graph, Node, Region
-from ...ir.index import Sum, Var
+from ...ir.index import Div, Sum, Var, free_vars
 
 CONVOLUTIONS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+TRANSPOSED = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 
 @dataclass(frozen=True)
@@ -38,12 +40,16 @@ class ConvCall:
     x_order: tuple[int, ...]  # the stored input's axes in torch's order [N, C, spatial...]
     y_order: tuple[int, ...]  # torch's output axes (out_shape) in the node's order
     padding: tuple[int, ...] = ()  # zeros on both sides of each spatial axis (a folded pad node)
-    folded: str = ""  # the pad node not computed
+    folded: tuple[str, ...] = ()  # the nodes not computed: a pad; or a transposed convolution's spread and flip
+    output_padding: tuple[int, ...] | None = None  # a transposed convolution's (None: a plain one)
 
     def __str__(self) -> str:
-        pad = f", padding={self.padding} (folds {self.folded})" if self.folded else ""
+        pad = f", padding={self.padding}" if self.folded else ""
+        pad += f", output_padding={self.output_padding}" if self.output_padding is not None else ""
+        pad += f" (folds {', '.join(self.folded)})" if self.folded else ""
         last = ", channels last" if self.x_order[1] != 1 else ""
-        return (f"conv{len(self.stride)}d({self.input}, {self.weight}, stride={self.stride}{pad}, "
+        kind = "conv_transpose" if self.output_padding is not None else "conv"
+        return (f"{kind}{len(self.stride)}d({self.input}, {self.weight}, stride={self.stride}{pad}, "
                 f"dilation={self.dilation}, groups={self.groups}{last})")
 
     def __call__(self, env, out_dtype: torch.dtype, cache: dict | None = None) -> torch.Tensor:
@@ -52,7 +58,11 @@ class ConvCall:
         compute = out_dtype if x.dtype == w.dtype == out_dtype and out_dtype.is_floating_point else \
             torch.promote_types(out_dtype, torch.float32)
         x, w = x.to(compute), _weight(w.to(compute), x, cache)
-        y = CONVOLUTIONS[len(self.stride)](x, w, None, self.stride, self.padding or 0, self.dilation, self.groups)
+        if self.output_padding is not None:
+            y = TRANSPOSED[len(self.stride)](x, w, None, self.stride, self.padding, self.output_padding, self.groups,
+                                             self.dilation)
+        else:
+            y = CONVOLUTIONS[len(self.stride)](x, w, None, self.stride, self.padding or 0, self.dilation, self.groups)
         return y.reshape(self.out_shape).permute(self.y_order).contiguous().to(out_dtype)
 
 
@@ -171,7 +181,7 @@ class ConvStep:
 
     def __init__(self, graph: Graph, call: ConvCall):
         self.call, self.dtype = call, graph.type_of[call.node].dtype
-        self.nodes = (call.folded, call.node)
+        self.nodes = (*call.folded, call.node)
         self.weights: dict = {}
 
     def __call__(self, env) -> None:
@@ -182,15 +192,68 @@ class ConvStep:
 
 
 def region_convolutions(graph: Graph, region: Region, taken) -> list[ConvStep]:
-    """The convolutions of the region whose zero padding can be left to the convolution."""
+    """The convolutions of the region whose zero padding can be left to the convolution, and the
+    transposed convolutions (run as cuDNN's, not as a convolution of the input spread apart)."""
     inside, steps = set(region.nodes) - set(taken), []
     for name in region.nodes:
         node = graph.node_of.get(name)
         call = match_conv(graph, node) if node is not None and name in inside else None
-        folded = fold_padding(graph, call) if call is not None else None
-        if folded is not None and folded.folded in inside:
+        folded = (fold_spread(graph, call) or fold_padding(graph, call)) if call is not None else None
+        if folded is not None and set(folded.folded) <= inside:
             steps.append(ConvStep(graph, folded))
     return steps
+
+
+def fold_spread(graph: Graph, call: ConvCall) -> ConvCall | None:
+    """The transposed convolution that the frontend wrote as a convolution of its input spread apart
+    (zeros between the points, `s·j + before`) with the flipped kernel: its three nodes share a tag."""
+    node, spread, flip = (graph.node_of.get(n) for n in (call.node, call.input, call.weight))
+    if spread is None or flip is None or node.tag is None or node.tag.kind != "conv_transpose":
+        return None
+    if spread.tag != node.tag or flip.tag != node.tag or not isinstance(flip.body, Read):
+        return None
+    if any(graph.consumers.get(n.name) != (call.node,) or n.name in graph.outputs for n in (spread, flip)):
+        return None
+    body = spread.body
+    if not (isinstance(body, Call) and body.op == "where" and isinstance(body.args[1], Read)):
+        return None
+    xa, bounds = body.args[1].access, _lower_bounds(body.args[0])
+    x_order = []
+    for pos in call.x_order:  # the input's own axis order (it is channels first where it is a graph input)
+        hits = [m for m, idx in enumerate(xa.indices) if spread.out_vars[pos] in free_vars(idx)]
+        if len(hits) != 1:
+            return None
+        x_order.append(hits[0])
+    if sorted(x_order) != list(range(len(xa.indices))):  # the input read through a view (x[0]): not folded
+        return None
+    x_shape, w_shape = graph.type_of[xa.tensor].shape, graph.type_of[flip.body.access.tensor].shape
+    stride, padding, extra = [], [], []
+    for t, pos in enumerate(call.x_order[2:]):
+        v, idx = spread.out_vars[pos], xa.indices[x_order[2 + t]]
+        divs = [a for _, a in idx.terms if isinstance(a, Div)] if isinstance(idx, Sum) else []
+        s = divs[0].divisor if divs else 1
+        before, d, k = bounds.get(v), call.dilation[t], w_shape[2 + t]
+        if before is None:
+            return None
+        after = spread.extents[v] - (x_shape[x_order[2 + t]] - 1) * s - 1 - before
+        stride.append(s)
+        padding.append(d * (k - 1) - before)
+        extra.append(after - before)
+    if any(p < 0 for p in padding) or any(not 0 <= e < max(s, d) for e, s, d in zip(extra, stride, call.dilation)):
+        return None  # torch's transposed convolution takes neither: keep the convolution of the spread input
+    return dataclasses.replace(call, input=xa.tensor, weight=flip.body.access.tensor, stride=tuple(stride),
+                               padding=tuple(padding), output_padding=tuple(extra), x_order=tuple(x_order),
+                               folded=(spread.name, flip.name))
+
+
+def _lower_bounds(e) -> dict[str, int]:
+    """{var: c} of the idx(var) >= c comparisons in an and-tree (other conditions ignored)."""
+    if isinstance(e, Call) and e.op == "and":
+        return _lower_bounds(e.args[0]) | _lower_bounds(e.args[1])
+    if (isinstance(e, Call) and e.op == "ge" and isinstance(e.args[0], IndexValue)
+            and isinstance(e.args[0].index, Var) and isinstance(e.args[1], Const)):
+        return {e.args[0].index.name: int(e.args[1].value)}
+    return {}
 
 
 def fold_padding(graph: Graph, call: ConvCall) -> ConvCall | None:
@@ -221,7 +284,7 @@ def fold_padding(graph: Graph, call: ConvCall) -> ConvCall | None:
     if _conditions(body.args[0]) != wanted:
         return None
     return dataclasses.replace(call, input=src.tensor, padding=tuple(amounts[k][1] for k in spatial),
-                               folded=pad.name)
+                               folded=(pad.name,))
 
 
 def _shift(idx, v: str) -> int | None:

@@ -11,6 +11,7 @@ os.environ.setdefault("STITCHFLOW_CACHE", tempfile.mkdtemp(prefix="stitchflow-te
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from hypothesis import given, settings, strategies as st  # noqa: E402
 from torch import nn  # noqa: E402
 
 import stitchflow  # noqa: E402
@@ -205,4 +206,26 @@ def test_a_decoder_of_transposed_convolutions_and_adaptive_pools(dtype):
     prog = stitchflow.compile(m, (x,), target="gpu", fusion="auto")
     with torch.no_grad():
         assert_close(prog(x), m(x))
-    assert sum("conv2d(" in str(s) for run in prog.compiled for s in run.steps) == 2  # both as cuDNN convolutions
+    steps = [str(s) for run in prog.compiled for s in run.steps]
+    assert sum("conv_transpose2d(" in s and "folds" in s for s in steps) == 2  # both as cuDNN's transposed ones
+
+
+@runs_kernels
+@settings(max_examples=12, deadline=None)
+@given(size=st.integers(2, 5), k=st.integers(1, 4), stride=st.integers(1, 3), padding=st.integers(0, 2),
+       extra=st.integers(0, 2), dilation=st.integers(1, 2), groups=st.sampled_from([1, 2]))
+def test_transposed_convolutions_run_as_cudnns(size, k, stride, padding, extra, dilation, groups):
+    torch.manual_seed(0)
+    x = torch.randn(2, 2 * groups, size, size + 1, device=DEVICE)
+    w = torch.randn(2 * groups, 3, k, k + 1, device=DEVICE)
+    fn = lambda x, w: F.conv_transpose2d(x, w, None, stride, padding, extra, groups, dilation).relu()  # noqa: E731
+    try:
+        empty = fn(x, w).numel() == 0
+    except RuntimeError:
+        empty = True
+    if empty:
+        return
+    prog = stitchflow.compile(fn, (x, w), target="gpu", fusion="auto")
+    assert_close(prog(x, w), fn(x, w))
+    steps = [str(s) for run in prog.compiled for s in run.steps]
+    assert any("conv_transpose2d(" in s for s in steps)
