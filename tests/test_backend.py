@@ -149,13 +149,13 @@ def test_torch_geometric_models(conv):
 def test_unsupported_ops_fall_back_with_a_reason():
     def f(x):
         y = torch.relu(x) * 2
-        z = torch.cumsum(y, dim=0)  # no lowering: runs eagerly
+        z = torch.sort(y, dim=0).values  # no lowering: runs eagerly
         return torch.softmax(z, -1) + 1
 
     x = torch.randn(5, 7)
     compiled = torch.compile(f, backend="stitchflow")
     assert_close(compiled(x), f(x))
-    assert "cumsum" in backend.fallback_report()
+    assert "sort" in backend.fallback_report()
     assert backend.regions_executed() >= 2  # the parts around it still ran through stitchflow
 
 
@@ -163,7 +163,7 @@ def test_a_partition_of_views_only_and_ops_between_eager_ones():
     """Partitions between unsupported ops may hold nothing but a slice (no node to plan) or a
     single op; the planner once failed on the empty one (zero-size array) and broke the model."""
     def f(x):
-        a = torch.cumsum(x, 1)
+        a = torch.fft.rfft(x, dim=1).abs()
         b = torch.topk(x, 3, dim=1).values
         c = torch.sort(x, 1).values[:, :3]
         return torch.cat([a[:, :3], b, c, torch.where(x > 0, x, x.exp() - 1)[:, :3]], 1).std(0)

@@ -13,7 +13,7 @@ from ..ir.expr import Cast, Const, IndexValue, call
 from ..ir.graph import Tag
 from ..ir.index import Gather
 from . import values as V
-from .registry import LowerCtx, compute_dtype, lowering, operand, refusal, upcast
+from .registry import LOW_PRECISION, LowerCtx, compute_dtype, lowering, operand, refusal, upcast
 from .values import TensorValue
 
 
@@ -532,3 +532,30 @@ def lower_scatter_reduce(ctx, base, dim, index, src, reduce, *, include_self=Tru
     if not include_self and not _is_zero_constant(ctx, base):
         raise UnsupportedOpError("scatter_reduce", "include_self=False over a non-zero base", ctx.hint)
     return lower_scatter_add(ctx, base, dim, index, src)
+
+
+MAX_SCAN = 4096  # a prefix sum is a sum over j <= i here: n² work, fine for masks and positions, not for long rows
+
+
+@lowering(torch.cumsum, "method:cumsum", "aten.cumsum")
+def lower_cumsum(ctx, x, dim, *, dtype=None):
+    """out[..., i, ...] = sum over j <= i of x[..., j, ...]: a reduction whose terms past i are 0, so
+    that it stitches like any other (a prefix sum as its own op would be a new kind of node)."""
+    dim = V.norm_dim(dim, x.rank)
+    n = x.shape[dim] if x.rank else 1
+    if n > MAX_SCAN:
+        raise UnsupportedOpError("cumsum", f"a scan over {n} elements (at most {MAX_SCAN} are lowered)", ctx.hint)
+    if x.rank == 0:
+        return reduce(ctx, x, [], "sum", dtype=ctx.dtype)
+
+    def body(o, r, rg):
+        index = list(o)
+        index[dim] = r[0]
+        read = x.read(index, rg)
+        if x.dtype in LOW_PRECISION and ctx.dtype == x.dtype:
+            read = upcast(read, x)  # accumulate in float32, as eager does
+        elif x.dtype != ctx.dtype:  # booleans and integers sum as int64; dtype= asks for another
+            read = Cast(ctx.dtype, read)
+        return call("where", call("le", IndexValue(r[0]), IndexValue(o[dim])), read, Const(0))
+
+    return ctx.builder.emit(ctx.shape, ctx.dtype, body, reduce="sum", red_shape=[n], hint=ctx.hint)

@@ -24,7 +24,7 @@ OPS = [
     "nn.functional.avg_pool2d", "nn.functional.avg_pool3d", "nn.functional.max_pool1d", "nn.functional.interpolate",
     "nn.functional.upsample_bilinear", "nn.functional.upsample_nearest", "nn.functional.adaptive_avg_pool1d",
     "nn.functional.adaptive_avg_pool2d", "nn.functional.adaptive_avg_pool3d", "nn.functional.conv_transpose1d",
-    "nn.functional.conv_transpose2d", "nn.functional.conv_transpose3d",
+    "nn.functional.conv_transpose2d", "nn.functional.conv_transpose3d", "cumsum",
 ]  # instance_norm's samples mostly update running statistics in place (refused by design; tests/frontend/test_ops)
 MIN_SUPPORTED = 0.5  # fraction of an op's samples that must compile
 # norms of order 1, 2 and inf are lowered; most samples ask for others (0, 3, -inf, "nuc"), refused with the reason

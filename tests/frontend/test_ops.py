@@ -258,3 +258,21 @@ def test_sparse_products_at_several_densities(density, m, k, n, layout, seed):
     a = {"csr": a.to_sparse_csr, "coo": a.to_sparse, "csc": a.to_sparse_csc, "dense": lambda: a}[layout]()
     x, w = torch.randn(k, n, generator=g), torch.randn(n, n, generator=g)
     check(lambda s, d: torch.softmax(torch.relu(s @ (d @ w)) + 1, -1), a, x, fusion="full")
+
+
+@settings(max_examples=15, deadline=None)
+@given(shape=st.lists(dims, min_size=1, max_size=3), dim=st.integers(0, 2),
+       kind=st.sampled_from(["float32", "bfloat16", "bool", "int32", "to_float64"]))
+def test_cumsum_in_every_dtype(shape, dim, kind):
+    x = torch.randn(shape)
+    dim = dim % len(shape)
+    fn = {"float32": lambda x: x.cumsum(dim) * 2, "bfloat16": lambda x: x.bfloat16().cumsum(dim),
+          "bool": lambda x: (x > 0).cumsum(dim), "int32": lambda x: (x * 4).int().cumsum(dim) - 1,
+          "to_float64": lambda x: torch.cumsum(x, dim, dtype=torch.float64)}[kind]
+    prog = check(fn, x)
+    assert prog.graph.nodes[-1].dims  # lowered, not eager
+
+
+def test_cumsum_over_a_long_axis_is_refused_with_the_reason():
+    with pytest.raises(stitchflow.StitchflowError, match="scan over 5000 elements"):
+        stitchflow.compile(lambda x: x.cumsum(0), (torch.randn(5000),))
