@@ -10,7 +10,7 @@ import stitchflow.backend as backend
 from conftest import assert_close
 from stitchflow.apps import APPS
 
-DENSE_APPS = ["sae", "gpt3-bigbird", "bert", "llama", "resnet"]
+DENSE_APPS = ["sae", "gpt3-bigbird", "bert", "llama", "resnet", "unet"]
 
 
 @pytest.fixture(autouse=True)

@@ -20,6 +20,7 @@ from .gnn import GCN, GCNLayer, GraphSAGE, SAGELayer
 from .gpt3 import GPT3, GPT3_PRESETS, BlockSparseAttention, GPT3Decoder, OutputAndFFN, QKVProjection
 from .graphs import DATASETS, GraphData, load_dataset, load_planetoid, synthetic_powerlaw
 from .resnet import RESNET_PRESETS, ResNet
+from .unet import UNET_PRESETS, UNet
 from .sae import SAE_BATCH, SAE_PRESETS, SAE_SMALL, SparseAutoencoder, SparseLinear, sae_inputs
 from .transformer import (BERT_PRESETS, LLAMA_PRESETS, BertBlock, LlamaBlock, RMSNorm,
                           RotaryEmbedding, bert_preset, llama_preset, rotate_half)
@@ -130,6 +131,17 @@ def _build_resnet(size: str = "small", dataset: str | None = None, block: int | 
     return model.eval(), (x,)
 
 
+def _build_unet(size: str = "small", dataset: str | None = None, block: int | None = None,
+                seed: int = 0, dtype: torch.dtype = torch.float32) -> Built:
+    """U-Net builder: "small" (two levels on 16x16), "default" = "sd-like" (three levels, 64 to 256
+    channels, batch 8 of 64x64 images)."""
+    _check_size(size, ("small", "default", *UNET_PRESETS), "unet")
+    cfg = UNET_PRESETS["sd-like" if size == "default" else size]
+    model = UNet(seed=seed, dtype=dtype, **cfg)
+    x = torch.randn(cfg["batch"], 3, cfg["image"], cfg["image"], generator=_inputs_gen(seed)).to(dtype)
+    return model.eval(), (x,)
+
+
 APPS: dict[str, AppSpec] = {spec.name: spec for spec in (
     AppSpec("gcn", "FuseFlow GCN: softmax(A·relu(A·X·W1+b1)·W2+b2), 50%-sparse weights",
             _build_gnn(GCN, "gcn"), ("small", "default")),
@@ -149,6 +161,9 @@ APPS: dict[str, AppSpec] = {spec.name: spec for spec in (
     AppSpec("resnet", "ResNet in inference mode: convolutions (cuDNN on the gpu target) with batch norm, "
             "relu, residual adds and pools stitched between them", _build_resnet,
             ("small", "default", *[k for k in RESNET_PRESETS if k != "small"])),
+    AppSpec("unet", "diffusion-style U-Net without attention: group norm, SiLU, residual adds, nearest "
+            "upsampling and skip concatenations between convolutions", _build_unet,
+            ("small", "default", *[k for k in UNET_PRESETS if k != "small"])),
 )}
 
 __all__ = [
@@ -158,5 +173,5 @@ __all__ = [
     "SAE_PRESETS", "SAE_BATCH", "SAE_SMALL", "sae_inputs", "GPT3", "GPT3Decoder",
     "GPT3_PRESETS", "QKVProjection", "BlockSparseAttention", "OutputAndFFN", "BertBlock",
     "LlamaBlock", "RMSNorm", "RotaryEmbedding", "rotate_half", "BERT_PRESETS",
-    "LLAMA_PRESETS", "bert_preset", "llama_preset", "RESNET_PRESETS", "ResNet",
+    "LLAMA_PRESETS", "bert_preset", "llama_preset", "RESNET_PRESETS", "ResNet", "UNET_PRESETS", "UNet",
 ]

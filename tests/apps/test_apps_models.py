@@ -20,6 +20,8 @@ def expected_shape(name, inputs):
         return (inputs[1].shape[0], 8)  # the "tiny" graph has no labels: 8 classes
     if name == "resnet":
         return (inputs[0].shape[0], 10)  # class scores
+    if name == "unet":
+        return tuple(inputs[0].shape)  # an image of the input's shape
     return tuple(inputs[0].shape)
 
 
