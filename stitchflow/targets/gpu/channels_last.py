@@ -25,7 +25,7 @@ from .conv import match_conv
 
 
 def channels_last(graph: Graph) -> Graph:
-    order = {name: perm for name, perm in _choose(graph).items() if perm != tuple(range(len(perm)))}
+    order = _choose(graph)
     if not order:
         return graph
     nodes = tuple(_permute_node(_reindex(n, order), order.get(n.name)) for n in graph.nodes)
@@ -34,74 +34,55 @@ def channels_last(graph: Graph) -> Graph:
 
 
 def _choose(graph: Graph) -> dict[str, tuple[int, ...]]:
-    """node -> the permutation of its output axes (new axis k is old axis perm[k]): its channel axes
-    moved last. A convolution's output and input are the seeds; the choice spreads to every node
-    that reads or is read by a chosen one when each of its axes meets either only channel axes or
-    only other axes of the read (a group norm's [N, G, C/G, H, W] reads the channel c as 4·g + i:
-    both g and i are channel axes)."""
+    """node -> the permutation of its output axes (new axis k is old axis perm[k])."""
     keep = set(graph.outputs)
-    channels: dict[str, frozenset[int]] = {}  # node -> its channel axes (in its own, original order)
+    order: dict[str, tuple[int, ...]] = {}
     queue: deque = deque()
-
-    def choose(name: str, axes) -> None:
-        node = graph.node_of.get(name)
-        if node is None or name in keep or name in channels or node.is_scatter or not axes:
-            return
-        if len(axes) == len(node.out_vars):
-            return
-        channels[name] = frozenset(axes)
-        queue.append(name)
-
     for node in graph.nodes:
         call = match_conv(graph, node)
-        if call is None or call.x_order[1] != 1:
+        if call is None or node.name in keep or call.x_order[1] != 1:
             continue
-        choose(node.name, [k for k in range(len(node.out_vars)) if call.y_order[k] in range(1, 2 + (call.groups > 1))])
+        channels = [k for k in range(len(node.out_vars)) if call.y_order[k] in range(1, 2 + (call.groups > 1))]
+        perm = tuple(k for k in range(len(node.out_vars)) if k not in channels) + tuple(channels)
+        order[node.name] = perm
+        queue.append(node.name)
         x = graph.node_of.get(call.input)  # the input (a pad, a relu) walks the same way
-        if x is not None and len(x.out_vars) == 2 + len(call.stride):
-            choose(x.name, [1])
-    while queue:
+        if x is not None and x.name not in keep and x.name not in order and len(x.out_vars) == 2 + len(call.stride):
+            order[x.name] = tuple(k for k in range(len(x.out_vars)) if k != 1) + (1,)
+            queue.append(x.name)
+    while queue:  # spread to the neighbours that are aligned axis for axis
         name = queue.popleft()
-        node = graph.node_of[name]
-        for reader in graph.consumers.get(name, ()):
-            r = graph.node_of[reader]
-            choose(reader, _classify(r.out_vars, [a for a in r.accesses if a.tensor == name], channels[name]))
-        for producer in graph.producers(node):
-            p = graph.node_of[producer]
-            mine = {node.out_vars[k] for k in channels[name]}
-            reads = [a for a in node.accesses if a.tensor == producer]
-            choose(producer, _classify_axes(len(p.out_vars), reads, mine, set(node.out_vars)))
-    return {name: tuple(k for k in range(len(graph.node_of[name].out_vars)) if k not in axes) + tuple(sorted(axes))
-            for name, axes in channels.items()}
+        for other in _aligned_neighbours(graph, name):
+            if other not in order and other not in keep:
+                order[other] = order[name]
+                queue.append(other)
+    return order
 
 
-def _classify(out_vars, reads, channel_axes) -> list[int] | None:
-    """The reader's channel axes: those whose variable appears only in the read's channel indices
-    (None when a variable appears in both kinds, or a read does not index every axis)."""
-    axes = []
-    for k, v in enumerate(out_vars):
-        kinds = {pos in channel_axes for a in reads for pos, idx in enumerate(a.indices) if v in free_vars(idx)}
-        if len(kinds) != 1:
-            return None
-        if kinds == {True}:
-            axes.append(k)
-    return axes
+def _aligned_neighbours(graph: Graph, name: str):
+    """Nodes of the same rank that read `name`, or that `name` reads, with their own k-th output
+    variable in the k-th index of the read (elementwise, shifted, windowed)."""
+    node = graph.node_of[name]
+    for reader in graph.consumers.get(name, ()):
+        if _aligned(graph.node_of[reader], name):
+            yield reader
+    for producer in graph.producers(node):
+        if len(graph.node_of[producer].out_vars) == len(node.out_vars) and _aligned(node, producer):
+            yield producer
 
 
-def _classify_axes(rank: int, reads, channel_vars: set, out_vars: set) -> list[int] | None:
-    """The producer's channel axes: those whose index in the read holds only the reader's channel
-    variables (None when an index mixes kinds or holds none)."""
-    axes = []
-    for a in reads:
-        if len(a.indices) != rank:
-            return None
+def _aligned(node: Node, tensor: str) -> bool:
+    accesses = [a for a in node.accesses if a.tensor == tensor]
+    out = node.out_vars
+    if not accesses or node.is_scatter:
+        return False
+    for a in accesses:
+        if len(a.indices) != len(out):
+            return False
         for k, idx in enumerate(a.indices):
-            used = free_vars(idx) & out_vars
-            if not used or (used & channel_vars and used - channel_vars):
-                return None
-            if used <= channel_vars and k not in axes:
-                axes.append(k)
-    return sorted(axes)
+            if free_vars(idx) & set(out) != {out[k]}:
+                return False
+    return True
 
 
 def _permute_node(node: Node, perm: tuple[int, ...] | None) -> Node:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from ...ir.expr import Call, Const, IndexValue, Read
 from ...ir.graph import Graph, Node, Region
-from ...ir.index import Div, Mod, Sum, Var, free_vars
+from ...ir.index import Div, Sum, Var, free_vars
 
 CONVOLUTIONS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 TRANSPOSED = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
@@ -42,7 +42,6 @@ class ConvCall:
     padding: tuple[int, ...] = ()  # zeros on both sides of each spatial axis (a folded pad node)
     folded: tuple[str, ...] = ()  # the nodes not computed: a pad; or a transposed convolution's spread and flip
     output_padding: tuple[int, ...] | None = None  # a transposed convolution's (None: a plain one)
-    x_view: tuple[int, ...] | None = None  # the stored input's shape with split axes merged back (group norm's)
 
     def __str__(self) -> str:
         pad = f", padding={self.padding}" if self.folded else ""
@@ -55,8 +54,7 @@ class ConvCall:
 
     def __call__(self, env, out_dtype: torch.dtype, cache: dict | None = None) -> torch.Tensor:
         x, w = env[self.input], env[self.weight]
-        x = x.to_dense() if x.layout != torch.strided else x
-        x = (x.view(self.x_view) if self.x_view else x).permute(self.x_order)
+        x = (x.to_dense() if x.layout != torch.strided else x).permute(self.x_order)
         compute = out_dtype if x.dtype == w.dtype == out_dtype and out_dtype.is_floating_point else \
             torch.promote_types(out_dtype, torch.float32)
         x, w = x.to(compute), _weight(w.to(compute), x, cache)
@@ -271,37 +269,22 @@ def fold_padding(graph: Graph, call: ConvCall) -> ConvCall | None:
             and isinstance(body.args[2], Const) and body.args[2].value == 0):
         return None
     src, ext = body.args[1].access, pad.extents
-    if not graph.type_of[src.tensor].format.is_dense:
+    if not graph.type_of[src.tensor].format.is_dense or len(src.indices) != len(pad.out_vars):
         return None
-    shape, amounts, at = graph.type_of[src.tensor].shape, [], 0
-    for v in pad.out_vars:  # each pad axis reads one source axis, shifted, or two that it splits (v // m, v % m)
-        if _split_digits(src.indices[at:at + 2], v, shape[at:at + 2]):
-            lo, size, at = 0, shape[at] * shape[at + 1], at + 2
-        elif at < len(src.indices):
-            idx, size, at = src.indices[at], shape[at], at + 1
-            lo = 0 if isinstance(idx, Var) and idx.name == v else _shift(idx, v)
-        else:
-            return None
+    amounts = []
+    for v, idx, size in zip(pad.out_vars, src.indices, graph.type_of[src.tensor].shape):
+        lo = 0 if isinstance(idx, Var) and idx.name == v else _shift(idx, v)
         if lo is None or lo < 0 or ext[v] != size + 2 * lo:
             return None
         amounts.append((v, lo, size))
-    if at != len(src.indices):
-        return None
     spatial = call.x_order[2:]
     if any(lo for k, (_, lo, _) in enumerate(amounts) if k not in spatial) or not any(lo for _, lo, _ in amounts):
         return None
     wanted = {(op, v, bound) for v, lo, size in amounts if lo for op, bound in (("ge", lo), ("lt", lo + size))}
     if _conditions(body.args[0]) != wanted:
         return None
-    view = tuple(size for _, _, size in amounts) if len(src.indices) != len(amounts) else None
     return dataclasses.replace(call, input=src.tensor, padding=tuple(amounts[k][1] for k in spatial),
-                               folded=(pad.name,), x_view=view)
-
-
-def _split_digits(indices, v: str, sizes) -> bool:
-    """indices == (v // m, v % m) over axes of sizes (n, m): the two axes merge into v."""
-    return (len(indices) == 2 and len(sizes) == 2 and indices[0] == Div(Var(v), sizes[1])
-            and indices[1] == Mod(Var(v), sizes[1]))
+                               folded=(pad.name,))
 
 
 def _shift(idx, v: str) -> int | None:

@@ -229,19 +229,3 @@ def test_transposed_convolutions_run_as_cudnns(size, k, stride, padding, extra, 
     assert_close(prog(x, w), fn(x, w))
     steps = [str(s) for run in prog.compiled for s in run.steps]
     assert any("conv_transpose2d(" in s for s in steps)
-
-
-@runs_kernels
-def test_group_norm_goes_channels_last_and_the_next_padding_folds():
-    torch.manual_seed(0)
-    m = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.SiLU(), nn.Conv2d(8, 4, 3, padding=1))
-    m, x = m.eval().to(DEVICE), torch.randn(2, 4, 6, 5, device=DEVICE)
-    prog = stitchflow.compile(m, (x,), target="gpu", fusion="auto")
-    with torch.no_grad():
-        assert_close(prog(x), m(x))
-    steps = [str(s) for run in prog.compiled for s in run.steps]
-    assert any("conv2d(silu" in s and "folds" in s and "channels last" in s for s in steps)
-    from stitchflow.targets.gpu.channels_last import channels_last
-
-    grouped = channels_last(prog.graph).type_of["silu"].shape
-    assert grouped == (2, 6, 5, 2, 4)  # [N, H, W, G, C/G]
