@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from ..ir.errors import UnsupportedOpError
-from ..ir.expr import Const, IndexValue, call
+from ..ir.expr import Cast, Const, IndexValue, call
 from . import values as V
-from .ops_reduce import lower_amax, lower_mean
+from .ops_reduce import MAX_INDEXED, lower_amax, lower_mean
 from .ops_resize import resize
 from .registry import LowerCtx, lowering, upcast
 
@@ -52,36 +52,68 @@ def windows(ctx: LowerCtx, x: V.TensorValue, n: int, kernel):
     return V.reshape(view, shape), [lead + 2 * axis + 1 for axis in range(n)]
 
 
-def sliding(ctx: LowerCtx, x: V.TensorValue, n: int, window, kind: str, fill: float, scale=None):
+def _window_read(x: V.TensorValue, n: int, window, out, o, r, rg):
+    """(the read of x at the window point, the condition that it lies inside x or None, its flat
+    position h·W + w in its plane)."""
+    kernel, stride, padding, dilation = window
+    lead = x.rank - n
+    index, conds, flat = list(o[:lead]), [], V.Lit(0)
+    for axis, (k, s, p, d, size) in enumerate(zip(kernel, stride, padding, dilation, x.shape[lead:])):
+        pos = V.add(V.scale(o[lead + axis], s), V.scale(r[axis], d), -p)
+        index.append(pos)
+        flat = V.add(V.scale(flat, size), pos)
+        if p > 0:
+            conds.append(call("ge", IndexValue(pos), Const(0)))
+        if s * (out[axis] - 1) + d * (k - 1) - p >= size:  # ceil mode's last window runs past the end
+            conds.append(call("lt", IndexValue(pos), Const(size)))
+    inside = None
+    for c in conds:
+        inside = c if inside is None else call("and", inside, c)
+    return upcast(x.read(index, rg), x), inside, flat
+
+
+def sliding(ctx: LowerCtx, x: V.TensorValue, n: int, window, kind: str, fill: float, scale=None, shape=None):
     """out[..., o] = kind over the window k of x[..., s·o + d·k - p] (`fill` where that lies outside
     x), times `scale` (a constant, or a tensor over the output's last n axes). The output's size
     is eager's (ceil mode included)."""
-    kernel, stride, padding, dilation = window
-    lead, out = x.rank - n, ctx.shape[-n:]
-    if x.rank != len(ctx.shape):
-        raise UnsupportedOpError(f"{kind} pool", f"input of rank {x.rank}, output of rank {len(ctx.shape)}", ctx.hint)
+    shape = tuple(shape or ctx.shape)
+    if x.rank != len(shape):
+        raise UnsupportedOpError(f"{kind} pool", f"input of rank {x.rank}, output of rank {len(shape)}", ctx.hint)
 
     def body(o, r, rg):
-        index, conds = list(o[:lead]), []
-        for axis, (k, s, p, d, size) in enumerate(zip(kernel, stride, padding, dilation, x.shape[lead:])):
-            h, i = o[lead + axis], r[axis]
-            pos = V.add(V.scale(h, s), V.scale(i, d), -p)
-            index.append(pos)
-            if p > 0:
-                conds.append(call("ge", IndexValue(pos), Const(0)))
-            if s * (out[axis] - 1) + d * (k - 1) - p >= size:  # ceil mode's last window runs past the end
-                conds.append(call("lt", IndexValue(pos), Const(size)))
-        e = upcast(x.read(index, rg), x)
-        if conds:
-            inside = conds[0]
-            for c in conds[1:]:
-                inside = call("and", inside, c)
+        e, inside, _ = _window_read(x, n, window, shape[-n:], o, r, rg)
+        if inside is not None:
             e = call("where", inside, e, Const(fill))
         if isinstance(scale, V.TensorValue):
-            return call("mul", e, scale.read(list(o[lead:]), rg))
+            return call("mul", e, scale.read(list(o[x.rank - n:]), rg))
         return call("mul", e, Const(scale)) if scale is not None else e
 
-    return ctx.builder.emit(ctx.shape, ctx.dtype, body, reduce=kind, red_shape=list(kernel), hint=ctx.hint)
+    return ctx.builder.emit(shape, x.dtype, body, reduce=kind, red_shape=list(window[0]), hint=ctx.hint)
+
+
+def max_with_indices(ctx: LowerCtx, x: V.TensorValue, n: int, window):
+    """(values, indices) of a max pool: the index of each window's first maximum (a NaN counts as
+    one, as torch) as its flat position in the input plane, found as max_k where(x = peak, -position,
+    -plane) in float32, the way max(dim) finds its index."""
+    plane = math.prod(x.shape[x.rank - n:])
+    if plane >= MAX_INDEXED:
+        raise UnsupportedOpError(f"max_pool{n}d", f"{plane} positions per plane (indices are found in float32)",
+                                 ctx.hint)
+    shape = tuple(ctx.out[0].shape)
+    peak = sliding(ctx, x, n, window, "max", -math.inf, shape=shape)
+
+    def first_at_peak(o, r, rg):
+        v, inside, flat = _window_read(x, n, window, shape[-n:], o, r, rg)
+        m = upcast(peak.read(list(o), rg), peak)
+        hit = call("or", call("eq", v, m), call("ne", v, v))
+        hit = call("and", inside, hit) if inside is not None else hit
+        return call("where", hit, call("neg", Cast(torch.float32, IndexValue(flat))), Const(float(-plane)))
+
+    first = ctx.builder.emit(shape, torch.float32, first_at_peak, reduce="max", red_shape=list(window[0]),
+                             hint=f"{ctx.hint}_first")
+    index = ctx.builder.emit(shape, torch.int64, lambda o, r, rg: Cast(torch.int64, call("neg", first.read(o, rg))),
+                             hint=f"{ctx.hint}_index")
+    return peak, index
 
 
 def _average_divisors(ctx, x, window, ceil_mode, count_include_pad, divisor_override):
@@ -121,9 +153,9 @@ def _average(n: int):
 
 def _maximum(n: int):
     def lower(ctx, x, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
-        if return_indices:
-            raise UnsupportedOpError(f"max_pool{n}d", "return_indices", ctx.hint)
         window = _window(n, kernel_size, stride, padding, dilation)
+        if return_indices or isinstance(ctx.out, tuple):
+            return max_with_indices(ctx, x, n, window)
         if tiles(*window, ceil_mode):
             view, axes = windows(ctx, x, n, window[0])
             return lower_amax(ctx, view, axes)
@@ -135,9 +167,12 @@ def _maximum(n: int):
 lowering(F.avg_pool1d, torch.avg_pool1d, "aten.avg_pool1d")(_average(1))
 lowering(F.avg_pool2d, "aten.avg_pool2d")(_average(2))
 lowering(F.avg_pool3d, "aten.avg_pool3d")(_average(3))
-lowering(F.max_pool1d, torch.max_pool1d, "aten.max_pool1d")(_maximum(1))
-lowering(F.max_pool2d, torch.max_pool2d, "aten.max_pool2d")(_maximum(2))
-lowering(F.max_pool3d, torch.max_pool3d, "aten.max_pool3d")(_maximum(3))
+lowering(F.max_pool1d, torch.max_pool1d, "aten.max_pool1d", F.max_pool1d_with_indices,
+         "aten.max_pool1d_with_indices")(_maximum(1))
+lowering(F.max_pool2d, torch.max_pool2d, "aten.max_pool2d", F.max_pool2d_with_indices,
+         "aten.max_pool2d_with_indices")(_maximum(2))
+lowering(F.max_pool3d, torch.max_pool3d, "aten.max_pool3d", F.max_pool3d_with_indices,
+         "aten.max_pool3d_with_indices")(_maximum(3))
 
 
 def _adaptive_average(n: int):

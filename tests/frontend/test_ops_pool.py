@@ -61,8 +61,19 @@ def test_pooling_layers_and_refusals():
     x = torch.randn(2, 3, 11, 10)
     check(torch.nn.MaxPool2d(3, 2, 1), x)  # a ResNet stem's pool
     check(torch.nn.AvgPool2d(3, 1, 1, count_include_pad=False), x)
-    with pytest.raises(stitchflow.StitchflowError, match="return_indices|with_indices"):
-        stitchflow.compile(lambda x: F.max_pool2d(x, 2, return_indices=True)[0], (x,))
+
+
+
+def test_max_pool_indices_are_torchs_with_nans_and_ties():
+    x = torch.randn(2, 3, 9, 8)
+    x[0, 0, 2, 3] = float("nan")
+    x[1, 1, :3, :3] = 1.0
+    for kwargs in (dict(kernel_size=2), dict(kernel_size=3, stride=2, padding=1),
+                   dict(kernel_size=(3, 2), stride=(2, 1), padding=(1, 0), dilation=(1, 2), ceil_mode=True)):
+        fn = lambda x: F.max_pool2d(x, return_indices=True, **kwargs)  # noqa: E731
+        (values, indices), (ev, ei) = stitchflow.compile(fn, (x,))(x), fn(x)
+        assert torch.equal(indices, ei) and torch.allclose(values, ev, equal_nan=True)
+    check(lambda x: F.max_pool1d(x[0], 3, 2, 1, return_indices=True)[1] * 2, x)
 
 
 @pytest.mark.parametrize("shape,size", [((2, 3, 5, 4), 1), ((2, 3, 5, 4), (1, 1)), ((2, 3, 6, 4), (3, 2)),
