@@ -25,6 +25,16 @@ def assert_close(actual, expected, dtype=None):
     torch.testing.assert_close(actual, expected, **tol, equal_nan=True)
 
 
+def eager_gives_nothing(fn, *inputs) -> bool:
+    """Eager refuses the arguments (a RuntimeError) or returns an empty tensor: the cases stitchflow
+    must refuse too (zero-size tensors are unsupported by design)."""
+    try:
+        out = fn(*inputs)
+    except RuntimeError:
+        return True
+    return any(t.numel() == 0 for t in (out if isinstance(out, tuple) else (out,)))
+
+
 def random_sparse(rows, cols, density, *, generator=None, dtype=torch.float32):
     """A dense matrix with about `density` of its entries non-zero (values away from zero)."""
     g = generator or torch.Generator().manual_seed(0)

@@ -18,9 +18,9 @@ from ...ir.graph import Graph, Node, Region
 from ...ir.interpret import eval_node
 from ...ir.index import Div, Lit, Mod, Sum, Var, add, bounds, evaluate, substitute
 from ...ir.index import scale as scale_index
-from .conv import match_conv
 from .analysis import (NotStitchable, PartPlan, components, factor_access, inlinable, is_contraction, node_refusal,
                        plan_part, product_factors, unify)
+from .conv import match_conv
 
 log = logging.getLogger("stitchflow.gpu")
 
@@ -102,14 +102,10 @@ def in_phases(graph: Graph, nodes: list[Node]) -> list[Node]:
         early[n.name] = after + 1 if through_torch[n.name] else after
     last_gap = max((early[n.name] for n in nodes if through_torch[n.name]), default=0)
     late: dict[str, int] = {}  # the last gap a kernel node may run in
-    readers: dict[str, list[str]] = {}
-    for n in nodes:
-        for t in set(n.inputs) & names:
-            readers.setdefault(t, []).append(n.name)
     for n in reversed(nodes):
         if not through_torch[n.name]:
-            late[n.name] = min((early[r] - 1 if through_torch[r] else late[r] for r in readers.get(n.name, ())),
-                               default=last_gap)
+            readers = [r for r in graph.consumers.get(n.name, ()) if r in names]
+            late[n.name] = min((early[r] - 1 if through_torch[r] else late[r] for r in readers), default=last_gap)
     order = []
     for gap in range(last_gap + 1):
         order += [n for n in nodes if not through_torch[n.name] and late[n.name] == gap]
