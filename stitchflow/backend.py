@@ -1,7 +1,8 @@
 """The `torch.compile(model, backend="stitchflow")` backend.
 
-Dynamo hands us an FX graph. Runs of nodes with a lowering are split into partitions (torch.fx's
-split_module); each partition becomes a submodule that, on its first call,
+Dynamo hands us an FX graph. Nodes with a lowering are grouped into partitions by data dependence
+(torch.fx's CapabilityBasedPartitioner; program order where the graph writes in place or draws
+random numbers); each partition becomes a submodule that, on its first call,
 captures itself on the real arguments and runs through a stitchflow Program from then on.
 Everything else runs eagerly, and every fallback is recorded with its reason: set
 STITCHFLOW_LOGS=1 (or configure the "stitchflow" logger) to see them as they happen, or call
@@ -23,10 +24,12 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+from torch.fx.passes.operator_support import OperatorSupportBase
 from torch.fx.passes.split_module import split_module
 
 from .frontend.capture import Captured, capture
-from .frontend.registry import LOWERINGS, describe_target, early_refusal, key_of
+from .frontend.registry import LOWERINGS, describe_target, early_refusal, is_inplace, key_of
 from .ir.errors import StitchflowError
 from .planner.regions import regions_for
 from .program import Program, gradients
@@ -251,6 +254,55 @@ def _partition_ids(gm: fx.GraphModule) -> dict[fx.Node, int]:
     return ids
 
 
+_RANDOM_WORDS = ("rand", "dropout", "bernoulli", "multinomial", "normal", "poisson", "exponential", "geometric")
+
+
+def _order_matters(node: fx.Node) -> bool:
+    """A node that writes a tensor in place or draws random numbers: moving another node across it
+    could change a value (a read before a write) or which random numbers a call gets."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return is_inplace(node) or any(word in name.lower() for word in _RANDOM_WORDS) or node.is_impure()
+
+
+class _Lowerable(OperatorSupportBase):
+    def is_node_supported(self, submodules, node: fx.Node) -> bool:
+        return _supported(node)
+
+
+def _fuse_by_dependence(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[str]] | None:
+    """The supported nodes grouped by data dependence rather than program order (torch.fx's
+    CapabilityBasedPartitioner: a partition grows over any supported node it can take without a
+    cycle through an eager one), so an eager op splits only what depends on it, e.g.
+    `y = x.relu(); s = x.sort(); z = y.softmax(-1) + s` is one partition after the sort, not two
+    around it. None where the graph writes in place or draws random numbers: there program order is
+    kept (_partition_ids). Returns a copy of the graph with each partition a submodule, and their names."""
+    if any(_order_matters(n) for n in gm.graph.nodes):
+        return None
+    copy = fx.GraphModule(gm, _copied(gm.graph))  # the user's graph stays whole for the fallback
+    partitioner = CapabilityBasedPartitioner(copy, _Lowerable(), allows_single_node_partition=True)
+    fused = partitioner.fuse_partitions(partitioner.propose_partitions(), prefix="stitchflow_")
+    names = [n.target for n in fused.graph.nodes if n.op == "call_module" and n.target.startswith("stitchflow_")]
+    return fused, names
+
+
+def _copied(graph: fx.Graph) -> fx.Graph:
+    new = fx.Graph()
+    out = new.graph_copy(graph, {})
+    new.output(out)
+    return new
+
+
+def _split_in_program_order(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[str]]:
+    ids = _partition_ids(gm)
+    supported_ids = {ids[n] for n in ids if _supported(n)}
+    split = split_module(gm, gm, lambda node: ids[node], keep_original_order=True)
+    names = [n.target for n in split.graph.nodes
+             if n.op == "call_module" and int(n.target.removeprefix("submod_")) in supported_ids]
+    return split, names
+
+
 def _partition_and_wrap(gm: fx.GraphModule, options: dict):
     target, fusion = options.get("target"), options.get("fusion", "auto")
     for node in gm.graph.nodes:
@@ -259,15 +311,12 @@ def _partition_and_wrap(gm: fx.GraphModule, options: dict):
             _record(f"{describe_target(node)} ({node.name}): {why or 'no lowering to the IR'}")
         elif node.op == "call_module":
             _record(f"module {node.target} ({node.name}): leaf modules are not captured")
-    ids = _partition_ids(gm)
-    supported_ids = {ids[n] for n in ids if _supported(n)}
-    split = split_module(gm, gm, lambda node: ids[node], keep_original_order=True)
+    split, names = _fuse_by_dependence(gm) or _split_in_program_order(gm)
     compiled = []
-    for node in list(split.graph.nodes):
-        if node.op == "call_module" and int(node.target.removeprefix("submod_")) in supported_ids:
-            module = StitchflowModule(split.get_submodule(node.target), target, fusion, node.target)
-            setattr(split, node.target, module)
-            compiled.append(module)
+    for name in names:
+        module = StitchflowModule(split.get_submodule(name), target, fusion, name)
+        setattr(split, name, module)
+        compiled.append(module)
     split.recompile()
     split.stitchflow_modules = compiled
     COMPILED.extend(compiled)

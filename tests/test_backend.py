@@ -159,6 +159,33 @@ def test_unsupported_ops_fall_back_with_a_reason():
     assert backend.regions_executed() >= 2  # the parts around it still ran through stitchflow
 
 
+def test_an_eager_op_splits_only_what_depends_on_it():
+    """The relu, the scaling and the softmax do not depend on the sort: one partition after it
+    holds them all (program order would have split them into two around the sort)."""
+    def f(x):
+        y = torch.relu(x) * 2
+        s = torch.sort(x, -1).values
+        return torch.softmax(y, -1) + s
+
+    x = torch.randn(5, 7)
+    assert_close(torch.compile(f, backend="stitchflow")(x), f(x))
+    (module,) = backend.COMPILED
+    assert module.regions_executed >= 1
+
+
+def test_an_in_place_write_keeps_program_order():
+    """x.fill_diagonal_ runs eagerly and writes x, which later nodes read through the same FX node
+    as earlier ones: partitions must not move the exp across it."""
+    def f(x):
+        y = x.exp() * 2
+        x.fill_diagonal_(0)
+        return y.softmax(-1) + x
+
+    x = torch.randn(5, 7)
+    assert_close(torch.compile(f, backend="stitchflow")(x.clone()), f(x.clone()))
+    assert len(backend.COMPILED) == 2
+
+
 def test_a_partition_of_views_only_and_ops_between_eager_ones():
     """Partitions between unsupported ops may hold nothing but a slice (no node to plan) or a
     single op; the planner once failed on the empty one (zero-size array) and broke the model."""

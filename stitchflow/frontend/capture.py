@@ -18,9 +18,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..ir.errors import ShapeError, StitchflowError, UnsupportedOpError
 from ..ir.graph import Graph
 from ..ir.types import Format, TensorType, format_of_tensor, parse_format
-from . import ops_conv, ops_elementwise, ops_linalg, ops_pool, ops_reduce, ops_resize, ops_shape  # noqa: F401  (register lowerings)
+from . import ops_activations, ops_attention, ops_conv, ops_elementwise, ops_linalg, ops_losses, ops_pool, ops_reduce, ops_resize, ops_shape, ops_views  # noqa: F401  (register lowerings)
 from .builder import GraphBuilder
-from .registry import LOWERINGS, LowerCtx, describe_target, early_refusal, key_of
+from .registry import LOWERINGS, LowerCtx, describe_target, early_refusal, is_inplace, key_of
 
 # In-place methods lower like their functional forms; capture rebinds the mutated value.
 for _key, _fn in list(LOWERINGS.items()):
@@ -156,7 +156,7 @@ def _lower_call(gm, node: fx.Node, b: GraphBuilder, env, real):
     why = early_refusal(node)
     if why:
         raise UnsupportedOpError(describe_target(node), why, node.name)
-    inplace = _is_inplace(node)
+    inplace = is_inplace(node)
     if inplace and isinstance(node.args[0], fx.Node):
         if node.args[0].op in ("placeholder", "get_attr") and isinstance(args[0][0], TensorValue):
             raise UnsupportedOpError(describe_target(node), "it mutates an input of the graph in place", node.name)
@@ -193,11 +193,6 @@ def _any_value(args) -> bool:
     found = []
     fx.node.map_aggregate(args, lambda a: found.append(a) if isinstance(a, TensorValue) else a)
     return bool(found)
-
-
-def _is_inplace(node: fx.Node) -> bool:
-    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-    return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
 
 
 def _run_eager(gm, node: fx.Node, args, kwargs):

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from ..ir.errors import UnsupportedOpError
 from ..ir.expr import Cast, Const, call
-from .registry import LowerCtx, lowering, operand, upcast
+from .registry import LOW_PRECISION, LowerCtx, lowering, operand, upcast
 from . import values as V
 from .values import TensorValue
 
@@ -76,7 +76,6 @@ def _reverse(op):
 lowering(operator.add, operator.iadd, torch.add, "method:add", "method:__add__", "aten.add")(_binary("add"))
 lowering(operator.sub, operator.isub, torch.sub, torch.subtract, "method:sub", "aten.sub")(_binary("sub"))
 lowering(operator.mul, operator.imul, torch.mul, torch.multiply, "method:mul", "aten.mul")(_binary("mul"))
-lowering(operator.truediv, operator.itruediv, torch.div, torch.true_divide, "method:div", "aten.div")(_binary("div"))
 lowering(torch.rsub, "aten.rsub")(_reverse("sub"))
 lowering(torch.maximum, "method:maximum", "aten.maximum")(_binary("max"))
 lowering(torch.minimum, "method:minimum", "aten.minimum")(_binary("min"))
@@ -88,8 +87,8 @@ for _name, _ops in {
     "ge": (operator.ge, torch.ge, "method:ge", "aten.ge"),
     "eq": (operator.eq, torch.eq, "method:eq", "aten.eq"),
     "ne": (operator.ne, torch.ne, "method:ne", "aten.ne"),
-    "and": (operator.and_, torch.logical_and, "method:logical_and", "aten.logical_and"),
-    "or": (operator.or_, torch.logical_or, "method:logical_or", "aten.logical_or"),
+    "and": (torch.logical_and, "method:logical_and", "aten.logical_and"),
+    "or": (torch.logical_or, "method:logical_or", "aten.logical_or"),
 }.items():
     lowering(*_ops)(_binary(_name))
 
@@ -112,7 +111,7 @@ for _op, _keys in {
     "tanh": (torch.tanh, F.tanh, "method:tanh", "aten.tanh"),
     "sigmoid": (torch.sigmoid, F.sigmoid, "method:sigmoid", "aten.sigmoid"),
     "erf": (torch.erf, torch.special.erf, "method:erf", "aten.erf"),
-    "not": (torch.logical_not, operator.invert, "method:logical_not", "aten.logical_not"),
+    "not": (torch.logical_not, "method:logical_not", "aten.logical_not"),
     "sin": (torch.sin, "method:sin", "aten.sin"),
     "cos": (torch.cos, "method:cos", "aten.cos"),
     "log1p": (torch.log1p, "method:log1p", "aten.log1p"),
@@ -135,6 +134,125 @@ def _rounding(op):
 
 for _op in ("floor", "ceil", "round"):
     lowering(getattr(torch, _op), f"method:{_op}", f"aten.{_op}")(_rounding(_op))
+lowering(torch.trunc, torch.fix, "method:trunc", "method:fix", "aten.trunc", "aten.fix")(_rounding("trunc"))
+
+
+@lowering(torch.frac, "method:frac", "aten.frac")
+def lower_frac(ctx, x):
+    return elementwise(ctx, lambda a: call("sub", a, call("trunc", a)), x, upcast_reads=True)
+
+
+@lowering(torch.sign, torch.sgn, "method:sign", "method:sgn", "aten.sign", "aten.sgn")
+def lower_sign(ctx, x):
+    """1, -1 or 0 (NaN gives 0, as torch.sign); a bool is its own sign."""
+    if x.dtype == torch.bool:
+        return x
+    one, zero = (Const(1.0), Const(0.0)) if ctx.dtype.is_floating_point else (Const(1), Const(0))
+    return elementwise(ctx, lambda a: call("where", call("gt", a, zero), one,
+                                           call("where", call("lt", a, zero), call("neg", one), zero)), x)
+
+
+@lowering(operator.truediv, operator.itruediv, torch.div, torch.divide, torch.true_divide, "method:div",
+          "method:divide", "method:true_divide", "aten.div", "aten.divide", "aten.true_divide")
+def lower_div(ctx, a, b, *, rounding_mode=None, out=None):
+    if rounding_mode is None:
+        return elementwise(ctx, lambda x, y: call("div", x, y), a, b)
+    if rounding_mode not in ("floor", "trunc"):
+        raise UnsupportedOpError("div", f"rounding_mode={rounding_mode!r}", ctx.hint)
+    return _division(ctx, "floordiv" if rounding_mode == "floor" else "truncdiv", a, b)
+
+
+def _division(ctx, op: str, a, b):
+    """A rounding division or remainder at the result's dtype. torch takes half-precision ones step
+    by step, each step rounded to the half type (c10's div_floor_floating on BFloat16), with a Python
+    number operand first rounded to that type; except a division by a Python number, which it takes
+    in float32 and rounds once. So do we."""
+    dtype = ctx.dtype
+    if dtype not in LOW_PRECISION:
+        return elementwise(ctx, lambda x, y: call(op, x, y), a, b, upcast_reads=dtype.is_floating_point)
+    if op in ("floordiv", "truncdiv") and not isinstance(b, (TensorValue, torch.Tensor)):
+        return elementwise(ctx, lambda x, y: call(op, x, y), a, b, upcast_reads=True)
+    a, b = (_as_dtype(v, dtype) for v in (a, b))
+    return elementwise(ctx, lambda x, y: _half_division(op, x, y, dtype), a, b, upcast_reads=True)
+
+
+def _as_dtype(v, dtype):
+    """A Python number as torch sees it beside a tensor of `dtype`: rounded to it."""
+    return v if isinstance(v, (TensorValue, torch.Tensor)) else torch.tensor(v, dtype=dtype).item()
+
+
+def _half_division(op: str, x, y, dtype):
+    def rounded(e):
+        return Cast(torch.float32, Cast(dtype, e))
+
+    if op == "truncdiv":
+        return call("trunc", rounded(call("div", x, y)))
+    m = call("fmod", x, y)  # exact: a remainder of two halves is one
+    if op == "fmod":
+        return m
+    zero = Const(0.0)
+    signs_differ = call("and", call("ne", m, zero), call("ne", call("lt", y, zero), call("lt", m, zero)))
+    if op == "mod":
+        return call("where", signs_differ, rounded(call("add", m, y)), m)
+    d = rounded(call("div", rounded(call("sub", x, m)), y))
+    d = call("where", signs_differ, rounded(call("sub", d, Const(1.0))), d)
+    f = call("floor", d)
+    f = call("where", call("gt", rounded(call("sub", d, f)), Const(0.5)), rounded(call("add", f, Const(1.0))), f)
+    whole = call("where", call("eq", d, zero), call("mul", d, zero), f)
+    return call("where", call("eq", y, zero), call("div", x, y), whole)
+
+
+def _rounding_division(op: str):
+    return lambda ctx, a, b: _division(ctx, op, a, b)
+
+
+lowering(operator.floordiv, operator.ifloordiv, torch.floor_divide, "method:floor_divide", "aten.floor_divide")(
+    _rounding_division("floordiv"))
+lowering(operator.mod, operator.imod, torch.remainder, "method:remainder", "aten.remainder")(_rounding_division("mod"))
+lowering(torch.fmod, "method:fmod", "aten.fmod")(_rounding_division("fmod"))
+
+
+def _bitwise(logical: str, bits: str):
+    """&, |, ^ on bools are the logical ops; on integers, bitwise."""
+    def lower(ctx, a, b):
+        op = logical if ctx.dtype == torch.bool else bits
+        if ctx.dtype.is_floating_point:
+            raise UnsupportedOpError(bits, "bitwise ops take integers or bools", ctx.hint)
+        return elementwise(ctx, lambda x, y: call(op, x, y), a, b)
+
+    return lower
+
+
+for _logical, _bits, _keys in (
+    ("and", "bitand", (operator.and_, operator.iand, torch.bitwise_and, "method:bitwise_and", "aten.bitwise_and")),
+    ("or", "bitor", (operator.or_, operator.ior, torch.bitwise_or, "method:bitwise_or", "aten.bitwise_or")),
+    ("ne", "bitxor", (operator.xor, operator.ixor, torch.bitwise_xor, "method:bitwise_xor", "aten.bitwise_xor")),
+):
+    lowering(*_keys)(_bitwise(_logical, _bits))
+lowering(torch.logical_xor, "method:logical_xor", "aten.logical_xor")(
+    lambda ctx, a, b: elementwise(ctx, lambda x, y: call("ne", call("ne", x, Const(0)), call("ne", y, Const(0))), a, b))
+
+
+@lowering(operator.invert, torch.bitwise_not, "method:bitwise_not", "aten.bitwise_not")
+def lower_bitwise_not(ctx, x):
+    if ctx.dtype.is_floating_point:
+        raise UnsupportedOpError("bitwise_not", "bitwise ops take integers or bools", ctx.hint)
+    return elementwise(ctx, lambda a: call("not" if ctx.dtype == torch.bool else "bitnot", a), x)
+
+
+def _shift(op: str):
+    def lower(ctx, a, b):
+        if ctx.dtype.is_floating_point:
+            raise UnsupportedOpError("shift", "shifts take integers", ctx.hint)
+        return elementwise(ctx, lambda x, y: call(op, x, y), a, b)
+
+    return lower
+
+
+lowering(operator.lshift, operator.ilshift, torch.bitwise_left_shift, "method:bitwise_left_shift",
+         "aten.bitwise_left_shift", "aten.__lshift__")(_shift("shl"))
+lowering(operator.rshift, operator.irshift, torch.bitwise_right_shift, "method:bitwise_right_shift",
+         "aten.bitwise_right_shift", "aten.__rshift__")(_shift("shr"))
 
 
 @lowering(torch.relu, F.relu, "method:relu", "aten.relu")

@@ -197,22 +197,30 @@ def lower_std(ctx, x, *args, **kwargs):
 
 @lowering(torch.norm, "method:norm", torch.linalg.vector_norm, "aten.linalg_vector_norm", "aten.norm")
 def lower_norm(ctx, x, p=2, dim=None, keepdim=False, *, ord=None, dtype=None, out=None):
-    """Vector norms over `dim` (all of x by default): 2 ("fro"), 1 and inf, in float32 for
-    half-precision inputs; torch.linalg.vector_norm spells p `ord`."""
+    """Vector norms over `dim` (all of x by default), in float32 for half-precision inputs; torch.linalg.
+    vector_norm spells p `ord`: inf and -inf are the largest and smallest |x|, 0 counts the non-zeros,
+    any other p is (sum |x|^p)^(1/p)."""
     p = ord if ord is not None else p
     p = 2 if p in ("fro", None) else p
-    if p not in (1, 2, math.inf):
-        raise UnsupportedOpError("norm", f"p={p!r} (2, 'fro', 1 and inf are lowered)", ctx.hint)
+    if isinstance(p, str):
+        raise UnsupportedOpError("norm", f"p={p!r} (numbers and 'fro' are lowered)", ctx.hint)
     tag = ctx.builder.new_tag("norm")
     acc = compute_dtype(x.dtype)
-    if p == math.inf:
-        return reduce(ctx, x, dim, "max", keepdim=keepdim, pre=lambda e, o: call("abs", e), dtype=ctx.dtype, tag=tag)
+    if p in (math.inf, -math.inf):
+        sign = 1 if p > 0 else -1
+        peak = reduce(ctx, x, dim, "max", keepdim=keepdim, dtype=acc, tag=tag, hint=f"{ctx.hint}_peak",
+                      pre=lambda e, o: call("abs", e) if sign > 0 else call("neg", call("abs", e)))
+        return ctx.builder.emit(peak.shape, ctx.dtype, lambda o, r, rg: peak.read(o, rg) if sign > 0 else call(
+            "neg", peak.read(o, rg)), tag=tag, hint=ctx.hint)
+    if p == 0:
+        return reduce(ctx, x, dim, "sum", keepdim=keepdim, dtype=ctx.dtype, tag=tag,
+                      pre=lambda e, o: call("where", call("ne", e, Const(0.0)), Const(1.0), Const(0.0)))
     if p == 1:
         return reduce(ctx, x, dim, "sum", keepdim=keepdim, pre=lambda e, o: call("abs", e), dtype=ctx.dtype, tag=tag)
-    squares = reduce(ctx, x, dim, "sum", keepdim=keepdim, pre=lambda e, o: call("mul", e, e), dtype=acc, tag=tag,
-                     hint=f"{ctx.hint}_squares")
-    return ctx.builder.emit(squares.shape, ctx.dtype, lambda o, r, rg: call("sqrt", squares.read(o, rg)), tag=tag,
-                            hint=ctx.hint)
+    power = (lambda e, o: call("mul", e, e)) if p == 2 else (lambda e, o: call("pow", call("abs", e), Const(float(p))))
+    total = reduce(ctx, x, dim, "sum", keepdim=keepdim, pre=power, dtype=acc, tag=tag, hint=f"{ctx.hint}_powers")
+    root = (lambda t: call("sqrt", t)) if p == 2 else (lambda t: call("pow", t, Const(1.0 / p)))
+    return ctx.builder.emit(total.shape, ctx.dtype, lambda o, r, rg: root(total.read(o, rg)), tag=tag, hint=ctx.hint)
 
 
 def _pointwise(ctx, op: str, a, b):

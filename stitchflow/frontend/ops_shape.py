@@ -137,12 +137,22 @@ def lower_unbind(ctx, x, dim=0):
     return tuple(V.select(x, dim, k) for k in range(x.shape[V.norm_dim(dim, x.rank)]))
 
 
-def _index_value(ctx, index) -> TensorValue:
+def _index_value(ctx, index, size: int | None = None) -> TensorValue:
+    """An index tensor as a value: a graph tensor as it is, a constant one (or a Python list of ints)
+    as a parameter, its negative entries counted from the end of a dim of `size` as torch does."""
     if isinstance(index, TensorValue):
         if index.dtype == torch.bool:
             raise UnsupportedOpError("boolean-mask indexing", "the result's shape depends on the data", ctx.hint)
+        held = ctx.builder.param_values.get(index.base)
+        if held is not None and held.device != ctx.out.device:  # a constant such as torch.arange(n), made on the CPU
+            ctx.builder.param_values[index.base] = held.to(ctx.out.device)
         return index
-    if isinstance(index, torch.Tensor):
+    if isinstance(index, (list, tuple)) and index and all(type(i) is int for i in index):
+        index = torch.tensor(index, device=ctx.out.device)  # beside the tensors it indexes
+    if isinstance(index, torch.Tensor) and not index.dtype.is_floating_point and index.dtype != torch.bool:
+        index = index.to(ctx.out.device)  # torch indexes a CUDA tensor with CPU indices too (torch.arange(n))
+        if size is not None:
+            index = torch.where(index < 0, index + size, index)
         return ctx.builder.add_param("index", index)
     raise UnsupportedOpError("indexing", f"index of type {type(index).__name__}", ctx.hint)
 
@@ -160,10 +170,7 @@ def lower_getitem(ctx, x, key):
         used = builtins.sum(k is not None and k is not Ellipsis for k in keys)
         e = keys.index(Ellipsis)
         keys[e : e + 1] = [slice(None)] * (x.rank - used)
-    tensor_keys = [k for k in keys if isinstance(k, (TensorValue, torch.Tensor))]
-    if len(tensor_keys) > 1:
-        raise UnsupportedOpError("indexing", "more than one index tensor", ctx.hint)
-    dim, v = 0, x
+    dim, v, gathered = 0, x, []  # gathered: (dim of v, index tensor), applied together at the end
     for k in keys:
         if k is None:
             v = V.unsqueeze(v, dim)
@@ -174,12 +181,19 @@ def lower_getitem(ctx, x, key):
             v = V.slice_dim(v, dim, k.start, k.stop, k.step)
             dim += 1
         else:
-            idx = _index_value(ctx, k)
-            v = V.gather_dim(v, dim, idx)
-            dim += idx.rank
+            gathered.append((dim, _index_value(ctx, k, v.shape[dim])))
+            dim += 1
+    if gathered:
+        v = V.gather_dims(v, [d for d, _ in gathered], [i for _, i in gathered])
     if tuple(v.shape) != ctx.shape:
         raise ShapeError(f"indexing gave shape {v.shape}, torch gives {ctx.shape}")
     return v
+
+
+@lowering("aten.index")
+def lower_aten_index(ctx, x, indices):
+    """aten.index.Tensor (exported graphs): None for a dim taken whole, else its index tensor."""
+    return lower_getitem(ctx, x, tuple(slice(None) if i is None else i for i in indices))
 
 
 @lowering(torch.cat, torch.concat, torch.concatenate, "aten.cat")

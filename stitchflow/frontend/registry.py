@@ -7,6 +7,8 @@ from Dynamo and from torch.export all lower through the same functions.
 
 from __future__ import annotations
 
+import contextlib
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -50,6 +52,29 @@ def early_refusal(node: fx.Node) -> str | None:
     """Why `node` must run eagerly although its op has a lowering (None: it may be lowered)."""
     check = REFUSALS.get(key_of(node))
     return check(node.args, node.kwargs) if check is not None else None
+
+
+IN_PLACE_OPERATORS = frozenset({
+    operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+    operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
+    operator.imatmul})
+
+
+def is_inplace(node: fx.Node) -> bool:
+    """Does the node write its first argument (x.add_(y), x += y, torch.relu_(x), aten.add_)? The
+    operator module's and_, or_ and not_ are pure despite their names."""
+    if node.op == "call_method":
+        return isinstance(node.target, str) and node.target.endswith("_") and not node.target.endswith("__")
+    if node.op != "call_function":
+        return False
+    if node.target in IN_PLACE_OPERATORS:
+        return True
+    if isinstance(node.target, torch._ops.OpOverload):
+        return node.target._schema.is_mutable
+    if getattr(node.target, "__module__", None) in ("_operator", "operator"):
+        return False
+    name = getattr(node.target, "__name__", "")
+    return name.endswith("_") and not name.endswith("__")
 
 
 def key_name(key) -> str:
@@ -113,6 +138,7 @@ class LowerCtx:
     builder: GraphBuilder
     node: fx.Node
     out: Any
+    step: str = ""  # a step of a composite op (sub_ctx): named in its nodes' hints
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -124,7 +150,26 @@ class LowerCtx:
 
     @property
     def hint(self) -> str:
-        return self.node.name
+        return f"{self.node.name}_{self.step}" if self.step else self.node.name
+
+
+@contextlib.contextmanager
+def own_op(ctx: LowerCtx, suffix: str):
+    """Nodes emitted inside count as a torch op of their own (the planner's unit, `Node.origin`), not as
+    parts of ctx's op, which always share a region: SDPA's zeroing of fully masked queries reduces the
+    mask by rows, which fused into the attention's region would be recomputed for every head."""
+    saved = ctx.builder.origin
+    ctx.builder.origin = f"{saved}.{suffix}"
+    try:
+        yield
+    finally:
+        ctx.builder.origin = saved
+
+
+def sub_ctx(ctx: LowerCtx, shape, dtype: torch.dtype, step: str) -> LowerCtx:
+    """The context of one step of a composite op (attention's scores, a loss's elementwise part): its
+    own shape and dtype, described by a meta tensor; the op's FX node."""
+    return LowerCtx(ctx.builder, ctx.node, torch.empty(tuple(shape), dtype=dtype, device="meta"), step)
 
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)

@@ -223,6 +223,32 @@ def gather_dim(v: TensorValue, dim: int, idx: TensorValue) -> TensorValue:
     return v.remap(shape, old)
 
 
+def gather_dims(v: TensorValue, dims: Sequence[int], idxs: Sequence[TensorValue]) -> TensorValue:
+    """x[.., i0, .., i1, ..] with integer index tensors at `dims` (numpy advanced indexing): the
+    index tensors broadcast to one shape B, whose dims take the place of the indexed dims where
+    those are adjacent and lead the result where they are not (x[i, :, j] is B + x's middle dim).
+    A negative index counts from the end of its dim (the gathered value is taken modulo the size)."""
+    dims = list(dims)
+    b = tuple(torch.broadcast_shapes(*(tuple(i.shape) for i in idxs)))
+    rest = [d for d in range(v.rank) if d not in dims]
+    adjacent = dims == list(range(dims[0], dims[0] + len(dims)))
+    start = sum(1 for d in rest if d < dims[0]) if adjacent else 0
+    shape = [v.shape[d] for d in rest]
+    shape[start:start] = b
+    ranges = {f"_{d}": n for d, n in enumerate(shape)}
+    to_out = {f"_{e}": placeholder(start + e) for e in range(len(b))}
+    old, k = [], 0
+    for d in range(v.rank):
+        if d in dims:
+            idx = expand(idxs[dims.index(d)], b)
+            gathered = Gather(idx.base, tuple(substitute(i, to_out, ranges) for i in idx.index))
+            old.append(mod(gathered, v.shape[d], ranges))
+        else:
+            old.append(placeholder(k if k < start else k + len(b)))
+            k += 1
+    return v.remap(shape, old)
+
+
 def gather_along(v: TensorValue, dim: int, idx: TensorValue) -> TensorValue:
     """torch.gather: out[..., j, ...] = v[..., idx[..., j, ...], ...] along `dim`, the other axes
     read at the output's own coordinates (the output has the index tensor's shape)."""

@@ -104,7 +104,7 @@ class OpSpec:
     arity: int
     fn: Callable
     infix: str = ""
-    kind: str = "arith"  # arith | compare | logic | select
+    kind: str = "arith"  # arith | compare | logic | select | bits (integers only)
 
 
 def _t(x, like=None):
@@ -170,6 +170,19 @@ OPS: dict[str, OpSpec] = {
     "round": OpSpec(1, _unary(torch.round)),  # half to even, as torch.round
     "log1p": OpSpec(1, _unary(torch.log1p)),
     "expm1": OpSpec(1, _unary(torch.expm1)),
+    "trunc": OpSpec(1, _unary(torch.trunc)),
+    # torch's integer and rounding divisions: floordiv rounds the quotient down and mod takes the divisor's sign
+    # (Python's // and %), truncdiv rounds toward zero and fmod takes the dividend's sign (C's / and %)
+    "floordiv": OpSpec(2, lambda a, b: torch.div(_t(a), b, rounding_mode="floor"), "//"),
+    "truncdiv": OpSpec(2, lambda a, b: torch.div(_t(a), b, rounding_mode="trunc")),
+    "mod": OpSpec(2, lambda a, b: torch.remainder(_t(a), b), "%"),
+    "fmod": OpSpec(2, lambda a, b: torch.fmod(_t(a), b)),
+    "bitand": OpSpec(2, lambda a, b: torch.bitwise_and(_t(a), b), kind="bits"),
+    "bitor": OpSpec(2, lambda a, b: torch.bitwise_or(_t(a), b), kind="bits"),
+    "bitxor": OpSpec(2, lambda a, b: torch.bitwise_xor(_t(a), b), "^", "bits"),
+    "bitnot": OpSpec(1, lambda a: torch.bitwise_not(_t(a)), kind="bits"),
+    "shl": OpSpec(2, lambda a, b: torch.bitwise_left_shift(_t(a), b), "<<", "bits"),
+    "shr": OpSpec(2, lambda a, b: torch.bitwise_right_shift(_t(a), b), ">>", "bits"),
     "where": OpSpec(3, _where, kind="select"),
 }
 

@@ -23,8 +23,9 @@ from ..ir.graph import Graph, Node
 ASSUMED_DENSITY = 0.1  # a sparse input we have no values for (FuseFlow's weights are 50-90% sparse)
 MEASURE_LIMIT = 1 << 26  # above this many entries a dense-stored tensor's tiles are estimated
 ZERO_PRESERVING = frozenset({"neg", "abs", "relu", "sqrt", "tanh", "erf", "sin", "floor", "ceil", "round", "log1p",
-                             "expm1"})
-UNION = frozenset({"add", "sub", "max", "min", "or", "where"})
+                             "expm1", "trunc"})
+UNION = frozenset({"add", "sub", "max", "min", "or", "where", "bitor", "bitxor"})
+ZERO_DIVIDEND = frozenset({"div", "floordiv", "truncdiv", "mod", "fmod", "shl", "shr"})  # 0 op y is 0
 
 
 @dataclass(frozen=True)
@@ -121,9 +122,9 @@ def body_density(body, density) -> float:
     if not isinstance(body, Call):
         return 1.0
     args = [body_density(a, density) for a in body.args]
-    if body.op in ("mul", "and"):
+    if body.op in ("mul", "and", "bitand"):
         return math.prod(args)
-    if body.op == "div":
+    if body.op in ZERO_DIVIDEND:
         return args[0]
     if body.op in UNION:
         kept = args[1:] if body.op == "where" else args

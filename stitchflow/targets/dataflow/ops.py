@@ -22,16 +22,27 @@ _NP = {
     "sigmoid": special.expit, "erf": special.erf, "relu": lambda a: np.maximum(a, 0.0),
     "sin": np.sin, "cos": np.cos, "floor": np.floor, "ceil": np.ceil, "round": np.round,  # numpy's rounds half to even
     "log1p": lambda a: _quiet(np.log1p, a), "expm1": np.expm1,
+    "trunc": np.trunc, "floordiv": lambda a, b: _quiet(np.floor_divide, a, b),
+    "truncdiv": lambda a, b: _quiet(lambda x, y: np.trunc(np.divide(x, y)), a, b),
+    "mod": lambda a, b: _quiet(np.remainder, a, b), "fmod": lambda a, b: _quiet(np.fmod, a, b),
+    "bitand": lambda a, b: _ints(np.bitwise_and, a, b), "bitor": lambda a, b: _ints(np.bitwise_or, a, b),
+    "bitxor": lambda a, b: _ints(np.bitwise_xor, a, b), "bitnot": lambda a: _ints(np.invert, a),
+    "shl": lambda a, b: _ints(np.left_shift, a, b), "shr": lambda a, b: _ints(np.right_shift, a, b),
     "where": lambda c, a, b: np.where(np.asarray(c) != 0, a, b),
 }
 
 SUPPORTED = frozenset(_NP) | {"cast"}
-PRODUCTS = frozenset({"mul", "and"})
+PRODUCTS = frozenset({"mul", "and", "bitand"})
 
 
 def _quiet(fn, *args):
     with np.errstate(divide="ignore", invalid="ignore"):
         return fn(*args)
+
+
+def _ints(fn, *args):
+    """Bitwise ops on the streams' float64 values of integer tensors (exact below 2^53)."""
+    return fn(*(np.asarray(a).astype(np.int64) for a in args))
 
 
 def _div(a, b):

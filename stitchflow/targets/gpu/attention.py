@@ -24,26 +24,18 @@ from dataclasses import astuple, dataclass
 
 import torch
 
-from ...ir.expr import Access, Read, map_reads
+from ...ir.expr import Access
 from ...ir.graph import Graph, Node
-from ...ir.index import Var, _linear, add, rename, substitute
+from ...ir.index import Var, _linear, rename
 from ...ir.interpret import eval_node
-from ...ir.types import dense_type
 from .attention_kernel import MAX_BATCH_AXES, Operand, launch, scratch
-from .attention_plan import (BLOCK, MAX_TILE, AttentionTiles, BlockMap, TilePlan, block_map, chunk_options,
-                             tile_plan)
+from .attention_fold import NotAttention, score_coefficients, transform_sources
+from .attention_plan import AttentionTiles, TilePlan, chunk_options, tile_plan
 from .layout import Store
 from .runtime import interpreting, load_choice, save_choice
 
 log = logging.getLogger("stitchflow.gpu.attention")
 SOFTMAX_KINDS = {"softmax"}
-MAX_CONSTANT_ELEMENTS = 1 << 28
-# the transform is evaluated in float64 over bands of query rows of about FOLD_POSITIONS positions (six
-# times at most: 32 MB a time); grids up to MAX_FOLDED_POSITIONS (S = 32768) fold in tens of seconds, and
-# at most MAX_FOLDED_MIXED offsets that vary within a block are kept (a BigBird mask keeps none)
-FOLD_POSITIONS = 1 << 22
-MAX_FOLDED_POSITIONS = 1 << 30
-MAX_FOLDED_MIXED = 1 << 26
 
 
 @dataclass(frozen=True)
@@ -62,10 +54,6 @@ class AttentionMatch:
     def __str__(self) -> str:
         bias = f", key bias {self.key_bias}" if self.key_bias else ""
         return f"attention {self.scores} .. {self.output} ({len(self.transform)} score nodes{bias})"
-
-
-class NotAttention(Exception):
-    """Why a softmax between two contractions is not taken as attention."""
 
 
 # ---------------------------------------------------------------- matching
@@ -223,153 +211,16 @@ def match_attention(graph: Graph, params) -> tuple[list[AttentionMatch], list[st
     return found, refusals
 
 
-# ---------------------------------------------------------------- the score transform as constants
-
-def score_coefficients(graph: Graph, match: AttentionMatch, params: dict) -> tuple[float, BlockMap, float]:
-    """(a, b, c): t(s, r) = a·s + b[l, m] + c·r over (S_q, S_k), with r the key bias of the call (c = 0
-    without one); b, -inf where the position is dropped, folded band by band of query rows into a
-    BlockMap (a long context's offsets are never all held at once)."""
-    s_q, s_k = graph.type_of[match.scores].shape[-2:]
-    if s_q * s_k > MAX_FOLDED_POSITIONS:
-        raise NotAttention(f"the score grid {s_q}x{s_k} is too large to fold at compile time "
-                           f"(at most {MAX_FOLDED_POSITIONS} positions)")
-    constants = _constant_env(graph, match, params)  # once: the parameters converted, constant nodes evaluated
-    rows = max(MAX_TILE, FOLD_POSITIONS // s_k // MAX_TILE * MAX_TILE)
-    factors: dict[str, float] = {}
-
-    def bands():
-        for r0 in range(0, s_q, rows):
-            b, band_factors = _fold_band(graph, match, constants, r0, min(rows, s_q - r0), s_k)
-            for what, value in band_factors.items():
-                if factors.setdefault(what, value) != value:
-                    raise NotAttention(_varying(match.scores, what))
-            yield r0, b
-
-    folded = block_map(bands(), s_q, s_k)
-    if folded.mixed.shape[0] * BLOCK * BLOCK > MAX_FOLDED_MIXED:
-        raise NotAttention(f"the offsets of {match.scores} vary within {folded.mixed.shape[0]} blocks of "
-                           f"{BLOCK}x{BLOCK}: more than {MAX_FOLDED_MIXED} positions to keep")
-    return factors.get("scores", 0.0), folded, factors.get("key bias", 0.0)
-
-
-def _fold_band(graph, match, constants: dict, r0: int, rows: int, s_k: int) -> tuple[torch.Tensor, dict]:
-    """(b, factors) of query rows [r0, r0 + rows): b float64 with -inf where dropped, and the scale of the
-    scores ("scores") and of the key bias ("key bias", 0 without one) where the band keeps a position;
-    NotAttention when the transform is not affine there. Every value is worked in place, in as few passes
-    over the band as the checks allow (folding a long context is this loop)."""
-    scores, bias = match.scores, match.key_bias is not None
-    # (s, r) probe points: b, a + b, 2a + b; with a key bias also c + b, 2c + b, a + c + b
-    points = ((0.0, 0.0), (1.0, 0.0), (2.0, 0.0), (0.0, 1.0), (0.0, 2.0), (1.0, 1.0))[:6 if bias else 3]
-    values = [_evaluate_transform(graph, match, constants, s, r, r0, rows, s_k) for s, r in points]
-    dropped = torch.isneginf(values[0])
-    if not all(torch.equal(torch.isneginf(t), dropped) for t in values[1:]):
-        raise NotAttention(f"the transform of {scores} drops positions depending on the score or the bias")
-    for t in values:
-        t.masked_fill_(dropped, 0.0)
-        if not torch.isfinite(t).all():
-            raise NotAttention(f"the transform of {scores} makes +inf or NaN from finite scores")
-    b = values[0]
-    a = values[1] - b
-    c = values[3] - b if bias else None
-    tolerance = a.abs().add_(b.abs()).add_(1.0)
-    if bias:
-        tolerance.add_(c.abs())
-    tolerance.mul_(1e-9)
-    for t, k_a, k_c in ((values[2], 2, 0), *(((values[4], 0, 2), (values[5], 1, 1)) if bias else ())):
-        residual = (t - b).sub_(a, alpha=k_a)
-        if k_c:
-            residual.sub_(c, alpha=k_c)
-        if (residual.abs_() > tolerance).any():
-            raise NotAttention(f"the transform of {scores} is not affine in the score"
-                               + (" and the key bias" if bias else ""))
-    factors = {"scores": _one_factor(a, dropped, scores, "scores"),
-               "key bias": _one_factor(c, dropped, scores, "key bias") if bias else 0.0}
-    return b.masked_fill_(dropped, float("-inf")), {k: v for k, v in factors.items() if v is not None}
-
-
-def _one_factor(factors: torch.Tensor, dropped: torch.Tensor, scores: str, what: str) -> float | None:
-    """The one value `factors` takes where nothing is dropped (None where everything is)."""
-    kept = ~dropped.view(-1)
-    if not kept.any():
-        return None
-    value = factors.view(-1)[int(kept.to(torch.uint8).argmax())].item()
-    if not bool(((factors == value) | dropped).all()):
-        raise NotAttention(_varying(scores, what))
-    return value
-
-
-def _varying(scores: str, what: str) -> str:
-    return (f"the transform of {scores} scales the {what} by different factors at different positions (a mask "
-            f"with values other than 0 and 1)")
-
-
-def transform_sources(graph: Graph, match: AttentionMatch, params) -> dict[str, torch.Tensor]:
-    """The parameters the score transform depends on (directly or through constant nodes)."""
-    wanted, names = [], [a.tensor for n in match.transform for a in graph.node_of[n].accesses]
-    while names:
-        name = names.pop()
-        if name in params:
-            wanted.append(name)
-        elif name in graph.node_of and name not in match.nodes:
-            names += graph.node_of[name].inputs
-    return {name: params[name] for name in wanted}
-
-
-def _constant_env(graph: Graph, match: AttentionMatch, params) -> dict[str, torch.Tensor]:
-    """Parameters (dense, in their own dtype: the transform's float64 arithmetic promotes the band it reads)
-    and the constant nodes the transform reads, evaluated."""
-    env = {}
-    for name, t in transform_sources(graph, match, params).items():
-        env[name] = (t.to_dense() if t.layout != torch.strided else t).cpu()
-    for node in graph.nodes:
-        if node.name not in match.nodes and node.inputs and set(node.inputs) <= set(env):
-            if math.prod(graph.type_of[node.name].shape) > MAX_CONSTANT_ELEMENTS:
-                raise NotAttention(f"{node.name}, a constant the transform reads, is too large to fold")
-            env[node.name] = eval_node(node, env, graph.type_of[node.name])
-    return env
-
-
-KEY_BIAS = "__key_bias"
-
-
-def _evaluate_transform(graph, match, constants: dict, s: float, r: float, r0: int, rows: int,
-                        s_k: int) -> torch.Tensor:
-    """The transform's nodes on query rows [r0, r0 + rows) × all keys in float64, the scores all equal to s,
-    the key bias to r."""
-    env = dict(constants)
-    env[match.scores] = torch.full((rows, s_k), s, dtype=torch.float64)
-    env[KEY_BIAS] = torch.full((rows, s_k), r, dtype=torch.float64)
-    bias = match.key_bias.tensor if match.key_bias is not None else None
-    previous = match.scores
-    for name in match.transform:
-        node = graph.node_of[name]
-        *_, l_var, m_var = node.out_vars
-        grid = (Var(l_var), Var(m_var))
-        extents = {l_var: rows, m_var: s_k}
-        shifted = {l_var: add(Var(l_var), r0)}  # a constant's row is the band's row plus r0
-
-        def on_grid(access: Access, previous=previous, grid=grid, extents=extents, shifted=shifted):
-            if access.tensor == previous:
-                return Read(Access(previous, grid))
-            if access.tensor == bias:
-                return Read(Access(KEY_BIAS, grid))
-            return Read(Access(access.tensor, tuple(substitute(i, shifted, extents) for i in access.indices)))
-
-        small = Node(name, grid, map_reads(node.body, on_grid), tuple(extents.items()))
-        env[name] = eval_node(small, env, dense_type((rows, s_k), torch.float64)).double()
-        previous = name
-    out = env[previous]
-    # the caller works on the result in place: never on a parameter's (or a constant node's) storage
-    shared = {c.untyped_storage().data_ptr() for c in constants.values() if isinstance(c, torch.Tensor)}
-    return out.clone() if out.untyped_storage().data_ptr() in shared else out
-
-
 # ---------------------------------------------------------------- running
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_FEATURES = 256
 DEFAULT_TILES = AttentionTiles(64, 64, 4, 2)
 INTERPRETER_TILES = AttentionTiles(32, 32, 4, 1)
+# torch's scaled_dot_product_attention (its flash, cuDNN or memory-efficient kernel), timed beside our tiles
+# where it computes the same thing: dense attention runs faster there than our block-sparse kernel
+LIBRARY = AttentionTiles(0, 0, 0, 0, 0)
+MAX_LIBRARY_MASK = 1 << 24  # positions of a mask the library is given densely (64 MB of float32)
 # Tile configs the autotuner times, by operand width and head dim: each compiles for sm_90 without
 # spilling (tests/targets/gpu/test_attention.py checks them all; at head dim 128 the 4-warp tiles and
 # bm128 x bn128 spill, and fp32's exact dot takes register-hungry FMA code)
@@ -397,6 +248,12 @@ def candidates(dtype: torch.dtype, head_dim: int, key_bias: bool = False) -> tup
     width = 32 if dtype == torch.float32 else 16
     shapes = CANDIDATES[width, 64 if head_dim <= 64 else 128]
     return tuple(AttentionTiles(*t) for t in shapes if not (key_bias and t in SPILL_WITH_KEY_BIAS))
+
+
+def _strided(op: Operand, batch: tuple, length: int, width: int) -> torch.Tensor:
+    """The operand as a tensor [batch..., length, width] (a view: no copy)."""
+    return op.tensor.as_strided((*batch, length, width), (*op.batch_strides, op.seq_stride, op.feature_stride),
+                                op.tensor.storage_offset() + op.offset)
 
 
 class AttentionStep:
@@ -437,6 +294,7 @@ class AttentionStep:
         kept = self.coefficients[1].kept / (self.s_q * self.s_k)
         log.info("%s: mask folded, %.1f%% of the score positions kept", match, 100 * kept)
         self.plans: dict = {}
+        self._library: tuple | None = None  # (the coefficients it was worked out from, library_form())
         self.chosen: AttentionTiles | None = None
         self.tuned_us: float | None = None
 
@@ -479,7 +337,55 @@ class AttentionStep:
             return "ieee"
         return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
+    def library_form(self) -> tuple[bool, torch.Tensor | None] | None:
+        """(is_causal, mask or None) with which torch's scaled_dot_product_attention computes this match
+        (the scale is the scores' factor); None where it cannot: a key bias, an output dtype other than Q's,
+        a mask too large to hand over densely. The mask is boolean where the offsets are all 0 or -inf.
+        Worked out once per fold (it walks the whole map: milliseconds at S 2048, too much for every call)."""
+        if self._library is None or self._library[0] is not self.coefficients:
+            self._library = (self.coefficients, self._library_form())
+        return self._library[1]
+
+    def _library_form(self) -> tuple[bool, torch.Tensor | None] | None:
+        if self.match.key_bias is not None or self.out_type.dtype != self.q_dtype:
+            return None
+        folded = self.coefficients[1]
+        if self.s_q * self.s_k > MAX_LIBRARY_MASK:
+            plain = folded.kept == self.s_q * self.s_k and not folded.mixed.shape[0] and not folded.value.any()
+            return (False, None) if plain else None
+        b = folded.dense()
+        kept = torch.isfinite(b)
+        if kept.all() and not b.any():
+            return False, None
+        causal = torch.ones(self.s_q, self.s_k, dtype=torch.bool).tril()
+        if torch.equal(kept, causal) and not b[kept].any():
+            return True, None
+        return False, (kept if not b[kept].any() else b.to(self.q_dtype))
+
+    def _library_runner(self, env):
+        causal, mask = self.library_form()
+        m = self.match
+        views = [_strided(self._operand(a, env, batch, seq, feature), self.batch, length, width)
+                 for a, batch, seq, feature, length, width in (
+                     (m.q, self.batch_vars, self.l_var, self.d_var, self.s_q, self.d),
+                     (m.k, self.batch_vars, self.m_var, self.d_var, self.s_k, self.d),
+                     (m.v, self.out_batch_vars, self.r_var, self.e_var, self.s_k, self.dv))]
+        device = views[0].device
+        results = self._outputs(device) if self.store is not None else None
+        mask = mask.to(device) if mask is not None else None
+        scale = self.coefficients[0]
+
+        def run():
+            out = torch.nn.functional.scaled_dot_product_attention(*views, attn_mask=mask, is_causal=causal, scale=scale)
+            if results is None:  # the library's own output is the node's value: no copy
+                return {m.output: out}
+            results[m.output].copy_(out)  # laid out through strides as the output's reader wants it
+            return results
+        return run
+
     def _runner(self, env, tiles: AttentionTiles):
+        if tiles == LIBRARY:
+            return self._library_runner(env)
         m = self.match
         q = self._operand(m.q, env, self.batch_vars, self.l_var, self.d_var)
         k = self._operand(m.k, env, self.batch_vars, self.m_var, self.d_var)
@@ -558,6 +464,8 @@ class AttentionStep:
             spills = head_dim > 64 and key_bias and astuple(tiles)[:4] in SPILL_SPLIT_WITH_KEY_BIAS
             for chunk in (0,) if spills else chunk_options(self._plan(tiles, device)):
                 yield tiles.chunked(chunk)
+        if self.library_form() is not None:
+            yield LIBRARY
 
     def __call__(self, env) -> None:
         first = env[self.match.q.tensor]
@@ -571,6 +479,11 @@ class AttentionStep:
         env.update(self._runner(env, self.chosen)())
 
     def describe(self) -> str:
+        if self.chosen == LIBRARY:
+            causal, mask = self.library_form()
+            how = "causal" if causal else "no mask" if mask is None else f"a {str(mask.dtype)[6:]} mask"
+            return (f"{self.match}: batch {self.batch}, {self.s_q}x{self.s_k}, d {self.d}/{self.dv}; torch's "
+                    f"scaled_dot_product_attention ({how}), timed faster than our tiles")
         plan = next((p for (tiles, _), p in self.plans.items() if tiles == self.chosen), None)
         tiles = str(plan) if plan is not None else str(self.chosen or "tiles chosen at the first call")
         into = f", {self.store}" if self.store else ""

@@ -38,6 +38,53 @@ def _expm1(x):
 
 
 @triton.jit
+def _trunc(x):
+    return tl.where(x < 0, tl.ceil(x), tl.floor(x))
+
+
+@triton.jit
+def _floordiv_int(a, b):
+    """a // b rounded down, as torch and Python (the device's division rounds toward zero)."""
+    q = a // b
+    return tl.where(((a % b) != 0) & ((a < 0) != (b < 0)), q - 1, q)
+
+
+@triton.jit
+def _mod_int(a, b):
+    """a % b with the divisor's sign, as torch.remainder and Python (the device's takes a's)."""
+    r = a % b
+    return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
+
+
+@triton.jit
+def _fmod_f64(x, y):
+    """fmod in float64, for the interpreter (libdevice's fmod returns nothing there): exact for float32
+    operands whose quotient is under 2^29, where the product of the whole quotient and y is exact."""
+    a = x.to(tl.float64)
+    b = y.to(tl.float64)
+    r = (a - _trunc(a / b) * b).to(x.dtype)
+    return tl.where((tl.abs(y) == INF) & (tl.abs(x) != INF), x, r)
+
+
+@triton.jit
+def _mod_from_fmod(m, y):
+    """torch.remainder of floats: fmod moved to the divisor's sign."""
+    return tl.where((m != 0) & ((y < 0) != (m < 0)), m + y, m)
+
+
+@triton.jit
+def _floordiv_from_fmod(x, y, m):
+    """torch's (and Python's) floor division of floats: (x - fmod(x, y)) / y is whole up to its
+    rounding, so it is taken to the nearest whole number instead of floor(x / y), which an inexact
+    quotient can push across one."""
+    d = (x - m) / y
+    d = tl.where((m != 0) & ((y < 0) != (m < 0)), d - 1.0, d)
+    f = tl.floor(d)
+    f = tl.where(d - f > 0.5, f + 1.0, f)
+    return tl.where(y == 0, x / y, tl.where(d == 0, d * 0.0, f))
+
+
+@triton.jit
 def _max_nan(a, b):
     """max that keeps a NaN, as torch.maximum, amax and max(dim) do (tl.maximum and tl.max
     drop it); one max.NaN instruction on the device."""

@@ -38,7 +38,9 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 UNARY_FLOAT = {"exp": "tl.exp", "log": "tl.log", "sqrt": "tl.sqrt_rn", "rsqrt": "tl.rsqrt",
                "sigmoid": "tl.sigmoid", "erf": "tl.erf", "sin": "tl.sin", "cos": "tl.cos", "floor": "tl.floor",
-               "ceil": "tl.ceil", "round": "_round_even", "log1p": "_log1p", "expm1": "_expm1"}
+               "ceil": "tl.ceil", "round": "_round_even", "log1p": "_log1p", "expm1": "_expm1", "trunc": "_trunc"}
+BITWISE = {"bitand": "&", "bitor": "|", "bitxor": "^", "shl": "<<", "shr": ">>"}
+ROUNDING_DIVISIONS = ("floordiv", "truncdiv", "mod", "fmod")
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,8 @@ class BodyEmitter:
         if isinstance(e, (Div, Mod)):
             v = self.index(e.arg, node, scope)
             op, k = ("//", e.divisor) if isinstance(e, Div) else ("%", e.modulus)
+            if isinstance(e, Mod) and gathered_tensors(e.arg):  # data may be negative: the floor's remainder
+                return Val(f"((({v.code} % {k}) + {k}) % {k})", "i", v.deps)
             return Val(f"({v.code} {op} {k})", "i", v.deps)
         if isinstance(e, Gather):
             return self.load(e.tensor, e.indices, node, scope, as_index=True)
@@ -169,13 +173,17 @@ class BodyEmitter:
                     checks.append(f"({code} < {size})")
                 if lo < 0:
                     checks.append(f"({code} >= 0)")
+                if size == 1:  # the checks vary along the tile: so must the address (in range, the term is 0)
+                    deps |= v.deps
+                    terms.append(code if stride == 1 else f"{code} * {stride}")
+                    continue
             else:
                 if hi > size - 1:
                     code = f"tl.minimum({code}, {size - 1})"
                 if lo < 0:
                     code = f"tl.maximum({code}, 0)"
-            deps |= v.deps
-            if size > 1 and code != "0":
+            if size > 1 and code != "0":  # a dim of one adds nothing to the address, nor a tile axis to vary along
+                deps |= v.deps
                 terms.append(code if stride == 1 else f"{code} * {stride}")
         return Val(" + ".join(terms) if terms else "0", "i", deps)
 
@@ -350,6 +358,10 @@ class BodyEmitter:
             cond = c.code if c.kind == "b" else f"({c.code} != 0)"
             return self._let(f"tl.where({cond}, {a.code}, {b.code})", _promote(a, b), deps)
         args = [Val(f"{a.code}.to(tl.int32)", "i", a.deps) if a.kind == "b" else a for a in args]
+        if kind_op == "bits":
+            return self._bits(op, args, deps, result)
+        if op in ROUNDING_DIVISIONS:
+            return self._rounding_division(op, args, deps)
         if op in UNARY_FLOAT or op == "tanh":
             (a,) = args
             x = a.code if a.kind == "f" else f"{a.code}.to(tl.float32)"
@@ -374,6 +386,42 @@ class BodyEmitter:
         if op == "recip":
             return self._let(f"(1.0 / {a})", "f", deps)
         raise TargetError(f"scalar op {op} has no Triton lowering")
+
+    def _bits(self, op: str, args: list[Val], deps, result: torch.dtype) -> Val:
+        if op == "bitnot":
+            return self._let(f"(~{args[0].code})", "i", deps)
+        a, b = args[0].code, args[1].code
+        if op not in ("shl", "shr"):
+            return self._let(f"({a} {BITWISE[op]} {b})", "i", deps)
+        # torch: a shift by a negative amount or by the width or more gives 0 (or -1 for a negative a
+        # shifted right); the device's shift is undefined there
+        width = 64 if result.is_floating_point or result == torch.bool else torch.iinfo(result).bits
+        beyond = f"tl.where({a} < 0, -1, 0)" if op == "shr" else "0"
+        return self._let(f"tl.where(({b} >= 0) & ({b} < {width}), {a} {BITWISE[op]} {b}, {beyond})", "i", deps)
+
+    def _rounding_division(self, op: str, args: list[Val], deps) -> Val:
+        """torch's floor and truncating divisions and remainders: integers with C's / and % corrected
+        toward the floor; floats from an exact fmod, as torch computes them."""
+        a, b = args
+        if a.kind == "i" and b.kind == "i":
+            text = {"floordiv": "_floordiv_int({0}, {1})", "mod": "_mod_int({0}, {1})",
+                    "truncdiv": "({0} // {1})", "fmod": "({0} % {1})"}[op]
+            return self._let(text.format(a.code, b.code), "i", deps)
+        x, y = _as_float(a), _as_float(b)
+        # the helpers compare, combine and convert their operands: a constant or a scalar comes in the tile's shape
+        if _is_literal(a) or (not a.deps and b.deps):
+            x = f"(tl.zeros_like({y}) + {x})"
+        elif _is_literal(b) or (not b.deps and a.deps):
+            y = f"(tl.zeros_like({x}) + {y})"
+        if op == "truncdiv":
+            return self._let(f"_trunc({x} / {y})", "f", deps)
+        # libdevice's fmod (exact) returns nothing under the interpreter, which takes the float64 version
+        m = self._let(f"_fmod_f64({x}, {y})" if self.interpret else f"libdevice.fmod({x}, {y})", "f", deps)
+        if op == "fmod":
+            return m
+        if op == "mod":
+            return self._let(f"_mod_from_fmod({m.code}, {y})", "f", deps)
+        return self._let(f"_floordiv_from_fmod({x}, {y}, {m.code})", "f", deps)
 
     def _unary_float(self, op: str, x: str, result: torch.dtype) -> str:
         if op == "erf" and result in LOW_PRECISION:  # see codegen's _erf_lowp: error far below the rounding
@@ -420,6 +468,18 @@ def substitute_expr(e, mapping: dict, ranges):
 def inline_body(producer, indices, ranges):
     """Substitute a read's index expressions for the producer's output variables."""
     return substitute_expr(producer.body, dict(zip(producer.out_vars, indices)), ranges)
+
+
+def _as_float(v: Val) -> str:
+    if v.kind == "f":
+        return v.code
+    if _is_literal(v):  # an integer constant
+        return f"({float(v.code.strip('()'))!r})"
+    return f"{v.code}.to(tl.float32)"
+
+
+def _is_literal(v: Val) -> bool:
+    return not v.deps and v.code.startswith("(")
 
 
 def _promote(*vals: Val) -> str:

@@ -1,0 +1,173 @@
+"""More index maps: roll, flip, diagonals, triangles, moved dims, pixel (un)shuffles, tensor_split and
+one-hot encoding. Each is a view (index arithmetic on the read) or one elementwise node over coordinates."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..ir.errors import ShapeError, UnsupportedOpError
+from ..ir.expr import Cast, Const, IndexValue, call
+from ..ir.index import add, scale
+from . import values as V
+from .registry import lowering
+from .values import TensorValue
+
+
+def _dims_of(dims, rank: int) -> list[int]:
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    return [V.norm_dim(d, rank) for d in dims]
+
+
+def _remapped(x: TensorValue, shape, index_of) -> TensorValue:
+    """A view of `shape` whose old coordinate d is index_of(d, new placeholders, ranges)."""
+    ranges = {f"_{d}": n for d, n in enumerate(shape)}
+    new = [V.placeholder(d) for d in range(len(shape))]
+    return x.remap(shape, [index_of(d, new, ranges) for d in range(x.rank)])
+
+
+@lowering(torch.roll, "method:roll", "aten.roll")
+def lower_roll(ctx, x, shifts, dims=None):
+    """out[i] = x[(i - shift) mod n] per rolled dim; no dims rolls the flattened tensor."""
+    if dims is None or dims == []:
+        flat = V.reshape(x, [math.prod(x.shape)])
+        return V.reshape(lower_roll(ctx, flat, shifts, [0]), x.shape)
+    shifts = [shifts] if isinstance(shifts, int) else list(shifts)
+    dims = _dims_of(dims, x.rank)
+    if len(shifts) != len(dims):
+        raise ShapeError(f"roll: {len(shifts)} shifts for {len(dims)} dims")
+    by_dim = dict(zip(dims, shifts))
+
+    def index_of(d, new, rg):
+        if d not in by_dim or x.shape[d] == 0:
+            return new[d]
+        n = x.shape[d]
+        return V.mod(add(new[d], (-by_dim[d]) % n), n, rg)  # a non-negative offset keeps the remainder plain
+
+    return _remapped(x, x.shape, index_of)
+
+
+@lowering(torch.flip, "method:flip", "aten.flip")
+def lower_flip(ctx, x, *dims_args, dims=None):
+    dims = dims if dims is not None else dims_args[0] if len(dims_args) == 1 and not isinstance(dims_args[0], int) else dims_args
+    dims = _dims_of(dims, x.rank)
+    return _remapped(x, x.shape, lambda d, new, rg: add(scale(new[d], -1), x.shape[d] - 1) if d in dims else new[d])
+
+
+@lowering(torch.fliplr, "method:fliplr")
+def lower_fliplr(ctx, x):
+    return lower_flip(ctx, x, [1])
+
+
+@lowering(torch.flipud, "method:flipud")
+def lower_flipud(ctx, x):
+    return lower_flip(ctx, x, [0])
+
+
+@lowering(torch.diagonal, "method:diagonal", "aten.diagonal")
+def lower_diagonal(ctx, x, offset=0, dim1=0, dim2=1):
+    """The dims dim1 and dim2 replaced by one last dim walking x[.., i, .., i + offset, ..]."""
+    d1, d2 = V.norm_dim(dim1, x.rank), V.norm_dim(dim2, x.rank)
+    if d1 == d2:
+        raise ShapeError("diagonal: dim1 and dim2 are the same")
+    rest = [d for d in range(x.rank) if d not in (d1, d2)]
+    shape = [x.shape[d] for d in rest] + [tuple(ctx.shape)[-1]]
+    last = len(shape) - 1
+
+    def index_of(d, new, rg):
+        if d == d1:
+            return add(new[last], max(-offset, 0))
+        if d == d2:
+            return add(new[last], max(offset, 0))
+        return new[rest.index(d)]
+
+    return _remapped(x, shape, index_of)
+
+
+def _triangle(ctx, x, diagonal: int, lower: bool):
+    """Zeros above (tril) or below (triu) the `diagonal`-th diagonal of the last two dims."""
+    zero = Const(False) if x.dtype == torch.bool else Const(0) if not x.dtype.is_floating_point else Const(0.0)
+
+    def body(o, r, rg):
+        col, row = IndexValue(o[-1]), IndexValue(add(o[-2], diagonal))
+        return call("where", call("le" if lower else "ge", col, row), x.read(o, rg), zero)
+
+    return ctx.builder.emit(x.shape, x.dtype, body, hint=ctx.hint)
+
+
+@lowering(torch.tril, "method:tril", "aten.tril")
+def lower_tril(ctx, x, diagonal=0):
+    return _triangle(ctx, x, diagonal, lower=True)
+
+
+@lowering(torch.triu, "method:triu", "aten.triu")
+def lower_triu(ctx, x, diagonal=0):
+    return _triangle(ctx, x, diagonal, lower=False)
+
+
+@lowering(torch.movedim, torch.moveaxis, "method:movedim", "method:moveaxis", "aten.movedim")
+def lower_movedim(ctx, x, source, destination):
+    src, dst = _dims_of(source, x.rank), _dims_of(destination, x.rank)
+    order = [d for d in range(x.rank) if d not in src]
+    for s, d in sorted(zip(dst, src)):
+        order.insert(s, d)
+    return V.permute(x, order)
+
+
+@lowering(F.pixel_shuffle, torch.pixel_shuffle, "aten.pixel_shuffle")
+def lower_pixel_shuffle(ctx, x, upscale_factor):
+    """(.., C·r², H, W) -> (.., C, H·r, W·r): out[c, h, w] = x[c·r² + (h % r)·r + w % r, h // r, w // r]."""
+    r, lead = upscale_factor, x.rank - 3
+
+    def index_of(d, new, rg):
+        if d < lead:
+            return new[d]
+        c, h, w = new[lead:]
+        if d == lead:
+            return add(scale(c, r * r), scale(V.mod(h, r, rg), r), V.mod(w, r, rg))
+        return V.floordiv(h if d == lead + 1 else w, r, rg)
+
+    return _remapped(x, ctx.shape, index_of)
+
+
+@lowering(F.pixel_unshuffle, torch.pixel_unshuffle, "aten.pixel_unshuffle")
+def lower_pixel_unshuffle(ctx, x, downscale_factor):
+    """(.., C, H·r, W·r) -> (.., C·r², H, W): out[k, h, w] = x[k // r², h·r + (k // r) % r, w·r + k % r]."""
+    r, lead = downscale_factor, x.rank - 3
+
+    def index_of(d, new, rg):
+        if d < lead:
+            return new[d]
+        k, h, w = new[lead:]
+        if d == lead:
+            return V.floordiv(k, r * r, rg)
+        if d == lead + 1:
+            return add(scale(h, r), V.mod(V.floordiv(k, r, rg), r, rg))
+        return add(scale(w, r), V.mod(k, r, rg))
+
+    return _remapped(x, ctx.shape, index_of)
+
+
+@lowering(torch.tensor_split, "method:tensor_split", "aten.tensor_split")
+def lower_tensor_split(ctx, x, indices_or_sections, dim=0):
+    dim = V.norm_dim(dim, x.rank)
+    n = x.shape[dim]
+    if isinstance(indices_or_sections, int):
+        k = indices_or_sections
+        sizes = [n // k + (1 if s < n % k else 0) for s in range(k)]
+        bounds = [sum(sizes[:s]) for s in range(k + 1)]
+    else:
+        bounds = [0, *[min(max(int(i), 0), n) for i in indices_or_sections], n]
+    return tuple(V.slice_dim(x, dim, lo, max(lo, hi), 1) for lo, hi in zip(bounds, bounds[1:]))
+
+
+@lowering(F.one_hot, torch._C._nn.one_hot, "aten.one_hot")
+def lower_one_hot(ctx, t, num_classes=-1):
+    """out[.., c] = (t[..] == c) as int64. Without num_classes the width is the data's maximum + 1,
+    which the program cannot know for the next input: refused."""
+    if num_classes < 0:
+        raise UnsupportedOpError("one_hot", "num_classes=-1 makes the width depend on the data; pass it", ctx.hint)
+    return ctx.builder.emit(ctx.shape, torch.int64, lambda o, r, rg: Cast(torch.int64, call(
+        "eq", t.read(o[:-1], rg), IndexValue(o[-1]))), hint=ctx.hint)
