@@ -27,12 +27,14 @@ log = logging.getLogger("stitchflow")
 
 class Program:
     def __init__(self, captured: Captured, regions: Sequence[Region], target: str, fusion, options=None):
+        self.target = get_target(target)
+        if hasattr(self.target, "prepare"):  # a target's own rewrite of the graph before its regions compile
+            captured, regions = self.target.prepare(captured, regions)
         self.captured = captured
         self.options = dict(options or {})
         self.regions = tuple(regions)
         self.target_name = target
         self.fusion = fusion
-        self.target = get_target(target)
         self.regions_executed = 0  # counts region runs: proof that calls go through our code
         self.plan_values: dict | None = None  # the tensors the planner measured densities on
         # the captured model or function: where autograd records, a backward differentiates it run

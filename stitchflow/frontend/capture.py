@@ -18,9 +18,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..ir.errors import ShapeError, StitchflowError, UnsupportedOpError
 from ..ir.graph import Graph
 from ..ir.types import Format, TensorType, format_of_tensor, parse_format
-from . import ops_activations, ops_attention, ops_conv, ops_elementwise, ops_linalg, ops_losses, ops_pool, ops_reduce, ops_resize, ops_shape, ops_views  # noqa: F401  (register lowerings)
+from . import ops_activations, ops_attention, ops_conv, ops_elementwise, ops_factory, ops_index, ops_linalg, ops_losses, ops_pool, ops_reduce, ops_resize, ops_shape, ops_trig, ops_views  # noqa: F401  (register lowerings)
 from .builder import GraphBuilder
-from .registry import LOWERINGS, LowerCtx, describe_target, early_refusal, is_inplace, key_of
+from .registry import FACTORIES, LOWERINGS, LowerCtx, describe_target, early_refusal, is_inplace, key_of
 
 # In-place methods lower like their functional forms; capture rebinds the mutated value.
 for _key, _fn in list(LOWERINGS.items()):
@@ -168,11 +168,11 @@ def _lower_call(gm, node: fx.Node, b: GraphBuilder, env, real):
     if inplace and isinstance(node.args[0], fx.Node):
         real[node.args[0]] = out  # later uses of the mutated tensor see the new value
     depends = _any_value(args)
-    if not depends:  # no graph tensor flows in: fold to a constant
+    key = key_of(node) if node.op != "call_module" else None
+    if not depends and key not in FACTORIES:  # no graph tensor flows in: fold to a constant
         return (b.add_param("const", out) if isinstance(out, torch.Tensor) else out), out
     if node.op == "call_module":
         raise UnsupportedOpError(f"module {node.target}", "leaf modules are not traced into", node.name)
-    key = key_of(node)
     fn = LOWERINGS.get(key)
     if fn is None:
         raise UnsupportedOpError(describe_target(node), "no lowering to the IR", node.name)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from ..ir.errors import ShapeError, UnsupportedOpError
 from ..ir.expr import Const, call
+from ..ir.index import floordiv, mod
 from . import values as V
 from .ops_elementwise import elementwise
 from .registry import LowerCtx, lowering
@@ -122,3 +123,77 @@ def lower_einsum(ctx: LowerCtx, equation: str, *operands):
 
     return ctx.builder.emit(ctx.shape, ctx.dtype, body, reduce="sum" if reduced else None,
                             red_shape=[extent[ch] for ch in reduced], hint=ctx.hint)
+
+
+@lowering(torch.dot, torch.vdot, torch.inner, "method:dot", "method:vdot", "method:inner", "aten.dot", "aten.vdot",
+          "aten.inner")
+def lower_dot(ctx, a, b):
+    """Real vectors (vdot's conjugate is the identity there); inner sums the last dims of any ranks."""
+    if a.dtype.is_complex or b.dtype.is_complex:
+        raise UnsupportedOpError("dot", "complex tensors", ctx.hint)
+    left = "abcdefgh"[:a.rank - 1] + "z"
+    right = "ijklmnop"[:b.rank - 1] + "z"
+    return lower_einsum(ctx, f"{left},{right}->{left[:-1]}{right[:-1]}", a, b)
+
+
+@lowering(torch.mv, "method:mv", "aten.mv")
+def lower_mv(ctx, a, v):
+    return contract(ctx, a, v)
+
+
+lowering(torch.addmv, "aten.addmv", "method:addmv")(lower_addmm)
+
+
+@lowering(torch.addbmm, "aten.addbmm", "method:addbmm")
+def lower_addbmm(ctx, bias, a, b, *, beta=1, alpha=1):
+    """beta * bias + alpha * the sum of a batch of products."""
+    y = lower_einsum(ctx, "bij,bjk->ik", a, b)
+    return elementwise(ctx, lambda p, q: call("add", call("mul", p, Const(alpha)), call("mul", q, Const(beta))), y, bias,
+                       hint=f"{ctx.hint}_bias")
+
+
+@lowering(torch.tensordot, "aten.tensordot")
+def lower_tensordot(ctx, a, b, dims=2, out=None):
+    if isinstance(dims, int):
+        dims = (list(range(a.rank - dims, a.rank)), list(range(dims)))
+    da, db = ([dims[0]] if isinstance(dims[0], int) else list(dims[0])), ([dims[1]] if isinstance(dims[1], int) else list(dims[1]))
+    if len(da) != len(db):
+        raise ShapeError(f"tensordot: {len(da)} dims of a against {len(db)} of b")
+    letters = iter("abcdefghijklmnopqrstuvwxyz")
+    left = [next(letters) for _ in range(a.rank)]
+    right = [next(letters) for _ in range(b.rank)]
+    for i, j in zip(da, db):
+        right[j % b.rank] = left[i % a.rank]
+    shared = set(left) & set(right)
+    out = [c for c in left if c not in shared] + [c for c in right if c not in shared]
+    return lower_einsum(ctx, f"{''.join(left)},{''.join(right)}->{''.join(out)}", a, b)
+
+
+@lowering(torch.trace, "method:trace", "aten.trace")
+def lower_trace(ctx, x):
+    n = min(x.shape)
+    square = V.slice_dim(V.slice_dim(x, 0, 0, n, 1), 1, 0, n, 1)
+    return lower_einsum(ctx, "ii->", square)
+
+
+@lowering(torch.linalg.multi_dot, torch.chain_matmul, "aten.linalg_multi_dot", "aten.chain_matmul")
+def lower_multi_dot(ctx, *tensors):
+    """Products left to right (multi_dot's cheapest order changes only the rounding)."""
+    tensors = list(tensors[0]) if len(tensors) == 1 and isinstance(tensors[0], (list, tuple)) else list(tensors)
+    out = tensors[0]
+    for t in tensors[1:]:
+        out = contract(ctx, out, t)
+    return out
+
+
+@lowering(torch.kron, "method:kron", "aten.kron")
+def lower_kron(ctx, a, b):
+    """out[i * m + j] = a[i] b[j] per dim, the operand of lower rank padded with leading ones."""
+    rank = len(ctx.shape)
+    a = V.reshape(a, [1] * (rank - a.rank) + list(a.shape))
+    b = V.reshape(b, [1] * (rank - b.rank) + list(b.shape))
+    ranges = {f"_{d}": n for d, n in enumerate(ctx.shape)}
+    new = [V.placeholder(d) for d in range(rank)]
+    outer = a.remap(ctx.shape, [floordiv(new[d], b.shape[d], ranges) for d in range(rank)])
+    inner = b.remap(ctx.shape, [mod(new[d], b.shape[d], ranges) for d in range(rank)])
+    return elementwise(ctx, lambda p, q: call("mul", p, q), outer, inner)

@@ -32,6 +32,16 @@ def lowering(*keys):
     return register
 
 
+FACTORIES: set = set()  # keys whose lowering computes a tensor made from nothing, where capture would store it
+
+
+def factory(*keys):
+    """Register a lowering for a creation op (zeros, arange, eye): capture folds a call that no graph
+    tensor flows into to a stored constant, except these, which write their values as formulas."""
+    FACTORIES.update(keys)
+    return lowering(*keys)
+
+
 Refusal = Callable[[tuple, dict], "str | None"]
 REFUSALS: dict[Any, Refusal] = {}  # checked on a node's arguments before eager runs it (side effects)
 

@@ -249,11 +249,14 @@ def gather_dims(v: TensorValue, dims: Sequence[int], idxs: Sequence[TensorValue]
     return v.remap(shape, old)
 
 
-def gather_along(v: TensorValue, dim: int, idx: TensorValue) -> TensorValue:
+def gather_along(v: TensorValue, dim: int, idx: TensorValue, wrap_negative: bool = False) -> TensorValue:
     """torch.gather: out[..., j, ...] = v[..., idx[..., j, ...], ...] along `dim`, the other axes
-    read at the output's own coordinates (the output has the index tensor's shape)."""
+    read at the output's own coordinates (the output has the index tensor's shape). wrap_negative:
+    an index below 0 counts from the end (take_along_dim; gather refuses them)."""
     dim = norm_dim(dim, v.rank)
     shape = list(idx.shape)
     ranges = {f"_{d}": n for d, n in enumerate(shape)}
     coords = [substitute(i, {f"_{d}": placeholder(d) for d in range(idx.rank)}, ranges) for i in idx.index]
-    return v.remap(shape, [Gather(idx.base, tuple(coords)) if d == dim else placeholder(d) for d in range(v.rank)])
+    gathered = Gather(idx.base, tuple(coords))
+    along = mod(gathered, v.shape[dim], ranges) if wrap_negative else gathered
+    return v.remap(shape, [along if d == dim else placeholder(d) for d in range(v.rank)])

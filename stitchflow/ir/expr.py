@@ -127,6 +127,12 @@ def _minimum(a, b):
     return torch.minimum(a, b)
 
 
+def _atan2(y, x):
+    if not isinstance(y, torch.Tensor):
+        y = torch.full_like(x, y) if isinstance(x, torch.Tensor) else torch.tensor(y)
+    return torch.atan2(y, x if isinstance(x, torch.Tensor) else torch.full_like(y, x))
+
+
 def _where(c, a, b):
     return torch.where(_t(c).bool(), a, b)
 
@@ -171,6 +177,7 @@ OPS: dict[str, OpSpec] = {
     "log1p": OpSpec(1, _unary(torch.log1p)),
     "expm1": OpSpec(1, _unary(torch.expm1)),
     "trunc": OpSpec(1, _unary(torch.trunc)),
+    "atan2": OpSpec(2, _atan2),  # the angle of (x, y): atan2(y, x), in (-pi, pi], signed zeros as C's
     # torch's integer and rounding divisions: floordiv rounds the quotient down and mod takes the divisor's sign
     # (Python's // and %), truncdiv rounds toward zero and fmod takes the dividend's sign (C's / and %)
     "floordiv": OpSpec(2, lambda a, b: torch.div(_t(a), b, rounding_mode="floor"), "//"),

@@ -64,7 +64,7 @@ def _try_contraction(node: Node, env, out_type: TensorType) -> torch.Tensor | No
             scalar *= f.value
     if not all(a.is_plain for a in accesses):
         return _finish(_gathered_einsum(node, accesses, env, out_type) * scalar, out_type)
-    operands = [env[a.tensor] for a in accesses]
+    operands = [_within_loop(env[a.tensor], a, node) for a in accesses]
     sparse = [i for i, t in enumerate(operands) if t.layout != torch.strided]
     if len(accesses) == 2 and len(sparse) == 1:
         out = _sparse_matmul(accesses, operands, sparse[0], node)
@@ -77,6 +77,14 @@ def _try_contraction(node: Node, env, out_type: TensorType) -> torch.Tensor | No
     dtype = torch.promote_types(out_type.dtype, torch.float32) if out_type.dtype.is_floating_point else out_type.dtype
     out = torch.einsum(spec, *(t.to(dtype) for t in dense))
     return _finish(out * scalar if scalar != 1.0 else out, out_type)
+
+
+def _within_loop(t: torch.Tensor, a, node: Node) -> torch.Tensor:
+    """The part of an operand the loop reads: x[:, :4] @ w reads x[i, k] with k over 4 of x's 7 columns."""
+    extents = [node.extents[i.name] for i in a.indices]
+    if list(t.shape) == extents or t.layout != torch.strided:
+        return t
+    return t[tuple(slice(0, n) for n in extents)]
 
 
 def _gathered_einsum(node: Node, accesses, env, out_type: TensorType) -> torch.Tensor:
@@ -100,11 +108,13 @@ def _gathered_einsum(node: Node, accesses, env, out_type: TensorType) -> torch.T
 
 
 def _device_of(node: Node, env) -> torch.device:
+    """Where the node's inputs are; a node that reads none (an arange) is made where the program's tensors are."""
     for name in node.inputs:
         t = env.get(name) if hasattr(env, "get") else None
         if isinstance(t, torch.Tensor):
             return t.device
-    return torch.device("cpu")
+    values = env.values() if not node.inputs and hasattr(env, "values") else ()
+    return next((t.device for t in values if isinstance(t, torch.Tensor)), torch.device("cpu"))
 
 
 def _grid(loop, ranges, device) -> dict:

@@ -1,5 +1,5 @@
 """The view ops (roll, flip, triangles, diagonals, pixel shuffles, one-hot), the rest of F's activations,
-the composite reductions (logsumexp, any/all, norms of any order, similarity) and the losses: on the
+trigonometric and hyperbolic functions and their inverses, the composite reductions (logsumexp, any/all, norms of any order, similarity) and the losses: on the
 reference and gpu targets (the dataflow target for those without coordinate values), equal to eager on
 random shapes in float32 and bfloat16. OpInfo samples cover their argument variants (test_opinfo)."""
 
@@ -44,6 +44,11 @@ CASES = {
     + F.binary_cross_entropy(x.sigmoid(), y.sigmoid()) + F.kl_div(x.log_softmax(-1), y.softmax(-1), reduction="batchmean"),
     "class_losses": lambda x, y: F.cross_entropy(x.flatten(1), (y[:, 0, 0].abs() * 9).long() % x[0].numel())
     + F.nll_loss(x.log_softmax(1), (y[:, :1, :].abs() * 9).long().squeeze(1) % x.shape[1], ignore_index=2),
+    "trig": lambda x, y: torch.tan(x * 0.5) + torch.asin(y.tanh()) + torch.acos(x.tanh() * 0.9) + torch.atan(y)
+    + torch.atan2(x, y),
+    "hyperbolic": lambda x, y: torch.sinh(x * 3) + torch.cosh(y) + torch.asinh(x * 10) + torch.acosh(y.abs() + 1)
+    + torch.atanh(x.tanh() * 0.99),
+    "angles": lambda x, y: torch.sinc(x) + torch.rad2deg(torch.deg2rad(y)) + torch.copysign(x, y) + torch.signbit(y),
     "baddbmm": lambda x, y: torch.baddbmm(x[:, :, :1], x, y.transpose(1, 2), beta=0.5, alpha=2),
 }
 ITERATES_COORDINATES = {"triangles", "one_hot", "class_losses", "roll", "pixel_shuffle", "diagonal"}

@@ -22,7 +22,7 @@ _NP = {
     "sigmoid": special.expit, "erf": special.erf, "relu": lambda a: np.maximum(a, 0.0),
     "sin": np.sin, "cos": np.cos, "floor": np.floor, "ceil": np.ceil, "round": np.round,  # numpy's rounds half to even
     "log1p": lambda a: _quiet(np.log1p, a), "expm1": np.expm1,
-    "trunc": np.trunc, "floordiv": lambda a, b: _quiet(np.floor_divide, a, b),
+    "trunc": np.trunc, "atan2": np.arctan2, "floordiv": lambda a, b: _quiet(np.floor_divide, a, b),
     "truncdiv": lambda a, b: _quiet(lambda x, y: np.trunc(np.divide(x, y)), a, b),
     "mod": lambda a, b: _quiet(np.remainder, a, b), "fmod": lambda a, b: _quiet(np.fmod, a, b),
     "bitand": lambda a, b: _ints(np.bitwise_and, a, b), "bitor": lambda a, b: _ints(np.bitwise_or, a, b),

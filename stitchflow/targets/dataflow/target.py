@@ -7,9 +7,11 @@ interpreter's convention) and the next region loads them in the format its IR ty
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ...ir.errors import TargetError
+from ...ir.fold import fold_coordinate_nodes
 from ...ir.graph import Graph, Region
 from . import order as O
 from .execute import execute
@@ -26,6 +28,15 @@ class DataflowTarget:
         from .simulate import simulate
 
         return simulate(prog, env, **timing)
+
+    def prepare(self, captured, regions):
+        """Streams carry tensors, not coordinate values: nodes computed from coordinates alone (an arange,
+        an identity, a mask of positions) are computed once and read as constant inputs."""
+        graph, params = fold_coordinate_nodes(captured.graph, captured.param_values)
+        if graph is captured.graph:
+            return captured, regions
+        kept = [dataclasses.replace(r, nodes=tuple(n for n in r.nodes if n in graph.node_of)) for r in regions]
+        return dataclasses.replace(captured, graph=graph, param_values=params), [r for r in kept if r.nodes]
 
     def check_region(self, graph: Graph, region: Region) -> str | None:
         try:

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ...ir.expr import Call, Read
+from ...ir.expr import Call, Read, reads
 from ...ir.graph import Graph, Node
 from ...ir.index import Var
 from . import chain_cost, chain_kernels, chain_plans
@@ -68,7 +68,14 @@ def _dense_contraction(graph: Graph, node: Node) -> Contraction | None:
     """A contraction whose activations are stored dense: a sparse A (a graph's adjacency, after
     reassociate.py put it first) is a sparse product, not a GEMM."""
     c = _contraction(node)
-    return c if c is not None and graph.type_of[c.a].format.is_dense else None
+    if c is None or not graph.type_of[c.a].format.is_dense:
+        return None
+    return c if all(reads_whole(graph, node, a) for a in reads(node.body)) else None
+
+
+def reads_whole(graph: Graph, node: Node, access) -> bool:
+    """The access covers its tensor: the kernels take whole tensors, and x[:, :4] @ w reads part of x."""
+    return graph.type_of[access.tensor].shape == tuple(node.extents[i.name] for i in access.indices)
 
 
 def _contraction(node: Node) -> Contraction | None:
@@ -123,7 +130,7 @@ def _classify(graph: Graph, node: Node, value: str):
         accs = [x.access for x in body.args]
         mine = [a for a in accs if a.tensor == value and _same_point(node, a)]
         other = [a for a in accs if a.tensor != value]
-        if len(mine) != 1 or len(other) != 1 or not other[0].is_plain:
+        if len(mine) != 1 or len(other) != 1 or not other[0].is_plain or not reads_whole(graph, node, other[0]):
             return None
         names = tuple(i.name for i in other[0].indices)
         if body.op == "add" and names == node.out_vars[-1:]:

@@ -50,7 +50,8 @@ UNARY = {"neg": "(-{0})", "abs": "fabsf({0})", "exp": "expf({0})", "log": "logf(
          # torch keeps a NaN where fmaxf and fminf drop it
          "relu": "({0} != {0} ? {0} : fmaxf({0}, 0.0f))"}
 BINARY = {"max": "({0} != {0} || {1} != {1} ? {0} + {1} : fmaxf({0}, {1}))",
-          "min": "({0} != {0} || {1} != {1} ? {0} + {1} : fminf({0}, {1}))", "pow": "powf({0}, {1})"}
+          "min": "({0} != {0} || {1} != {1} ? {0} + {1} : fminf({0}, {1}))", "pow": "powf({0}, {1})",
+          "atan2": "atan2f({0}, {1})"}
 # Nodes rounded to bfloat16 or float16 take the special-function unit's approximations (a few ulp of float32,
 # far below half a bf16 step), as the Triton path does: group norm's SiLU epilogue with expf and an IEEE division
 # issued ~30 instructions an element, as many cycles as its bytes take at copy bandwidth with 8-16 warps an SM.

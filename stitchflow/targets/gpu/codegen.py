@@ -29,7 +29,7 @@ from .analysis import PartPlan
 from .codegen_split import SplitStitching
 from .codegen_tma import TmaStitching
 from .codegen_welford import WelfordStitching
-from .emit import LOW_PRECISION, BodyEmitter, Scope, Source, Val, carried, contiguous_strides, kind_of, to_dtype
+from .emit import LOW_PRECISION, BodyEmitter, Scope, Source, Val, is_literal, carried, contiguous_strides, kind_of, to_dtype
 from .codegen_header import APPROX_INTERPRETED, APPROX_PTX, HEADER
 from .gluon_dialect import GluonRefusal, blocked_layout, to_gluon
 from .mapping import Config, Planes, n_chunks, phases, plane_geometry, programs, split_len
@@ -136,6 +136,9 @@ class PartKernel(SplitStitching, TmaStitching, WelfordStitching):
         node = self.nodes[name]
         v = self.body.expr(node.body, node, scope)
         dtype = self.graph.type_of[name].dtype
+        if is_literal(v):  # torch.ones(...): a number, rounded to the dtype now (it has no .to())
+            scope.values[("node", name)] = out = self.body.cast(v, dtype)
+            return out
         out = Val(self.src.let(carried(v.code, dtype, self.interpret) if dtype != torch.bool or v.kind == "b" else f"({v.code} != 0)",
                                "v"), "b" if dtype == torch.bool else ("f" if dtype.is_floating_point else "i"), v.deps)
         scope.values[("node", name)] = out
@@ -145,7 +148,7 @@ class PartKernel(SplitStitching, TmaStitching, WelfordStitching):
         node = self.nodes[name]
         off = self.body.offset(name, node.index, node, scope)
         dtype = self.graph.type_of[name].dtype
-        code = value.code if dtype == torch.bool else to_dtype(value.code, dtype, self.interpret)
+        code = value.code if dtype == torch.bool or is_literal(value) else to_dtype(value.code, dtype, self.interpret)
         if value.deps - off.deps:  # a block stored where the address spans less (a 0-d output): lanes share it
             spread = " + ".join(f"0 * {d}" for d in sorted(value.deps - off.deps))
             off = Val(f"{off.code} + {spread}", off.kind, off.deps | value.deps)

@@ -85,6 +85,32 @@ def _floordiv_from_fmod(x, y, m):
 
 
 @triton.jit
+def _atan2(y, x):
+    """atan2 as C's, signed zeros and infinities included (no libdevice: it has no Gluon counterpart
+    and returns nothing under the interpreter). The angle of the smaller magnitude over the larger,
+    a in [0, 1], taken to |t| <= tan(pi/8) by atan(a) = pi/4 + atan((a - 1) / (a + 1)); Cephes'
+    atanf polynomial there (about 2 ulp); then the octant and the quadrant."""
+    ax = tl.abs(x)
+    ay = tl.abs(y)
+    big = tl.maximum(ax, ay)
+    small = tl.minimum(ax, ay)
+    a = tl.where(big == 0, 0.0, tl.where(small == big, 1.0, small / big))  # 0/0 and inf/inf
+    far = a > 0.41421356237309503
+    t = tl.where(far, (a - 1.0) / (a + 1.0), a)
+    z = t * t
+    p = 0.0805374449538
+    p = p * z - 0.138776856032
+    p = p * z + 0.199777106478
+    p = p * z - 0.333329491539
+    r = p * z * t + t
+    r = tl.where(far, r + 0.7853981633974483, r)
+    r = tl.where(ay > ax, 1.5707963267948966 - r, r)
+    r = tl.where((x < 0) | ((x == 0) & (1.0 / x < 0)), 3.141592653589793 - r, r)  # -0 counts as negative
+    r = tl.where((y < 0) | ((y == 0) & (1.0 / y < 0)), r * -1.0, r)  # -r is 0 - r: +0 for 0
+    return tl.where((x != x) | (y != y), x + y, r)
+
+
+@triton.jit
 def _max_nan(a, b):
     """max that keeps a NaN, as torch.maximum, amax and max(dim) do (tl.maximum and tl.max
     drop it); one max.NaN instruction on the device."""

@@ -8,6 +8,8 @@ and rounded to the node's dtype after each node, as eager PyTorch rounds after e
 
 from __future__ import annotations
 
+import ast
+
 from ...ir.errors import TargetError
 
 import math
@@ -340,6 +342,8 @@ class BodyEmitter:
         return self.cast(v, self.k.graph.type_of[producer.name].dtype)
 
     def cast(self, v: Val, dtype: torch.dtype) -> Val:
+        if is_literal(v):  # a constant producer (torch.ones) inlined: rounded here, a number has no .to()
+            return const(torch.tensor(ast.literal_eval(v.code)).to(dtype).item())
         if dtype == torch.bool:
             return v if v.kind == "b" else Val(self.k.src.let(f"({v.code} != 0)"), "b", v.deps)
         return Val(self.k.src.let(carried(v.code, dtype, self.interpret)), kind_of(dtype), v.deps)
@@ -368,6 +372,8 @@ class BodyEmitter:
             return self._let(self._unary_float(op, x, result), "f", deps)
         if op == "pow":
             return self._pow(args[0], args[1], raw[1], deps)
+        if op == "atan2":
+            return self._let("_atan2({0}, {1})".format(*_float_tiles(*args)), "f", deps)
         kind = "f" if op == "div" else _promote(*args)
         a = args[0].code
         if op in ("add", "sub", "mul", "div"):
@@ -376,8 +382,8 @@ class BodyEmitter:
             fn = "tl.maximum" if op == "max" else "tl.minimum"
             nan = ", propagate_nan=tl.PropagateNan.ALL" if kind == "f" else ""
             return self._let(f"{fn}({a}, {args[1].code}{nan})", kind, deps)
-        if op == "neg":
-            return self._let(f"(-{a})", kind, deps)
+        if op == "neg":  # Triton negates as 0 - x, which gives +0 for 0; torch.neg(0.0) is -0.0
+            return self._let(f"({a} * -1.0)" if kind == "f" else f"(-{a})", kind, deps)
         if op == "abs":
             return self._let(f"tl.abs({a})", kind, deps)
         if op == "relu":  # relu(NaN) is NaN in torch
@@ -407,12 +413,7 @@ class BodyEmitter:
             text = {"floordiv": "_floordiv_int({0}, {1})", "mod": "_mod_int({0}, {1})",
                     "truncdiv": "({0} // {1})", "fmod": "({0} % {1})"}[op]
             return self._let(text.format(a.code, b.code), "i", deps)
-        x, y = _as_float(a), _as_float(b)
-        # the helpers compare, combine and convert their operands: a constant or a scalar comes in the tile's shape
-        if _is_literal(a) or (not a.deps and b.deps):
-            x = f"(tl.zeros_like({y}) + {x})"
-        elif _is_literal(b) or (not b.deps and a.deps):
-            y = f"(tl.zeros_like({x}) + {y})"
+        x, y = _float_tiles(a, b)
         if op == "truncdiv":
             return self._let(f"_trunc({x} / {y})", "f", deps)
         # libdevice's fmod (exact) returns nothing under the interpreter, which takes the float64 version
@@ -470,15 +471,26 @@ def inline_body(producer, indices, ranges):
     return substitute_expr(producer.body, dict(zip(producer.out_vars, indices)), ranges)
 
 
+def _float_tiles(a: Val, b: Val) -> tuple[str, str]:
+    """Both operands as floats; the helpers compare, combine and convert them, so a constant or a
+    scalar comes in the other operand's tile shape."""
+    x, y = _as_float(a), _as_float(b)
+    if is_literal(a) or (not a.deps and b.deps):
+        x = f"(tl.zeros_like({y}) + {x})"
+    elif is_literal(b) or (not b.deps and a.deps):
+        y = f"(tl.zeros_like({x}) + {y})"
+    return x, y
+
+
 def _as_float(v: Val) -> str:
     if v.kind == "f":
         return v.code
-    if _is_literal(v):  # an integer constant
+    if is_literal(v):  # an integer constant
         return f"({float(v.code.strip('()'))!r})"
     return f"{v.code}.to(tl.float32)"
 
 
-def _is_literal(v: Val) -> bool:
+def is_literal(v: Val) -> bool:
     return not v.deps and v.code.startswith("(")
 
 

@@ -15,12 +15,14 @@ import torch
 
 from ...ir.expr import Access, Call, Cast, Const, IndexValue, Read
 from ...ir.graph import Graph, Node, Region
+from ...ir.fold import reads_coordinates_only
 from ...ir.interpret import eval_node
 from ...ir.index import Div, Lit, Mod, Sum, Var, add, bounds, evaluate, substitute
 from ...ir.index import scale as scale_index
 from .analysis import (NotStitchable, PartPlan, components, factor_access, inlinable, is_contraction, node_refusal,
                        plan_part, product_factors, unify)
 from .conv import match_conv
+from .emit import inline_body
 
 log = logging.getLogger("stitchflow.gpu")
 
@@ -68,23 +70,31 @@ def iota_params(params: dict) -> set:
 
 
 def fold_iotas(graph: Graph, params: dict) -> Graph:
-    """Reads of an arange constant become the index itself: no loads for a one-hot compare."""
+    """Reads of an arange constant become the index itself, and nodes computed from coordinates alone
+    (an arange, an identity) are written into their readers: no loads for a one-hot compare, and the
+    compare is one the one-hot rewrites recognise."""
     iotas = iota_params(params)
-    if not iotas:
+    made = {n.name: n for n in graph.nodes if reads_coordinates_only(n) and n.reduce is None and not n.is_scatter
+            and all(isinstance(i, Var) for i in n.index)}
+    if not iotas and not made:
         return graph
 
-    def rewrite(e):
+    def rewrite(e, extents):
         if isinstance(e, Read) and e.access.tensor in iotas and not (e.access.tensors - {e.access.tensor}):
             dtype = params[e.access.tensor].dtype
             return Cast(dtype, IndexValue(e.access.indices[0]))
+        if isinstance(e, Read) and e.access.tensor in made:
+            producer = made[e.access.tensor]
+            return Cast(graph.type_of[producer.name].dtype, inline_body(producer, e.access.indices, extents))
         if isinstance(e, Call):
-            return Call(e.op, tuple(rewrite(a) for a in e.args))
+            return Call(e.op, tuple(rewrite(a, extents) for a in e.args))
         if isinstance(e, Cast):
-            return Cast(e.dtype, rewrite(e.arg))
+            return Cast(e.dtype, rewrite(e.arg, extents))
         return e
 
-    nodes = tuple(dataclasses.replace(n, body=rewrite(n.body)) for n in graph.nodes)
-    return dataclasses.replace(graph, nodes=nodes)
+    nodes = [dataclasses.replace(n, body=rewrite(n.body, n.extents)) for n in graph.nodes]
+    read = {t for n in nodes for t in n.inputs} | set(graph.outputs)
+    return dataclasses.replace(graph, nodes=tuple(n for n in nodes if n.name not in made or n.name in read))
 
 
 def in_phases(graph: Graph, nodes: list[Node]) -> list[Node]:
@@ -273,6 +283,7 @@ def _dense_operand(access, node: Node, env, device, cache: dict) -> torch.Tensor
     src = env[access.tensor]
     src = src.to_dense() if src.layout != torch.strided else src
     if access.is_plain and len(access.indices) == src.dim():
+        src = src[tuple(slice(0, node.extents[i.name]) for i in access.indices)]  # x[:, :4] @ w: 4 of x's columns
         order = [[i.name for i in access.indices].index(v) for v in names]
         return src.permute(order), names
     if access.tensors == {access.tensor}:

@@ -253,8 +253,10 @@ class GroupKernel:
         if not any(p.outputs for p in self.plans):  # nothing stored (argmax's unused peak): nothing to launch
             return
         first = env[self.inputs[0]] if self.inputs else None
-        if first is not None and first.device.type == "cpu" and not interpreting():
-            for p in self.plans:  # no GPU and no interpreter: the reference path keeps results right
+        # no GPU and no interpreter, or nothing read (an arange, an identity: torch makes them where the
+        # program's tensors are, which a kernel with no inputs would not know)
+        if first is None or (first.device.type == "cpu" and not interpreting()):
+            for p in self.plans:
                 for n in p.nodes:
                     env[n.name] = eval_node(n, env, self.graph.type_of[n.name])
             return

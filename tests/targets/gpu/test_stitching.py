@@ -246,6 +246,34 @@ def test_rounding_and_small_argument_functions_at_their_edges(fn):
     torch.testing.assert_close(prog(x), fn(x), rtol=2e-6, atol=0, equal_nan=True)
 
 
+def test_atan2_takes_signed_zeros_and_infinities_as_c_does():
+    """The generated atan2 (no libdevice here) in every quadrant and at its special points: -0 counts as
+    negative, both infinite gives odd multiples of pi/4, NaN stays NaN."""
+    special = [0.0, -0.0, 1.0, -1.0, 1e-30, -3.5, float("inf"), -float("inf"), float("nan")]
+    y, x = torch.tensor(special).repeat_interleave(len(special)), torch.tensor(special).repeat(len(special))
+    y, x = torch.cat([y, torch.randn(200) * 10]), torch.cat([x, torch.randn(200) * 10])
+    prog = stitchflow.compile(torch.atan2, (y, x), target="gpu", fusion="full")
+    out = prog(y, x)
+    torch.testing.assert_close(out, torch.atan2(y, x), rtol=2e-6, atol=0, equal_nan=True)
+    numbers = ~out.isnan()
+    assert torch.equal(torch.signbit(out[numbers]), torch.signbit(torch.atan2(y, x)[numbers]))
+    negated = stitchflow.compile(lambda x: 1.0 / -x, (x,), target="gpu", fusion="full")  # -(0.0) is -0.0
+    torch.testing.assert_close(negated(x), 1.0 / -x, equal_nan=True)
+
+
+@pytest.mark.parametrize("fn", [torch.tan, torch.sinh, torch.cosh, torch.asin, torch.acos, torch.atan, torch.asinh,
+                                torch.acosh, torch.atanh], ids=lambda f: f.__name__)
+def test_trigonometric_and_hyperbolic_functions_at_their_edges(fn):
+    """Near 0 (where sinh, asinh and atanh would cancel without expm1 and log1p), at the ends of the
+    inverses' domains and past them (NaN), far out (asinh and acosh past 2^28, where x*x overflows) and at
+    infinities. Not 88.7 < |x| < 89.4: there eager's CPU sinh and cosh overflow to inf although the
+    answer (which we give) is finite."""
+    x = torch.tensor([[0.0, 1e-8, -1e-8, 1e-3, 0.5, -0.5, 0.999999, -0.999999, 1.0, -1.0, 1.0000001, 2.0, -2.0, 8.99,
+                       9.01, -20.0, 80.0, 1e9, -1e9, 3e19, -3e19, float("inf"), -float("inf"), float("nan")]])
+    prog = stitchflow.compile(fn, (x,), target="gpu", fusion="full")
+    torch.testing.assert_close(prog(x), fn(x), rtol=4e-6, atol=1e-7, equal_nan=True)
+
+
 def test_nan_is_kept_by_maxima_as_in_torch():
     """tl.maximum and tl.max drop a NaN operand; torch's maximum, relu, amax and max(dim) keep it."""
     x = torch.randn(6, 37, generator=torch.Generator().manual_seed(0))

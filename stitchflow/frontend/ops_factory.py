@@ -1,0 +1,82 @@
+"""Tensors a model makes from nothing (torch.zeros, full, arange, eye, linspace...): computed where they are
+used, not stored. Shapes are static, so the eager result at capture says what each one holds; a lowering
+writes that as a formula of the coordinates (a constant, an affine iota, a diagonal) after checking the
+formula gives exactly those values, and otherwise captures the values as a constant input."""
+
+from __future__ import annotations
+
+import torch
+
+from ..ir.expr import Cast, Const, IndexValue, call
+from ..ir.index import add, scale
+from .registry import LowerCtx, factory
+
+# integers past 2^24 are not all floats: an iota cast to float32 beyond it would round where eager's does not
+EXACT_FLOAT_IOTA = 2 ** 24
+
+
+def _constant_input(ctx: LowerCtx):
+    return ctx.builder.add_param("const", ctx.out)
+
+
+def _literal(value, dtype: torch.dtype) -> Const:
+    if dtype == torch.bool:
+        return Const(bool(value))
+    return Const(float(value)) if dtype.is_floating_point else Const(int(value))
+
+
+def _filled(ctx: LowerCtx, value):
+    return ctx.builder.emit(ctx.shape, ctx.dtype, lambda o, r, rg: _literal(value, ctx.dtype), hint=ctx.hint,
+                            tag=ctx.builder.new_tag("full"))
+
+
+@factory(torch.zeros, torch.ones, torch.full, torch.empty, "aten.zeros", "aten.ones", "aten.full", "aten.empty",
+          "aten.scalar_tensor", torch.scalar_tensor)
+def lower_filled(ctx: LowerCtx, *args, **kwargs):
+    """One value everywhere; `empty` holds whatever was there, taken to be zeros (as `empty_like`)."""
+    out = ctx.out
+    if "empty" in str(ctx.node.target) or out.numel() == 0:
+        return _filled(ctx, 0)
+    first = out.reshape(-1)[0]
+    if out.dtype.is_complex or not bool((out == first).all()):
+        return _constant_input(ctx)
+    return _filled(ctx, first.item())
+
+
+@factory(torch.arange, "aten.arange")
+def lower_arange(ctx: LowerCtx, *args, **kwargs):
+    """start + step * i: exact in integers and in floats with whole start and step below 2^24; a fractional
+    step's values are captured (eager computes them in double precision, which float32 arithmetic would not
+    match to the bit)."""
+    out = ctx.out
+    n = out.numel()
+    start = out[0].item() if n else 0
+    step = (out[1] - out[0]).item() if n > 1 else 1
+    whole = float(start).is_integer() and float(step).is_integer()
+    in_range = not out.dtype.is_floating_point or max(abs(start), abs(start + step * (n - 1))) < EXACT_FLOAT_IOTA
+    if n == 0 or out.dtype.is_complex or out.dtype == torch.bool or not (whole and in_range):
+        return _constant_input(ctx)
+    expected = (torch.arange(n, dtype=torch.int64) * int(step) + int(start)).to(out.dtype)
+    if not torch.equal(expected, out.cpu()):
+        return _constant_input(ctx)
+
+    def body(o, r, rg):
+        return Cast(ctx.dtype, IndexValue(add(scale(o[0], int(step)), int(start))))
+
+    return ctx.builder.emit(ctx.shape, ctx.dtype, body, hint=ctx.hint, tag=ctx.builder.new_tag("arange"))
+
+
+@factory(torch.eye, "aten.eye")
+def lower_eye(ctx: LowerCtx, *args, **kwargs):
+    one, zero = _literal(1, ctx.dtype), _literal(0, ctx.dtype)
+
+    def body(o, r, rg):
+        return call("where", call("eq", IndexValue(o[0]), IndexValue(o[1])), one, zero)
+
+    return ctx.builder.emit(ctx.shape, ctx.dtype, body, hint=ctx.hint, tag=ctx.builder.new_tag("eye"))
+
+
+@factory(torch.linspace, torch.logspace, "aten.linspace", "aten.logspace")
+def lower_spaced(ctx: LowerCtx, *args, **kwargs):
+    """Eager computes these from both ends (for symmetry), which a formula here would not match to the bit."""
+    return _constant_input(ctx)

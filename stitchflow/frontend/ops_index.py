@@ -1,0 +1,115 @@
+"""Index maps with repetition and windows: repeat_interleave, tile, take_along_dim, Tensor.unfold, and the
+elementwise ops that read neighbours through them (diff, cross). Views are index arithmetic on the read;
+nothing is copied."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..ir.errors import ShapeError, UnsupportedOpError
+from ..ir.expr import call
+from ..ir.index import add, floordiv, mod, scale
+from . import values as V
+from .ops_elementwise import elementwise
+from .ops_shape import lower_cat, lower_repeat
+from .ops_views import _remapped
+from .registry import lowering, sub_ctx
+from .values import TensorValue
+
+
+@lowering(torch.repeat_interleave, "method:repeat_interleave", "aten.repeat_interleave")
+def lower_repeat_interleave(ctx, x, repeats=None, dim=None, *, output_size=None):
+    """out[.., i, ..] = x[.., i // r, ..] for a whole number of repeats r."""
+    if not isinstance(x, TensorValue) or isinstance(repeats, TensorValue) or repeats is None:
+        raise UnsupportedOpError("repeat_interleave", "repeats given as a tensor (a data-dependent shape)", ctx.hint)
+    if dim is None:
+        x, dim = V.reshape(x, [math.prod(x.shape)]), 0
+    dim = V.norm_dim(dim, x.rank)
+    r = int(repeats)
+    shape = list(x.shape)
+    shape[dim] *= r
+    return _remapped(x, shape, lambda d, new, rg: floordiv(new[d], r, rg) if d == dim else new[d])
+
+
+@lowering(torch.tile, "method:tile", "aten.tile")
+def lower_tile(ctx, x, *dims):
+    """repeat, with too few sizes counted from the last dim."""
+    sizes = list(dims[0]) if len(dims) == 1 and isinstance(dims[0], (tuple, list, torch.Size)) else list(dims)
+    sizes = [1] * (x.rank - len(sizes)) + sizes
+    return lower_repeat(ctx, x, *sizes)
+
+
+@lowering(torch.take_along_dim, "method:take_along_dim", "aten.take_along_dim")
+def lower_take_along_dim(ctx, x, indices, dim=None):
+    """gather with x and the indices broadcast against each other off `dim` (or both flattened)."""
+    if dim is None:
+        flat = V.reshape(x, [math.prod(x.shape)])
+        return V.gather_along(flat, 0, V.reshape(indices, [math.prod(indices.shape)]), wrap_negative=True)
+    dim = V.norm_dim(dim, x.rank)
+    if indices.rank != x.rank:
+        raise ShapeError(f"take_along_dim: indices of rank {indices.rank} for a rank-{x.rank} tensor")
+    off = [a if d == dim else torch.broadcast_shapes((a,), (b,))[0] for d, (a, b) in enumerate(zip(x.shape, indices.shape))]
+    x_shape, i_shape = list(off), list(off)
+    x_shape[dim], i_shape[dim] = x.shape[dim], indices.shape[dim]
+    return V.gather_along(V.expand(x, x_shape), dim, V.expand(indices, i_shape), wrap_negative=True)
+
+
+@lowering("method:unfold", "aten.unfold")
+def lower_unfold(ctx, x, dimension, size, step):
+    """Tensor.unfold: windows of `size` every `step` along `dimension`, the window's offset a new last dim."""
+    dim = V.norm_dim(dimension, x.rank) if x.rank else 0
+    count = (x.shape[dim] - size) // step + 1
+    if count < 1:
+        raise ShapeError(f"unfold: a window of {size} does not fit dim {dim} of size {x.shape[dim]}")
+    shape = list(x.shape)
+    shape[dim] = count
+    shape.append(size)
+    last = len(shape) - 1
+    return _remapped(x, shape, lambda d, new, rg: add(scale(new[dim], step), new[last]) if d == dim else new[d])
+
+
+@lowering(torch.diff, "method:diff", "aten.diff")
+def lower_diff(ctx, x, n=1, dim=-1, prepend=None, append=None):
+    """x[1:] - x[:-1] along dim, n times (not equal, for bool), after prepend and append are joined on."""
+    dim = V.norm_dim(dim, x.rank)
+    parts = [p for p in (prepend, x, append) if p is not None]
+    if len(parts) > 1:
+        parts = [p if isinstance(p, TensorValue) and p.rank == x.rank else _broadcast_part(ctx, p, x, dim) for p in parts]
+        shape = list(x.shape)
+        shape[dim] = sum(p.shape[dim] for p in parts)
+        x = lower_cat(sub_ctx(ctx, shape, ctx.dtype, "joined"), parts, dim)
+    op = "ne" if x.dtype == torch.bool else "sub"
+    for k in range(n):
+        later, earlier = V.slice_dim(x, dim, 1, None, 1), V.slice_dim(x, dim, 0, -1, 1)
+        step = sub_ctx(ctx, later.shape, ctx.dtype, f"diff{k}") if k < n - 1 else ctx
+        x = elementwise(step, lambda a, b: call(op, a, b), later, earlier)
+    return x
+
+
+def _broadcast_part(ctx, p, x: TensorValue, dim: int) -> TensorValue:
+    """A 0-d tensor (or scalar) prepended or appended: one slice of x's shape along dim."""
+    if not isinstance(p, TensorValue) or p.rank != 0:
+        raise UnsupportedOpError("diff", "prepend or append must be a tensor of the input's rank or 0-d", ctx.hint)
+    shape = list(x.shape)
+    shape[dim] = 1
+    return V.expand(V.reshape(p, [1] * x.rank), shape)
+
+
+@lowering(torch.cross, torch.linalg.cross, "method:cross", "aten.cross", "aten.linalg_cross")
+def lower_cross(ctx, a, b, dim=None):
+    """out[c] = a[c+1] b[c+2] - a[c+2] b[c+1] (indices mod 3) along a dim of size 3: linalg.cross's last by
+    default; torch.cross without dim takes the first of size 3."""
+    shape = list(ctx.shape)
+    if dim is None:
+        dim = -1 if ctx.node.target is torch.linalg.cross else next((d for d, n in enumerate(shape) if n == 3), -1)
+    dim = V.norm_dim(dim, len(shape))
+    if shape[dim] != 3:
+        raise ShapeError(f"cross: dim {dim} has size {shape[dim]}, not 3")
+
+    def shifted(v, by):
+        return _remapped(V.expand(v, shape), shape, lambda d, new, rg: mod(add(new[d], by), 3, rg) if d == dim else new[d])
+
+    return elementwise(ctx, lambda p, q, r, s: call("sub", call("mul", p, q), call("mul", r, s)),
+                       shifted(a, 1), shifted(b, 2), shifted(a, 2), shifted(b, 1))

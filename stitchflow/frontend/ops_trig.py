@@ -1,0 +1,127 @@
+"""Trigonometric and hyperbolic functions, their inverses, and angle helpers, as formulas over the IR's
+scalar ops (atan2 the only primitive they add). Each formula is chosen not to cancel where torch's
+libm is accurate: sinh near 0 through expm1, the inverse hyperbolics through log1p, asin and acos
+through atan2 of exact differences. Half-precision inputs compute in float32 and round once."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..ir.expr import Const, call
+from .ops_elementwise import _activation, _c, elementwise
+from .registry import lowering
+
+LN2 = math.log(2.0)
+# past 2^28, 1 + x*x rounds to x*x in float32: asinh(x) = log(2|x|) to the last bit (and x*x may overflow)
+LARGE = 2.0 ** 28
+# past |x| = 9, e^-|x| is under 2^-12 of e^|x|: sinh takes e^|x| / 2 as two half-size exponentials, which
+# stay finite up to sinh's own overflow at 89.4 where e^|x| overflows at 88.7
+SINH_FAR = 9.0
+
+
+def _negative(a):
+    """a < 0, counting -0 (1 / -0 is -inf)."""
+    return call("or", call("lt", a, _c(0.0)), call("and", call("eq", a, _c(0.0)), call("lt", call("div", _c(1.0), a), _c(0.0))))
+
+
+def _with_sign_of(a, magnitude):
+    return call("where", call("lt", a, _c(0.0)), call("neg", magnitude), magnitude)
+
+
+def _tan(a):
+    return call("div", call("sin", a), call("cos", a))
+
+
+def _half_exponential_squared(a):
+    """e^|a| / 2 as (e^(|a|/2) / 2) * e^(|a|/2): finite wherever the result is."""
+    h = call("exp", call("mul", call("abs", a), _c(0.5)))
+    return call("mul", call("mul", h, _c(0.5)), h)
+
+
+def _sinh(a):
+    e = call("expm1", call("abs", a))
+    near = call("mul", _c(0.5), call("add", e, call("div", e, call("add", e, _c(1.0)))))
+    far = _half_exponential_squared(a)
+    return _with_sign_of(a, call("where", call("lt", call("abs", a), _c(SINH_FAR)), near, far))
+
+
+def _cosh(a):
+    h = call("exp", call("mul", call("abs", a), _c(0.5)))
+    return call("add", _half_exponential_squared(a), call("div", _c(0.5), call("mul", h, h)))
+
+
+def _one_minus_square_root(a):
+    """sqrt(1 - a^2) as sqrt((1 - a)(1 + a)): 1 - a is exact near 1, where 1 - a*a cancels."""
+    return call("sqrt", call("mul", call("sub", _c(1.0), a), call("add", _c(1.0), a)))
+
+
+def _asin(a):
+    return call("atan2", a, _one_minus_square_root(a))
+
+
+def _acos(a):
+    return call("atan2", _one_minus_square_root(a), a)
+
+
+def _atan(a):
+    return call("atan2", a, _c(1.0))
+
+
+def _asinh(a):
+    m = call("abs", a)
+    square = call("mul", m, m)
+    near = call("log1p", call("add", m, call("div", square, call("add", _c(1.0), call("sqrt", call("add", _c(1.0), square))))))
+    far = call("add", call("log", m), _c(LN2))
+    return _with_sign_of(a, call("where", call("lt", m, _c(LARGE)), near, far))
+
+
+def _acosh(a):
+    t = call("sub", a, _c(1.0))
+    near = call("log1p", call("add", t, call("sqrt", call("add", call("mul", t, _c(2.0)), call("mul", t, t)))))
+    far = call("add", call("log", a), _c(LN2))
+    inside = call("where", call("lt", a, _c(LARGE)), near, far)
+    return call("where", call("lt", a, _c(1.0)), Const(math.nan), inside)
+
+
+def _atanh(a):
+    m = call("abs", a)
+    return _with_sign_of(a, call("mul", _c(0.5), call("log1p", call("div", call("mul", m, _c(2.0)), call("sub", _c(1.0), m)))))
+
+
+def _sinc(a):
+    """sin(pi x) / (pi x), 1 at 0."""
+    px = call("mul", a, _c(math.pi))
+    return call("where", call("eq", a, _c(0.0)), _c(1.0), call("div", call("sin", px), px))
+
+
+for _name, _formula in {"tan": _tan, "sinh": _sinh, "cosh": _cosh, "asin": _asin, "acos": _acos, "atan": _atan,
+                        "asinh": _asinh, "acosh": _acosh, "atanh": _atanh}.items():
+    _alias = "arc" + _name[1:]  # torch.arcsin is torch.asin
+    _keys = (getattr(torch, _name), f"method:{_name}", f"aten.{_name}")
+    if _name[0] == "a":
+        _keys += (getattr(torch, _alias), f"method:{_alias}", f"aten.{_alias}")
+    _activation(_keys, _name, _formula)
+_activation((torch.sinc, torch.special.sinc, "method:sinc", "aten.sinc"), "sinc", _sinc)
+_activation((torch.deg2rad, "method:deg2rad", "aten.deg2rad"), "deg2rad", lambda a: call("mul", a, _c(math.pi / 180.0)))
+_activation((torch.rad2deg, "method:rad2deg", "aten.rad2deg"), "rad2deg", lambda a: call("mul", a, _c(180.0 / math.pi)))
+
+
+@lowering(torch.atan2, torch.arctan2, "method:atan2", "method:arctan2", "aten.atan2", "aten.arctan2")
+def lower_atan2(ctx, y, x, *, out=None):
+    return elementwise(ctx, lambda a, b: call("atan2", a, b), y, x, upcast_reads=True)
+
+
+@lowering(torch.copysign, "method:copysign", "aten.copysign")
+def lower_copysign(ctx, a, b):
+    """|a| with b's sign bit (-0 counts as negative; floats out, as torch, for integer operands)."""
+    return elementwise(ctx, lambda x, y: call("where", _negative(y), call("neg", call("abs", x)), call("abs", x)),
+                       a, b, upcast_reads=True)
+
+
+@lowering(torch.signbit, "method:signbit", "aten.signbit")
+def lower_signbit(ctx, x):
+    if not x.dtype.is_floating_point:
+        return elementwise(ctx, lambda a: call("lt", a, Const(0)), x)
+    return elementwise(ctx, _negative, x)

@@ -1,0 +1,54 @@
+"""Products in their other spellings (dot, inner, mv, addmv, addbmm, tensordot, trace, multi_dot, kron) and index
+maps with repetition and windows (repeat_interleave, tile, take_along_dim, unfold, diff, cross): on every target,
+equal to eager on random shapes in float32 and bfloat16. OpInfo samples cover their argument variants."""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import stitchflow
+from conftest import assert_close_to_truth, skip_unless_kernels_run
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# x: (a, b, c), y: (a, c, b)
+CASES = {
+    "dot_inner_mv": lambda x, y: torch.dot(x[0, 0], y[0, :, 0]) + torch.inner(x[0], y[0].T).sum(0)
+    + torch.mv(x[0], y[0, :, 0]).sum(),
+    "addmv_addbmm": lambda x, y: torch.addmv(x[0, :, 0], x[0], y[0, :, 1], beta=0.5, alpha=2).sum()
+    + torch.addbmm(x[0, :, :1], x, y[:, :, :1], alpha=0.5),
+    "tensordot_trace": lambda x, y: torch.tensordot(x, y, dims=([1, 2], [2, 1])) + torch.trace(x[0]),
+    "multi_dot_kron": lambda x, y: torch.linalg.multi_dot([x[0], y[0], x[0]]).sum(0) + torch.kron(x[0, :2, :2], y[0, :1]).sum(),
+    "repeat_interleave_tile": lambda x, y: x.repeat_interleave(2, dim=1).sum(1) + torch.tile(y[0, 0], (2,)).sum(),
+    "take_along_dim": lambda x, y: torch.take_along_dim(x, (x.abs() * 3).long() % x.shape[2] - 1, 2),
+    "unfold_diff": lambda x, y: x.unfold(2, 2, 1).sum(-1)[..., :1] + torch.diff(x, dim=1).sum(1, keepdim=True)
+    + torch.diff(x, n=2, dim=2, prepend=x[..., :1]).sum(-1, keepdim=True),
+    "cross": lambda x, y: torch.linalg.cross(x[:, :, :3].repeat(1, 1, 2)[..., :3], y.transpose(1, 2)[..., :3].repeat(1, 1, 2)[..., :3]),
+}
+GATHERS_COMPUTED_INDEX = {"take_along_dim"}
+
+
+@pytest.mark.parametrize("target", ["reference", "gpu", "dataflow"])
+@pytest.mark.parametrize("name", sorted(CASES))
+@settings(max_examples=3, deadline=None)
+@given(a=st.integers(2, 4), b=st.integers(2, 5), c=st.integers(3, 6), half=st.booleans())
+def test_products_and_index_maps_equal_eager(name, target, a, b, c, half):
+    if target == "dataflow" and (name in GATHERS_COMPUTED_INDEX or half):
+        pytest.skip("the dataflow target streams float32 and cannot stream an index computed in the same region")
+    skip_unless_kernels_run(target)
+    g = torch.Generator().manual_seed(a * 100 + b * 10 + c)
+    dtype = torch.bfloat16 if half else torch.float32
+    x, y = torch.randn(a, b, c, generator=g).to(dtype), torch.randn(a, c, b, generator=g).to(dtype)
+    fn = CASES[name]
+    if target == "gpu":
+        x, y = x.to(DEVICE), y.to(DEVICE)
+    prog = stitchflow.compile(fn, (x, y), target=target, fusion="full")
+    assert_close_to_truth(prog(x, y), fn, (x, y))
+
+
+def test_refusals_name_the_problem():
+    x = torch.randn(3, 4)
+    with pytest.raises(stitchflow.StitchflowError, match="data-dependent shape"):
+        stitchflow.compile(lambda x: x.repeat_interleave((x[0] > 0).long() + 1, dim=1), (x,))
+    with pytest.raises(stitchflow.StitchflowError, match="must have length 3"):
+        stitchflow.compile(lambda x: torch.linalg.cross(x, x), (x,))
