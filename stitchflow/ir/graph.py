@@ -16,7 +16,7 @@ from .expr import Access, Expr, body_vars, reads
 from .index import IndexExpr, Var, free_vars, gathered_tensors
 from .types import TensorType
 
-REDUCTIONS = ("sum", "max")
+REDUCTIONS = ("sum", "max", "prod")
 
 
 @dataclass(frozen=True)

@@ -203,6 +203,10 @@ def _eval_range(node: Node, env, out_type: TensorType, loop: list[str], limits: 
             value = value.to(acc).sum(dim=red_axes)
         elif node.reduce == "max":
             value = value.amax(dim=red_axes)
+        elif node.reduce == "prod":
+            value = value.to(acc)
+            for axis in reversed(red_axes):  # torch.prod takes one dim at a time
+                value = value.prod(dim=axis)
         else:
             raise StitchflowError(f"node {node.name} has loop variables {node.reduce_vars} but no reduction")
     return value.to(out_type.dtype).contiguous()

@@ -167,6 +167,9 @@ def nested(e) -> tuple:
 
 # ---------------------------------------------------------------- building
 
+REDUCERS = ("sum", "max")  # what a dataflow Reduce primitive accumulates (spec/dataflow.md)
+
+
 class RegionExprs:
     """The expressions of a region's outputs; `problems` lists what the target cannot run."""
 
@@ -248,6 +251,9 @@ class RegionExprs:
             rnames.append(g)
         body = self.convert(node.body, mapping, node)
         if node.reduce and node.reduce_vars:
+            if node.reduce not in REDUCERS:
+                self.problems.append(f"node {node.name} reduces by {node.reduce}, which has no dataflow reducer "
+                                     f"({', '.join(REDUCERS)})")
             return Red(node.reduce, tuple(rnames), body)
         return body
 

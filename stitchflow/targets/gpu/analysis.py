@@ -72,6 +72,8 @@ def node_refusal(graph: Graph, node: Node) -> str | None:
         return "scatter-add (runs through torch)"
     if is_contraction(node):
         return "contraction / GEMM outside any fused chain (runs as torch's GEMM)"
+    if node.reduce == "prod":
+        return "product reduction (runs through torch)"
     types = [graph.type_of[t] for t in (*node.inputs, node.name)]
     if any(not t.format.is_dense for t in types):
         return "reads or writes a sparse tensor (runs through torch)"

@@ -1,0 +1,84 @@
+"""Sorting along short dims (topk, sort, argsort, msort, kthvalue, median) on the reference and gpu targets:
+values equal eager's; indices point at those values (eager leaves the order of ties unspecified, so
+they are checked by gathering, and equal eager's where a row has no ties). NaN sorts as the largest
+value, infinities and ties included."""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import stitchflow
+from stitchflow import backend
+from conftest import assert_close, skip_unless_kernels_run
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# each returns (values, indices, dim of the indices) or (values,)
+CASES = {
+    "topk": lambda x: (*torch.topk(x, min(3, x.shape[-1])), -1),
+    "topk_smallest_dim0": lambda x: (*torch.topk(x, 2, dim=0, largest=False), 0),
+    "sort_descending": lambda x: (*torch.sort(x, dim=1, descending=True), 1),
+    "sort": lambda x: (*torch.sort(x, stable=True), -1),
+    "argsort": lambda x: (torch.sort(x, dim=0).values, x.argsort(dim=0), 0),
+    "msort": lambda x: (torch.msort(x),),
+    "kthvalue": lambda x: (*torch.kthvalue(x, 2, dim=1, keepdim=True), 1),
+    "median": lambda x: (*torch.median(x, dim=-1), -1),
+    "median_all": lambda x: (torch.median(x),),
+}
+
+
+def _check(out, ref, x):
+    assert_close(out[0], ref[0])
+    if len(ref) == 1:
+        return
+    indices, dim = out[1], ref[2]
+    values = ref[0]
+    picked = torch.take_along_dim(x, indices if indices.dim() == x.dim() else indices.unsqueeze(dim), dim)
+    assert_close(picked.reshape(values.shape), values)
+
+
+@pytest.mark.parametrize("target", ["reference", "gpu"])
+@pytest.mark.parametrize("name", sorted(CASES))
+@settings(max_examples=3, deadline=None)
+@given(rows=st.integers(2, 6), cols=st.integers(3, 9), dtype=st.sampled_from(["float32", "bfloat16", "int64"]),
+       specials=st.booleans())
+def test_sorts_equal_eager(name, target, rows, cols, dtype, specials):
+    skip_unless_kernels_run(target)
+    g = torch.Generator().manual_seed(rows * 16 + cols)
+    x = torch.randn(rows, cols, generator=g)
+    if specials:  # NaN, infinities and ties
+        x[0, 1], x[-1, 0], x[1, -1] = float("nan"), float("inf"), -float("inf")
+        x[:, 2] = x[:, 0]
+    x = (x.nan_to_num(0.0, 7.0, -7.0) * 3).long() if dtype == "int64" else x.to(getattr(torch, dtype))
+    if target == "gpu":
+        x = x.to(DEVICE)
+    fn = lambda x: CASES[name](x)[:2]  # noqa: E731
+    prog = stitchflow.compile(fn, (x,), target=target, fusion="full")
+    _check(prog(x), CASES[name](x), x)
+
+
+def test_long_rows_are_refused_with_the_reason():
+    x = torch.randn(2, 2000)
+    with pytest.raises(stitchflow.StitchflowError, match="counted pairwise"):
+        stitchflow.compile(lambda x: torch.topk(x, 5), (x,))
+
+
+def test_a_mixture_of_experts_router_compiles_whole():
+    """softmax over the experts, the top two, renormalised: one program, no fallback."""
+    class Router(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = torch.nn.Linear(16, 8)
+
+        def forward(self, h):
+            weights, experts = torch.topk(torch.softmax(self.gate(h), -1), 2)
+            return weights / weights.sum(-1, keepdim=True), experts
+
+    router, h = Router(), torch.randn(10, 16)
+    backend.reset()
+    torch._dynamo.reset()
+    weights, experts = torch.compile(router, backend="stitchflow")(h)
+    ref_weights, ref_experts = router(h)
+    assert_close(weights, ref_weights)
+    assert torch.equal(experts, ref_experts)
+    assert backend.FALLBACKS == [], backend.fallback_report()
