@@ -28,7 +28,11 @@ def main():
         fn = lambda x, k=k: route(x, k)  # noqa: E731
         prog = stitchflow.compile(fn, (logits,), target="gpu", fusion="full", options={"cuda_graphs": False})
         ours, ref = prog(logits), fn(logits)
-        equal = torch.equal(ours[1], ref[1]) and torch.allclose(ours[0].float(), ref[0].float(), rtol=2e-2, atol=2e-2)
+        # eager's top-k orders ties (frequent among bf16 logits) as it likes: the experts picked must carry the
+        # weights eager picked, and the weights must agree
+        probs = torch.softmax(logits.float(), -1)
+        equal = (torch.equal(probs.gather(-1, ours[1]), probs.gather(-1, ref[1]))
+                 and torch.allclose(ours[0].float(), ref[0].float(), rtol=2e-2, atol=2e-2))
         compiled = torch.compile(fn)
         compiled(logits)
         times = {name: graph_bench(lambda call=call: call(logits))[0] * 1e6
