@@ -54,7 +54,9 @@ def test_sorts_equal_eager(name, target, rows, cols, dtype, specials):
         x = x.to(DEVICE)
     fn = lambda x: CASES[name](x)[:2]  # noqa: E731
     prog = stitchflow.compile(fn, (x,), target=target, fusion="full")
-    _check(prog(x), CASES[name](x), x)
+    # against eager on the CPU: torch 2.11's CUDA median of a whole bfloat16 tensor skips a NaN that its
+    # documentation (and the CPU) returns
+    _check(tuple(t.cpu() for t in prog(x)), CASES[name](x.cpu()), x.cpu())
 
 
 def test_long_rows_are_refused_with_the_reason():
