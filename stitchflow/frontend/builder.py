@@ -138,10 +138,13 @@ class GraphBuilder:
         return v.read(exprs, ranges)
 
     def finish(self, outputs: Sequence[str]) -> Graph:
-        return Graph(
-            tuple(self.inputs),
-            tuple(self.params),
-            tuple(self.nodes),
-            tuple(outputs),
-            tuple(self.types.items()),
-        ).validate()
+        """The graph of the nodes the outputs need: a lowering may emit more than is read (topk's indices
+        where only its values are used, argmax's peak), and every node left in would be computed."""
+        needed, nodes = set(outputs), []
+        for node in reversed(self.nodes):
+            if node.name in needed:
+                nodes.append(node)
+                needed.update(node.inputs)
+        kept = {n.name for n in nodes}
+        types = tuple((name, t) for name, t in self.types.items() if name in kept or name not in self.node_names)
+        return Graph(tuple(self.inputs), tuple(self.params), tuple(reversed(nodes)), tuple(outputs), types).validate()

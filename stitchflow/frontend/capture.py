@@ -8,6 +8,7 @@ folded to constants. Anything without a lowering raises UnsupportedOpError namin
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -160,8 +161,14 @@ def _lower_call(gm, node: fx.Node, b: GraphBuilder, env, real):
     if inplace and isinstance(node.args[0], fx.Node):
         if node.args[0].op in ("placeholder", "get_attr") and isinstance(args[0][0], TensorValue):
             raise UnsupportedOpError(describe_target(node), "it mutates an input of the graph in place", node.name)
+        if _shares_memory(real, node.args[0]):
+            raise UnsupportedOpError(describe_target(node), "it writes a tensor that shares memory with another (a view, "
+                                     "or a tensor viewed elsewhere): the IR's values are not aliased, so the write "
+                                     "would not reach the other", node.name)
         real_args = (real_args[0].clone(), *real_args[1:])  # keep the value other nodes saw intact
     out = _run_eager(gm, node, real_args, real_kwargs)
+    if node.target in (operator.setitem, "__setitem__") and inplace:
+        out = real_args[0]  # x[key] = v returns nothing: the written tensor is the result
     if isinstance(out, torch.Tensor) and out.numel() == 0:
         raise ShapeError(f"{describe_target(node)} ({node.name}) produces an empty tensor {tuple(out.shape)}; "
                          "zero-size tensors are not supported")
@@ -187,6 +194,17 @@ def _lower_call(gm, node: fx.Node, b: GraphBuilder, env, real):
     if inplace and isinstance(node.args[0], fx.Node):
         env[node.args[0]] = value
     return value, out
+
+
+def _shares_memory(real: dict, written: fx.Node) -> bool:
+    """Does the tensor an in-place op writes share storage with another value of the graph (z[0].add_(1)
+    changes z in eager)? Judged on the example run's real tensors."""
+    t = real.get(written)
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+        return False
+    storage = t.untyped_storage().data_ptr()
+    return any(other is not t and isinstance(other, torch.Tensor) and other.layout == torch.strided
+               and other.untyped_storage().data_ptr() == storage for key, other in real.items() if key is not written)
 
 
 def _any_value(args) -> bool:

@@ -5,11 +5,12 @@ nothing is copied."""
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 
 from ..ir.errors import ShapeError, UnsupportedOpError
-from ..ir.expr import call
+from ..ir.expr import Cast, Const, IndexValue, call
 from ..ir.index import add, floordiv, mod, scale
 from . import values as V
 from .ops_elementwise import elementwise
@@ -113,3 +114,70 @@ def lower_cross(ctx, a, b, dim=None):
 
     return elementwise(ctx, lambda p, q, r, s: call("sub", call("mul", p, q), call("mul", r, s)),
                        shifted(a, 1), shifted(b, 2), shifted(a, 2), shifted(b, 1))
+
+
+@lowering(operator.setitem, "method:__setitem__")
+def lower_setitem(ctx, x, key, value):
+    """x[key] = value, as a new value of x (capture rebinds x to it; a write into a view of another tensor is
+    refused there). Keys of ints, slices and an ellipsis: where(the point is selected, value at the point's
+    place in the selection, x). A boolean mask of x's shape with a scalar: where(mask, value, x)."""
+    if not isinstance(x, TensorValue):
+        raise UnsupportedOpError("setitem", "the target is not a tensor", ctx.hint)
+    if isinstance(key, TensorValue):
+        if key.dtype != torch.bool or key.shape != x.shape or (isinstance(value, TensorValue) and value.rank > 0):
+            raise UnsupportedOpError("setitem", "an index tensor other than a boolean mask of the target's shape set "
+                                                "to a scalar (a scatter that overwrites)", ctx.hint)
+        return elementwise(ctx, lambda m, a, v: call("where", m, _as(v, value, ctx.dtype), a), key, x, value)
+    keys = _basic_keys(ctx, key, x.rank)
+    selected = [len(range(*k.indices(n))) for k, n in zip(keys, x.shape) if isinstance(k, slice)]
+    if isinstance(value, TensorValue):
+        value = V.expand(value, selected)
+
+    def body(o, r, rg):
+        conds, place = [], []
+        for d, (k, n) in enumerate(zip(keys, x.shape)):
+            at = IndexValue(o[d])
+            if isinstance(k, int):
+                conds.append(call("eq", at, Const(k % n)))
+                continue
+            start, stop, step = k.indices(n)
+            length = len(range(start, stop, step))
+            if (start, stop, step) == (0, n, 1):
+                place.append(o[d])
+                continue
+            conds += [call("ge", at, Const(start)), call("lt", at, Const(stop))]
+            # kept non-negative and in range where the point is not selected too: the read happens either way
+            shifted = add(o[d], step * length * -(-start // (step * length)) - start)
+            if step > 1:
+                conds.append(call("eq", IndexValue(mod(shifted, step, rg)), Const(0)))
+            place.append(mod(floordiv(shifted, step, rg), length, rg))
+        new = _as(value.read(place, rg) if isinstance(value, TensorValue) else Const(value), value, ctx.dtype)
+        chosen = conds[0]
+        for c in conds[1:]:
+            chosen = call("and", chosen, c)
+        return call("where", chosen, new, x.read(o, rg)) if conds else new
+
+    return ctx.builder.emit(ctx.shape, ctx.dtype, body, hint=ctx.hint, tag=ctx.builder.new_tag("setitem"))
+
+
+def _as(e, value, dtype: torch.dtype):
+    """The value written, in the target's dtype (eager casts it on the write)."""
+    source = value.dtype if isinstance(value, TensorValue) else None
+    return e if source == dtype else Cast(dtype, e)
+
+
+def _basic_keys(ctx, key, rank: int) -> list:
+    """One int or slice per dim of the target (the ellipsis and missing trailing dims filled with full slices)."""
+    keys = list(key) if isinstance(key, tuple) else [key]
+    if any(k is None or not isinstance(k, (int, slice, type(Ellipsis))) for k in keys):
+        raise UnsupportedOpError("setitem", "keys other than ints, slices and an ellipsis", ctx.hint)
+    if sum(k is Ellipsis for k in keys) > 1:
+        raise ShapeError("an index may hold only one ellipsis")
+    if Ellipsis in keys:
+        e = keys.index(Ellipsis)
+        keys[e:e + 1] = [slice(None)] * (rank - len(keys) + 1)
+    if len(keys) > rank:
+        raise ShapeError(f"{len(keys)} indices for a rank-{rank} tensor")
+    if any(isinstance(k, slice) and k.step is not None and k.step <= 0 for k in keys):
+        raise UnsupportedOpError("setitem", "a slice with a non-positive step", ctx.hint)
+    return keys + [slice(None)] * (rank - len(keys))

@@ -74,7 +74,8 @@ def is_inplace(node: fx.Node) -> bool:
     """Does the node write its first argument (x.add_(y), x += y, torch.relu_(x), aten.add_)? The
     operator module's and_, or_ and not_ are pure despite their names."""
     if node.op == "call_method":
-        return isinstance(node.target, str) and node.target.endswith("_") and not node.target.endswith("__")
+        name = node.target if isinstance(node.target, str) else ""
+        return name == "__setitem__" or (name.endswith("_") and not name.endswith("__"))
     if node.op != "call_function":
         return False
     if node.target in IN_PLACE_OPERATORS:
