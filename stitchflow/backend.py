@@ -275,7 +275,7 @@ def _fuse_by_dependence(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[str]] 
     """The supported nodes grouped by data dependence rather than program order (torch.fx's
     CapabilityBasedPartitioner: a partition grows over any supported node it can take without a
     cycle through an eager one), so an eager op splits only what depends on it, e.g.
-    `y = x.relu(); s = x.logcumsumexp(-1); z = y.softmax(-1) + s` is one partition after the scan, not two
+    `y = x.relu(); s = torch.i0(x); z = y.softmax(-1) + s` is one partition after the i0, not two
     around it. None where the graph writes in place or draws random numbers: there program order is
     kept (_partition_ids). Returns a copy of the graph with each partition a submodule, and their names."""
     if any(_order_matters(n) for n in gm.graph.nodes):

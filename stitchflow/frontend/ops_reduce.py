@@ -13,7 +13,7 @@ from ..ir.expr import Cast, Const, IndexValue, call
 from ..ir.graph import Tag
 from ..ir.index import Gather
 from . import values as V
-from .registry import LOW_PRECISION, LowerCtx, compute_dtype, lowering, operand, refusal, upcast
+from .registry import LowerCtx, compute_dtype, lowering, operand, refusal, upcast
 from .values import TensorValue
 
 
@@ -547,51 +547,3 @@ def lower_prod(ctx, x, dim=None, keepdim=False, *, dtype=None):
     """Booleans and integers multiply as int64 (torch's result type), half precision in float32."""
     widen = None if x.dtype == ctx.dtype or x.dtype.is_floating_point else (lambda e, o: Cast(ctx.dtype, e))
     return reduce(ctx, x, dim, "prod", keepdim=keepdim, dtype=ctx.dtype, pre=widen)
-
-
-MAX_SCAN = 4096  # a prefix sum is a sum over j <= i here: n² work, fine for masks and positions, not for long rows
-
-
-@lowering(torch.cumsum, "method:cumsum", "aten.cumsum")
-def lower_cumsum(ctx, x, dim, *, dtype=None):
-    """out[..., i, ...] = sum over j <= i of x[..., j, ...]: a reduction whose terms past i are 0, so
-    that it stitches like any other (a prefix sum as its own op would be a new kind of node)."""
-    dim = V.norm_dim(dim, x.rank)
-    n = x.shape[dim] if x.rank else 1
-    if n > MAX_SCAN:
-        raise UnsupportedOpError("cumsum", f"a scan over {n} elements (at most {MAX_SCAN} are lowered)", ctx.hint)
-    if x.rank == 0:
-        return reduce(ctx, x, [], "sum", dtype=ctx.dtype)
-
-    def body(o, r, rg):
-        index = list(o)
-        index[dim] = r[0]
-        read = x.read(index, rg)
-        if x.dtype in LOW_PRECISION and ctx.dtype == x.dtype:
-            read = upcast(read, x)  # accumulate in float32, as eager does
-        elif x.dtype != ctx.dtype:  # booleans and integers sum as int64; dtype= asks for another
-            read = Cast(ctx.dtype, read)
-        return call("where", call("le", IndexValue(r[0]), IndexValue(o[dim])), read, Const(0))
-
-    return ctx.builder.emit(ctx.shape, ctx.dtype, body, reduce="sum", red_shape=[n], hint=ctx.hint)
-
-
-@lowering(torch.cumprod, "method:cumprod", "aten.cumprod")
-def lower_cumprod(ctx, x, dim, *, dtype=None):
-    """out[..., i, ...] = product over j <= i of x[..., j, ...]: a product reduction whose factors past i are 1."""
-    dim = V.norm_dim(dim, x.rank) if x.rank else 0
-    n = x.shape[dim] if x.rank else 1
-    if n > MAX_SCAN:
-        raise UnsupportedOpError("cumprod", f"a scan over {n} elements (at most {MAX_SCAN} are lowered)", ctx.hint)
-    if x.rank == 0:
-        return reduce(ctx, x, [], "prod", dtype=ctx.dtype)
-
-    def body(o, r, rg):
-        index = list(o)
-        index[dim] = r[0]
-        read = upcast(x.read(index, rg), x) if x.dtype in LOW_PRECISION else x.read(index, rg)
-        if x.dtype != ctx.dtype and x.dtype not in LOW_PRECISION:
-            read = Cast(ctx.dtype, read)
-        return call("where", call("le", IndexValue(r[0]), IndexValue(o[dim])), read, Const(1.0 if ctx.dtype.is_floating_point else 1))
-
-    return ctx.builder.emit(ctx.shape, ctx.dtype, body, reduce="prod", red_shape=[n], hint=ctx.hint)

@@ -46,7 +46,7 @@ OPS = [
     "tan", "sinh", "cosh", "asin", "acos", "atan", "atan2", "asinh", "acosh", "atanh", "sinc", "deg2rad", "rad2deg",
     "copysign", "signbit", "dot", "vdot", "inner", "mv", "addmv", "addbmm", "tensordot", "trace", "linalg.multi_dot",
     "kron", "repeat_interleave", "tile", "take_along_dim", "unfold", "diff", "cross", "linalg.cross", "topk", "sort",
-    "argsort", "msort", "kthvalue", "median", "prod", "cumprod",
+    "argsort", "msort", "kthvalue", "median", "prod", "cumprod", "cummax", "cummin", "logcumsumexp",
 ]  # instance_norm's samples mostly update running statistics in place (refused by design; tests/frontend/test_ops)
 MIN_SUPPORTED = 0.5  # fraction of an op's samples that must compile
 # norms of order 1, 2 and inf are lowered; most samples ask for others (0, 3, -inf, "nuc"), refused with the reason

@@ -51,9 +51,10 @@ CASES = {
     "angles": lambda x, y: torch.sinc(x) + torch.rad2deg(torch.deg2rad(y)) + torch.copysign(x, y) + torch.signbit(y),
     "products": lambda x, y: torch.prod(x.sigmoid() + 0.5, -1) + (y > 0).prod(1).sum(-1, keepdim=True)
     + torch.cumprod(x.tanh() + 1, 2)[..., -1] + x.prod(),
+    "scans": lambda x, y: torch.cummax(x, 1).values + torch.cummin(y, 2)[1].to(x.dtype) + torch.logcumsumexp(x, 0),
     "baddbmm": lambda x, y: torch.baddbmm(x[:, :, :1], x, y.transpose(1, 2), beta=0.5, alpha=2),
 }
-ITERATES_COORDINATES = {"triangles", "one_hot", "class_losses", "roll", "pixel_shuffle", "diagonal"}
+ITERATES_COORDINATES = {"triangles", "one_hot", "class_losses", "roll", "pixel_shuffle", "diagonal", "scans"}
 NO_DATAFLOW_REDUCER = {"products"}  # a dataflow Reduce accumulates sums and maxima
 
 
