@@ -13,8 +13,7 @@ import torch
 from ..ir.errors import UnsupportedOpError
 from ..ir.expr import Cast, Const, IndexValue, call
 from . import values as V
-from .ops_reduce import compute_dtype, upcast
-from .registry import LowerCtx, lowering
+from .registry import LowerCtx, compute_dtype, lowering, upcast
 from .values import TensorValue
 
 MAX_SORTED = 1024  # the rank of n elements costs n^2 comparisons a row
@@ -104,8 +103,6 @@ def lower_topk(ctx, x, k, dim=-1, largest=True, sorted=True, *, out=None):
 
 @lowering(torch.sort, "method:sort", "aten.sort")
 def lower_sort(ctx, x, dim=-1, descending=False, stable=False, *, out=None):
-    if isinstance(dim, bool):  # sort(stable=..., dim=..., descending=...) spelled positionally differs
-        raise UnsupportedOpError("sort", "positional stable flag", ctx.hint)
     return sorted_along(ctx, x, dim, x.shape[V.norm_dim(dim, x.rank)] if x.rank else 1, descending, "sort")
 
 
