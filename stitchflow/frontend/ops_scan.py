@@ -21,47 +21,32 @@ MAX_SCAN = 4096  # a prefix sum is a sum over j <= i here: n² work, fine for ma
 
 @lowering(torch.cumsum, "method:cumsum", "aten.cumsum")
 def lower_cumsum(ctx, x, dim, *, dtype=None):
-    """out[..., i, ...] = sum over j <= i of x[..., j, ...]: a reduction whose terms past i are 0, so
-    that it stitches like any other (a prefix sum as its own op would be a new kind of node)."""
-    dim = V.norm_dim(dim, x.rank)
-    n = x.shape[dim] if x.rank else 1
-    if n > MAX_SCAN:
-        raise UnsupportedOpError("cumsum", f"a scan over {n} elements (at most {MAX_SCAN} are lowered)", ctx.hint)
-    if x.rank == 0:
-        return reduce(ctx, x, [], "sum", dtype=ctx.dtype)
-
-    def body(o, r, rg):
-        index = list(o)
-        index[dim] = r[0]
-        read = x.read(index, rg)
-        if x.dtype in LOW_PRECISION and ctx.dtype == x.dtype:
-            read = upcast(read, x)  # accumulate in float32, as eager does
-        elif x.dtype != ctx.dtype:  # booleans and integers sum as int64; dtype= asks for another
-            read = Cast(ctx.dtype, read)
-        return call("where", call("le", IndexValue(r[0]), IndexValue(o[dim])), read, Const(0))
-
-    return ctx.builder.emit(ctx.shape, ctx.dtype, body, reduce="sum", red_shape=[n], hint=ctx.hint)
+    """out[..., i, ...] = sum over j <= i of x[..., j, ...] (booleans and integers sum as int64)."""
+    return _prefix(ctx, x, dim, "sum", Const(0), "cumsum")
 
 
 @lowering(torch.cumprod, "method:cumprod", "aten.cumprod")
 def lower_cumprod(ctx, x, dim, *, dtype=None):
-    """out[..., i, ...] = product over j <= i of x[..., j, ...]: a product reduction whose factors past i are 1."""
-    dim = V.norm_dim(dim, x.rank) if x.rank else 0
-    n = x.shape[dim] if x.rank else 1
-    if n > MAX_SCAN:
-        raise UnsupportedOpError("cumprod", f"a scan over {n} elements (at most {MAX_SCAN} are lowered)", ctx.hint)
+    """out[..., i, ...] = product over j <= i of x[..., j, ...]."""
+    return _prefix(ctx, x, dim, "prod", Const(1.0 if ctx.dtype.is_floating_point else 1), "cumprod")
+
+
+def _prefix(ctx: LowerCtx, x: TensorValue, dim: int, kind: str, neutral: Const, what: str) -> TensorValue:
+    """A `kind` reduction over j <= i whose terms past i are `neutral`; half precision accumulates in float32
+    as eager does, other inputs in the result's dtype (dtype= may ask for another)."""
     if x.rank == 0:
-        return reduce(ctx, x, [], "prod", dtype=ctx.dtype)
+        return reduce(ctx, x, [], kind, dtype=ctx.dtype)
+    dim, n = _scanned(ctx, x, dim, what)
 
     def body(o, r, rg):
-        index = list(o)
-        index[dim] = r[0]
-        read = upcast(x.read(index, rg), x) if x.dtype in LOW_PRECISION else x.read(index, rg)
-        if x.dtype != ctx.dtype and x.dtype not in LOW_PRECISION:
+        read = x.read(_at(o, dim, r[0]), rg)
+        if x.dtype in LOW_PRECISION and ctx.dtype == x.dtype:
+            read = upcast(read, x)
+        elif x.dtype != ctx.dtype:
             read = Cast(ctx.dtype, read)
-        return call("where", call("le", IndexValue(r[0]), IndexValue(o[dim])), read, Const(1.0 if ctx.dtype.is_floating_point else 1))
+        return call("where", _up_to(o, r, dim), read, neutral)
 
-    return ctx.builder.emit(ctx.shape, ctx.dtype, body, reduce="prod", red_shape=[n], hint=ctx.hint)
+    return ctx.builder.emit(ctx.shape, ctx.dtype, body, reduce=kind, red_shape=[n], hint=ctx.hint)
 
 
 def _scanned(ctx: LowerCtx, x: TensorValue, dim: int, what: str) -> tuple[int, int]:
