@@ -8,17 +8,23 @@ Everything else runs eagerly, and every fallback is recorded with its reason: se
 STITCHFLOW_LOGS=1 (or configure the "stitchflow" logger) to see them as they happen, or call
 `stitchflow.backend.fallback_report()`.
 
-Where autograd records, a partition's forward still runs through its program and the backward
-differentiates the partition's FX graph run again eagerly (_RecomputedBackward).
+Where autograd records (grad mode on and an input that requires grad, e.g. a parameter),
+AOTAutograd splits the graph into a forward and a backward graph of ATen ops, both partitioned
+and compiled the same way (training.py): the backward's reductions and elementwise work (norm and
+activation gradients, bias gradients) are stitched like any other region. Where AOTAutograd
+cannot trace the graph, or with options={"training": "recompute"}, a partition's forward still
+runs through its program and the backward differentiates the partition's FX graph run again
+eagerly (_RecomputedBackward).
 
 Options (torch.compile(..., options={...})): target ("reference" | "gpu"; default "gpu" for
-CUDA tensors, else "reference"), fusion (default "auto").
+CUDA tensors, else "reference"), fusion (default "auto"), training ("compiled" | "recompute").
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import os
 from typing import Any
 
@@ -54,8 +60,11 @@ def fallback_report() -> str:
 
 
 def _supported(node: fx.Node) -> bool:
-    """Has a lowering (creation ops such as torch.ones stay eager and enter as inputs)."""
+    """Has a lowering (creation ops such as torch.ones stay eager and enter as inputs). An item of
+    an eager op's tuple of results stays with that op, so that partitions take tensors, not tuples."""
     if node.op not in ("call_function", "call_method"):
+        return False
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node) and not _supported(node.args[0]):
         return False
     return key_of(node) in LOWERINGS and early_refusal(node) is None
 
@@ -78,6 +87,10 @@ class StitchflowModule(torch.nn.Module):
         self.bound: dict[tuple, dict[int, torch.Tensor]] = {}  # per signature: position -> bound tensor
         self.moved: set[int] = set()  # positions whose storage changed between calls: inputs from now on
         self.last: _Call | None = None  # the previous call, checked first (host time matters per call)
+        # outputs that an eager op (or, in AOTAutograd's graphs, the other half) reads, by position
+        # (None: the partition's single output); they leave in eager's strides (_eager_layouts)
+        self.read_eagerly: frozenset = frozenset()
+        self.strides: dict[tuple, list] = {}  # per signature: eager's output strides, None where not dense
 
     def forward(self, *args):
         call = self.last if self.last is not None and self.last.matches(args) else self._lookup(args)
@@ -100,8 +113,18 @@ class StitchflowModule(torch.nn.Module):
     def _run(self, call: "_Call", args):
         if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             return _RecomputedBackward.apply(self, call, *args)
-        return call.program(*[args[k] for k in call.free])
+        out = call.program(*[args[k] for k in call.free])
+        return self._eager_layouts(out, self.strides.get(call.key)) if self.read_eagerly else out
 
+    def _eager_layouts(self, out, strides):
+        """`out` with the outputs that eager ops read in eager's strides: an ATen graph's next op
+        was traced on them (a view of a permuted tensor, an attention kernel whose output layout
+        follows its query's), where a program's outputs are contiguous."""
+        if not strides:
+            return out
+        if isinstance(out, torch.Tensor):
+            return _restrided(out, strides[0]) if None in self.read_eagerly else out
+        return type(out)(_restrided(o, s) if k in self.read_eagerly else o for k, (o, s) in enumerate(zip(out, strides)))
 
     def _lookup(self, args) -> "_Call":
         key = tuple(_signature(a) for a in args)
@@ -111,10 +134,10 @@ class StitchflowModule(torch.nn.Module):
             self.moved.update(moved)
             del self.programs[key]
         if key not in self.programs:
-            self.programs[key], self.bound[key] = self._compile(args)
+            self.programs[key], self.bound[key], self.strides[key] = self._compile(args)
         return _Call(self.programs[key], self.bound[key], args, key)
 
-    def _compile(self, args) -> tuple[Program | None, dict]:
+    def _compile(self, args) -> tuple[Program | None, dict, list]:
         target = self.target or ("gpu" if any(isinstance(a, torch.Tensor) and a.is_cuda for a in args) else "reference")
         try:
             captured = capture(self.gm, args)
@@ -123,15 +146,15 @@ class StitchflowModule(torch.nn.Module):
             prog = Program(captured, regions_for(captured.graph, self.fusion, target=target), target, self.fusion)
             log.info("stitchflow: %s compiled for %s: %d nodes in %d regions, %d inputs bound in place", self.name,
                      target, len(captured.graph.nodes), len(prog.regions), len(bound))
-            return prog, bound
+            return prog, bound, _dense_strides(captured.example_outputs)
         except StitchflowError as err:
             _record(f"{self.name}: {err}")
-            return None, {}
+            return None, {}, []
         except Exception as err:  # a bug of ours must cost speed, never the user's run
             _record(f"{self.name}: internal error, {type(err).__name__}: {err}")
             log.warning("stitchflow: %s runs eagerly after an internal error (%s: %s)", self.name,
                         type(err).__name__, err, exc_info=True)
-            return None, {}
+            return None, {}, []
 
     @property
     def regions_executed(self) -> int:
@@ -192,6 +215,8 @@ class _Call:
 def _signature(a):
     if isinstance(a, torch.Tensor):
         return tuple(a.shape), a.stride(), a.dtype, a.layout, a.device.type
+    if isinstance(a, (tuple, list)):
+        return type(a), tuple(_signature(x) for x in a)
     return a
 
 
@@ -202,6 +227,28 @@ def _static_address(a) -> bool:
     if not isinstance(a, torch.Tensor) or not a.is_floating_point() or a.layout != torch.strided:
         return False
     return isinstance(a, torch.nn.Parameter) or getattr(a, "_dynamo_static_input_type", None) is not None
+
+
+def _dense_strides(outputs) -> list:
+    """The strides of a partition's example outputs (flat), None where one is not a dense tensor."""
+    flat = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs) if isinstance(outputs, (tuple, list)) else []
+    return [o.stride() if isinstance(o, torch.Tensor) and o.layout == torch.strided and _dense(o) else None for o in flat]
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Its elements fill a block of memory once each, in some order of the dims (no expand, no gaps)."""
+    expected = 1
+    for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n > 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _restrided(t, stride):
+    if stride is None or not isinstance(t, torch.Tensor) or t.stride() == stride:
+        return t
+    return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
 
 
 def _same_storage(a, bound: torch.Tensor) -> bool:
@@ -233,6 +280,11 @@ def stitchflow_backend(gm: fx.GraphModule, example_inputs: list[Any], options: d
     It never breaks the model: if partitioning itself fails, the whole graph runs eagerly."""
     options = dict(options or {}) | kwargs
     try:
+        if records_gradients(example_inputs) and training_mode(options) == "compiled":
+            from .training import compile_forward_and_backward
+            compiled = compile_forward_and_backward(gm, example_inputs, options)
+            if compiled is not None:
+                return compiled
         return _partition_and_wrap(gm, options)
     except Exception as err:  # a bug or an FX corner case must cost speed, never the user's run
         _record(f"whole graph ({len(gm.graph.nodes)} nodes): {type(err).__name__}: {err}")
@@ -303,24 +355,64 @@ def _split_in_program_order(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[st
     return split, names
 
 
-def _partition_and_wrap(gm: fx.GraphModule, options: dict):
+def records_gradients(example_inputs) -> bool:
+    """Will autograd record through this graph: grad mode on, and an input (a parameter, say) requires grad."""
+    return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs)
+
+
+def training_mode(options: dict) -> str:
+    mode = options.get("training", "compiled")
+    if mode not in ("compiled", "recompute"):
+        raise StitchflowError(f"options['training'] must be 'compiled' (forward and backward graphs through stitchflow) "
+                              f"or 'recompute' (the backward differentiates an eager rerun), not {mode!r}")
+    return mode
+
+
+def _partition_and_wrap(gm: fx.GraphModule, options: dict, label: str = ""):
+    """`gm` with every supported partition a StitchflowModule; `label` ("forward", "backward") names
+    the graph in its partitions' names and in the fallback records."""
     target, fusion = options.get("target"), options.get("fusion", "auto")
+    where = f"{label} graph: " if label else ""
     for node in gm.graph.nodes:
+        if node.target is operator.getitem:  # an item of an op's results: the op's record says why
+            continue
         if node.op in ("call_function", "call_method") and not _supported(node):
             why = early_refusal(node) if key_of(node) in LOWERINGS else None
-            _record(f"{describe_target(node)} ({node.name}): {why or 'no lowering to the IR'}")
+            _record(f"{where}{describe_target(node)} ({node.name}): {why or 'no lowering to the IR'}")
         elif node.op == "call_module":
-            _record(f"module {node.target} ({node.name}): leaf modules are not captured")
+            _record(f"{where}module {node.target} ({node.name}): leaf modules are not captured")
     split, names = _fuse_by_dependence(gm) or _split_in_program_order(gm)
     compiled = []
     for name in names:
-        module = StitchflowModule(split.get_submodule(name), target, fusion, name)
+        module = StitchflowModule(split.get_submodule(name), target, fusion, f"{label}.{name}" if label else name)
         setattr(split, name, module)
         compiled.append(module)
+    for node in split.graph.nodes:
+        if node.op == "call_module" and node.target in names:
+            # an ATen graph's outputs are the other half's inputs, traced in eager's strides too
+            split.get_submodule(node.target).read_eagerly = _read_eagerly(node, set(names), outputs_too=bool(label))
     split.recompile()
     split.stitchflow_modules = compiled
     COMPILED.extend(compiled)
     return split
+
+
+def _read_eagerly(node: fx.Node, partitions: set, outputs_too: bool) -> frozenset:
+    """Which results of a partition's call an eager node reads: positions of a tuple (through its
+    getitems), None for the call's single value."""
+    def eager(user: fx.Node) -> bool:
+        if user.op == "output":
+            return outputs_too
+        return not (user.op == "call_module" and user.target in partitions)
+
+    positions = set()
+    for user in node.users:
+        if user.op == "call_function" and user.target is operator.getitem:
+            if any(eager(u) for u in user.users):
+                positions.add(user.args[1])
+        elif eager(user):
+            positions.add(None)
+    return frozenset(positions)
 
 
 COMPILED: list[StitchflowModule] = []  # every partition compiled since the last reset()

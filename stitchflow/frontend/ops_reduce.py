@@ -312,8 +312,18 @@ def lower_layer_norm(ctx, x, normalized_shape, weight=None, bias=None, eps=1e-5,
 
 @lowering("aten.native_layer_norm")
 def lower_native_layer_norm(ctx, x, normalized_shape, weight, bias, eps):
+    """(out, mean, rstd), the statistics with the normalised dims kept as 1s (what a layer norm's
+    backward reads, so an AOTAutograd forward graph saves them)."""
     out, mean, var = layer_norm(ctx, x, normalized_shape, weight, bias, eps)
-    return out, mean, var
+    dims = _norm_dims(x, normalized_shape)
+    stats = ctx.out[1]
+
+    def rstd(o, r, rg):
+        return call("rsqrt", call("add", _row_read(var, o, dims, rg), Const(eps)))
+
+    kept_mean = ctx.builder.emit(tuple(stats.shape), stats.dtype, lambda o, r, rg: _row_read(mean, o, dims, rg),
+                                 hint=f"{ctx.hint}_mean")
+    return out, kept_mean, ctx.builder.emit(tuple(ctx.out[2].shape), ctx.out[2].dtype, rstd, hint=f"{ctx.hint}_rstd")
 
 
 @lowering(getattr(F, "rms_norm", None), "aten.rms_norm")

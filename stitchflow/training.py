@@ -1,0 +1,96 @@
+"""Training through the torch.compile backend: forward and backward graphs both compiled.
+
+Where autograd records through a Dynamo graph, AOTAutograd traces the joint forward-backward
+graph in ATen ops, decomposes composite ops (layer norm's, softmax's and GELU's backward become
+sums and elementwise arithmetic that the IR lowers), and splits it into a forward graph, which
+also returns the tensors the backward needs, and a backward graph (torch's min-cut partitioner:
+a cheap elementwise value is recomputed in the backward rather than saved, as Inductor does).
+Each graph is then partitioned and compiled exactly like an inference graph (backend.py), so the
+backward's row reductions (norm gradients), column reductions (bias gradients) and elementwise
+chains are stitched into few kernels; what has no lowering (a convolution's backward) runs
+eagerly and is recorded with its reason.
+
+If AOTAutograd cannot trace the graph, the caller falls back to the recomputed backward
+(backend._RecomputedBackward): gradients stay eager's, nothing is lost."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.fx as fx
+
+from . import backend
+
+aten = torch.ops.aten
+
+# ATen ops that core ATen keeps whole but whose decompositions lower: training batch norm, its
+# running-statistics update made functional (AOTAutograd copies the new statistics back).
+_EXTRA_DECOMPOSITIONS = (aten._native_batch_norm_legit_functional.default,)
+
+
+def _batch_norm_with_running_statistics(x, weight, bias, running_mean, running_var, momentum, eps):
+    """Batch norm in eval mode (aten._native_batch_norm_legit_no_training), as elementwise ops over
+    per-channel statistics; torch's own decomposition calls the in-place training op, which a
+    functional graph may not hold. Half-precision inputs are normalised in float32, as eager's
+    kernels do; the last two results (saved statistics) are empty, as eager's are."""
+    shape = [1, -1] + [1] * (x.dim() - 2)
+    acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    out = (x.to(acc) - running_mean.to(acc).view(shape)) * torch.rsqrt(running_var.to(acc).view(shape) + eps)
+    if weight is not None:
+        out = out * weight.to(acc).view(shape)
+    if bias is not None:
+        out = out + bias.to(acc).view(shape)
+    empty = x.new_empty((0,), dtype=acc)
+    return out.to(x.dtype), empty, empty
+
+
+# ATen ops that must stay whole: the CPU flash attention's decomposition saves a logsumexp that its
+# backward kernel (which has none) reads in another layout, so gradients came out wrong (torch 2.13;
+# Inductor's table leaves it out too).
+_KEPT_WHOLE = (aten._scaled_dot_product_flash_attention_for_cpu.default,)
+
+
+@functools.cache
+def decompositions() -> dict:
+    from torch._decomp import core_aten_decompositions, decomposition_table
+
+    table = dict(core_aten_decompositions())
+    table.update({op: decomposition_table[op] for op in _EXTRA_DECOMPOSITIONS if op in decomposition_table})
+    table[aten._native_batch_norm_legit_no_training.default] = _batch_norm_with_running_statistics
+    for op in _KEPT_WHOLE:
+        table.pop(op, None)
+    return table
+
+
+def compile_forward_and_backward(gm: fx.GraphModule, example_inputs, options: dict):
+    """The Dynamo graph `gm` compiled through AOTAutograd with stitchflow compiling both halves;
+    None (after recording why) where AOTAutograd cannot trace it."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    compile_with_aot = aot_autograd(
+        fw_compiler=functools.partial(_compile_half, options=options, label="forward"),
+        bw_compiler=functools.partial(_compile_half, options=options, label="backward"),
+        inference_compiler=functools.partial(_compile_half, options=options, label="inference"),
+        partition_fn=min_cut_rematerialization_partition,
+        decompositions=decompositions(),
+    )
+    try:
+        return compile_with_aot(gm, example_inputs)
+    except Exception as err:  # e.g. an op with no fake-tensor rule: training still works, recomputed
+        backend._record(f"AOTAutograd could not trace the graph ({len(gm.graph.nodes)} nodes), so its backward "
+                        f"differentiates an eager rerun: {type(err).__name__}: {err}")
+        return None
+
+
+def _compile_half(gm: fx.GraphModule, example_inputs, *, options: dict, label: str):
+    """One of AOTAutograd's graphs as a callable in its boxed convention (a list of arguments)."""
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    try:
+        wrapped = backend._partition_and_wrap(gm, options, label)
+    except Exception as err:  # never the user's run: the graph runs as AOTAutograd traced it
+        backend._record(f"{label} graph ({len(gm.graph.nodes)} nodes): {type(err).__name__}: {err}")
+        wrapped = gm
+    return make_boxed_func(wrapped.forward)

@@ -1,0 +1,220 @@
+"""Training through torch.compile(backend="stitchflow"): AOTAutograd's forward and backward graphs
+both compiled (stitchflow/training.py). Every case trains a model and a deep copy side by side and
+compares outputs, input and parameter gradients, and the parameters after optimizer steps."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import stitchflow.backend as backend
+import stitchflow.training as training
+from conftest import TOL, assert_close
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    backend.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class _Block(nn.Module):
+    """A pre-norm transformer block: layer norm, attention, residual, layer norm, GELU MLP, residual."""
+
+    def __init__(self, d: int = 32, heads: int = 4):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.down(F.gelu(self.up(self.ln2(x)), approximate="tanh"))
+
+
+class _Classifier(nn.Module):
+    """RMS-normed MLP with SiLU and a cross-entropy loss computed in the graph."""
+
+    def __init__(self, d: int = 24, classes: int = 7):
+        super().__init__()
+        self.norm = nn.RMSNorm(d)
+        self.hidden, self.out = nn.Linear(d, 40), nn.Linear(40, classes)
+
+    def forward(self, x, labels):
+        logits = self.out(F.silu(self.hidden(self.norm(x))))
+        return F.cross_entropy(logits, labels, label_smoothing=0.1)
+
+
+def _conv_net():
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, groups=8),
+                         nn.BatchNorm2d(8), nn.SiLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5))
+
+
+def _close(ours, eager, truth=None, **tol):
+    """Equal to eager within the dtype's tolerance; or, given `truth` (the float64 model's value), no
+    further from float64 than twice eager's RMS error (Inductor's rule: in half precision our kernels
+    keep float32 intermediates where eager rounds after every op; in float32, summation orders differ
+    and SGD with momentum carries the difference on)."""
+    if truth is None:
+        torch.testing.assert_close(ours, eager, **(TOL.get(eager.dtype, dict(rtol=0, atol=0)) | tol))
+        return
+    rms = lambda t: (t.double() - truth).pow(2).mean().sqrt().item()  # noqa: E731
+    assert rms(ours) <= 2 * rms(eager) + TOL[eager.dtype]["atol"] / 10, (rms(ours), rms(eager))
+
+
+def _train_side_by_side(model, make_inputs, steps=3, loss=lambda out: out.square().mean(), options=None,
+                        exact=False, **tol):
+    """Train `model` compiled and an eager deep copy with SGD on the same inputs; compare as they go
+    (`exact`: also a float64 copy, against which both are judged)."""
+    reference = copy.deepcopy(model)
+    exact = copy.deepcopy(model).double() if exact else None
+    compiled = torch.compile(model, backend="stitchflow", options=options or {})
+    models = [m for m in (model, reference, exact) if m is not None]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in models]
+    for _ in range(steps):
+        inputs = make_inputs()
+        runs = [[x.clone().requires_grad_() if x.is_floating_point() else x for x in inputs] for _ in models]
+        if exact:
+            runs[2] = [x.detach().double().requires_grad_() if x.is_floating_point() else x for x in runs[2]]
+        outs = [f(*xs) for f, xs in zip([compiled, *models[1:]], runs)]
+        _close(outs[0], outs[1], outs[2].detach() if exact else None, **tol)
+        for out in outs:
+            loss(out).backward()
+        for k, x in enumerate(runs[0]):
+            if x.is_floating_point():
+                _close(x.grad, runs[1][k].grad, runs[2][k].grad if exact else None, **tol)
+        for params in zip(*(m.parameters() for m in models)):
+            _close(params[0].grad, params[1].grad, params[2].grad if exact else None, **tol)
+        for opt in optimizers:
+            opt.step(), opt.zero_grad()
+    if not exact:
+        for p, q in zip(model.parameters(), reference.parameters()):
+            _close(p, q, **tol)
+        for a, b in zip(model.buffers(), reference.buffers()):
+            _close(a, b, **tol)
+    return compiled
+
+
+def _compiled_graphs() -> set[str]:
+    return {m.name.split(".")[0] for m in backend.COMPILED if m.regions_executed}
+
+
+def test_mlp_trains_like_eager_with_both_graphs_through_stitchflow():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 4), nn.Softmax(-1))
+    _train_side_by_side(model, lambda: (torch.randn(5, 8),), loss=lambda out: (out * torch.arange(4.0)).sum())
+    assert _compiled_graphs() == {"forward", "backward"}
+    assert backend.fallback_report().endswith("everything captured ran through stitchflow")
+
+
+def test_transformer_block_trains_like_eager_with_attention_eager():
+    """Attention's ATen kernels stay eager (recorded); their inputs leave our partitions in eager's
+    strides, since the graph after them was traced on those strides."""
+    torch.manual_seed(0)
+    _train_side_by_side(_Block(), lambda: (torch.randn(2, 9, 32),), exact=True)
+    assert _compiled_graphs() == {"forward", "backward"}
+    report = backend.fallback_report()
+    assert "scaled_dot_product" in report
+    assert all("scaled_dot_product" in line for line in report.splitlines()[1:])
+
+
+def test_loss_in_the_graph_with_integer_labels():
+    torch.manual_seed(0)
+    _train_side_by_side(_Classifier(), lambda: (torch.randn(13, 24), torch.randint(0, 7, (13,))), loss=lambda out: out)
+    assert _compiled_graphs() == {"forward", "backward"}
+
+
+def test_batch_norm_network_trains_and_tracks_running_statistics():
+    """Batch norm in training mode compiles whole (its running-statistics update is a graph output);
+    the convolutions' backward runs eagerly, with its reason."""
+    torch.manual_seed(0)
+    _train_side_by_side(_conv_net(), lambda: (torch.randn(4, 3, 9, 9),), exact=True)
+    assert "convolution_backward" in backend.fallback_report()
+    assert "backward" in _compiled_graphs()
+
+
+def test_batch_norm_in_eval_mode_while_fine_tuning():
+    torch.manual_seed(0)
+    model = _conv_net()
+    model(torch.randn(6, 3, 9, 9))  # running statistics away from their initial values
+    model.eval()
+    _train_side_by_side(model, lambda: (torch.randn(4, 3, 9, 9),), exact=True)
+
+
+def test_bfloat16_training():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.SiLU(), nn.Linear(32, 16)).to(torch.bfloat16)
+    _train_side_by_side(model, lambda: (torch.randn(10, 16, dtype=torch.bfloat16),), steps=2, exact=True)
+    assert _compiled_graphs() == {"forward", "backward"}
+
+
+def test_dropout_gradient_follows_the_mask_the_forward_drew():
+    """Random numbers differ from eager's, so compare with the mask this forward drew: the input's
+    gradient is 1/(1-p) where an element was kept and 0 where it was dropped."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 12), nn.Dropout(0.25))
+    compiled = torch.compile(model, backend="stitchflow")
+    hidden = torch.randn(64, 12)
+    x = hidden.clone().requires_grad_()
+    out = compiled(x)
+    kept = out != 0
+    assert 0.5 < kept.float().mean() < 0.95
+    out.sum().backward()
+    w = model[0].weight
+    expected = (kept.float() / 0.75) @ w
+    torch.testing.assert_close(x.grad, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_recompute_option_keeps_the_eager_backward():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    _train_side_by_side(model, lambda: (torch.randn(5, 8),), options={"training": "recompute"})
+    assert _compiled_graphs() == {"stitchflow_0"}  # forward partitions only, named as in inference
+
+
+def test_bad_training_option_is_named_and_the_model_still_runs():
+    model = nn.Linear(4, 4)
+    compiled = torch.compile(model, backend="stitchflow", options={"training": "sometimes"})
+    x = torch.randn(3, 4)
+    assert_close(compiled(x), model(x))
+    assert "options['training'] must be 'compiled'" in backend.fallback_report()
+
+
+def test_untraceable_graph_falls_back_to_the_recomputed_backward(monkeypatch):
+    """Where AOTAutograd fails, the reason is recorded and the gradients are still eager's."""
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no fake-tensor rule for this op")
+
+    monkeypatch.setattr("torch._dynamo.backends.common.aot_module_simplified", refuse)
+    torch.manual_seed(0)
+    _train_side_by_side(nn.Sequential(nn.Linear(6, 6), nn.ReLU()), lambda: (torch.randn(4, 6),), steps=2)
+    assert "AOTAutograd could not trace the graph" in backend.fallback_report()
+    assert "no fake-tensor rule for this op" in backend.fallback_report()
+
+
+def test_inference_under_no_grad_does_not_use_aot_autograd(monkeypatch):
+    calls = []
+    real = training.compile_forward_and_backward
+    monkeypatch.setattr(training, "compile_forward_and_backward", lambda *a: calls.append(1) or real(*a))
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    compiled = torch.compile(model, backend="stitchflow")
+    with torch.no_grad():
+        compiled(torch.randn(2, 4))
+    assert calls == []
+    compiled(torch.randn(2, 4))  # grad mode on, parameters require grad: a new graph, through AOTAutograd
+    assert calls == [1]
+
+
+def test_generated_gpu_kernels_train_like_eager():
+    """The gpu target's generated kernels (under TRITON_INTERPRET=1 on the CPU) for the forward and
+    the backward: layer norm's gradient rows, the bias gradients' column sums, GELU's derivative."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 20), nn.LayerNorm(20), nn.GELU(), nn.Linear(20, 6))
+    _train_side_by_side(model, lambda: (torch.randn(7, 12),), steps=2, options={"target": "gpu"},
+                        atol=1e-5, rtol=1e-4)
+    assert _compiled_graphs() == {"forward", "backward"}
