@@ -11,7 +11,9 @@ import torch.nn.functional as F
 
 import stitchflow.backend as backend
 import stitchflow.training as training
-from conftest import TOL, assert_close
+from conftest import TOL, assert_close, skip_unless_kernels_run
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(autouse=True)
@@ -210,11 +212,15 @@ def test_inference_under_no_grad_does_not_use_aot_autograd(monkeypatch):
     assert calls == [1]
 
 
-def test_generated_gpu_kernels_train_like_eager():
-    """The gpu target's generated kernels (under TRITON_INTERPRET=1 on the CPU) for the forward and
-    the backward: layer norm's gradient rows, the bias gradients' column sums, GELU's derivative."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_generated_gpu_kernels_train_like_eager(dtype):
+    """The gpu target's generated kernels (on CUDA, or under TRITON_INTERPRET=1 on the CPU) for the
+    forward and the backward: layer norm's gradient rows, the bias gradients' column sums, GELU's
+    derivative, RMS norm's."""
+    skip_unless_kernels_run("gpu")
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(12, 20), nn.LayerNorm(20), nn.GELU(), nn.Linear(20, 6))
-    _train_side_by_side(model, lambda: (torch.randn(7, 12),), steps=2, options={"target": "gpu"},
-                        atol=1e-5, rtol=1e-4)
+    model = nn.Sequential(nn.Linear(12, 20), nn.LayerNorm(20), nn.GELU(), nn.Linear(20, 6), nn.RMSNorm(6))
+    model = model.to(DEVICE, dtype)
+    _train_side_by_side(model, lambda: (torch.randn(7, 12, device=DEVICE, dtype=dtype),), steps=2,
+                        options={"target": "gpu"}, exact=dtype == torch.bfloat16)
     assert _compiled_graphs() == {"forward", "backward"}

@@ -181,3 +181,17 @@ def _basic_keys(ctx, key, rank: int) -> list:
     if any(isinstance(k, slice) and k.step is not None and k.step <= 0 for k in keys):
         raise UnsupportedOpError("setitem", "a slice with a non-positive step", ctx.hint)
     return keys + [slice(None)] * (rank - len(keys))
+
+
+@lowering(torch.slice_scatter, "method:slice_scatter", "aten.slice_scatter")
+def lower_slice_scatter(ctx, x, src, dim=0, start=None, end=None, step=1):
+    """x with x[..., start:end:step, ...] (at `dim`) replaced by src: the gradient of a slice (RoPE's halves)."""
+    dim = dim % x.rank
+    return lower_setitem(ctx, x, (slice(None),) * dim + (slice(start, end, step),), src)
+
+
+@lowering(torch.select_scatter, "method:select_scatter", "aten.select_scatter")
+def lower_select_scatter(ctx, x, src, dim, index):
+    """x with x.select(dim, index) replaced by src: the gradient of an integer index."""
+    dim = dim % x.rank
+    return lower_setitem(ctx, x, (slice(None),) * dim + (index,), src)

@@ -1,6 +1,6 @@
 """Products in their other spellings (dot, inner, mv, addmv, addbmm, tensordot, trace, multi_dot, kron) and index
 maps with repetition and windows (repeat_interleave, tile, take_along_dim, unfold, diff, cross): on every target,
-equal to eager on random shapes in float32 and bfloat16. OpInfo samples cover their argument variants. Item
+equal to eager on random shapes in float32 and bfloat16. slice_scatter and select_scatter. OpInfo samples cover their argument variants. Item
 assignment (x[key] = v) through the backend, and the refusal of an in-place write into a view."""
 
 import pytest
@@ -26,6 +26,9 @@ CASES = {
     "take_along_dim": lambda x, y: torch.take_along_dim(x, (x.abs() * 3).long() % x.shape[2] - 1, 2),
     "unfold_diff": lambda x, y: x.unfold(2, 2, 1).sum(-1)[..., :1] + torch.diff(x, dim=1).sum(1, keepdim=True)
     + torch.diff(x, n=2, dim=2, prepend=x[..., :1]).sum(-1, keepdim=True),
+    # a slice's and an index's gradients in AOTAutograd's backward graphs
+    "slice_select_scatter": lambda x, y: torch.slice_scatter(x, y.transpose(1, 2)[:, :, 1:] * 2, 2, 1)
+    + torch.select_scatter(x, y.transpose(1, 2)[:, 0], 1, -1) + torch.slice_scatter(x, x[:, ::2] - 1, 1, 0, None, 2),
     "cross": lambda x, y: torch.linalg.cross(x[:, :, :3].repeat(1, 1, 2)[..., :3], y.transpose(1, 2)[..., :3].repeat(1, 1, 2)[..., :3]),
 }
 GATHERS_COMPUTED_INDEX = {"take_along_dim"}

@@ -1,0 +1,208 @@
+"""Training steps on the GPU: forward and backward of a model of the zoo (BERT-style encoder block,
+Llama-style block, ...) under eager, torch.compile (Inductor, default mode) and
+torch.compile(backend="stitchflow"), the latter with its backward compiled (AOTAutograd's graphs,
+the default) and with the backward differentiating an eager rerun (options={"training": "recompute"}).
+
+A step is: parameter gradients cleared, the forward, and the backward of a fixed upstream gradient
+(the same random tensor for every runner, so no loss kernel is timed). Every runner's output, input
+gradient and parameter gradients are checked against eager's first (relative error of each <= 2e-2
+in half precision); all runners in one process on the same inputs; the median of rounds timed in
+turn, L2 evicted clean before each step (targets/gpu/timing.py).
+
+    python -m stitchflow.bench.training [--apps bert,llama] [--dtype bfloat16] [--size default]
+        [--out FILE] [--markdown BENCHMARKS.md] [--section "## Training steps"]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from .report import replace_section
+from .stitching import ROUNDS, _time_in_rounds
+from .stitching_patterns import as_tuple, tolerance
+
+SECTION = "## Training steps (forward + backward)"
+RUNNERS = ("eager", "torch.compile", "backend=stitchflow", "backend=stitchflow recompute")
+
+
+def _runner(name: str, model):
+    import stitchflow.backend  # noqa: F401  (registers the backend)
+
+    if name == "eager":
+        return model
+    if name == "torch.compile":
+        return torch.compile(model, dynamic=False)
+    training = "recompute" if name.endswith("recompute") else "compiled"
+    return torch.compile(model, backend="stitchflow", dynamic=False, options={"training": training})
+
+
+def _step(fn, model, inputs, upstream):
+    """One training step's work: gradients cleared, forward, backward of `upstream`."""
+    for p in model.parameters():
+        p.grad = None
+    for x in inputs:
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            x.grad = None
+    out = as_tuple(fn(*inputs))[0]
+    out.backward(upstream)
+    return out
+
+
+def _gradients(model, inputs) -> list[torch.Tensor]:
+    """The input's and every parameter's gradient (zeros where none came, so that lists align)."""
+    tensors = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad] + list(model.parameters())
+    return [t.grad if t.grad is not None else torch.zeros_like(t) for t in tensors]
+
+
+def _gradient_errors(got: list, want: list) -> list[float]:
+    """Each tensor's error relative to its own norm, floored at 1e-3 of the largest gradient's: a
+    gradient that is zero in exact arithmetic (attention's key bias: softmax ignores a shift shared
+    by all keys) is rounding noise in every runner, and noise against noise is not an error."""
+    floor = 1e-3 * max(torch.linalg.vector_norm(w.double()).item() for w in want[1:]) if len(want) > 1 else 0.0
+    return [torch.linalg.vector_norm((g.double() - w.double())).item() /
+            max(torch.linalg.vector_norm(w.double()).item(), floor if k else 0.0, 1e-30)
+            for k, (g, w) in enumerate(zip(got, want))]
+
+
+def bench_training(app: str, dtype: torch.dtype, size: str = "default", device: str = "cuda",
+                   timed: bool = True) -> dict:
+    """One model's row: every runner checked against eager, then (`timed`) timed in rounds."""
+    import stitchflow.backend as backend
+    from stitchflow.apps import APPS
+
+    torch.manual_seed(0)
+    base, inputs = APPS[app].build(size=size, dtype=dtype)
+    base = base.to(device).train()
+    for m in base.modules():  # dropout off, so that every runner computes the same step
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    # the activations' gradient is wanted (a block inside a deeper model), a mask's is not
+    inputs = tuple(x.to(device).requires_grad_(k == 0 and x.is_floating_point()) if isinstance(x, torch.Tensor) else x
+                   for k, x in enumerate(inputs))
+    row = {"app": app, "size": size, "dtype": str(dtype).removeprefix("torch."),
+           "shapes": [list(x.shape) for x in inputs if isinstance(x, torch.Tensor)],
+           "parameters": sum(p.numel() for p in base.parameters())}
+    out = as_tuple(base(*inputs))[0]
+    upstream = torch.randn_like(out)
+    steps, want = {}, None
+    for name in RUNNERS:
+        torch._dynamo.reset()
+        backend.reset()
+        model = copy.deepcopy(base)  # each runner its own parameters and gradients
+        row[f"{name} us"] = None
+        try:  # one failing competitor must not hide the others
+            fn = _runner(name, model)
+            out = _step(fn, model, inputs, upstream)
+            got = [out.detach()] + [g.clone() for g in _gradients(model, inputs)]
+            if want is None:
+                want = got
+            errs = _gradient_errors(got, want)
+            row[f"{name} err"] = max(errs)
+            if len(got) != len(want) or row[f"{name} err"] > tolerance(dtype):
+                row[f"{name} error"] = f"gradients differ from eager's: relative error {max(errs):.2e}"
+                continue
+            if name.startswith("backend"):
+                row[f"{name} eager parts"] = list(backend.FALLBACKS)
+            steps[name] = lambda fn=fn, model=model: _step(fn, model, inputs, upstream)
+        except Exception as exc:
+            row[f"{name} error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    if not timed:
+        row["checked"] = sorted(steps)
+        return row
+    for name, times in _time_in_rounds(steps, [()]).items():
+        row[f"{name} us"] = statistics.median(times)
+        row[f"{name} rounds us"] = [round(t, 1) for t in times]
+    ref = row["torch.compile us"]
+    for name in RUNNERS:
+        t = row.get(f"{name} us")
+        row[f"{name} vs compile"] = ref / t if t and ref else None
+        row[f"{name} vs eager"] = row["eager us"] / t if t and row["eager us"] else None
+    return row
+
+
+def _ratio(r) -> str:
+    if r is None:
+        return "n/a"
+    return f"**{r:.2f}x faster**" if r >= 1 else f"{r:.2f}x ({(1 / r - 1):.1%} slower)"
+
+
+def markdown(rows: list[dict], info: dict) -> str:
+    head = ("| model | input | eager µs | torch.compile µs | stitchflow µs | stitchflow (recomputed backward) µs | "
+            "stitchflow vs eager | stitchflow vs torch.compile | max rel. error |")
+    lines = [info.get("section", SECTION), "",
+             f"Command: `{info['command']}`  ",
+             f"Device: {info['device']}; {info['date']}; torch {info['torch']}, triton {info['triton']}  ",
+             f"{info['dtype']}, `APPS[app].build(size=\"{info['size']}\")` in training mode; a step = gradients "
+             "cleared, forward, backward of a fixed random upstream gradient (no optimizer; dropout p = 0, so that "
+             "every runner computes the same step). stitchflow = "
+             "torch.compile(backend=\"stitchflow\"), forward and backward graphs compiled (AOTAutograd); "
+             "recomputed backward = options={\"training\": \"recompute\"}. The median of "
+             f"{ROUNDS} rounds (runners in turn) of medians over steps, L2 evicted clean before each; output, input "
+             "and parameter gradients checked against eager first (relative error ≤ 2e-2).", "",
+             head, "|" + "---|" * 9]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['app']} | failed: {r['error'][:100]} |")
+            continue
+        times = [f"{r[f'{n} us']:.0f}" if r.get(f"{n} us") else "failed" if f"{n} error" in r else "-"
+                 for n in RUNNERS]
+        errs = [r.get(f"{n} err") for n in RUNNERS[1:]]
+        worst = max((e for e in errs if e is not None), default=float("nan"))
+        shape = "x".join(map(str, r["shapes"][0])) if r.get("shapes") else ""
+        name = r["app"] if r.get("size", "default") == "default" else f"{r['app']} {r['size']}"
+        lines.append(f"| {name} | {shape} | " + " | ".join(times) +
+                     f" | {_ratio(r.get('backend=stitchflow vs eager'))} | "
+                     f"{_ratio(r.get('backend=stitchflow vs compile'))} | {worst:.1e} |")
+    for r in rows:
+        parts = r.get("backend=stitchflow eager parts")
+        if parts:
+            lines.append(f"\n{r['app']}: ran eagerly under stitchflow: " + "; ".join(p[:160] for p in parts))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="stitchflow.bench.training", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--apps", default="bert,llama", help="apps of the zoo, each APP or APP:SIZE")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--size", default="default")
+    parser.add_argument("--out", default="", help="JSON file for the rows")
+    parser.add_argument("--markdown", default="", help="file whose section (--section) is rewritten")
+    parser.add_argument("--section", default=SECTION, help="the markdown section's heading")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("stitchflow bench training: needs a CUDA GPU")
+    rows = []
+    for spec in args.apps.split(","):
+        app, _, size = spec.partition(":")
+        try:
+            rows.append(bench_training(app, getattr(torch, args.dtype), size or args.size))
+        except Exception as err:  # report and go on with the next model
+            rows.append({"app": app, "error": f"{type(err).__name__}: {err}"})
+        print(json.dumps(rows[-1], default=str), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1, default=str)
+    if args.markdown:
+        import triton
+
+        info = {"command": "python -m stitchflow.bench.training " + " ".join(argv if argv is not None else sys.argv[1:]),
+                "device": torch.cuda.get_device_name(), "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+                "torch": torch.__version__, "triton": triton.__version__, "dtype": args.dtype, "size": args.size,
+                "section": args.section}
+        section = markdown(rows, info)
+        replace_section(Path(args.markdown), args.section, section)
+        print(section)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

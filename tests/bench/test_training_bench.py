@@ -1,0 +1,34 @@
+"""The training-step bench: its correctness check on the CPU (every runner's output and gradients
+against eager's, untimed; the timing runs on a GPU) and its report."""
+
+import torch
+
+from stitchflow.bench import training
+
+
+def test_every_runner_gets_eagers_gradients_on_a_small_llama_block():
+    row = training.bench_training("llama", torch.float32, "small", device="cpu", timed=False)
+    assert row["checked"] == sorted(training.RUNNERS), row
+    assert row["backend=stitchflow eager parts"] == []  # RoPE's slice gradients (slice_scatter) lower too
+    assert row["backend=stitchflow err"] < 1e-4
+
+
+def test_gradient_errors_floor_a_gradient_that_is_zero_in_exact_arithmetic():
+    out, big, noise = torch.ones(3), torch.full((4,), 10.0), torch.full((2,), 1e-7)
+    errs = training._gradient_errors([out, big, -noise], [out, big, noise])
+    assert errs[0] == 0 and errs[1] == 0 and errs[2] < 1e-4  # noise against noise, floored at 1e-3 of |big|
+    assert training._gradient_errors([out * 2, big, noise], [out, big, noise])[0] == 1.0  # the output is not floored
+
+
+def test_markdown_reports_steps_ratios_and_what_ran_eagerly():
+    row = {"app": "bert", "shapes": [[1, 512, 768]], "eager us": 1200.0, "torch.compile us": 900.0,
+           "backend=stitchflow us": 750.0, "backend=stitchflow recompute us": 1500.0,
+           "backend=stitchflow err": 3e-3, "torch.compile err": 2e-3, "backend=stitchflow recompute err": 1e-3,
+           "backend=stitchflow vs eager": 1.6, "backend=stitchflow vs compile": 1.2,
+           "backend=stitchflow eager parts": ["backward graph: aten.foo (foo): no lowering to the IR"]}
+    info = {"command": "cmd", "device": "GPU", "date": "today", "torch": "2", "triton": "3", "dtype": "bfloat16",
+            "size": "default"}
+    text = training.markdown([row], info)
+    assert text.startswith(training.SECTION)
+    assert "| bert | 1x512x768 | 1200 | 900 | 750 | 1500 | **1.60x faster** | **1.20x faster** | 3.0e-03 |" in text
+    assert "bert: ran eagerly under stitchflow: backward graph: aten.foo" in text
