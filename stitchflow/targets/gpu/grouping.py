@@ -200,10 +200,12 @@ def _affine_view(access, node: Node, names, src: torch.Tensor) -> torch.Tensor |
 
 
 def _radix_digits(node: Node) -> Node:
-    """A contraction whose reduced variable is read through floor-divisions and remainders
-    (merge_heads: x[k // 128 // 4, k // 128 % 4, k % 128]) with that variable split into its
-    mixed-radix digits (k = 512 a + 128 b + c), so that every read is affine again and runs
-    as a strided view, not a gather. The node itself when there is nothing to split."""
+    """A contraction whose variables are read through floor-divisions and remainders with them
+    split into their mixed-radix digits, so that every read is affine again and runs as a strided
+    view, not a gather: a reduced one (merge_heads: x[k // 128 // 4, k // 128 % 4, k % 128], k =
+    512 a + 128 b + c) or an output one (ATen's mm over x.view(B * S, D): x[i // S, i % S, k]),
+    whose digits then index the output in its place (`contract` merges them back by a reshape).
+    The node itself when there is nothing to split."""
     points: dict = {}
 
     def chain(e):
@@ -236,19 +238,22 @@ def _radix_digits(node: Node) -> Node:
     for a in accesses:
         for i in a.indices:
             visit(i)
-    reduce_vars = set(node.reduce_vars)
-    mapping, dims = {}, []
+    # output variables split only where every output index is a plain variable (digits replace it)
+    splittable = set(node.reduce_vars) | (set(node.out_vars) if all(isinstance(i, Var) for i in node.index) else set())
+    mapping, dims, out_digits = {}, [], {}
     for v, extent in node.dims:
         cuts = sorted(b for b in points.get(v, ()) if 1 < b < extent)
-        if v not in reduce_vars or not cuts or any(hi % lo for lo, hi in zip([1] + cuts, cuts + [extent])):
+        if v not in splittable or not cuts or any(hi % lo for lo, hi in zip([1] + cuts, cuts + [extent])):
             dims.append((v, extent))
             continue
         bounds_ = [1] + cuts + [extent]
         digits = [(f"{v}_{k}", bounds_[k + 1] // bounds_[k], bounds_[k]) for k in range(len(cuts) + 1)]
         mapping[v] = add(*(scale_index(Var(name), weight) for name, _, weight in digits))
         dims += [(name, n) for name, n, _ in reversed(digits)]  # outer digit first
+        out_digits[v] = tuple(Var(name) for name, _, _ in reversed(digits))
     if not mapping:
         return node
+    index = tuple(d for i in node.index for d in (out_digits.get(i.name, (i,)) if isinstance(i, Var) else (i,)))
     ranges = dict(dims)
 
     def rewrite(e):
@@ -261,7 +266,7 @@ def _radix_digits(node: Node) -> Node:
             return Cast(e.dtype, rewrite(e.arg))
         return e
 
-    split = dataclasses.replace(node, body=rewrite(node.body), dims=tuple(dims))
+    split = dataclasses.replace(node, body=rewrite(node.body), dims=tuple(dims), index=index)
     for a in map(factor_access, product_factors(split.body) or []):
         if a is not None and any(isinstance(x, (Div, Mod)) for i in a.indices for x in _atoms(i)):
             return node  # some read stays non-affine: the gather path is as good
@@ -307,6 +312,7 @@ def contract(node: Node, env, out_dtype: torch.dtype, cache: dict | None = None)
     cache = {} if cache is None else cache
     if ("digits", node.name) not in cache:
         cache[("digits", node.name)] = _radix_digits(node)
+    out_shape = [node.extents[v] for v in node.out_vars]  # output digits merge back into it
     node = cache[("digits", node.name)]
     factors = product_factors(node.body)
     scale, operands, specs = 1.0, [], []
@@ -332,7 +338,7 @@ def contract(node: Node, env, out_dtype: torch.dtype, cache: dict | None = None)
     out = out * scale if scale != 1.0 else out
     shape = [node.extents[v] if v in kept else 1 for v in node.out_vars]  # broadcast output dims
     out = out.reshape(shape).expand([node.extents[v] for v in node.out_vars])
-    return out.to(out_dtype).contiguous()
+    return out.to(out_dtype).contiguous().reshape(out_shape)
 
 
 class TorchStep:

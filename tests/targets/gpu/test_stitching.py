@@ -449,6 +449,24 @@ def test_gqa_head_split_and_merge_heads_read_operands_as_views(monkeypatch):
             for x in grouping._atoms(i))
 
 
+def test_flattened_batch_rows_of_an_aten_mm_are_views_not_gathers(monkeypatch):
+    """ATen's linear is mm over x.view(B * S, D) (AOTAutograd's graphs, stitchflow.compile's export):
+    the output row i is read as x[i // S, i % S, k]; i is split into digits that index the output
+    in its place, so the operand is a view; the same for the weight gradient's x^T @ dy (k // S)."""
+    from stitchflow.targets.gpu import grouping
+
+    monkeypatch.setattr(grouping, "_gather_index", lambda *a, **k: (_ for _ in ()).throw(AssertionError("gathered")))
+
+    def f(x, w, dy):
+        flat = (x * 2).view(-1, x.shape[-1])
+        return (flat @ w).view(*x.shape[:-1], -1).relu(), flat.t() @ (dy * 3).view(-1, dy.shape[-1])
+
+    x, w, dy = torch.randn(3, 5, 8), torch.randn(8, 6), torch.randn(3, 5, 6)
+    prog = stitchflow.compile(f, (x, w, dy), target="gpu", fusion="auto")
+    for out, ref in zip(prog(x, w, dy), f(x, w, dy)):
+        assert relative_error(out, ref) <= 1e-6
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 def test_exact_gelu_rounds_like_eager(dtype):
     """bf16/fp16 GELU uses a short erf (|error| <= 1.5e-7) whose error hides below the output's
