@@ -34,6 +34,47 @@ def main():
         _step(fn, model, inputs, upstream)
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=90))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as host_prof:
+        _step(fn, model, inputs, upstream)
+        torch.cuda.synchronize()
+    print(host_prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
+    kernels = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+    import cProfile
+    import pstats
+    import time
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with cProfile.Profile() as host:
+        for _ in range(5):
+            _step(fn, model, inputs, upstream)
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / 5 * 1e3
+    print(f"step: {wall:.2f} ms wall (under cProfile), {kernels:.2f} ms of kernels")
+    pstats.Stats(host).sort_stats("tottime").print_stats(25)
+    # host time of each region step (no sync: what the Python costs), and the step's wall time
+    spent = {}
+    for m in backend.COMPILED:
+        for prog in m.programs.values():
+            for run in (prog._compiled if prog is not None else ()):
+                for k, step in enumerate(getattr(run, "steps", ())):
+                    label = f"{m.name} {type(step).__name__} {getattr(getattr(step, 'node', None), 'name', k)}"
+
+                    def timed(env, step=step, label=label):
+                        t0 = time.perf_counter()
+                        step(env)
+                        spent[label] = spent.get(label, 0.0) + time.perf_counter() - t0
+                    run.steps[k] = timed
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        _step(fn, model, inputs, upstream)
+    torch.cuda.synchronize()
+    print(f"step: {(time.perf_counter() - start) / 10 * 1e3:.2f} ms wall, steps' host time "
+          f"{sum(spent.values()) / 10 * 1e3:.2f} ms")
+    for label, t in sorted(spent.items(), key=lambda kv: -kv[1])[:25]:
+        print(f"  {t / 10 * 1e6:8.1f} us  {label}")
     for m in backend.COMPILED:
         for prog in m.programs.values():
             if prog is None:

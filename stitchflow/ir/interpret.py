@@ -189,8 +189,8 @@ def _eval_range(node: Node, env, out_type: TensorType, loop: list[str], limits: 
     grid = _grid(loop, ranges, _device_of(node, env))
     dense_env = _DenseView(env)
     value = _eval_expr(node.body, loop, grid, ranges, dense_env)
-    if not isinstance(value, torch.Tensor):
-        value = torch.tensor(value, device=_device_of(node, env))
+    if not isinstance(value, torch.Tensor):  # a fill kernel: torch.tensor would copy from the host and wait for the device
+        value = torch.full((), value, device=_device_of(node, env))
     full = [ranges[v][1] - ranges[v][0] for v in loop]
     value = value.expand(full) if value.dim() == rank else value.reshape([1] * rank).expand(full)
     if node.is_scatter:
