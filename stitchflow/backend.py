@@ -64,7 +64,8 @@ def _supported(node: fx.Node) -> bool:
     an eager op's tuple of results stays with that op, so that partitions take tensors, not tuples."""
     if node.op not in ("call_function", "call_method"):
         return False
-    if node.target is operator.getitem and isinstance(node.args[0], fx.Node) and not _supported(node.args[0]):
+    source = node.args[0] if node.target is operator.getitem and node.args else None
+    if isinstance(source, fx.Node) and source.op in ("call_function", "call_method") and not _supported(source):
         return False
     return key_of(node) in LOWERINGS and early_refusal(node) is None
 

@@ -328,3 +328,18 @@ def test_parameters_are_bound_in_place_and_checked_each_call():
         assert_close(compiled(*inputs), model(*inputs))
         x2 = torch.randn_like(inputs[0])
         assert_close(compiled(x2), model(x2))
+
+
+def test_items_of_an_eager_ops_results_stay_with_it():
+    """An op run eagerly that returns a tuple (torch.linalg.qr) keeps its getitems in its eager part,
+    so the next partition takes tensors, not the tuple; the report names the op once."""
+    def f(x):
+        q, r = torch.linalg.qr(x * 2)
+        return (q.relu() + r.sum(0)).softmax(-1)
+
+    x = torch.randn(6, 6)
+    compiled = torch.compile(f, backend="stitchflow")
+    assert_close(compiled(x), f(x))
+    report = backend.fallback_report()
+    assert "linalg_qr" in report and "getitem" not in report, report
+    assert backend.regions_executed() >= 2

@@ -179,13 +179,14 @@ def _gather_index(access, node: Node, names, env, device, shape) -> tuple:
     return tuple(i.expand(full) for i in idx)
 
 
-def _affine_view(access, node: Node, names, src: torch.Tensor) -> torch.Tensor | None:
-    """The read as a strided view of `src` over `names`, when every index is affine in the
-    variables and stays in range: head splits (128*h + d), grouped-query heads (4*g + h) and
-    broadcasts then cost no copy. None when some index is not affine (or is clamped)."""
+def _affine_layout(access, node: Node, names, shape, stride) -> tuple | None:
+    """(sizes, strides, offset) of the read as a strided view of a tensor of `shape` and `stride`
+    over `names`, when every index is affine in the variables and stays in range: head splits
+    (128*h + d), grouped-query heads (4*g + h) and broadcasts then cost no copy. None when some
+    index is not affine (or is clamped)."""
     strides = dict.fromkeys(names, 0)
-    offset = src.storage_offset()
-    for idx, size, stride in zip(access.indices, src.shape, src.stride()):
+    offset = 0
+    for idx, size, step in zip(access.indices, shape, stride):
         lo, hi = bounds(idx, node.extents)
         if lo < 0 or hi > size - 1:
             return None
@@ -193,10 +194,10 @@ def _affine_view(access, node: Node, names, src: torch.Tensor) -> torch.Tensor |
                         else ((), idx.value) if isinstance(idx, Lit) else (None, 0))
         if terms is None or any(not isinstance(a, Var) for _, a in terms):
             return None
-        offset += const * stride
+        offset += const * step
         for c, a in terms:
-            strides[a.name] += c * stride
-    return src.as_strided([node.extents[v] for v in names], [strides[v] for v in names], offset)
+            strides[a.name] += c * step
+    return [node.extents[v] for v in names], [strides[v] for v in names], offset
 
 
 def _radix_digits(node: Node) -> Node:
@@ -284,7 +285,9 @@ def _dense_operand(access, node: Node, env, device, cache: dict) -> torch.Tensor
     splits and GQA broadcasts become strided views; other index arithmetic one gather, not a
     broadcast over the whole loop nest. Index tensors that do not depend on data are built
     once per device (cache)."""
-    names = sorted(access.vars, key=lambda v: [d for d, _ in node.dims].index(v))
+    names = cache.get(("names", access))
+    if names is None:
+        names = cache[("names", access)] = sorted(access.vars, key=lambda v: [d for d, _ in node.dims].index(v))
     src = env[access.tensor]
     src = src.to_dense() if src.layout != torch.strided else src
     if access.is_plain and len(access.indices) == src.dim():
@@ -292,9 +295,12 @@ def _dense_operand(access, node: Node, env, device, cache: dict) -> torch.Tensor
         order = [[i.name for i in access.indices].index(v) for v in names]
         return src.permute(order), names
     if access.tensors == {access.tensor}:
-        view = _affine_view(access, node, names, src)
-        if view is not None:
-            return view, names
+        key = ("view", access, src.shape, src.stride())  # the layout is worked out once per source layout
+        if key not in cache:
+            cache[key] = _affine_layout(access, node, names, src.shape, src.stride())
+        if cache[key] is not None:
+            sizes, strides, offset = cache[key]
+            return src.as_strided(sizes, strides, src.storage_offset() + offset), names
     key = (access, device)
     idx = cache.get(key)
     if idx is None:
@@ -305,40 +311,62 @@ def _dense_operand(access, node: Node, env, device, cache: dict) -> torch.Tensor
     return out.expand([node.extents[v] for v in names]) if names else out, names
 
 
-def contract(node: Node, env, out_dtype: torch.dtype, cache: dict | None = None) -> torch.Tensor:
-    """A GEMM-like node as one einsum, in the operands' dtype where they share the output's
-    (cuBLAS accumulates half types in float32, as eager's matmul does). `cache` keeps index
-    tensors and the node with its reduced variables split into digits (_radix_digits)."""
-    cache = {} if cache is None else cache
-    if ("digits", node.name) not in cache:
-        cache[("digits", node.name)] = _radix_digits(node)
-    out_shape = [node.extents[v] for v in node.out_vars]  # output digits merge back into it
-    node = cache[("digits", node.name)]
-    factors = product_factors(node.body)
-    scale, operands, specs = 1.0, [], []
-    letters = {v: "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"[k] for k, (v, _) in enumerate(node.dims)}
-    device = next(env[factor_access(f).tensor].device for f in factors if factor_access(f) is not None)
-    for f in factors:
+@dataclasses.dataclass(frozen=True)
+class _Contraction:
+    """What a contraction's einsum needs besides its operands, worked out on its first call."""
+
+    node: Node  # with variables read through div/mod split into digits
+    out_shape: tuple[int, ...]  # the original node's output (its digits merge back into it)
+    spec: str
+    scale: float
+    kept: tuple[str, ...]  # output variables some operand reads (the others broadcast)
+
+
+def _plan_contraction(node: Node, env, cache: dict) -> _Contraction:
+    split = _radix_digits(node)
+    letters = {v: "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"[k] for k, (v, _) in enumerate(split.dims)}
+    scale, specs = 1.0, []
+    for f in product_factors(split.body):
         if isinstance(f, Const):
             scale *= f.value
             continue
-        t, names = _dense_operand(factor_access(f), node, env, device, cache)
-        operands.append(t.to(f.dtype) if isinstance(f, Cast) else t)
+        access = factor_access(f)
+        names = cache.get(("names", access)) or sorted(access.vars, key=lambda v: [d for d, _ in split.dims].index(v))
         specs.append("".join(letters[v] for v in names))
+    used = set("".join(specs))
+    for v in split.reduce_vars:  # summing over a variable no operand reads multiplies by its extent
+        if letters[v] not in used:
+            scale *= split.extents[v]
+    kept = tuple(v for v in split.out_vars if letters[v] in used)
+    return _Contraction(split, tuple(node.extents[v] for v in node.out_vars),
+                        ",".join(specs) + "->" + "".join(letters[v] for v in kept), scale, kept)
+
+
+def contract(node: Node, env, out_dtype: torch.dtype, cache: dict | None = None) -> torch.Tensor:
+    """A GEMM-like node as one einsum, in the operands' dtype where they share the output's
+    (cuBLAS accumulates half types in float32, as eager's matmul does). `cache` keeps index
+    tensors, operand layouts and the plan (_Contraction): a training step's backward runs
+    dozens of these, and their Python is on its critical path."""
+    cache = {} if cache is None else cache
+    plan = cache.get(("plan", node.name))
+    if plan is None:
+        plan = cache[("plan", node.name)] = _plan_contraction(node, env, cache)
+    node = plan.node
+    factors = [f for f in product_factors(node.body) if not isinstance(f, Const)]
+    device = next(env[factor_access(f).tensor].device for f in factors if factor_access(f) is not None)
+    operands = []
+    for f in factors:
+        t, _ = _dense_operand(factor_access(f), node, env, device, cache)
+        operands.append(t.to(f.dtype) if isinstance(f, Cast) else t)
     dtypes = {t.dtype for t in operands}
     compute = out_dtype if dtypes == {out_dtype} and out_dtype.is_floating_point else \
         torch.promote_types(out_dtype, torch.float32)
-    used = set("".join(specs))
-    for v in node.reduce_vars:  # summing over a variable no operand reads multiplies by its extent
-        if letters[v] not in used:
-            scale *= node.extents[v]
-    kept = [v for v in node.out_vars if letters[v] in used]
-    spec = ",".join(specs) + "->" + "".join(letters[v] for v in kept)
-    out = torch.einsum(spec, *(t.to(compute) for t in operands))
-    out = out * scale if scale != 1.0 else out
-    shape = [node.extents[v] if v in kept else 1 for v in node.out_vars]  # broadcast output dims
-    out = out.reshape(shape).expand([node.extents[v] for v in node.out_vars])
-    return out.to(out_dtype).contiguous().reshape(out_shape)
+    out = torch.einsum(plan.spec, *(t.to(compute) for t in operands))
+    out = out * plan.scale if plan.scale != 1.0 else out
+    if len(plan.kept) != len(node.out_vars):  # broadcast output dims
+        out = out.reshape([node.extents[v] if v in plan.kept else 1 for v in node.out_vars])
+        out = out.expand([node.extents[v] for v in node.out_vars])
+    return out.to(out_dtype).contiguous().reshape(plan.out_shape)
 
 
 class TorchStep:
