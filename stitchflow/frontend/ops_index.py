@@ -11,7 +11,7 @@ import torch
 
 from ..ir.errors import ShapeError, UnsupportedOpError
 from ..ir.expr import Cast, Const, IndexValue, call
-from ..ir.index import add, floordiv, mod, scale
+from ..ir.index import Gather, Lit, add, floordiv, mod, scale
 from . import values as V
 from .ops_elementwise import elementwise
 from .ops_shape import lower_cat, lower_repeat
@@ -195,3 +195,51 @@ def lower_select_scatter(ctx, x, src, dim, index):
     """x with x.select(dim, index) replaced by src: the gradient of an integer index."""
     dim = dim % x.rank
     return lower_setitem(ctx, x, (slice(None),) * dim + (index,), src)
+
+
+@lowering("aten.index_put", "aten.index_put_", torch.index_put, "method:index_put", "method:index_put_")
+def lower_index_put(ctx, x, indices, values, accumulate=False):
+    """x with values added at x[indices] (accumulate=True: an embedding's gradient, rows summed into the
+    table) as a scatter-add. Index tensors of one shape on leading dims; values broadcast to that shape
+    followed by x's remaining dims. An overwriting index_put (the last of duplicates wins, in an order
+    eager does not define) is refused."""
+    from .ops_reduce import _scatter_add
+
+    if not accumulate:
+        raise UnsupportedOpError("index_put", "accumulate=False (a scatter that overwrites; duplicates race)",
+                                 ctx.hint)
+    indices = list(indices)
+    if not indices or any(not isinstance(i, TensorValue) for i in indices) or len({i.shape for i in indices}) != 1:
+        raise UnsupportedOpError("index_put", "index tensors other than one shape on the leading dims", ctx.hint)
+    if any(i.dtype == torch.bool for i in indices):
+        raise UnsupportedOpError("index_put", "a boolean mask index (its count depends on the data)", ctx.hint)
+    lead, rank = len(indices), len(indices[0].shape)
+    loop_shape = [*indices[0].shape, *x.shape[lead:]]
+    if isinstance(values, TensorValue):
+        values = V.expand(values, loop_shape)
+
+    def out_index(o, rg):
+        at = [i.access(o[:rank], rg) for i in indices]
+        return [Gather(a.tensor, a.indices) for a in at] + list(o[rank:])
+
+    return _scatter_add(ctx, x, out_index, values, loop_shape)
+
+
+@lowering("aten.scatter", "method:scatter", torch.scatter)
+def lower_scatter(ctx, x, dim, index, value=None, *, src=None, reduce=None):
+    """x with a scalar written at index along dim, one index per row (NLL's gradient: a one-hot times -1):
+    where(index[..., 0, ...] == coordinate, value, x). A tensor source or several indices per row (a
+    scatter that overwrites, whose duplicates race) are refused."""
+    value = src if value is None else value
+    if reduce is not None or isinstance(value, TensorValue) or not isinstance(index, TensorValue):
+        raise UnsupportedOpError("scatter", "a tensor source or a reduce (a scatter that overwrites)", ctx.hint)
+    dim = V.norm_dim(dim, x.rank)
+    if index.shape[dim] != 1 or any(n != m for d, (n, m) in enumerate(zip(index.shape, x.shape)) if d != dim):
+        raise UnsupportedOpError("scatter", f"index of shape {list(index.shape)} into {list(x.shape)} (only one "
+                                            "index per row along dim, the other dims whole)", ctx.hint)
+
+    def body(o, r, rg):
+        at = index.read([Lit(0) if d == dim else o[d] for d in range(x.rank)], rg)
+        return call("where", call("eq", at, IndexValue(o[dim])), _as(Const(value), value, ctx.dtype), x.read(o, rg))
+
+    return ctx.builder.emit(ctx.shape, ctx.dtype, body, hint=ctx.hint)

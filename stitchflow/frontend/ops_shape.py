@@ -101,9 +101,15 @@ def lower_index_select(ctx, x, dim, index):
     return V.gather_dim(x, dim, _index_value(ctx, index))
 
 
-@lowering(F.embedding, "aten.embedding")
+@lowering(F.embedding)
 def lower_embedding(ctx, index, weight, padding_idx=None, max_norm=None, *args, **kwargs):
     """weight[index]: rows gathered by the index tensor (padding_idx only changes gradients)."""
+    return V.gather_dim(weight, 0, _index_value(ctx, index))
+
+
+@lowering("aten.embedding")
+def lower_aten_embedding(ctx, weight, index, *args, **kwargs):
+    """ATen's order: the weight first (AOTAutograd's and torch.export's graphs)."""
     return V.gather_dim(weight, 0, _index_value(ctx, index))
 
 

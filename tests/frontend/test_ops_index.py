@@ -1,6 +1,7 @@
 """Products in their other spellings (dot, inner, mv, addmv, addbmm, tensordot, trace, multi_dot, kron) and index
 maps with repetition and windows (repeat_interleave, tile, take_along_dim, unfold, diff, cross): on every target,
-equal to eager on random shapes in float32 and bfloat16. slice_scatter and select_scatter. OpInfo samples cover their argument variants. Item
+equal to eager on random shapes in float32 and bfloat16. slice_scatter, select_scatter, index_put
+(accumulating) and scatter of a scalar (the gradients AOTAutograd's backward graphs hold). OpInfo samples cover their argument variants. Item
 assignment (x[key] = v) through the backend, and the refusal of an in-place write into a view."""
 
 import pytest
@@ -29,9 +30,13 @@ CASES = {
     # a slice's and an index's gradients in AOTAutograd's backward graphs
     "slice_select_scatter": lambda x, y: torch.slice_scatter(x, y.transpose(1, 2)[:, :, 1:] * 2, 2, 1)
     + torch.select_scatter(x, y.transpose(1, 2)[:, 0], 1, -1) + torch.slice_scatter(x, x[:, ::2] - 1, 1, 0, None, 2),
+    # an embedding's gradient (rows summed into the table) and NLL's (a one-hot times -1)
+    "index_put_accumulate": lambda x, y: torch.index_put(x.new_zeros(5, x.shape[2]), ((x[0, :, 0].abs() * 3).long() % 5,),
+                                                         x[0] * 2, accumulate=True),
+    "scatter_one_hot": lambda x, y: (x * 3).scatter(2, (y.transpose(1, 2)[..., :1].abs() * 2).long() % x.shape[2], -1.0),
     "cross": lambda x, y: torch.linalg.cross(x[:, :, :3].repeat(1, 1, 2)[..., :3], y.transpose(1, 2)[..., :3].repeat(1, 1, 2)[..., :3]),
 }
-GATHERS_COMPUTED_INDEX = {"take_along_dim"}
+GATHERS_COMPUTED_INDEX = {"take_along_dim", "index_put_accumulate", "scatter_one_hot"}
 
 
 @pytest.mark.parametrize("target", ["reference", "gpu", "dataflow"])
@@ -58,6 +63,13 @@ def test_refusals_name_the_problem():
         stitchflow.compile(lambda x: x.repeat_interleave((x[0] > 0).long() + 1, dim=1), (x,))
     with pytest.raises(stitchflow.StitchflowError, match="must have length 3"):
         stitchflow.compile(lambda x: torch.linalg.cross(x, x), (x,))
+    rows = torch.tensor([0, 2, 0])
+    with pytest.raises(stitchflow.StitchflowError, match="accumulate=False"):
+        stitchflow.compile(lambda x: torch.index_put(x, (rows,), x[:3] * 2), (x,))
+    with pytest.raises(stitchflow.StitchflowError, match="a tensor source"):
+        stitchflow.compile(lambda x: x.scatter(1, rows[:, None].expand(3, 2), x[:, :2]), (x,))
+    with pytest.raises(stitchflow.StitchflowError, match="only one index per row"):
+        stitchflow.compile(lambda x: x.scatter(1, rows[:, None].expand(3, 2), 1.0), (x,))
 
 
 def _row(y, v):
