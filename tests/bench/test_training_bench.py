@@ -11,6 +11,7 @@ def test_every_runner_gets_eagers_gradients_on_a_small_llama_block():
     assert row["checked"] == sorted(training.RUNNERS), row
     assert row["backend=stitchflow eager parts"] == []  # RoPE's slice gradients (slice_scatter) lower too
     assert row["backend=stitchflow err"] < 1e-4
+    assert row["backend=stitchflow first step s"] > 0
 
 
 def test_gradient_errors_floor_a_gradient_that_is_zero_in_exact_arithmetic():
@@ -25,10 +26,12 @@ def test_markdown_reports_steps_ratios_and_what_ran_eagerly():
            "backend=stitchflow us": 750.0, "backend=stitchflow recompute us": 1500.0,
            "backend=stitchflow err": 3e-3, "torch.compile err": 2e-3, "backend=stitchflow recompute err": 1e-3,
            "backend=stitchflow vs eager": 1.6, "backend=stitchflow vs compile": 1.2,
-           "backend=stitchflow eager parts": ["backward graph: aten.foo (foo): no lowering to the IR"]}
+           "backend=stitchflow eager parts": ["backward graph: aten.foo (foo): no lowering to the IR"],
+           "torch.compile first step s": 41.5, "backend=stitchflow first step s": 63.2}
     info = {"command": "cmd", "device": "GPU", "date": "today", "torch": "2", "triton": "3", "dtype": "bfloat16",
             "size": "default"}
     text = training.markdown([row], info)
     assert text.startswith(training.SECTION)
-    assert "| bert | 1x512x768 | 1200 | 900 | 750 | 1500 | **1.60x faster** | **1.20x faster** | 3.0e-03 |" in text
+    assert ("| bert | 1x512x768 | 1200 | 900 | 750 | 1500 | **1.60x faster** | **1.20x faster** | 3.0e-03 | 41.5 / 63.2 |"
+            in text)
     assert "bert: ran eagerly under stitchflow: backward graph: aten.foo" in text
