@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
 
 import stitchflow.backend as backend
 import stitchflow.training as training
@@ -246,3 +247,30 @@ def test_embeddings_and_cross_entropy_train_wholly_through_stitchflow():
                         loss=lambda out: out)
     assert _compiled_graphs() == {"forward", "backward"}
     assert backend.fallback_report().endswith("everything captured ran through stitchflow")
+
+
+_ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "gelu_tanh": lambda: nn.GELU("tanh"), "silu": nn.SiLU,
+                "tanh": nn.Tanh, "sigmoid": nn.Sigmoid, "softplus": nn.Softplus, "leaky_relu": nn.LeakyReLU,
+                "elu": nn.ELU, "hardswish": nn.Hardswish, "mish": nn.Mish}
+_NORMS = {"none": None, "layer": nn.LayerNorm, "rms": nn.RMSNorm, "layer_no_affine": lambda d: nn.LayerNorm(d, elementwise_affine=False)}
+
+
+@settings(max_examples=12, deadline=None)
+@given(widths=st.lists(st.integers(1, 23), min_size=2, max_size=4), rows=st.integers(1, 9),
+       activation=st.sampled_from(sorted(_ACTIVATIONS)), norm=st.sampled_from(sorted(_NORMS)), bias=st.booleans(),
+       head=st.sampled_from(["none", "softmax", "log_softmax"]))
+def test_random_mlps_get_eagers_gradients(widths, rows, activation, norm, bias, head):
+    """Random widths (1 and odd sizes among them), activations, norms and heads: every decomposed
+    backward (AOTAutograd's) against eager's, judged against float64 like the other float32 cases."""
+    torch._dynamo.reset()
+    backend.reset()
+    torch.manual_seed(len(widths) * 100 + rows)
+    layers = []
+    for a, b in zip(widths, widths[1:]):
+        layers += [nn.Linear(a, b, bias=bias), _ACTIVATIONS[activation]()]
+        if _NORMS[norm] is not None:
+            layers.append(_NORMS[norm](b))
+    if head != "none":
+        layers.append(nn.Softmax(-1) if head == "softmax" else nn.LogSoftmax(-1))
+    _train_side_by_side(nn.Sequential(*layers), lambda: (torch.randn(rows, widths[0]),), steps=1, exact=True)
+    assert "backward" in _compiled_graphs()
