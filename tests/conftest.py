@@ -74,6 +74,17 @@ def rng():
     return torch.Generator().manual_seed(1234)
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches and the backend's records cleared around a test of torch.compile(backend="stitchflow")."""
+    from stitchflow import backend
+
+    torch._dynamo.reset()
+    backend.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def run_fresh(code: str, payload) -> object:
     """Run `code` in a fresh Python without TRITON_INTERPRET, `payload` as JSON on its stdin; its last
     stdout line parsed as JSON. Gluon's sm_90 compiles need this: Triton's interpreter, which the

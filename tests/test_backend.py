@@ -13,12 +13,7 @@ from stitchflow.apps import APPS
 DENSE_APPS = ["sae", "gpt3-bigbird", "bert", "llama", "resnet", "unet"]
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    backend.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def test_backend_is_registered_by_name():

@@ -78,3 +78,36 @@ def failure_lines(rows: list[dict], runners, against: str) -> list[str]:
     if not failures:
         return []
     return ["", f"Competitors that did not run or did not match {against}:", ""] + [f"- {f}" for f in failures]
+
+
+def run_apps(args, argv, module: str, bench, markdown) -> int:
+    """The main of a suite over models of the zoo: `bench(app, dtype, size)` for each APP or APP:SIZE of
+    --apps (a failure kept as that model's row), each row printed as it finishes; then --out (the rows as
+    JSON) and --markdown (the suite's section, `markdown(rows, info)`, rewritten with the command, device,
+    date and versions)."""
+    import datetime
+    import sys
+
+    import torch
+
+    rows = []
+    for spec in args.apps.split(","):
+        app, _, size = spec.partition(":")  # resnet:resnet50 names a size of its own
+        try:
+            rows.append(bench(app, getattr(torch, args.dtype), size or args.size))
+        except Exception as err:  # report and go on with the next model
+            rows.append({"app": app, "error": f"{type(err).__name__}: {err}"})
+        print(json.dumps(rows[-1], default=str), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1, default=str))
+    if args.markdown:
+        import triton
+
+        info = {"command": f"python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:]),
+                "device": torch.cuda.get_device_name(), "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+                "torch": torch.__version__, "triton": triton.__version__, "dtype": args.dtype, "size": args.size,
+                "section": args.section}
+        section = markdown(rows, info)
+        replace_section(Path(args.markdown), args.section, section)
+        print(section)
+    return 0

@@ -12,15 +12,11 @@ With --markdown, that section of the file is rewritten (other sections stay).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 
-from .report import replace_section
+from .report import run_apps
 from .stitching import ROUNDS, _time_in_rounds
 from .stitching_patterns import as_tuple, relative_error
 
@@ -118,28 +114,7 @@ def main(argv=None) -> int:
     parser.add_argument("--markdown", default="", help="file whose section (--section) is rewritten")
     parser.add_argument("--section", default=SECTION, help="the markdown section's heading")
     args = parser.parse_args(argv)
-    rows = []
-    for spec in args.apps.split(","):
-        app, _, size = spec.partition(":")  # resnet:resnet50 names a size of its own
-        try:
-            rows.append(bench_block(app, getattr(torch, args.dtype), size or args.size))
-        except Exception as err:  # report and go on with the next block
-            rows.append({"app": app, "error": f"{type(err).__name__}: {err}"})
-        print(json.dumps(rows[-1], default=str), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1, default=str)
-    if args.markdown:
-        import triton
-
-        info = {"command": "python -m stitchflow.bench.stitching_blocks " + " ".join(argv if argv is not None else sys.argv[1:]),
-                "device": torch.cuda.get_device_name(), "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
-                "torch": torch.__version__, "triton": triton.__version__, "dtype": args.dtype, "size": args.size,
-                "section": args.section}
-        section = markdown(rows, info)
-        replace_section(Path(args.markdown), args.section, section)
-        print(section)
-    return 0
+    return run_apps(args, argv, "stitchflow.bench.stitching_blocks", bench_block, markdown)
 
 
 if __name__ == "__main__":

@@ -17,16 +17,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from .report import replace_section
+from .report import run_apps
 from .stitching import ROUNDS, _time_in_rounds
 from .stitching_patterns import as_tuple, tolerance
 
@@ -193,28 +190,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("stitchflow bench training: needs a CUDA GPU")
-    rows = []
-    for spec in args.apps.split(","):
-        app, _, size = spec.partition(":")
-        try:
-            rows.append(bench_training(app, getattr(torch, args.dtype), size or args.size))
-        except Exception as err:  # report and go on with the next model
-            rows.append({"app": app, "error": f"{type(err).__name__}: {err}"})
-        print(json.dumps(rows[-1], default=str), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1, default=str)
-    if args.markdown:
-        import triton
-
-        info = {"command": "python -m stitchflow.bench.training " + " ".join(argv if argv is not None else sys.argv[1:]),
-                "device": torch.cuda.get_device_name(), "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
-                "torch": torch.__version__, "triton": triton.__version__, "dtype": args.dtype, "size": args.size,
-                "section": args.section}
-        section = markdown(rows, info)
-        replace_section(Path(args.markdown), args.section, section)
-        print(section)
-    return 0
+    return run_apps(args, argv, "stitchflow.bench.training", bench_training, markdown)
 
 
 if __name__ == "__main__":
