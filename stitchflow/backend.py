@@ -247,7 +247,9 @@ def _dense(t: torch.Tensor) -> bool:
 
 
 def _restrided(t, stride):
-    if stride is None or not isinstance(t, torch.Tensor) or t.stride() == stride:
+    """`t` in `stride` (a copy), unless its layout already matches where it matters (dims of size > 1)."""
+    if stride is None or not isinstance(t, torch.Tensor) or all(
+            a == b for n, a, b in zip(t.shape, t.stride(), stride) if n > 1):
         return t
     return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
 

@@ -338,3 +338,15 @@ def test_items_of_an_eager_ops_results_stay_with_it():
     report = backend.fallback_report()
     assert "linalg_qr" in report and "getitem" not in report, report
     assert backend.regions_executed() >= 2
+
+
+def test_outputs_read_eagerly_leave_in_eagers_strides_only_where_they_matter():
+    x = torch.randn(2, 3, 4)
+    permuted = x.permute(2, 0, 1)
+    assert backend._dense(permuted) and not backend._dense(x[:, :2]) and not backend._dense(x[:1].expand(5, 3, 4))
+    ours = permuted.contiguous()
+    restrided = backend._restrided(ours, permuted.stride())
+    assert restrided.stride() == permuted.stride() and torch.equal(restrided, permuted)
+    kept = torch.randn(4, 1, 3)
+    assert backend._restrided(kept, (3, 7, 1)) is kept  # a size-1 dim's stride does not matter
+    assert backend._restrided(kept, None) is kept
