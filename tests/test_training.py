@@ -269,3 +269,19 @@ def test_random_mlps_get_eagers_gradients(widths, rows, activation, norm, bias, 
         layers.append(nn.Softmax(-1) if head == "softmax" else nn.LogSoftmax(-1))
     _train_side_by_side(nn.Sequential(*layers), lambda: (torch.randn(rows, widths[0]),), steps=1, exact=True)
     assert "backward" in _compiled_graphs()
+
+
+@pytest.mark.parametrize("target", ["reference", "gpu"])
+@pytest.mark.parametrize("pool, shape", [
+    (lambda: nn.MaxPool2d(3, 2, 1), (2, 3, 9, 9)),  # ResNet's stem: overlapping, padded windows
+    (lambda: nn.MaxPool2d(2, ceil_mode=True), (2, 3, 8, 7)),
+    (lambda: nn.MaxPool3d(2, 1), (1, 2, 4, 5, 5)),
+    (lambda: nn.MaxPool2d(3, 1, 1), (3, 6, 6)),  # no batch dim
+], ids=["stem", "ceil", "3d", "unbatched"])
+def test_max_pool_gradient_is_a_scatter_to_the_argmax(pool, shape, target):
+    skip_unless_kernels_run(target)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(shape[-1], shape[-1]), pool()).to(DEVICE if target == "gpu" else "cpu")
+    device = next(model.parameters()).device
+    _train_side_by_side(model, lambda: (torch.randn(*shape, device=device),), steps=1, options={"target": target})
+    assert backend.fallback_report().endswith("everything captured ran through stitchflow")

@@ -192,3 +192,31 @@ def _adaptive_average(n: int):
 lowering(F.adaptive_avg_pool1d, torch.adaptive_avg_pool1d, "aten.adaptive_avg_pool1d")(_adaptive_average(1))
 lowering(F.adaptive_avg_pool2d, "aten.adaptive_avg_pool2d", "aten._adaptive_avg_pool2d")(_adaptive_average(2))
 lowering(F.adaptive_avg_pool3d, "aten.adaptive_avg_pool3d", "aten._adaptive_avg_pool3d")(_adaptive_average(3))
+
+
+def _max_pool_backward(dims: int):
+    def lower(ctx, grad, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
+        """The gradient of a max pool: each output's gradient added at its argmax (`indices`, flat over the
+        input's last `dims` dims, as the forward returned them): a scatter-add over the pooled grid into x's
+        planes; overlapping windows whose maxima coincide sum there, as eager's kernel does."""
+        from ..ir.index import Gather
+        from .registry import compute_dtype, operand
+
+        lead, plane = list(x.shape[:x.rank - dims]), math.prod(x.shape[x.rank - dims:])
+        acc, loop_shape = compute_dtype(ctx.dtype), list(grad.shape)
+
+        def at_argmax(o, rg):
+            where = indices.access(o, rg)
+            return [*o[:len(lead)], Gather(where.tensor, where.indices)]
+
+        planes = ctx.builder.scatter([*lead, plane], acc, loop_shape, lambda o, r, rg: operand(grad, o, loop_shape, rg),
+                                     at_argmax, hint=f"{ctx.hint}_scatter")
+        whole = V.reshape(planes, tuple(x.shape))
+        if acc == ctx.dtype:
+            return whole
+        return ctx.builder.emit(ctx.shape, ctx.dtype, lambda o, r, rg: Cast(ctx.dtype, whole.read(o, rg)), hint=ctx.hint)
+    return lower
+
+
+lowering("aten.max_pool2d_with_indices_backward")(_max_pool_backward(2))
+lowering("aten.max_pool3d_with_indices_backward")(_max_pool_backward(3))
