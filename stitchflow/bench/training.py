@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import statistics
 import sys
 import time
@@ -76,8 +77,9 @@ def _gradient_errors(got: list, want: list) -> list[float]:
 
 
 def bench_training(app: str, dtype: torch.dtype, size: str = "default", device: str = "cuda",
-                   timed: bool = True) -> dict:
-    """One model's row: every runner checked against eager, then (`timed`) timed in rounds."""
+                   timed: bool = True, runners: tuple = RUNNERS) -> dict:
+    """One model's row: each of `runners` checked against eager (run first whatever `runners` says),
+    then (`timed`) timed in rounds."""
     import stitchflow.backend as backend
     from stitchflow.apps import APPS
 
@@ -96,7 +98,7 @@ def bench_training(app: str, dtype: torch.dtype, size: str = "default", device: 
     out = as_tuple(base(*inputs))[0]
     upstream = torch.randn_like(out)
     steps, want = {}, None
-    for name in RUNNERS:
+    for name in ("eager", *(r for r in runners if r != "eager")):
         torch._dynamo.reset()
         backend.reset()
         model = copy.deepcopy(base)  # each runner its own parameters and gradients
@@ -127,11 +129,11 @@ def bench_training(app: str, dtype: torch.dtype, size: str = "default", device: 
     for name, times in _time_in_rounds(steps, [()]).items():
         row[f"{name} us"] = statistics.median(times)
         row[f"{name} rounds us"] = [round(t, 1) for t in times]
-    ref = row["torch.compile us"]
+    ref, eager = row.get("torch.compile us"), row.get("eager us")
     for name in RUNNERS:
         t = row.get(f"{name} us")
         row[f"{name} vs compile"] = ref / t if t and ref else None
-        row[f"{name} vs eager"] = row["eager us"] / t if t and row["eager us"] else None
+        row[f"{name} vs eager"] = eager / t if t and eager else None
     return row
 
 
@@ -182,15 +184,22 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="stitchflow.bench.training", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--apps", default="bert,llama", help="apps of the zoo, each APP or APP:SIZE")
+    parser.add_argument("--runners", default=",".join(RUNNERS),
+                        help="which runners, comma-separated (eager always runs: the others are checked against it)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--size", default="default")
     parser.add_argument("--out", default="", help="JSON file for the rows")
     parser.add_argument("--markdown", default="", help="file whose section (--section) is rewritten")
     parser.add_argument("--section", default=SECTION, help="the markdown section's heading")
     args = parser.parse_args(argv)
+    runners = tuple(r.strip() for r in args.runners.split(","))
+    unknown = [r for r in runners if r not in RUNNERS]
+    if unknown:
+        raise SystemExit(f"stitchflow bench training: unknown runners {unknown}; known: {', '.join(RUNNERS)}")
     if not torch.cuda.is_available():
         raise SystemExit("stitchflow bench training: needs a CUDA GPU")
-    return run_apps(args, argv, "stitchflow.bench.training", bench_training, markdown)
+    return run_apps(args, argv, "stitchflow.bench.training", functools.partial(bench_training, runners=runners),
+                    markdown)
 
 
 if __name__ == "__main__":

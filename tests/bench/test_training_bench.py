@@ -35,3 +35,16 @@ def test_markdown_reports_steps_ratios_and_what_ran_eagerly():
     assert ("| bert | 1x512x768 | 1200 | 900 | 750 | 1500 | **1.60x faster** | **1.20x faster** | 3.0e-03 | 41.5 / 63.2 |"
             in text)
     assert "bert: ran eagerly under stitchflow: backward graph: aten.foo" in text
+
+
+def test_a_chosen_runner_is_checked_against_eager_alone():
+    row = training.bench_training("bert", torch.float32, "small", device="cpu", timed=False,
+                                  runners=("backend=stitchflow",))
+    assert row["checked"] == ["backend=stitchflow", "eager"] and "torch.compile err" not in row
+
+
+def test_unknown_runners_are_named():
+    import pytest
+
+    with pytest.raises(SystemExit, match="unknown runners \\['inductor'\\]"):
+        training.main(["--runners", "eager,inductor"])
