@@ -111,3 +111,14 @@ def run_apps(args, argv, module: str, bench, markdown) -> int:
         replace_section(Path(args.markdown), args.section, section)
         print(section)
     return 0
+
+
+def app_row_start(row: dict, runners: Sequence[str]) -> tuple[str, float]:
+    """The cells a zoo suite's table row opens with (model, input shape, each runner's µs: "failed" where it
+    failed its check, "-" where it did not run) and the largest relative error of the runners after the first."""
+    times = [f"{row[f'{n} us']:.0f}" if row.get(f"{n} us") else "failed" if f"{n} error" in row else "-"
+             for n in runners]
+    worst = max((e for e in (row.get(f"{n} err") for n in runners[1:]) if e is not None), default=float("nan"))
+    shape = "x".join(map(str, row["shapes"][0])) if row.get("shapes") else ""
+    name = row["app"] if row.get("size", "default") == "default" else f"{row['app']} {row['size']}"
+    return f"| {name} | {shape} | " + " | ".join(times), worst

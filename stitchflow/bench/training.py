@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from .report import run_apps
+from .report import app_row_start, run_apps
 from .stitching import ROUNDS, _time_in_rounds
 from .stitching_patterns import as_tuple, tolerance
 
@@ -163,13 +163,8 @@ def markdown(rows: list[dict], info: dict) -> str:
         if "error" in r:
             lines.append(f"| {r['app']} | failed: {r['error'][:100]} |")
             continue
-        times = [f"{r[f'{n} us']:.0f}" if r.get(f"{n} us") else "failed" if f"{n} error" in r else "-"
-                 for n in RUNNERS]
-        errs = [r.get(f"{n} err") for n in RUNNERS[1:]]
-        worst = max((e for e in errs if e is not None), default=float("nan"))
-        shape = "x".join(map(str, r["shapes"][0])) if r.get("shapes") else ""
-        name = r["app"] if r.get("size", "default") == "default" else f"{r['app']} {r['size']}"
-        lines.append(f"| {name} | {shape} | " + " | ".join(times) +
+        start, worst = app_row_start(r, RUNNERS)
+        lines.append(start +
                      f" | {_ratio(r.get('backend=stitchflow vs eager'))} | "
                      f"{_ratio(r.get('backend=stitchflow vs compile'))} | {worst:.1e} | "
                      f"{r.get('torch.compile first step s', '-')} / {r.get('backend=stitchflow first step s', '-')} |")
