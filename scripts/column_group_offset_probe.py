@@ -12,7 +12,7 @@ from column_tma_store_probe import launcher, time_rounds
 from column_wide_probe import generated_column
 
 DELAYS_US = (0, 2, 4, 6, 8)
-FIRST_COPY = "    tma.async_copy_global_to_shared(desc0_x, [lo + 768, (grp) * 32], bar, smem0.slice(768, 256))\n"
+FIRST_COPY = "    tma.async_copy_global_to_shared(desc0, [lo + 768, (grp) * 32], bar, smem0.slice(768, 256))\n"
 CLOCK = 'gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [{dep}], dtype=gl.int64, is_pure=False, pack=1)'
 DELAY = f"""    if grp == 1:
         start = {CLOCK.format(dep="pid")}

@@ -37,8 +37,8 @@ def stamped(src: str) -> str:
         ("        arrived += 1\n", "        arrived += 1\n" + at(2, "arrived")),
         (spin.group(0), spin.group(0) + at(3, "arrived")),
         ("        it += 1\n", at(4, "pid") + "        it += 1\n"),
-        ("desc0_x, PHASE: gl.constexpr):", "desc0_x, stamps, PHASE: gl.constexpr):"),
-        ("desc0_x, PHASE)", "desc0_x, stamps, PHASE)"),
+        ("desc0, PHASE: gl.constexpr):", "desc0, stamps, PHASE: gl.constexpr):"),
+        ("desc0, PHASE)", "desc0, stamps, PHASE)"),
     ]
     for old, new in edits:
         assert old in src, f"the generated kernel changed: {old.strip()!r} not found"

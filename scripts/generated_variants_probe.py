@@ -58,7 +58,7 @@ def variants(src: str) -> dict:
         out["no variance combine"] = src.replace(m.group(0), f"{m.group(1)} = gl.sum({m.group(2)}, axis=1, "
                                                  f"keep_dims=True) * 0.0 + 1.0", 1)
     # the mean's partial stored together with the variance's, right before the arrival
-    m = re.search(r"\n(\s+gl.store\(buf0_mean \+ pid_s \* \d+ \+ p, r\d+\))", src)
+    m = re.search(r"\n(\s+gl.store\(buf0 \+ pid_s \* \d+ \+ p, r\d+\))", src)
     m2 = re.search(r"\n(\s+gl.store\(buf1_mean_1 \+ pid_s \* \d+ \+ p, r\d+\))", src)
     if m and m2:
         moved = src.replace(m.group(0), "", 1)
@@ -91,20 +91,20 @@ def variants(src: str) -> dict:
         plane = re.search(r"mask_l = l % (\d+) < (\d+)", src)
         if plane:  # batch norm: image l // pad, point l % pad of channel pid_p + ahead
             pad = int(plane.group(1))
-            store = re.search(r"gl\.store\(out0_\w+ \+ (c\d+) \+ (c\d+) \* (\d+) \+ c1 \* (\d+)", src)
+            store = re.search(r"gl\.store\(out0 \+ (c\d+) \+ (c\d+) \* (\d+) \+ c1 \* (\d+)", src)
             image, chan = store.group(3), store.group(4)
-            target = (f"in0_x + (l % {pad}) + (l // {pad}) * {image} + (pid_p + {ahead}) * {chan}",
+            target = (f"in0 + (l % {pad}) + (l // {pad}) * {image} + (pid_p + {ahead}) * {chan}",
                       f"((l % 32) == 0) & mask_l")
         else:  # column blocks: one line per row of the piece
             bp = int(re.search(r"\(pid_p\) \* (\d+) \+ gl\.arange", src).group(1))
-            cols = int(re.search(r"gl\.store\(out0_\w+ \+ c\d+ \* (\d+) \+ c1", src).group(1))
+            cols = int(re.search(r"gl\.store\(out0 \+ c\d+ \* (\d+) \+ c1", src).group(1))
             rows = int(re.search(r"gl\.arange\(0, (\d+), layout=gl\.SliceLayout\(0, LAYOUT\)\)\[None, :\]\n\s+mbarrier",
                                  src).group(1))
             # the piece's rows as a [BP, rows // BP] tile: a few rows per thread, where an [1, rows] tile of
             # pointers took 64 registers a thread and spilled
             first = (f"(lo + gl.arange(0, {bp}, layout=gl.SliceLayout(1, LAYOUT))[:, None] * {rows // bp} + "
                      f"gl.arange(0, {rows // bp}, layout=gl.SliceLayout(0, LAYOUT))[None, :])")
-            target = (f"in0_x + {first} * {cols} + (pid_p + {ahead}) * {bp}", "pid_p + 0 * " + first + " >= 0")
+            target = (f"in0 + {first} * {cols} + (pid_p + {ahead}) * {bp}", "pid_p + 0 * " + first + " >= 0")
         code = (f"\n{ind}if pid_p + {ahead} < {blocks}:\n{ind}    _prefetch_l2({target[0]}, {target[1]})")
         pre = src.replace(w.group(0), code + w.group(0), 1)
         out["L2 prefetch two blocks ahead"] = pre.replace("\n@gluon.jit\ndef _part0", PREFETCH + "@gluon.jit\ndef _part0", 1)

@@ -50,7 +50,7 @@ SHIFTED = """        d9 = x3 - k0
         s1 = gl.sum(d9, axis=1, keep_dims=True)
         s2 = gl.sum(d9 * d9, axis=1, keep_dims=True)
         r6 = (s1 + 1024.0 * k0) * (1.52587890625e-05)
-        gl.store(buf0_mean + pid_s * 1024 + p, r6)
+        gl.store(buf0 + pid_s * 1024 + p, r6)
         r15 = gl.maximum(s2 - s1 * s1 * (1.0 / 1024), 0.0) * (1.52587890625e-05)
 """
 SINGLE_USE = """        s1 = gl.sum(x3 - k0, axis=1, keep_dims=True)
@@ -66,12 +66,12 @@ def _add_pairs(a1, a2, b1, b2):
 @gluon.jit
 def _part0("""
 WAIT = "        mbarrier.wait(bar, it & 1)\n"
-WAIT_K = "        k0 = gl.load(in0_x + lo * 1024 + p)\n" + WAIT
+WAIT_K = "        k0 = gl.load(in0 + lo * 1024 + p)\n" + WAIT
 COLUMNS = "gl.arange(0, 32, layout=gl.SliceLayout(1, LAYOUT))[:, None]"
 FIRST_K_AT = "    it = 0\n"
-FIRST_K = f"    k0 = gl.load(in0_x + lo * 1024 + grp * 32 + {COLUMNS})\n"
+FIRST_K = f"    k0 = gl.load(in0 + lo * 1024 + grp * 32 + {COLUMNS})\n"
 SPIN = "            arrived = gl.atomic_add(buf2_rows_arrived + pid_p, 0, sem='acquire', scope='gpu')\n"
-NEXT_K = (f"        k_next = gl.load(in0_x + lo * 1024 + (pid_p + 2) * 32 + {COLUMNS}, "
+NEXT_K = (f"        k_next = gl.load(in0 + lo * 1024 + (pid_p + 2) * 32 + {COLUMNS}, "
           f"mask=(pid_p + 2) * 32 + {COLUMNS} < 1024, other=0.0)\n")
 LOOP_END = "        it += 1\n"
 
@@ -95,7 +95,7 @@ def variants(name: str, src: str) -> dict:
     out["scale after the sum"] = src.replace(SCALED_SUM, SUM_THEN_SCALE)
     if name == "column_standardize":
         assert PIECE_VARIANCE in src
-        shifted = src.replace(SCALED_SUM + "        gl.store(buf0_mean + pid_s * 1024 + p, r6)\n" + PIECE_VARIANCE,
+        shifted = src.replace(SCALED_SUM + "        gl.store(buf0 + pid_s * 1024 + p, r6)\n" + PIECE_VARIANCE,
                               SHIFTED)
         # K: the piece's first row, read (from L2 or DRAM) while the piece lands
         out["shifted piece variance"] = shifted.replace(WAIT, WAIT_K)

@@ -19,6 +19,7 @@ Each part (connected loop nest, analysis.PartPlan) becomes a `@triton.jit` funct
 from __future__ import annotations
 
 import math
+import re
 
 from dataclasses import dataclass
 
@@ -473,16 +474,16 @@ def build_kernel(graph: Graph, parts: list[tuple[PartPlan, Config]], strides: di
     arg: dict = {}
     params: list[str] = []
     for k, t in enumerate(inputs):
-        arg[t] = f"in{k}_{_ident(t)}"
+        arg[t] = f"in{k}"
     for k, t in enumerate(outputs):
-        arg[t] = f"out{k}_{_ident(t)}"
+        arg[t] = f"out{k}"
         strides = {**strides, t: contiguous_strides(graph.type_of[t].shape)}
     buffers = []  # (name, elements, dtype): partial reductions; int64 ones are counters (runtime.Launch)
     for plan, cfg in parts:
         if phases(plan, cfg) > 1 or cfg.coop:
             for r in plan.reductions:
                 if plan.stage[r.name] < plan.final_stage:
-                    arg["buf:" + r.name] = f"buf{len(buffers)}_{_ident(r.name)}"
+                    arg["buf:" + r.name] = f"buf{len(buffers)}"
                     dt = torch.float64 if graph.type_of[r.name].dtype == torch.float64 else torch.float32
                     buffers.append((r.name, cfg.split * plan.P_total, dt))
         if cfg.coop:
@@ -534,16 +535,18 @@ def _streamed_inputs(graph: Graph, parts, arg: dict, strides: dict, interpret: b
         return []
     out = []
     for k, t in enumerate(probe.tma_tensors()):
-        arg["tma:" + t] = f"desc{k}_{_ident(t)}"
+        arg["tma:" + t] = f"desc{k}"
         out.append((t, *probe.tma_box_of(t)))
     return out
 
 
 def kernel_name(title: str) -> str:
-    """The launched function's name, from the group's title ("r6:mul_6..softmax" ->
-    "sf_r6_mul_6__softmax"), so that profiles say which generated kernel is which."""
-    name = "sf_" + _ident(title.replace(":", "_").replace("..", "__"))
-    return name[:96]
+    """The launched function's name, from the group's title without its region and the nodes' numbers
+    ("r6:mul_6..softmax_2" -> "sf_mul__softmax"), so that profiles say what a generated kernel does,
+    and kernels alike but for names (a ResNet's repeated blocks) are one source, compiled once (the
+    parameters are numbered, not named, for the same reason)."""
+    body = re.sub(r"_\d+(?![0-9A-Za-z])", "", title.split(":", 1)[-1])
+    return ("sf_" + _ident(body.replace("..", "__")))[:96]
 
 
 def _dispatch(params, grids, name: str = "kernel") -> list[str]:

@@ -10,13 +10,17 @@ the device, so later processes skip the timing.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import functools
 import hashlib
 import importlib.util
 import json
 import logging
+import math
 import os
+import re
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -104,6 +108,82 @@ def save_choice(key: str, choice: list, timings: dict) -> None:
 CODEGEN_VERSION = 8
 
 
+# A kernel that moves fewer bytes than this runs its first (heuristic) config untimed: its configs differ by a
+# microsecond at most, and compiling each costs about a second (a ResNet's backward has dozens of such kernels:
+# batch norm's running statistics, per-channel sums of small stages).
+TUNE_MIN_BYTES = 256 * 1024
+# Threads compiling one autotuning space at once (STITCHFLOW_COMPILE_THREADS=1: one at a time, no deadline)
+COMPILE_THREADS = int(os.environ.get("STITCHFLOW_COMPILE_THREADS", 0)) or min(16, os.cpu_count() or 1)
+# Seconds the autotuner waits for a space's compiles; configs still compiling then are not timed. Register-held
+# cooperative pieces of 16K-32K elements took 25-89 s each to compile on the H100's host (ResNet-18's stem batch
+# norm, scripts/compile_time_probe.py) where the other configs took under 10.
+COMPILE_DEADLINE_S = float(os.environ.get("STITCHFLOW_COMPILE_DEADLINE", 15))
+_IDENT = re.compile(r"[A-Za-z_]\w*")
+
+
+class _BackgroundCompiles(concurrent.futures.Executor):
+    """Each compile on a daemon thread, at most COMPILE_THREADS at once: a compile the autotuner stops waiting
+    for goes on in the background (its binary still lands in Triton's cache for later processes) and does not
+    hold the process at exit, as a ThreadPoolExecutor's workers would."""
+
+    def __init__(self):
+        self.slots = threading.BoundedSemaphore(COMPILE_THREADS)
+
+    def submit(self, fn, /, *args, **kwargs):
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run():
+            with self.slots:
+                if not future.set_running_or_notify_cancel():
+                    return
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except BaseException as err:  # noqa: BLE001 (handed to whoever waits)
+                    future.set_exception(err)
+
+        threading.Thread(target=run, daemon=True, name="stitchflow-compile").start()
+        return future
+
+
+def precompile(launches: list, env: dict) -> set:
+    """Compile the generated kernels of `launches` (other entries are skipped) at once on threads, before any is
+    timed: Triton's compiler releases the GIL in its passes and runs ptxas as a process, so a space compiles in
+    about the time of its slowest config instead of their sum. Waits COMPILE_DEADLINE_S at most (longer only if
+    no launch is ready by then) and returns the launches not compiled by then. A config that fails here fails
+    again when timed, which records why."""
+    todo = [launch for launch in launches if isinstance(launch, Launch)]
+    if len(todo) < 2 or COMPILE_THREADS < 2:
+        return set()
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode, active_mode
+    except ImportError:  # a Triton without async compiles: each compiles at its first launch
+        return set()
+    token = active_mode.set(AsyncCompileMode(_BackgroundCompiles(), ignore_errors=True))
+    submitted = []
+    try:
+        for launch in todo:
+            try:
+                pending = [k for k in launch.compile(env) if hasattr(k, "future")]
+            except Exception as err:  # noqa: BLE001 (binding failed before compiling: timing says why)
+                log.debug("%s: not precompiled: %s", launch.title, err)
+                continue
+            submitted.append((launch, pending))
+    finally:
+        active_mode.reset(token)
+    concurrent.futures.wait([k.future for _, ks in submitted for k in ks], timeout=COMPILE_DEADLINE_S)
+    ready = [launch for launch, ks in submitted if all(k.future.done() for k in ks)]
+    if not ready and submitted:  # nothing in time: the heuristic's first choice, however long it takes
+        concurrent.futures.wait([k.future for k in submitted[0][1]])
+    late = set()
+    for launch, kernels in submitted:
+        if all(k.future.done() for k in kernels):
+            for k in kernels:
+                k.result(ignore_errors=True)  # into the JIT's cache, where the launch finds it
+        else:
+            late.add(launch)
+    return late
+
+
 # options that pin a generated kernel's config (mapping.candidates' override)
 PINS = ("block_p", "block_l", "split", "num_warps", "persistent", "prefetch", "coop", "tma", "cp_async")
 
@@ -128,7 +208,8 @@ class Launch:
         # the interpreter runs programs one at a time and takes no launch attributes
         self.launch_options = {"launch_cooperative_grid": True} if spec.cooperative and not interpreting() else {}
 
-    def __call__(self, env) -> None:
+    def _arguments(self, env) -> tuple[list, list]:
+        """(kernel arguments, the outputs among them, freshly allocated)."""
         spec = self.spec
         ins = [env[t] for t in spec.inputs]
         device = ins[0].device if ins else torch.device("cuda")
@@ -136,6 +217,18 @@ class Launch:
         args = ins + outs + [self._counters(n, device) if dt == torch.int64 else torch.empty(n, dtype=dt, device=device)
                              for _, n, dt in spec.buffers]
         args += [tma_descriptor(env[t], box, view) for t, box, view in spec.tma]
+        return args, outs
+
+    def compile(self, env) -> list:
+        """Compile every phase for `env`'s tensors without launching; returns the compiled kernels (under
+        Triton's AsyncCompileMode, futures of them: see `precompile`)."""
+        args, _ = self._arguments(env)
+        return [self.module.kernel.warmup(*args, grid=self.grid, PHASE=phase, num_warps=self.spec.num_warps,
+                                          **self.launch_options) for phase in range(self.spec.phases)]
+
+    def __call__(self, env) -> None:
+        spec = self.spec
+        args, outs = self._arguments(env)
         if self.fast is not None:
             for phase, runner in enumerate(self.fast):
                 runner(*args, phase)
@@ -171,6 +264,7 @@ class Launch:
         why first."""
         kernel = self.module.kernel.warmup(*args, grid=self.grid, PHASE=0, num_warps=self.spec.num_warps,
                                            **self.launch_options)
+        kernel = kernel.result() if hasattr(kernel, "result") else kernel  # compiled under AsyncCompileMode
         kernel._init_handles()
         per_sm = resident_per_sm(self.spec.num_warps, kernel.n_regs, kernel.metadata.shared)
         if self.spec.cooperative:
@@ -282,7 +376,11 @@ class GroupKernel:
         variants = len(configs)
         if not on_gpu or not self.options.get("autotune", True) or variants == 1:
             return self._make(configs[0], strides, on_gpu)
-        key = self._cache_key(sig, env)
+        traffic = self._traffic(env)
+        if traffic < TUNE_MIN_BYTES:
+            log.debug("%s: %d bytes move, too few to time %d configs: the first one runs", self.title, traffic, variants)
+            return self._make(configs[0], strides, on_gpu)
+        key = self._cache_key(sig, torch.cuda.get_device_name(env[sig[0][0]].device))
         cached = load_choice(key)
         if cached is not None and cached < len(configs):
             self.chosen = configs[cached]
@@ -320,18 +418,42 @@ class GroupKernel:
         spec = build_kernel(self.graph, list(zip(self.plans, cfgs)), strides, not on_gpu, self.title, self.group_names)
         return Launch(self.graph, spec, self.title)
 
-    def _cache_key(self, sig, env) -> str:
-        dev = torch.cuda.get_device_name(env[sig[0][0]].device)
-        text = "\n".join(str(n) + str(self.graph.type_of[n.name]) for p in self.plans for n in p.nodes)
-        return hashlib.sha256(f"{CODEGEN_VERSION}|{dev}|{sig}|{text}".encode()).hexdigest()[:32]
+    def _traffic(self, env) -> int:
+        """Bytes the kernel reads (its inputs, once) and writes (its outputs)."""
+        read = sum(env[t].numel() * env[t].element_size() for t in self.inputs)
+        types = [self.graph.type_of[o] for p in self.plans for o in p.outputs]
+        return read + sum(math.prod(t.shape) * t.dtype.itemsize for t in types)
+
+    def _cache_key(self, sig, device_name: str) -> str:
+        """The autotuning cache's key: the device, the inputs' strides and the nodes with every tensor named by
+        its position, so that kernels alike but for names (a ResNet's repeated blocks, the layers of a
+        transformer) share one timing run."""
+        names = {t: f"%in{k}" for k, t in enumerate(self.inputs)}
+        for n in (n for p in self.plans for n in p.nodes):
+            names.setdefault(n.name, f"%{len(names)}")
+        # a node's notes (its tag's id, the module it came from) do not change the kernel
+        text = "\n".join(_IDENT.sub(lambda m: names.get(m.group(0), m.group(0)), str(n).split("  # ")[0])
+                         + str(self.graph.type_of[n.name]) for p in self.plans for n in p.nodes)
+        shape = tuple(rest for _, *rest in sig)
+        return hashlib.sha256(f"{CODEGEN_VERSION}|{device_name}|{shape}|{text}".encode()).hexdigest()[:32]
 
     def _tune(self, configs, strides, env, key) -> Launch:
         from .timing import timed_median
 
         best, best_t, timings, failures = None, float("inf"), {}, []
-        for v, cfgs in enumerate(configs):
+        launches = []
+        for cfgs in configs:
             try:
-                launch = self._make(cfgs, strides, True)
+                launches.append(self._make(cfgs, strides, True))
+            except Exception as err:  # refused while generating (GluonRefusal): recorded with the timed ones' failures
+                launches.append(err)
+        late = precompile(launches, env)
+        for v, (cfgs, launch) in enumerate(zip(configs, launches)):
+            try:
+                if isinstance(launch, Exception):
+                    raise launch
+                if launch in late:
+                    raise TimeoutError(f"still compiling after {COMPILE_DEADLINE_S:g} s (not timed)")
                 scratch = dict(env)
                 launch(scratch)
                 torch.cuda.synchronize()
@@ -348,4 +470,5 @@ class GroupKernel:
                               f"the first failed with {failures[0] if failures else 'nothing to try'}")
         self.tuned_us = round(best_t * 1000, 2)
         save_choice(key, best, timings)
-        return self._make(configs[best], strides, True)
+        self.chosen = configs[best]
+        return launches[best]

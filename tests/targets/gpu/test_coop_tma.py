@@ -103,8 +103,8 @@ def test_plane_pieces_number_points_plane_by_plane():
     assert "[(lo // 4096 + 7) * 256 + (pid_p + 16), 0, 0]" in src  # the 8th plane of the next channel
     assert src.index("sem='acq_rel'") < src.index("if pid_p + 16 < 256:") < src.index("while arrived < launch_base")
     # the weight and bias vary with the channel alone: loaded before the barrier, not behind its poll
-    assert src.count("gl.load(in1_w + ") == src.count("gl.load(in2_b + ") == 1
-    assert src.index("gl.load(in2_b + ") < src.index("sem='acq_rel'")
+    assert src.count("gl.load(in1 + ") == src.count("gl.load(in2 + ") == 1
+    assert src.index("gl.load(in2 + ") < src.index("sem='acq_rel'")
     tma = [c for c in candidates(k.plans[0], 132) if c.tma]
     assert {(c.BL, c.split, c.num_warps, c.persistent) for c in tma} == {(32768, 8, 8, 128), (16384, 16, 4, 256)}
     odd, strides = pattern_kernel("batchnorm_train", (6, 8, 5, 5))  # planes of 25: no 16-byte box rows

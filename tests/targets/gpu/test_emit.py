@@ -25,14 +25,14 @@ def _loads(source: str, arg: str) -> list[str]:
 def test_group_norms_view_reads_x_at_one_coordinate_per_tile_axis():
     """x[i, 16·j + l, m, n] over classes (i, j | l, m, n) is p·4096·16 + l: no div or mod per axis, contiguous."""
     source = _source("groupnorm_silu", (2, 512, 16, 16), torch.bfloat16, Config(1, 1024, 1, 4))
-    xs = _loads(source, "in0_x")  # the statistics' pass and the outputs'
+    xs = _loads(source, "in0")  # the statistics' pass and the outputs'
     assert len(xs) == 2 and all(re.fullmatch(r"c\d+ \* 4096 \+ c\d+", x) for x in xs), xs
     # the per-channel weight, w[16·j + l]: the group's channel from p, the channel in the group from l
-    ws = _loads(source, "in1_w")
+    ws = _loads(source, "in1")
     assert ws and all(re.fullmatch(r"c\d+ \* 16 \+ c\d+", w) for w in ws), ws
 
 
 def test_plain_reads_keep_their_runs():
     """A read whose indices are plain variables takes the per-index path (contiguous runs of axes) as before."""
     source = _source("batchnorm_train", (4, 6, 5, 7), torch.float32, Config(1, 256, 1, 4))
-    assert all("//" not in a for a in _loads(source, "in0_x"))
+    assert all("//" not in a for a in _loads(source, "in0"))

@@ -1,0 +1,128 @@
+"""What a cold start costs on the gpu target: kernels alike but for their names are one source (one
+Triton compile) and share one autotuning run; an autotuning space compiles on threads, with a
+deadline for stragglers. CPU parts run under TRITON_INTERPRET=1; the tuner's own paths need a GPU."""
+
+import os
+import tempfile
+import threading
+import time
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("STITCHFLOW_CACHE", tempfile.mkdtemp(prefix="stitchflow-test-cache-"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import stitchflow  # noqa: E402
+from stitchflow.targets.gpu import runtime  # noqa: E402
+from stitchflow.targets.gpu.codegen import kernel_name  # noqa: E402
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                               reason="the autotuner times configs on a CUDA GPU (TRITON_INTERPRET=0)")
+
+
+def _two_alike_blocks(x, w):
+    """Two norm + GELU groups with a GEMM between them (a torch step, so they are two kernels)."""
+    y = F.gelu(F.layer_norm(x, x.shape[-1:]))
+    return F.gelu(F.layer_norm(y @ w, x.shape[-1:]))
+
+
+def _body(source: str) -> str:
+    """The source without the module's docstring (which names the group)."""
+    return source.split('"""', 2)[2]
+
+
+def _kernels(prog):
+    return [k for run in prog._compiled for k in run.kernels]
+
+
+def _device():
+    return "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+
+
+def test_kernels_alike_but_for_names_are_one_source_and_one_tuning_key():
+    x, w = torch.randn(6, 40, device=_device()), torch.randn(40, 40, device=_device())
+    prog = stitchflow.compile(_two_alike_blocks, [x, w], target="gpu", fusion="full")
+    torch.testing.assert_close(prog(x, w), _two_alike_blocks(x, w), rtol=1e-4, atol=1e-4)
+    first, second = _kernels(prog)
+    assert first.title != second.title
+    (a,), (b,) = first._built.values(), second._built.values()
+    assert a.spec.name == b.spec.name == kernel_name(first.title)
+    assert _body(a.spec.source) == _body(b.spec.source)  # one Triton compile serves both
+    assert "@triton.jit" in _body(a.spec.source)
+    (sig_a,), (sig_b,) = first._built, second._built
+    assert first._cache_key(sig_a, "dev") == second._cache_key(sig_b, "dev")
+
+
+def test_tuning_keys_tell_apart_strides_shapes_and_devices():
+    x, w = torch.randn(6, 40), torch.randn(40, 40)
+    prog = stitchflow.compile(_two_alike_blocks, [x, w], target="gpu", fusion="full")
+    prog(x, w)
+    kernel = _kernels(prog)[0]
+    (sig,) = kernel._built
+    transposed = tuple((t, stride[::-1], *rest) for t, stride, *rest in sig)
+    keys = {kernel._cache_key(sig, "dev"), kernel._cache_key(transposed, "dev"), kernel._cache_key(sig, "other")}
+    assert len(keys) == 3
+    wide = stitchflow.compile(_two_alike_blocks, [torch.randn(6, 48), torch.randn(48, 48)], target="gpu",
+                              fusion="full")
+    wide(torch.randn(6, 48), torch.randn(48, 48))
+    (wide_sig,) = _kernels(wide)[0]._built
+    assert _kernels(wide)[0]._cache_key(wide_sig, "dev") != kernel._cache_key(sig, "dev")
+
+
+def test_kernel_names_keep_the_ops_and_drop_regions_and_numbers():
+    assert kernel_name("r6:mul_6..softmax_2") == "sf_mul__softmax"
+    assert kernel_name("r12:var_mean_1_mean..relu_14") == "sf_var_mean_mean__relu"
+    assert kernel_name("forward.r0:le_16..mul_319") == "sf_le__mul"
+
+
+def test_traffic_counts_inputs_once_and_outputs():
+    x, w = torch.randn(6, 40), torch.randn(40, 40)
+    prog = stitchflow.compile(_two_alike_blocks, [x, w], target="gpu", fusion="full")
+    kernel = _kernels(prog)[0]  # x -> layer norm -> gelu, fp32 [6, 40] in and out
+    assert kernel.inputs == ["x"] and [o for p in kernel.plans for o in p.outputs] == ["gelu"]
+    assert kernel._traffic({"x": x}) == 2 * 6 * 40 * 4
+
+
+def test_background_compiles_return_results_and_errors_and_bound_concurrency(monkeypatch):
+    monkeypatch.setattr(runtime, "COMPILE_THREADS", 2)
+    pool = runtime._BackgroundCompiles()
+    running, peak, lock = [0], [0], threading.Lock()
+
+    def job(k):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.05)
+        with lock:
+            running[0] -= 1
+        if k == 3:
+            raise ValueError("config 3 does not compile")
+        return k * k
+
+    futures = [pool.submit(job, k) for k in range(6)]
+    assert [f.exception() is None and f.result() for f in futures if f.exception() is None] == [0, 1, 4, 16, 25]
+    assert "config 3" in str(futures[3].exception())
+    assert peak[0] <= 2
+    assert all(t.daemon for t in threading.enumerate() if t.name == "stitchflow-compile")
+
+
+@needs_gpu
+@pytest.mark.parametrize("deadline", [0.0, 60.0])
+def test_autotuning_compiles_a_space_on_threads_and_times_what_is_ready(monkeypatch, tmp_path, deadline):
+    """With no time to wait, the tuner still times the heuristic's first config (and whatever else is ready);
+    with time, every config; both give eager's answer."""
+    monkeypatch.setenv("STITCHFLOW_CACHE", str(tmp_path))  # no cached choices
+    monkeypatch.setattr(runtime, "COMPILE_DEADLINE_S", deadline)
+    monkeypatch.setattr(runtime, "TUNE_MIN_BYTES", 0)
+    x, w = torch.randn(512, 1000, device="cuda"), torch.randn(1000, 1000, device="cuda")
+    prog = stitchflow.compile(_two_alike_blocks, [x, w], target="gpu", fusion="full",
+                              options={"cuda_graphs": False})
+    torch.testing.assert_close(prog(x, w), _two_alike_blocks(x, w), rtol=2e-4, atol=2e-4)
+    first = _kernels(prog)[0]
+    assert first.tuned_us is not None and first.chosen is not None
+    (sig,) = first._built
+    timed = runtime.json.loads(runtime._config_store().read_text())["_timings_us"][
+        first._cache_key(sig, torch.cuda.get_device_name())]
+    assert timed and (deadline == 0.0 or len(timed) > 1)
