@@ -208,8 +208,8 @@ class Launch:
         # the interpreter runs programs one at a time and takes no launch attributes
         self.launch_options = {"launch_cooperative_grid": True} if spec.cooperative and not interpreting() else {}
 
-    def _arguments(self, env) -> tuple[list, list]:
-        """(kernel arguments, the outputs among them, freshly allocated)."""
+    def _arguments(self, env) -> tuple[list, list, torch.device]:
+        """(kernel arguments, the outputs among them (freshly allocated), the device)."""
         spec = self.spec
         ins = [env[t] for t in spec.inputs]
         device = ins[0].device if ins else torch.device("cuda")
@@ -217,18 +217,18 @@ class Launch:
         args = ins + outs + [self._counters(n, device) if dt == torch.int64 else torch.empty(n, dtype=dt, device=device)
                              for _, n, dt in spec.buffers]
         args += [tma_descriptor(env[t], box, view) for t, box, view in spec.tma]
-        return args, outs
+        return args, outs, device
 
     def compile(self, env) -> list:
         """Compile every phase for `env`'s tensors without launching; returns the compiled kernels (under
         Triton's AsyncCompileMode, futures of them: see `precompile`)."""
-        args, _ = self._arguments(env)
+        args, _, _ = self._arguments(env)
         return [self.module.kernel.warmup(*args, grid=self.grid, PHASE=phase, num_warps=self.spec.num_warps,
                                           **self.launch_options) for phase in range(self.spec.phases)]
 
     def __call__(self, env) -> None:
         spec = self.spec
-        args, outs = self._arguments(env)
+        args, outs, device = self._arguments(env)
         if self.fast is not None:
             for phase, runner in enumerate(self.fast):
                 runner(*args, phase)

@@ -56,7 +56,7 @@ def test_kernels_alike_but_for_names_are_one_source_and_one_tuning_key():
 
 
 def test_tuning_keys_tell_apart_strides_shapes_and_devices():
-    x, w = torch.randn(6, 40), torch.randn(40, 40)
+    x, w = torch.randn(6, 40, device=_device()), torch.randn(40, 40, device=_device())
     prog = stitchflow.compile(_two_alike_blocks, [x, w], target="gpu", fusion="full")
     prog(x, w)
     kernel = _kernels(prog)[0]
@@ -64,9 +64,9 @@ def test_tuning_keys_tell_apart_strides_shapes_and_devices():
     transposed = tuple((t, stride[::-1], *rest) for t, stride, *rest in sig)
     keys = {kernel._cache_key(sig, "dev"), kernel._cache_key(transposed, "dev"), kernel._cache_key(sig, "other")}
     assert len(keys) == 3
-    wide = stitchflow.compile(_two_alike_blocks, [torch.randn(6, 48), torch.randn(48, 48)], target="gpu",
-                              fusion="full")
-    wide(torch.randn(6, 48), torch.randn(48, 48))
+    args = [torch.randn(6, 48, device=_device()), torch.randn(48, 48, device=_device())]
+    wide = stitchflow.compile(_two_alike_blocks, args, target="gpu", fusion="full")
+    wide(*args)
     (wide_sig,) = _kernels(wide)[0]._built
     assert _kernels(wide)[0]._cache_key(wide_sig, "dev") != kernel._cache_key(sig, "dev")
 
