@@ -14,6 +14,23 @@ def test_every_runner_gets_eagers_gradients_on_a_small_llama_block():
     assert row["backend=stitchflow first step s"] > 0
 
 
+def test_half_precision_runners_are_judged_against_the_step_in_float64():
+    row = training.bench_training("bert", torch.bfloat16, "small", device="cpu", timed=False,
+                                  runners=("backend=stitchflow",))
+    assert row["checked"] == ["backend=stitchflow", "eager"], row
+    assert 0 < row["eager err64"] < 2e-2 and row["backend=stitchflow err64"] <= max(2e-2, 2 * row["eager err64"])
+
+
+def test_a_runner_further_off_float64_than_eager_is_named(monkeypatch):
+    runner = training._runner
+    monkeypatch.setattr(training, "_runner", lambda name, model: (lambda *a: runner(name, model)(*a) * 1.5)
+                        if name != "eager" else runner(name, model))
+    row = training.bench_training("bert", torch.bfloat16, "small", device="cpu", timed=False,
+                                  runners=("backend=stitchflow",))
+    assert row["checked"] == ["eager"]
+    assert row["backend=stitchflow error"].startswith("tensor 0 (0: the output) is 5.0")
+
+
 def test_gradient_errors_floor_a_gradient_that_is_zero_in_exact_arithmetic():
     out, big, noise = torch.ones(3), torch.full((4,), 10.0), torch.full((2,), 1e-7)
     errs = training._gradient_errors([out, big, -noise], [out, big, noise])
