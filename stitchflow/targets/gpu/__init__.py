@@ -15,9 +15,10 @@ options["reassociate"] = False keeps the program's order); a CSR × dense produc
 Triton kernel or torch's, whichever times faster (spmm.py).
 
 Options (all optional): autotune (bool, default True: time a few configs per kernel on the
-device and cache the choice on disk); block_p, block_l, split, num_warps, persistent (pin
-the mapping, for tests and experiments). Environment: STITCHFLOW_CACHE (default
-~/.cache/stitchflow) holds generated sources and chosen configs.
+device and cache the choice on disk); compile_deadline (seconds the autotuner waits for a kernel's
+configs to compile, default $STITCHFLOW_COMPILE_DEADLINE or 15; None waits for all: benchmarks);
+block_p, block_l, split, num_warps, persistent (pin the mapping, for tests and experiments).
+Environment: STITCHFLOW_CACHE (default ~/.cache/stitchflow) holds generated sources and chosen configs.
 """
 
 from __future__ import annotations

@@ -74,10 +74,13 @@ def _config_store() -> Path:
 
 
 def load_choice(key: str) -> list | None:
+    """The config chosen for `key`, unless its tuning timed only part of the space (configs past the compile
+    deadline): then the next process tunes again, its compiles found in Triton's cache."""
     try:
-        return json.loads(_config_store().read_text()).get(key)
+        table = json.loads(_config_store().read_text())
     except (OSError, ValueError):
         return None
+    return None if key in table.get("_partial", {}) else table.get(key)
 
 
 def load_timing(key: str, label: str) -> float | None:
@@ -88,7 +91,7 @@ def load_timing(key: str, label: str) -> float | None:
         return None
 
 
-def save_choice(key: str, choice: list, timings: dict) -> None:
+def save_choice(key: str, choice: list, timings: dict, partial: bool = False) -> None:
     path = _config_store()
     try:
         table = json.loads(path.read_text())
@@ -96,6 +99,10 @@ def save_choice(key: str, choice: list, timings: dict) -> None:
         table = {}
     table[key] = choice
     table.setdefault("_timings_us", {})[key] = timings
+    if partial:
+        table.setdefault("_partial", {})[key] = True
+    else:
+        table.get("_partial", {}).pop(key, None)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
     tmp.replace(path)
@@ -145,11 +152,11 @@ class _BackgroundCompiles(concurrent.futures.Executor):
         return future
 
 
-def precompile(launches: list, env: dict) -> set:
+def precompile(launches: list, env: dict, deadline: float | None = None) -> set:
     """Compile the generated kernels of `launches` (other entries are skipped) at once on threads, before any is
     timed: Triton's compiler releases the GIL in its passes and runs ptxas as a process, so a space compiles in
-    about the time of its slowest config instead of their sum. Waits COMPILE_DEADLINE_S at most (longer only if
-    no launch is ready by then) and returns the launches not compiled by then. A config that fails here fails
+    about the time of its slowest config instead of their sum. Waits `deadline` seconds at most (longer only if
+    no launch is ready by then; None: until all are) and returns the launches not compiled by then. A config that fails here fails
     again when timed, which records why."""
     todo = [launch for launch in launches if isinstance(launch, Launch)]
     if len(todo) < 2 or COMPILE_THREADS < 2:
@@ -170,7 +177,7 @@ def precompile(launches: list, env: dict) -> set:
             submitted.append((launch, pending))
     finally:
         active_mode.reset(token)
-    concurrent.futures.wait([k.future for _, ks in submitted for k in ks], timeout=COMPILE_DEADLINE_S)
+    concurrent.futures.wait([k.future for _, ks in submitted for k in ks], timeout=deadline)
     ready = [launch for launch, ks in submitted if all(k.future.done() for k in ks)]
     if not ready and submitted:  # nothing in time: the heuristic's first choice, however long it takes
         concurrent.futures.wait([k.future for k in submitted[0][1]])
@@ -447,13 +454,14 @@ class GroupKernel:
                 launches.append(self._make(cfgs, strides, True))
             except Exception as err:  # refused while generating (GluonRefusal): recorded with the timed ones' failures
                 launches.append(err)
-        late = precompile(launches, env)
+        deadline = self.options.get("compile_deadline", COMPILE_DEADLINE_S)
+        late = precompile(launches, env, deadline)
         for v, (cfgs, launch) in enumerate(zip(configs, launches)):
             try:
                 if isinstance(launch, Exception):
                     raise launch
                 if launch in late:
-                    raise TimeoutError(f"still compiling after {COMPILE_DEADLINE_S:g} s (not timed)")
+                    raise TimeoutError(f"still compiling after {deadline:g} s (not timed)")
                 scratch = dict(env)
                 launch(scratch)
                 torch.cuda.synchronize()
@@ -469,6 +477,6 @@ class GroupKernel:
             raise TargetError(f"no config of {self.title} could run on this device ({len(failures)} tried); "
                               f"the first failed with {failures[0] if failures else 'nothing to try'}")
         self.tuned_us = round(best_t * 1000, 2)
-        save_choice(key, best, timings)
+        save_choice(key, best, timings, partial=bool(late))
         self.chosen = configs[best]
         return launches[best]

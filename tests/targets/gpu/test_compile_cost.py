@@ -85,6 +85,14 @@ def test_traffic_counts_inputs_once_and_outputs():
     assert kernel._traffic({"x": x}) == 2 * 6 * 40 * 4
 
 
+def test_a_tuning_that_timed_part_of_its_space_is_redone_by_the_next_process(monkeypatch, tmp_path):
+    monkeypatch.setenv("STITCHFLOW_CACHE", str(tmp_path))
+    runtime.save_choice("k", 2, {"a": 1.0}, partial=True)
+    assert runtime.load_choice("k") is None and runtime.load_timing("k", "a") == 1.0
+    runtime.save_choice("k", 3, {"a": 1.0, "b": 0.5})
+    assert runtime.load_choice("k") == 3
+
+
 def test_background_compiles_return_results_and_errors_and_bound_concurrency(monkeypatch):
     monkeypatch.setattr(runtime, "COMPILE_THREADS", 2)
     pool = runtime._BackgroundCompiles()
