@@ -122,3 +122,29 @@ def app_row_start(row: dict, runners: Sequence[str]) -> tuple[str, float]:
     shape = "x".join(map(str, row["shapes"][0])) if row.get("shapes") else ""
     name = row["app"] if row.get("size", "default") == "default" else f"{row['app']} {row['size']}"
     return f"| {name} | {shape} | " + " | ".join(times), worst
+
+
+def app_table_rows(rows: list[dict], runners: Sequence[str], tail) -> list[str]:
+    """A zoo suite's table rows: a failed app's one line, else `app_row_start`'s cells followed by
+    `tail(row, worst)` (the suite's own cells, from " | " on)."""
+    lines = []
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['app']} | failed: {r['error'][:100]} |")
+            continue
+        start, worst = app_row_start(r, runners)
+        lines.append(start + tail(r, worst))
+    return lines
+
+
+def speedup_cell(r: float | None) -> str:
+    """A table cell for a speedup: "**1.23x faster**", "0.88x (13.6% slower)", or "n/a"."""
+    if r is None:
+        return "n/a"
+    return f"**{r:.2f}x faster**" if r >= 1 else f"{r:.2f}x ({(1 / r - 1):.1%} slower)"
+
+
+def provenance_lines(info: dict) -> list[str]:
+    """A section's command and device lines (markdown line breaks at their ends)."""
+    return [f"Command: `{info['command']}`  ",
+            f"Device: {info['device']}; {info['date']}; torch {info['torch']}, triton {info['triton']}  "]

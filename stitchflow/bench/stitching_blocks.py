@@ -16,7 +16,7 @@ import statistics
 
 import torch
 
-from .report import app_row_start, run_apps
+from .report import app_table_rows, provenance_lines, run_apps, speedup_cell
 from .stitching import ROUNDS, _time_in_rounds
 from .stitching_patterns import as_tuple, relative_error
 
@@ -72,19 +72,14 @@ def bench_block(app: str, dtype: torch.dtype, size: str = "default") -> dict:
 
 
 def _ratio(row, name, versus="compile") -> str:
-    r = row.get(f"{name} vs {versus}")
-    if r is None:
-        return "n/a"
-    return f"**{r:.2f}x faster**" if r >= 1 else f"{r:.2f}x ({(1 / r - 1):.1%} slower)"
+    return speedup_cell(row.get(f"{name} vs {versus}"))
 
 
 def markdown(rows: list[dict], info: dict) -> str:
     head = ("| block | input | eager µs | torch.compile µs | torch.compile reduce-overhead µs | "
             "torch.compile(backend=\"stitchflow\") µs | stitchflow.compile µs | backend vs torch.compile | "
             "stitchflow.compile vs torch.compile | stitchflow.compile vs reduce-overhead | max rel. error |")
-    lines = [info.get("section", SECTION), "",
-             f"Command: `{info['command']}`  ",
-             f"Device: {info['device']}; {info['date']}; torch {info['torch']}, triton {info['triton']}  ",
+    lines = [info.get("section", SECTION), "", *provenance_lines(info),
              f"{info['dtype']}, `APPS[app].build(size=\"{info['size']}\")`; stitchflow uses "
              "`fusion=\"auto\"`, its GEMM chains autotuned against cuBLAS, and each call of a gpu program replays "
              f"as one CUDA graph after warm-up. The median of {ROUNDS} rounds (the runners timed in turn) of "
@@ -92,14 +87,9 @@ def markdown(rows: list[dict], info: dict) -> str:
              "process, "
              "same inputs; every runner is checked against eager first (relative error ≤ 2e-2).", "",
              head, "|" + "---|" * 11]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['app']} | failed: {r['error'][:100]} |")
-            continue
-        start, worst = app_row_start(r, RUNNERS)
-        lines.append(start +
-                     f" | {_ratio(r, 'backend=stitchflow')} | {_ratio(r, 'stitchflow.compile')} | "
-                     f"{_ratio(r, 'stitchflow.compile', 'reduce-overhead')} | {worst:.1e} |")
+    lines += app_table_rows(rows, RUNNERS, lambda r, worst: (
+        f" | {_ratio(r, 'backend=stitchflow')} | {_ratio(r, 'stitchflow.compile')} | "
+        f"{_ratio(r, 'stitchflow.compile', 'reduce-overhead')} | {worst:.1e} |"))
     return "\n".join(lines) + "\n"
 
 

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from .report import app_row_start, run_apps
+from .report import app_table_rows, provenance_lines, run_apps, speedup_cell
 from .stitching import ROUNDS, _time_in_rounds
 from .stitching_patterns import as_tuple, tolerance
 
@@ -160,19 +160,11 @@ def bench_training(app: str, dtype: torch.dtype, size: str = "default", device: 
     return row
 
 
-def _ratio(r) -> str:
-    if r is None:
-        return "n/a"
-    return f"**{r:.2f}x faster**" if r >= 1 else f"{r:.2f}x ({(1 / r - 1):.1%} slower)"
-
-
 def markdown(rows: list[dict], info: dict) -> str:
     head = ("| model | input | eager µs | torch.compile µs | stitchflow µs | stitchflow (recomputed backward) µs | "
             "stitchflow vs eager | stitchflow vs torch.compile | max rel. error | first step s (torch.compile / "
             "stitchflow) |")
-    lines = [info.get("section", SECTION), "",
-             f"Command: `{info['command']}`  ",
-             f"Device: {info['device']}; {info['date']}; torch {info['torch']}, triton {info['triton']}  ",
+    lines = [info.get("section", SECTION), "", *provenance_lines(info),
              f"{info['dtype']}, `APPS[app].build(size=\"{info['size']}\")` in training mode; a step = gradients "
              "cleared, forward, backward of a fixed random upstream gradient (no optimizer; dropout p = 0, so that "
              "every runner computes the same step). stitchflow = "
@@ -183,15 +175,10 @@ def markdown(rows: list[dict], info: dict) -> str:
              "relative error ≤ 2e-2 or at most twice eager's; 'max rel. error' is against eager). The first step's wall "
              "time includes compilation (stitchflow's autotuning too).", "",
              head, "|" + "---|" * 10]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['app']} | failed: {r['error'][:100]} |")
-            continue
-        start, worst = app_row_start(r, RUNNERS)
-        lines.append(start +
-                     f" | {_ratio(r.get('backend=stitchflow vs eager'))} | "
-                     f"{_ratio(r.get('backend=stitchflow vs compile'))} | {worst:.1e} | "
-                     f"{r.get('torch.compile first step s', '-')} / {r.get('backend=stitchflow first step s', '-')} |")
+    lines += app_table_rows(rows, RUNNERS, lambda r, worst: (
+        f" | {speedup_cell(r.get('backend=stitchflow vs eager'))} | "
+        f"{speedup_cell(r.get('backend=stitchflow vs compile'))} | {worst:.1e} | "
+        f"{r.get('torch.compile first step s', '-')} / {r.get('backend=stitchflow first step s', '-')} |"))
     for r in rows:
         parts = r.get("backend=stitchflow eager parts")
         if parts:
