@@ -152,6 +152,12 @@ class _BackgroundCompiles(concurrent.futures.Executor):
         return future
 
 
+@functools.cache
+def _background_compiles() -> _BackgroundCompiles:
+    """One for the process, so that compiles left running past a deadline count against the next space's."""
+    return _BackgroundCompiles()
+
+
 def precompile(launches: list, env: dict, deadline: float | None = None) -> set:
     """Compile the generated kernels of `launches` (other entries are skipped) at once on threads, before any is
     timed: Triton's compiler releases the GIL in its passes and runs ptxas as a process, so a space compiles in
@@ -165,7 +171,7 @@ def precompile(launches: list, env: dict, deadline: float | None = None) -> set:
         from triton.runtime._async_compile import AsyncCompileMode, active_mode
     except ImportError:  # a Triton without async compiles: each compiles at its first launch
         return set()
-    token = active_mode.set(AsyncCompileMode(_BackgroundCompiles(), ignore_errors=True))
+    token = active_mode.set(AsyncCompileMode(_background_compiles(), ignore_errors=True))
     submitted = []
     try:
         for launch in todo:
