@@ -96,7 +96,8 @@ def bench_case(case: str, copy_bw: float) -> dict:
             "torch.compile": lambda: (lambda f: (lambda: f(a, x)))(torch.compile(model, dynamic=False)),
             "torch_geometric": lambda: (lambda f: (lambda: f(edges, x)))(PygGNN(model)),
             "stitchflow": lambda: (lambda p: (lambda: p(a, x)))(
-                stitchflow.compile(model, (a, x), target="gpu", fusion="auto")),
+                stitchflow.compile(model, (a, x), target="gpu", fusion="auto",
+                                   options={"autotune": "all"})),  # every kernel timed, Cora's small ones too
         }
         ready = {}
         for name, make in makers.items():

@@ -14,9 +14,11 @@ product followed by a narrowing GEMM, (S·X)·W, is computed as S·(X·W) (reass
 options["reassociate"] = False keeps the program's order); a CSR × dense product runs as our
 Triton kernel or torch's, whichever times faster (spmm.py).
 
-Options (all optional): autotune (bool, default True: time a few configs per kernel on the
-device and cache the choice on disk); compile_deadline (seconds the autotuner waits for a kernel's
-configs to compile, default $STITCHFLOW_COMPILE_DEADLINE or 15; None waits for all: benchmarks);
+Options (all optional): autotune (default True: time a few configs per kernel on the device, of
+kernels that move 256 KB or more, and cache the choice on disk; "all": every config of every kernel,
+however long it compiles, as the benchmarks ask; False: the first config of each); compile_deadline
+(seconds the autotuner waits for a kernel's configs to compile, default $STITCHFLOW_COMPILE_DEADLINE
+or 15; None waits for all);
 block_p, block_l, split, num_warps, persistent (pin the mapping, for tests and experiments).
 Environment: STITCHFLOW_CACHE (default ~/.cache/stitchflow) holds generated sources and chosen configs.
 """

@@ -387,10 +387,14 @@ class GroupKernel:
         configs = [[s[min(v, len(s) - 1)] for s in spaces] for v in range(variants)]
         configs = self._with_clusters(configs, strides, env[sig[0][0]].device if on_gpu else None)
         variants = len(configs)
-        if not on_gpu or not self.options.get("autotune", True) or variants == 1:
+        autotune = self.options.get("autotune", True)
+        if autotune not in (True, False, "all"):
+            raise TargetError(f"options['autotune'] must be True, False or 'all' (every config of every kernel "
+                              f"compiled and timed), not {autotune!r}")
+        if not on_gpu or not autotune or variants == 1:
             return self._make(configs[0], strides, on_gpu)
         traffic = self._traffic(env)
-        if traffic < TUNE_MIN_BYTES:
+        if traffic < TUNE_MIN_BYTES and autotune != "all":
             log.debug("%s: %d bytes move, too few to time %d configs: the first one runs", self.title, traffic, variants)
             return self._make(configs[0], strides, on_gpu)
         key = self._cache_key(sig, torch.cuda.get_device_name(env[sig[0][0]].device))
@@ -460,7 +464,8 @@ class GroupKernel:
                 launches.append(self._make(cfgs, strides, True))
             except Exception as err:  # refused while generating (GluonRefusal): recorded with the timed ones' failures
                 launches.append(err)
-        deadline = self.options.get("compile_deadline", COMPILE_DEADLINE_S)
+        deadline = None if self.options.get("autotune") == "all" else self.options.get("compile_deadline",
+                                                                                      COMPILE_DEADLINE_S)
         late = precompile(launches, env, deadline)
         for v, (cfgs, launch) in enumerate(zip(configs, launches)):
             try:

@@ -93,6 +93,15 @@ def test_a_tuning_that_timed_part_of_its_space_is_redone_by_the_next_process(mon
     assert runtime.load_choice("k") == 3
 
 
+def test_an_autotune_option_it_does_not_know_is_named():
+    from stitchflow.ir.errors import TargetError
+
+    x, w = torch.randn(6, 40, device=_device()), torch.randn(40, 40, device=_device())
+    prog = stitchflow.compile(_two_alike_blocks, [x, w], target="gpu", fusion="full", options={"autotune": "max"})
+    with pytest.raises(TargetError, match="autotune.*True, False or 'all'.*'max'"):
+        prog(x, w)
+
+
 def test_background_compiles_return_results_and_errors_and_bound_concurrency(monkeypatch):
     monkeypatch.setattr(runtime, "COMPILE_THREADS", 2)
     pool = runtime._BackgroundCompiles()
