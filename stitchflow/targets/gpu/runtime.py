@@ -162,8 +162,8 @@ def precompile(launches: list, env: dict, deadline: float | None = None) -> set:
     """Compile the generated kernels of `launches` (other entries are skipped) at once on threads, before any is
     timed: Triton's compiler releases the GIL in its passes and runs ptxas as a process, so a space compiles in
     about the time of its slowest config instead of their sum. Waits `deadline` seconds at most (longer only if
-    no launch is ready by then; None: until all are) and returns the launches not compiled by then. A config that fails here fails
-    again when timed, which records why."""
+    no launch is ready by then; None: until all are) and returns the launches not compiled by then. A config
+    that fails here fails again when timed, which records why."""
     todo = [launch for launch in launches if isinstance(launch, Launch)]
     if len(todo) < 2 or COMPILE_THREADS < 2:
         return set()
@@ -184,8 +184,8 @@ def precompile(launches: list, env: dict, deadline: float | None = None) -> set:
     finally:
         active_mode.reset(token)
     concurrent.futures.wait([k.future for _, ks in submitted for k in ks], timeout=deadline)
-    ready = [launch for launch, ks in submitted if all(k.future.done() for k in ks)]
-    if not ready and submitted:  # nothing in time: the heuristic's first choice, however long it takes
+    if submitted and not any(all(k.future.done() for k in ks) for _, ks in submitted):
+        # nothing in time: the heuristic's first choice, however long it takes
         concurrent.futures.wait([k.future for k in submitted[0][1]])
     late = set()
     for launch, kernels in submitted:
@@ -403,7 +403,8 @@ class GroupKernel:
             self.chosen = configs[cached]
             self.tuned_us = load_timing(key, ",".join(map(str, configs[cached])))
             return self._make(configs[cached], strides, on_gpu)
-        return self._tune(configs, strides, env, key)
+        deadline = None if autotune == "all" else self.options.get("compile_deadline", COMPILE_DEADLINE_S)
+        return self._tune(configs, strides, env, key, deadline)
 
     def _with_clusters(self, configs: list, strides: dict, device) -> list:
         """Plane statistics on thread-block clusters (cluster_planes) join the space last, so that cached
@@ -454,7 +455,7 @@ class GroupKernel:
         shape = tuple(rest for _, *rest in sig)
         return hashlib.sha256(f"{CODEGEN_VERSION}|{device_name}|{shape}|{text}".encode()).hexdigest()[:32]
 
-    def _tune(self, configs, strides, env, key) -> Launch:
+    def _tune(self, configs, strides, env, key, deadline: float | None) -> Launch:
         from .timing import timed_median
 
         best, best_t, timings, failures = None, float("inf"), {}, []
@@ -464,8 +465,6 @@ class GroupKernel:
                 launches.append(self._make(cfgs, strides, True))
             except Exception as err:  # refused while generating (GluonRefusal): recorded with the timed ones' failures
                 launches.append(err)
-        deadline = None if self.options.get("autotune") == "all" else self.options.get("compile_deadline",
-                                                                                      COMPILE_DEADLINE_S)
         late = precompile(launches, env, deadline)
         for v, (cfgs, launch) in enumerate(zip(configs, launches)):
             try:
