@@ -278,7 +278,7 @@ def test_random_mlps_get_eagers_gradients(widths, rows, activation, norm, bias, 
     (lambda: nn.MaxPool3d(2, 1), (1, 2, 4, 5, 5)),
     (lambda: nn.MaxPool2d(3, 1, 1), (3, 6, 6)),  # no batch dim
 ], ids=["stem", "ceil", "3d", "unbatched"])
-def test_max_pool_gradient_is_a_scatter_to_the_argmax(pool, shape, target):
+def test_max_pool_gradient_gathers_at_the_argmax(pool, shape, target):
     skip_unless_kernels_run(target)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(shape[-1], shape[-1]), pool()).to(DEVICE if target == "gpu" else "cpu")

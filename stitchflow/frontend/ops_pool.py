@@ -196,25 +196,42 @@ lowering(F.adaptive_avg_pool3d, "aten.adaptive_avg_pool3d", "aten._adaptive_avg_
 
 def _max_pool_backward(dims: int):
     def lower(ctx, grad, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
-        """The gradient of a max pool: each output's gradient added at its argmax (`indices`, flat over the
-        input's last `dims` dims, as the forward returned them): a scatter-add over the pooled grid into x's
-        planes; overlapping windows whose maxima coincide sum there, as eager's kernel does."""
-        from ..ir.index import Gather
-        from .registry import compute_dtype, operand
+        """The gradient of a max pool, gathered rather than scattered (as eager's kernel does): each
+        input position sums the gradients of the windows that could hold it, those whose argmax
+        (`indices`, flat over the input's last `dims` dims) is that position. A window o covers
+        position h when s·o - p <= h <= s·o - p + d·(k-1), so the candidates are the
+        d·(k-1) // s + 1 windows ending at (h + p) // s, visited in ascending order; a candidate
+        outside the pooled grid is masked out. No scatter: the sum is a small reduction that fuses
+        with what reads the gradient, and nothing needs atomics or a zeroed buffer."""
+        from .registry import compute_dtype
 
-        lead, plane = list(x.shape[:x.rank - dims]), math.prod(x.shape[x.rank - dims:])
-        acc, loop_shape = compute_dtype(ctx.dtype), list(grad.shape)
+        kernel, stride_, pad, dil = _window(dims, kernel_size, stride, padding, dilation)
+        lead, pooled, size = x.rank - dims, grad.shape[x.rank - dims:], x.shape[x.rank - dims:]
+        counts = [d * (k - 1) // s + 1 for k, s, d in zip(kernel, stride_, dil)]
+        acc = compute_dtype(ctx.dtype)
 
-        def at_argmax(o, rg):
-            where = indices.access(o, rg)
-            return [*o[:len(lead)], Gather(where.tensor, where.indices)]
+        def body(o, r, rg):
+            window, flat, conds = list(o[:lead]), V.Lit(0), []
+            for axis in range(dims):
+                h = o[lead + axis]
+                last = V.floordiv(V.add(h, pad[axis]), stride_[axis], rg)
+                w = V.add(last, r[axis], 1 - counts[axis])  # ascending: the first window first
+                window.append(w)
+                flat = V.add(V.scale(flat, size[axis]), h)
+                if counts[axis] > 1:
+                    conds.append(call("ge", IndexValue(w), Const(0)))
+                if (x.shape[lead + axis] - 1 + pad[axis]) // stride_[axis] >= pooled[axis]:
+                    conds.append(call("lt", IndexValue(w), Const(pooled[axis])))
+            hit = call("eq", indices.read(window, rg), IndexValue(flat))
+            for c in conds:
+                hit = call("and", c, hit)
+            return call("where", hit, Cast(acc, grad.read(window, rg)), Const(0.0))
 
-        planes = ctx.builder.scatter([*lead, plane], acc, loop_shape, lambda o, r, rg: operand(grad, o, loop_shape, rg),
-                                     at_argmax, hint=f"{ctx.hint}_scatter")
-        whole = V.reshape(planes, tuple(x.shape))
+        summed = ctx.builder.emit(ctx.shape, acc, body, reduce="sum", red_shape=counts, hint=f"{ctx.hint}_gather")
         if acc == ctx.dtype:
-            return whole
-        return ctx.builder.emit(ctx.shape, ctx.dtype, lambda o, r, rg: Cast(ctx.dtype, whole.read(o, rg)), hint=ctx.hint)
+            return summed
+        return ctx.builder.emit(ctx.shape, ctx.dtype, lambda o, r, rg: Cast(ctx.dtype, summed.read(o, rg)),
+                                hint=ctx.hint)
     return lower
 
 

@@ -218,7 +218,15 @@ def _scatter(node: Node, value, grid, env, out_type: TensorType) -> torch.Tensor
     idx = tuple(evaluate(i, grid, env).expand(value.shape) for i in node.index)
     acc = torch.promote_types(out_type.dtype, torch.float32) if out_type.dtype.is_floating_point else out_type.dtype
     out = torch.zeros(out_type.shape, dtype=acc, device=value.device)
-    out.index_put_(idx, value.to(acc), accumulate=True)
+    if torch.are_deterministic_algorithms_enabled() or not out.numel():
+        out.index_put_(idx, value.to(acc), accumulate=True)
+        return out.to(out_type.dtype)
+    # One flat index and index_add_: on CUDA, index_put_'s accumulation sorts the indices first
+    # (about 8x the time of the atomic adds index_add_ does).
+    flat = torch.zeros((), dtype=torch.int64, device=value.device)
+    for i, stride in zip(idx, out.stride()):
+        flat = flat + i * stride
+    out.view(-1).index_add_(0, flat.reshape(-1), value.to(acc).reshape(-1))
     return out.to(out_type.dtype)
 
 

@@ -84,3 +84,28 @@ def test_adaptive_average_pooling(shape, size):
 def test_adaptive_average_pooling_over_many_uneven_taps_is_refused_with_the_reason():
     with pytest.raises(stitchflow.StitchflowError, match="taps per output point"):
         stitchflow.compile(lambda x: F.adaptive_avg_pool2d(x, 3), (torch.randn(1, 1, 40, 40),))
+
+
+BACKWARD = {2: torch.ops.aten.max_pool2d_with_indices_backward, 3: torch.ops.aten.max_pool3d_with_indices_backward}
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.sampled_from([2, 3]), size=st.integers(2, 9), k=st.integers(1, 4), stride=st.integers(1, 3),
+       padding=st.integers(0, 2), dilation=st.integers(1, 2), ceil_mode=st.booleans(), ties=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_max_pool_backward_gathers_each_positions_windows(n, size, k, stride, padding, dilation, ceil_mode, ties,
+                                                         dtype):
+    """The gathered gradient equals eager's scatter to the argmax, overlapping windows that share a
+    maximum (`ties`: few distinct values) summed, padded, dilated and ceil-mode windows among them."""
+    x = torch.randn(2, 3, *[size + d for d in range(n)]).to(dtype)
+    if ties:
+        x = x.round()
+    window = (k, stride, padding, dilation, ceil_mode)
+    if eager_gives_nothing(lambda x: MAX[n](x, *window), x):
+        return
+    _, indices = MAX[n](x, *window, return_indices=True)
+    grad = torch.randn(indices.shape).to(dtype)
+    fn = lambda g, x, i: BACKWARD[n](g, x, [k] * n, [stride] * n, [padding] * n, [dilation] * n, ceil_mode, i)  # noqa
+    prog = stitchflow.compile(fn, (grad, x, indices), fusion="full")
+    assert not any(node.is_scatter for node in prog.graph.nodes)
+    assert_close(prog(grad, x, indices), fn(grad, x, indices))
