@@ -34,6 +34,7 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 from torch.fx.passes.split_module import split_module
 
+from .backend_layouts import channels_last_order, free_positions, restride_placeholders, restrided, saved_outputs_start
 from .frontend.capture import Captured, capture
 from .frontend.registry import LOWERINGS, describe_target, early_refusal, is_inplace, key_of
 from .ir.errors import StitchflowError
@@ -91,6 +92,9 @@ class StitchflowModule(torch.nn.Module):
         # outputs that an eager op (or, in AOTAutograd's graphs, the other half) reads, by position
         # (None: the partition's single output); they leave in eager's strides (_eager_layouts)
         self.read_eagerly: frozenset = frozenset()
+        # outputs whose readers take any layout (backend_layouts.py), by position: the program may
+        # hand them over channels last
+        self.free_outputs: frozenset = frozenset()
         self.strides: dict[tuple, list] = {}  # per signature: eager's output strides, None where not dense
 
     def forward(self, *args):
@@ -124,8 +128,8 @@ class StitchflowModule(torch.nn.Module):
         if not strides:
             return out
         if isinstance(out, torch.Tensor):
-            return _restrided(out, strides[0]) if None in self.read_eagerly else out
-        return type(out)(_restrided(o, s) if k in self.read_eagerly else o for k, (o, s) in enumerate(zip(out, strides)))
+            return restrided(out, strides[0]) if None in self.read_eagerly else out
+        return type(out)(restrided(o, s) if k in self.read_eagerly else o for k, (o, s) in enumerate(zip(out, strides)))
 
     def _lookup(self, args) -> "_Call":
         key = tuple(_signature(a) for a in args)
@@ -143,8 +147,10 @@ class StitchflowModule(torch.nn.Module):
         try:
             captured = capture(self.gm, args)
             bound = {k: a for k, a in enumerate(args) if k not in self.moved and _static_address(a)}
+            layouts = self._layout_options(captured, args, bound)
             captured = bind_inputs(captured, args, bound)
-            prog = Program(captured, regions_for(captured.graph, self.fusion, target=target), target, self.fusion)
+            prog = Program(captured, regions_for(captured.graph, self.fusion, target=target), target, self.fusion,
+                           layouts)
             log.info("stitchflow: %s compiled for %s: %d nodes in %d regions, %d inputs bound in place", self.name,
                      target, len(captured.graph.nodes), len(prog.regions), len(bound))
             return prog, bound, _dense_strides(captured.example_outputs)
@@ -156,6 +162,17 @@ class StitchflowModule(torch.nn.Module):
             log.warning("stitchflow: %s runs eagerly after an internal error (%s: %s)", self.name,
                         type(err).__name__, err, exc_info=True)
             return None, {}, []
+
+    def _layout_options(self, captured: Captured, args, bound: dict) -> dict:
+        """The program's options on layouts at the partition's boundary: its free outputs by IR name,
+        and the inputs that arrive channels last (not bound ones: parameters keep their layout)."""
+        leaves = captured.out_spec[1]
+        free = [leaves[0] if k is None else leaves[k] for k in self.free_outputs
+                if (k is None and len(leaves) == 1) or (k is not None and k < len(leaves))]
+        tensors = [(k, a) for k, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        orders = {name: channels_last_order(a) for (k, a), name in zip(tensors, captured.graph.inputs) if k not in bound}
+        return {"free_outputs": tuple(o for o in free if isinstance(o, str)),
+                "input_orders": {name: p for name, p in orders.items() if p is not None}}
 
     @property
     def regions_executed(self) -> int:
@@ -244,14 +261,6 @@ def _dense(t: torch.Tensor) -> bool:
             return False
         expected *= size
     return True
-
-
-def _restrided(t, stride):
-    """`t` in `stride` (a copy), unless its layout already matches where it matters (dims of size > 1)."""
-    if stride is None or not isinstance(t, torch.Tensor) or all(
-            a == b for n, a, b in zip(t.shape, t.stride(), stride) if n > 1):
-        return t
-    return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
 
 
 def _same_storage(a, bound: torch.Tensor) -> bool:
@@ -376,8 +385,11 @@ def _partition_and_wrap(gm: fx.GraphModule, options: dict, label: str = ""):
     the graph in its partitions' names and in the fallback records."""
     target, fusion = options.get("target"), options.get("fusion", "auto")
     where = f"{label} graph: " if label else ""
+    if label == "backward":  # saved activations may come channels last
+        restride_placeholders(gm, lambda u: u.op == "output" or (u.op in ("call_function", "call_method")
+                                                                 and not _supported(u)))
     for node in gm.graph.nodes:
-        if node.target is operator.getitem:  # an item of an op's results: the op's record says why
+        if node.target is operator.getitem or node.target is restrided:  # the op's record says why; ours
             continue
         if node.op in ("call_function", "call_method") and not _supported(node):
             why = early_refusal(node) if key_of(node) in LOWERINGS else None
@@ -390,10 +402,13 @@ def _partition_and_wrap(gm: fx.GraphModule, options: dict, label: str = ""):
         module = StitchflowModule(split.get_submodule(name), target, fusion, f"{label}.{name}" if label else name)
         setattr(split, name, module)
         compiled.append(module)
+    saved_from = saved_outputs_start(label)
     for node in split.graph.nodes:
         if node.op == "call_module" and node.target in names:
+            module = split.get_submodule(node.target)
             # an ATen graph's outputs are the other half's inputs, traced in eager's strides too
-            split.get_submodule(node.target).read_eagerly = _read_eagerly(node, set(names), outputs_too=bool(label))
+            module.free_outputs = free_positions(node, set(names), saved_from) if label else frozenset()
+            module.read_eagerly = _read_eagerly(node, set(names), outputs_too=bool(label)) - module.free_outputs
     split.recompile()
     split.stitchflow_modules = compiled
     COMPILED.extend(compiled)

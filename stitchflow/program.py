@@ -28,10 +28,10 @@ log = logging.getLogger("stitchflow")
 class Program:
     def __init__(self, captured: Captured, regions: Sequence[Region], target: str, fusion, options=None):
         self.target = get_target(target)
-        if hasattr(self.target, "prepare"):  # a target's own rewrite of the graph before its regions compile
-            captured, regions = self.target.prepare(captured, regions)
-        self.captured = captured
         self.options = dict(options or {})
+        if hasattr(self.target, "prepare"):  # a target's own rewrite of the graph before its regions compile
+            captured, regions = self.target.prepare(captured, regions, self.options)
+        self.captured = captured
         self.regions = tuple(regions)
         self.target_name = target
         self.fusion = fusion
@@ -96,7 +96,10 @@ class Program:
             raise ShapeError(f"the program takes {len(self.captured.input_names)} inputs, got {len(inputs)}")
         env: dict[str, Any] = dict(self.captured.param_values)
         tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+        layouts = self.captured.layouts
         for name, value in zip(graph.inputs, tensors):
+            if name in layouts:
+                value = value.permute(layouts[name])
             expected = graph.type_of[name]
             if tuple(value.shape) != expected.shape or value.dtype != expected.dtype:
                 raise ShapeError(
@@ -178,16 +181,24 @@ class _GraphReplay:
 
     def _replay(self, inputs) -> dict:
         prog = self.prog
+        targets, sources = [], []
         for static, x in zip(self.static_inputs, [x for x in inputs if isinstance(x, torch.Tensor)]):
             if static.layout == torch.sparse_csr:  # the members are the static tensor's own storage
-                static.crow_indices().copy_(x.crow_indices())
-                static.col_indices().copy_(x.col_indices())
-                static.values().copy_(x.values())
+                targets += [static.crow_indices(), static.col_indices(), static.values()]
+                sources += [x.crow_indices(), x.col_indices(), x.values()]
             else:
-                static.copy_(x)
+                targets.append(static)
+                sources.append(x)
+        # one foreach copy each way: a training step's graphs take and give a hundred activations,
+        # and a copy_ or clone apiece cost more host time than the replay saves
+        torch._foreach_copy_(targets, sources)
         self.graph.replay()
         prog.regions_executed += len(prog._compiled)
-        return {name: self.static_env[name].clone() for name in prog.graph.outputs}
+        names = list(dict.fromkeys(prog.graph.outputs))
+        made = [self.static_env[name] for name in names]
+        copies = [torch.empty_like(t) for t in made]
+        torch._foreach_copy_(copies, made)
+        return dict(zip(names, copies))
 
     def _capture(self, inputs) -> bool:
         prog = self.prog

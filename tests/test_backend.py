@@ -7,6 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import stitchflow.backend as backend
+from stitchflow.backend_layouts import restrided
 from conftest import assert_close
 from stitchflow.apps import APPS
 
@@ -345,8 +346,8 @@ def test_outputs_read_eagerly_leave_in_eagers_strides_only_where_they_matter():
     permuted = x.permute(2, 0, 1)
     assert backend._dense(permuted) and not backend._dense(x[:, :2]) and not backend._dense(x[:1].expand(5, 3, 4))
     ours = permuted.contiguous()
-    restrided = backend._restrided(ours, permuted.stride())
-    assert restrided.stride() == permuted.stride() and torch.equal(restrided, permuted)
+    fixed = restrided(ours, permuted.stride())
+    assert fixed.stride() == permuted.stride() and torch.equal(fixed, permuted)
     kept = torch.randn(4, 1, 3)
-    assert backend._restrided(kept, (3, 7, 1)) is kept  # a size-1 dim's stride does not matter
-    assert backend._restrided(kept, None) is kept
+    assert restrided(kept, (3, 7, 1)) is kept  # a size-1 dim's stride does not matter
+    assert restrided(kept, None) is kept

@@ -285,3 +285,25 @@ def test_max_pool_gradient_gathers_at_the_argmax(pool, shape, target):
     device = next(model.parameters()).device
     _train_side_by_side(model, lambda: (torch.randn(*shape, device=device),), steps=1, options={"target": target})
     assert backend.fallback_report().endswith("everything captured ran through stitchflow")
+
+
+@pytest.mark.parametrize("target", ["gpu"])
+def test_a_cnns_training_step_keeps_its_activations_channels_last(target):
+    """The forward hands the backward its saved activations channels last (they leave as permuted
+    views, no copy back to eager's strides); the backward reads them as stored and hands the eager
+    convolution backwards its gradients channels last too. Gradients equal eager's (float64 judged)."""
+    skip_unless_kernels_run(target)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(3, 2, 1),
+                          nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(8, 5)).to(DEVICE)
+    _train_side_by_side(model, lambda: (torch.randn(4, 3, 10, 10, device=DEVICE),), steps=2, exact=True,
+                        options={"target": target})
+    programs = {m.name: p for m in backend.COMPILED for p in m.programs.values() if p is not None}
+    forward = [p for name, p in programs.items() if name.startswith("forward")]
+    backward = [p for name, p in programs.items() if name.startswith("backward")]
+    saved = {name for p in forward for name in p.captured.layouts if name in p.graph.outputs}
+    assert saved, "no activation left the forward channels last"
+    read = {name for p in backward for name in p.captured.layouts if name in p.graph.inputs}
+    assert read, "no backward partition read its inputs as stored"
+    assert any(name in p.graph.outputs for p in backward for name in p.captured.layouts)

@@ -40,6 +40,10 @@ class Captured:
     input_names: tuple[str, ...]
     example_outputs: Any = None
     notes: list[str] = field(default_factory=list)
+    # input and output names whose axes the graph stores permuted (a target's layout choice): the
+    # program reads such an input as x.permute(p) and hands such an output back as a view with the
+    # model's axes, so only strides differ from the model's
+    layouts: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 class FullTracer(fx.Tracer):
@@ -263,5 +267,18 @@ def _finish(b: GraphBuilder, out_node: fx.Node, env, real, names) -> Captured:
 def rebuild_outputs(captured: Captured, env: Mapping[str, torch.Tensor]):
     """The program's outputs in the model's structure; reshaped nodes come back as views."""
     spec, outputs = captured.out_spec
-    leaves = [env[o] if isinstance(o, str) else env[o[0]].view(o[1]) if isinstance(o, tuple) else o for o in outputs]
-    return tree_unflatten(leaves, spec)
+    layouts = captured.layouts
+
+    def leaf(o):
+        if isinstance(o, str):
+            return env[o] if o not in layouts else env[o].permute(_inverse(layouts[o]))
+        return env[o[0]].view(o[1]) if isinstance(o, tuple) else o
+
+    return tree_unflatten([leaf(o) for o in outputs], spec)
+
+
+def _inverse(perm: tuple[int, ...]) -> tuple[int, ...]:
+    inverse = [0] * len(perm)
+    for k, p in enumerate(perm):
+        inverse[p] = k
+    return tuple(inverse)

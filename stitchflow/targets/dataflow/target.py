@@ -29,7 +29,7 @@ class DataflowTarget:
 
         return simulate(prog, env, **timing)
 
-    def prepare(self, captured, regions):
+    def prepare(self, captured, regions, options=None):
         """Streams carry tensors, not coordinate values: nodes computed from coordinates alone (an arange,
         an identity, a mask of positions) are computed once and read as constant inputs."""
         graph, params = fold_coordinate_nodes(captured.graph, captured.param_values)

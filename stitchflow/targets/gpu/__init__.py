@@ -25,6 +25,7 @@ Environment: STITCHFLOW_CACHE (default ~/.cache/stitchflow) holds generated sour
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -36,7 +37,7 @@ from .attention_plan import tile_plan
 from .layout import output_store, read_walked
 from .emit import contiguous_strides
 from .chains import chain_shape, compile_chain, match_chains, match_gemm_epilogues
-from .channels_last import channels_last
+from .channels_last import channels_last, channels_last_layouts
 from .conv import match_conv, region_convolutions
 from .grouping import TorchStep, fold_iotas, split_region
 from .reassociate import find_reassociations, reassociate
@@ -55,11 +56,22 @@ class GpuTarget:
         """Every region can run: what is not generated runs through torch, node by node."""
         return None
 
+    def prepare(self, captured, regions, options=None):
+        """Activations around convolutions channels last (channels_last.py), once for every region.
+        options["free_outputs"]: outputs that may leave permuted; options["input_orders"]: inputs
+        that arrive permuted ({name: the permutation that makes them contiguous})."""
+        options = options or {}
+        if not options.get("channels_last", True):
+            return captured, regions
+        graph, layouts = channels_last_layouts(captured.graph, options.get("free_outputs", ()),
+                                               options.get("input_orders"))
+        if graph is captured.graph:
+            return captured, regions
+        return dataclasses.replace(captured, graph=graph, layouts={**captured.layouts, **layouts}), regions
+
     def compile_region(self, graph: Graph, region: Region, params: dict, options: dict):
         options = dict(options or {})
         graph = gather_one_hots(fold_iotas(graph, params))
-        if options.get("channels_last", True):
-            graph = channels_last(graph)
         if options.get("reassociate", True):
             found = find_reassociations(graph, set(region.nodes))
             for r in found:

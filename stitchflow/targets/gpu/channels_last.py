@@ -6,10 +6,17 @@ intermediates connected to it axis for axis (batch norm, relu, the residual add,
 pooling windows), with the channel axes last. It is a graph rewrite that changes no value: a
 node's output axes are permuted, and every read of it indexes the permuted axes, so the
 generated kernels walk the channels innermost and `match_conv` finds the convolutions over
-channels-last inputs. Graph outputs, inputs and parameters keep their order.
+channels-last inputs.
 
-It rewrites the whole graph the same way whichever region is being compiled, so that the
-regions agree on how an intermediate passed between them is stored.
+Parameters keep their order. Graph inputs and outputs keep theirs unless the caller says
+otherwise: an input that arrives channels last (`input_orders`, e.g. an activation that a
+training step's forward saved for its backward) is read as stored and spreads its order like a
+convolution; an output whose layout nobody depends on (`free_outputs`, e.g. what the forward
+saves for the backward) may leave permuted. The program hands such tensors over as permuted
+views (`Captured.layouts`): the same shape, channels-last strides.
+
+It rewrites the whole graph once, before its regions compile, so that the regions agree on how
+an intermediate passed between them is stored.
 """
 
 from __future__ import annotations
@@ -25,19 +32,26 @@ from .conv import match_conv
 
 
 def channels_last(graph: Graph) -> Graph:
-    order = _choose(graph)
+    return channels_last_layouts(graph)[0]
+
+
+def channels_last_layouts(graph: Graph, free_outputs=(), input_orders=None) -> tuple[Graph, dict]:
+    """(the rewritten graph, {input or output name: the permutation of its axes as stored})."""
+    input_orders = {k: tuple(v) for k, v in (input_orders or {}).items() if k in graph.inputs}
+    order = _choose(graph, set(free_outputs) - set(graph.inputs), input_orders)
     if not order:
-        return graph
+        return graph, {}
     nodes = tuple(_permute_node(_reindex(n, order), order.get(n.name)) for n in graph.nodes)
     types = tuple((name, _permute_type(t, order[name]) if name in order else t) for name, t in graph.types)
-    return dataclasses.replace(graph, nodes=nodes, types=types)
+    ends = {name: order[name] for name in (*graph.inputs, *graph.outputs) if name in order}
+    return dataclasses.replace(graph, nodes=nodes, types=types), ends
 
 
-def _choose(graph: Graph) -> dict[str, tuple[int, ...]]:
-    """node -> the permutation of its output axes (new axis k is old axis perm[k])."""
-    keep = set(graph.outputs)
-    order: dict[str, tuple[int, ...]] = {}
-    queue: deque = deque()
+def _choose(graph: Graph, free_outputs: set = frozenset(), input_orders: dict | None = None) -> dict[str, tuple[int, ...]]:
+    """node (or input) -> the permutation of its output axes (new axis k is old axis perm[k])."""
+    keep = set(graph.outputs) - set(free_outputs)
+    order: dict[str, tuple[int, ...]] = dict(input_orders or {})
+    queue: deque = deque(order)
     for node in graph.nodes:
         call = match_conv(graph, node)
         if call is None or node.name in keep or call.x_order[1] != 1:
@@ -62,10 +76,12 @@ def _choose(graph: Graph) -> dict[str, tuple[int, ...]]:
 def _aligned_neighbours(graph: Graph, name: str):
     """Nodes of the same rank that read `name`, or that `name` reads, with their own k-th output
     variable in the k-th index of the read (elementwise, shifted, windowed)."""
-    node = graph.node_of[name]
     for reader in graph.consumers.get(name, ()):
         if _aligned(graph.node_of[reader], name):
             yield reader
+    node = graph.node_of.get(name)
+    if node is None:  # an input
+        return
     for producer in graph.producers(node):
         if len(graph.node_of[producer].out_vars) == len(node.out_vars) and _aligned(node, producer):
             yield producer

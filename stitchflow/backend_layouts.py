@@ -1,0 +1,100 @@
+"""Which tensors may cross a partition's boundary in a layout other than eager's.
+
+A program stores activations around convolutions channels last (targets/gpu/channels_last.py).
+Where an output of a partition is read by an eager op, it leaves in the strides eager traced
+(backend._eager_layouts), since an ATen graph's next op was traced on them (a view would fail
+on other strides). That copy is wasted where no reader depends on the layout:
+
+- another stitchflow partition (it compiles for the strides it gets);
+- a convolution or a convolution's backward (cuDNN takes any dense layout, and runs channels
+  last without transposing it first);
+- in AOTAutograd's forward graph, the graph's outputs past the user-visible ones: the tensors
+  saved for the backward, which only the backward graph reads (and whose eager readers there
+  get eager's strides back, `restride_placeholders`).
+
+Such outputs are "free": the program may hand them over as permuted views (the same shape,
+channels-last strides), and a partition given one reads it as stored (`input_orders`).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+# eager ops that run as fast, or faster, on channels-last operands and return values whose
+# readers compile for their strides
+LAYOUT_FREE = frozenset({
+    torch.ops.aten.convolution.default,
+    torch.ops.aten.convolution_backward.default,
+})
+
+
+def saved_outputs_start(label: str) -> int | None:
+    """In AOTAutograd's forward graph, the position of its first output saved for the backward
+    (mutated inputs, user outputs and their bases come first); None for other graphs."""
+    if label != "forward":
+        return None
+    from torch._guards import TracingContext
+
+    context = TracingContext.try_get()
+    meta = getattr(context, "fw_metadata", None) if context is not None else None
+    return getattr(meta, "num_forward", None)
+
+
+def free_positions(call: fx.Node, partitions: set, saved_from: int | None) -> frozenset:
+    """The positions of a partition call's results (None: its single value) whose every reader
+    is free of layout: another partition, a LAYOUT_FREE op, or the graph's output at saved positions."""
+    def reads_freely(user: fx.Node, value: fx.Node) -> bool:
+        if user.op == "output":
+            return saved_from is not None and all(
+                k >= saved_from for k, out in enumerate(_flat(user.args[0])) if out is value)
+        if user.op == "call_module" and user.target in partitions:
+            return True
+        return user.op == "call_function" and user.target in LAYOUT_FREE
+
+    items = [u for u in call.users if u.op == "call_function" and u.target is operator.getitem]
+    if not items:
+        return frozenset({None}) if call.users and all(reads_freely(u, call) for u in call.users) else frozenset()
+    return frozenset(item.args[1] for item in items if item.users and all(reads_freely(u, item) for u in item.users))
+
+
+def _flat(args) -> list:
+    return list(args) if isinstance(args, (tuple, list)) else [args]
+
+
+def restride_placeholders(gm: fx.GraphModule, eager) -> None:
+    """Before a graph's inputs may arrive in other layouts (AOTAutograd's backward, whose saved
+    tensors a forward partition may hand over channels last): each input read by an eager op
+    (`eager(node)`) that is not LAYOUT_FREE gets the strides it was traced with, by a copy where
+    they differ."""
+    for ph in [n for n in gm.graph.nodes if n.op == "placeholder"]:
+        val = ph.meta.get("val")
+        if not isinstance(val, torch.Tensor) or val.dim() < 3:
+            continue
+        readers = [u for u in ph.users if eager(u) and u.target not in LAYOUT_FREE]
+        if not readers:
+            continue
+        with gm.graph.inserting_after(ph):
+            fixed = gm.graph.call_function(restrided, (ph, tuple(int(s) for s in val.stride())))
+        for u in readers:
+            u.replace_input_with(ph, fixed)
+    gm.recompile()
+
+
+def restrided(t, stride):
+    """`t` in `stride` (a copy), unless its layout already matches where it matters (dims of size > 1)."""
+    if stride is None or not isinstance(t, torch.Tensor) or all(
+            a == b for n, a, b in zip(t.shape, t.stride(), stride) if n > 1):
+        return t
+    return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
+
+
+def channels_last_order(t) -> tuple[int, ...] | None:
+    """The permutation that makes a tensor stored channels last contiguous (N, *spatial, C), or None
+    where it is contiguous already or stored some other way."""
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.dim() < 3 or t.is_contiguous():
+        return None
+    perm = (0, *range(2, t.dim()), 1)
+    return perm if t.permute(perm).is_contiguous() else None
