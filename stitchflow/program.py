@@ -144,7 +144,7 @@ class _GraphReplay:
         self.keep_always = keep_always
         self.calls = 0
         self.failed: str | None = None  # why calls run without a graph (capture failed, not worth it)
-        self.plain_ms = float("inf")
+        self.plain_ms = self.replay_ms = (float("inf"), float("inf"))  # (to the device's end, on the host)
         self.graph = None
         self.static_inputs: list[torch.Tensor] = []
         self.static_env: dict = {}
@@ -171,13 +171,24 @@ class _GraphReplay:
         if self.graph is None:
             if not self._capture(inputs):
                 return rebuild_outputs(prog.captured, prog._run(prog._bind(inputs)))
-            replay_ms, outputs = _best_of(lambda: self._replay(inputs))
-            if replay_ms > self.plain_ms and not self.keep_always:  # device-bound: copies cost more than dispatch
+            self.replay_ms, outputs = _best_of(lambda: self._replay(inputs))
+            if not self.keep_always and not self._worth_it():
                 self.graph, self.static_inputs, self.static_env = None, [], {}
-                self.failed = f"not worth a graph: a replay took {replay_ms:.3f} ms, a plain call {self.plain_ms:.3f} ms"
                 log.info("stitchflow: no CUDA graph, %s", self.failed)
             return rebuild_outputs(prog.captured, outputs)
         return rebuild_outputs(prog.captured, self._replay(inputs))
+
+    def _worth_it(self) -> bool:
+        """A replay must be faster both to the end of its device work and on the host: a call that
+        returns sooner but queues copies lengthens a step whose device is the bottleneck, and one
+        that ends sooner in isolation but spends longer on the host (a copy and an allocation per
+        input and output) lengthens a step whose host is (a training step's backward graphs)."""
+        (plain, plain_host), (replay, replay_host) = self.plain_ms, self.replay_ms
+        if replay < plain and replay_host < plain_host:
+            return True
+        self.failed = (f"not worth a graph: a replay took {replay:.3f} ms ({replay_host:.3f} ms on the host), a plain "
+                       f"call {plain:.3f} ms ({plain_host:.3f} ms on the host)")
+        return False
 
     def _replay(self, inputs) -> dict:
         prog = self.prog
@@ -224,15 +235,17 @@ class _GraphReplay:
 
 
 def _best_of(call, repeats: int = 3):
-    """(the shortest wall time in ms of `call` to the end of its device work, its last result)."""
-    best, result = float("inf"), None
+    """((the shortest wall time in ms of `call` to the end of its device work, the shortest until it
+    returned), its last result)."""
+    best, host, result = float("inf"), float("inf"), None
     for _ in range(repeats):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         result = call()
+        t1 = time.perf_counter()
         torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t0) * 1e3)
-    return best, result
+        best, host = min(best, (time.perf_counter() - t0) * 1e3), min(host, (t1 - t0) * 1e3)
+    return (best, host), result
 
 
 def _split_formats(model, formats: Mapping | None):
