@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import time
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -20,6 +19,7 @@ from .frontend.capture import Captured, capture, rebuild_outputs, symbolic_trace
 from .ir.errors import ShapeError, StitchflowError
 from .ir.graph import Graph, Region
 from .planner.regions import regions_for
+from .replay import GraphReplay
 from .targets import get_target
 
 log = logging.getLogger("stitchflow")
@@ -51,7 +51,7 @@ class Program:
         if use_graphs not in (True, False, "always"):
             raise StitchflowError(f"options['cuda_graphs'] must be True (replay where a replay is faster), False or "
                                   f"'always' (replay even where it is slower), not {use_graphs!r}")
-        self._replay = _GraphReplay(self, keep_always=use_graphs == "always") if use_graphs else None
+        self._replay = GraphReplay(self, keep_always=use_graphs == "always") if use_graphs else None
 
     @property
     def graph(self) -> Graph:
@@ -72,7 +72,7 @@ class Program:
 
     def _forward(self, inputs):
         if self._replay is not None and self._replay.applies(inputs):
-            return self._replay(inputs)
+            return rebuild_outputs(self.captured, self._replay(inputs))
         return rebuild_outputs(self.captured, self._run(self._bind(inputs)))
 
     def grad_params(self) -> list:
@@ -124,128 +124,6 @@ class Program:
 
     def __repr__(self) -> str:
         return f"<stitchflow.Program target={self.target_name} fusion={self.fusion} regions={len(self.regions)}>"
-
-
-class _GraphReplay:
-    """Replays a whole call of a CUDA program as one CUDA graph, so that the Python dispatch of
-    every region, kernel and library call leaves the hot path (torch.compile's reduce-overhead
-    mode does the same). The first calls run normally (autotuning happens there); the second is
-    timed, the graph captured on the third is timed too and kept only if it is faster: a replay
-    copies the inputs in and clones the outputs out, which costs more than it saves when the
-    device, not the host, is the bottleneck. A capture that fails (a host sync, a sparse op) is
-    logged and the program keeps running normally. `keep_always` keeps a captured graph without
-    the comparison (options={"cuda_graphs": "always"}: a host-bound loop whose timing at the third
-    call is not representative, and tests that must exercise the replay whatever the timing)."""
-
-    WARMUP_CALLS = 2
-
-    def __init__(self, prog: Program, keep_always: bool = False):
-        self.prog = prog
-        self.keep_always = keep_always
-        self.calls = 0
-        self.failed: str | None = None  # why calls run without a graph (capture failed, not worth it)
-        self.plain_ms = self.replay_ms = (float("inf"), float("inf"))  # (to the device's end, on the host)
-        self.graph = None
-        self.static_inputs: list[torch.Tensor] = []
-        self.static_env: dict = {}
-
-    def applies(self, inputs) -> bool:
-        """CUDA inputs, dense or CSR (a GNN's adjacency); a CSR input must keep the non-zero count of
-        the captured one (its structure is copied in, as a dense input's values are)."""
-        tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
-        if self.failed is not None or not tensors or not all(
-                t.is_cuda and t.layout in (torch.strided, torch.sparse_csr) for t in tensors):
-            return False
-        return self.graph is None or all(
-            s.layout != torch.sparse_csr or s.values().numel() == t.values().numel()
-            for s, t in zip(self.static_inputs, tensors))
-
-    def __call__(self, inputs):
-        prog = self.prog
-        self.calls += 1
-        if self.graph is None and self.calls < self.WARMUP_CALLS:
-            return rebuild_outputs(prog.captured, prog._run(prog._bind(inputs)))
-        if self.graph is None and self.calls == self.WARMUP_CALLS:
-            self.plain_ms, env = _best_of(lambda: prog._run(prog._bind(inputs)))
-            return rebuild_outputs(prog.captured, env)
-        if self.graph is None:
-            if not self._capture(inputs):
-                return rebuild_outputs(prog.captured, prog._run(prog._bind(inputs)))
-            self.replay_ms, outputs = _best_of(lambda: self._replay(inputs))
-            if not self.keep_always and not self._worth_it():
-                self.graph, self.static_inputs, self.static_env = None, [], {}
-                log.info("stitchflow: no CUDA graph, %s", self.failed)
-            return rebuild_outputs(prog.captured, outputs)
-        return rebuild_outputs(prog.captured, self._replay(inputs))
-
-    def _worth_it(self) -> bool:
-        """A replay must be faster both to the end of its device work and on the host: a call that
-        returns sooner but queues copies lengthens a step whose device is the bottleneck, and one
-        that ends sooner in isolation but spends longer on the host (a copy and an allocation per
-        input and output) lengthens a step whose host is (a training step's backward graphs)."""
-        (plain, plain_host), (replay, replay_host) = self.plain_ms, self.replay_ms
-        if replay < plain and replay_host < plain_host:
-            return True
-        self.failed = (f"not worth a graph: a replay took {replay:.3f} ms ({replay_host:.3f} ms on the host), a plain "
-                       f"call {plain:.3f} ms ({plain_host:.3f} ms on the host)")
-        return False
-
-    def _replay(self, inputs) -> dict:
-        prog = self.prog
-        targets, sources = [], []
-        for static, x in zip(self.static_inputs, [x for x in inputs if isinstance(x, torch.Tensor)]):
-            if static.layout == torch.sparse_csr:  # the members are the static tensor's own storage
-                targets += [static.crow_indices(), static.col_indices(), static.values()]
-                sources += [x.crow_indices(), x.col_indices(), x.values()]
-            else:
-                targets.append(static)
-                sources.append(x)
-        # one foreach copy each way: a training step's graphs take and give a hundred activations,
-        # and a copy_ or clone apiece cost more host time than the replay saves
-        torch._foreach_copy_(targets, sources)
-        self.graph.replay()
-        prog.regions_executed += len(prog._compiled)
-        names = list(dict.fromkeys(prog.graph.outputs))
-        made = [self.static_env[name] for name in names]
-        copies = [torch.empty_like(t) for t in made]
-        torch._foreach_copy_(copies, made)
-        return dict(zip(names, copies))
-
-    def _capture(self, inputs) -> bool:
-        prog = self.prog
-        self.static_inputs = [x.clone() for x in inputs if isinstance(x, torch.Tensor)]
-        static = iter(self.static_inputs)
-        bound = [next(static) if isinstance(x, torch.Tensor) else x for x in inputs]
-        try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # one run on a side stream, as torch's docs ask
-                prog._run(prog._bind(bound))
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self.static_env = prog._run(prog._bind(bound))
-            self.graph = graph
-            return True
-        except Exception as err:  # capture refuses host syncs and some library calls
-            self.failed = f"{type(err).__name__}: {err}"
-            log.info("stitchflow: CUDA graph capture failed, running without it: %s", self.failed)
-            torch.cuda.synchronize()
-            return False
-
-
-def _best_of(call, repeats: int = 3):
-    """((the shortest wall time in ms of `call` to the end of its device work, the shortest until it
-    returned), its last result)."""
-    best, host, result = float("inf"), float("inf"), None
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        result = call()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        best, host = min(best, (time.perf_counter() - t0) * 1e3), min(host, (t1 - t0) * 1e3)
-    return (best, host), result
 
 
 def _split_formats(model, formats: Mapping | None):

@@ -107,7 +107,7 @@ def bench_pattern(name: str, device, copy_bw: float, fusion: str = "full") -> di
         row["compile_err"] = _check(name + " torch.compile", compiled(*sets[0]), ref, pat.dtype)
         t0 = time.time()
         # One or two launches per call: CUDA-graph replay would add a copy of every input into
-        # its static buffers and a clone of every output (Program._GraphReplay), doubling the
+        # its static buffers and a clone of every output (replay.GraphReplay), doubling the
         # traffic of these memory-bound patterns for no launch saving, so calls launch directly.
         prog = stitchflow.compile(module, sets[0], target="gpu", fusion=fusion,
                                   options={"cuda_graphs": False, "autotune": "all"})

@@ -217,7 +217,7 @@ class Launch:
         # (STITCHFLOW_GLUON_JIT=1 keeps them on the JIT's path)
         self.fast_ok = not interpreting() and not (spec.gluon and os.environ.get("STITCHFLOW_GLUON_JIT") == "1")
         self.resident_checked = False
-        self.counters: dict = {}  # (device, stream) -> the row counters (see _counters)
+        self.counters: dict = {}  # (device, stream) -> the scratch and row counters (see _buffers)
         # the interpreter runs programs one at a time and takes no launch attributes
         self.launch_options = {"launch_cooperative_grid": True} if spec.cooperative and not interpreting() else {}
 
@@ -227,8 +227,7 @@ class Launch:
         ins = [env[t] for t in spec.inputs]
         device = ins[0].device if ins else torch.device("cuda")
         outs = [torch.empty(shape, dtype=dt, device=device) for shape, dt in self.out_specs]
-        args = ins + outs + [self._counters(n, device) if dt == torch.int64 else torch.empty(n, dtype=dt, device=device)
-                             for _, n, dt in spec.buffers]
+        args = ins + outs + (self._buffers(device) if spec.buffers else [])
         args += [tma_descriptor(env[t], box, view) for t, box, view in spec.tma]
         return args, outs, device
 
@@ -243,8 +242,11 @@ class Launch:
         spec = self.spec
         args, outs, device = self._arguments(env)
         if self.fast is not None:
-            for phase, runner in enumerate(self.fast):
-                runner(*args, phase)
+            # Triton's launcher itself, given the stream: its runner looks the stream up through
+            # torch.cuda and asks for launch hooks on every call, half of a launch's host time
+            stream = _raw_stream(device)
+            for phase, k in enumerate(self.fast):
+                k.run(spec.grid, 1, 1, stream, k.function, k.packed_metadata, None, None, None, *args, phase)
         else:
             if not self.resident_checked and spec.coop_group and not interpreting() and (
                     spec.gluon or spec.cooperative or spec.coop_group > max_coop_split(_sms(device))):
@@ -253,20 +255,26 @@ class Launch:
             compiled = [self.module.kernel[self.grid](*args, PHASE=phase, num_warps=spec.num_warps,
                                                       **self.launch_options)
                         for phase in range(spec.phases)]
-            if self.fast_ok and all(c is not None for c in compiled):
-                self.fast = [c[(spec.grid, 1, 1)] for c in compiled]
+            if self.fast_ok and all(c is not None for c in compiled) and _no_launch_hooks():
+                for c in compiled:
+                    c._init_handles()
+                self.fast = compiled
         LAUNCHES[self.title] += spec.phases
         for name, value in zip(spec.outputs, outs):
             env[name] = value
 
-    def _counters(self, n: int, device) -> torch.Tensor:
-        """A cooperative split's row counters, zeroed once per stream: launches only add to them
-        (codegen_split.row_barrier). One set per stream, so that calls on two streams, which
-        may overlap, never share them."""
-        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-        found = self.counters.get((device, stream))
+    def _buffers(self, device) -> list:
+        """The kernel's scratch and a cooperative split's row counters, made once per stream: the
+        counters are zeroed then and launches only add to them (codegen_split.row_barrier); the
+        scratch is written before it is read within a launch, and launches on one stream run in
+        turn, so they share it. One set per stream, so that calls on two streams, which may
+        overlap, never share them; allocating them per call cost host time on every launch."""
+        key = (device, _raw_stream(device))
+        found = self.counters.get(key)
         if found is None:
-            found = self.counters[(device, stream)] = torch.zeros(n, dtype=torch.int64, device=device)
+            found = self.counters[key] = [
+                torch.zeros(n, dtype=dt, device=device) if dt == torch.int64 else torch.empty(n, dtype=dt, device=device)
+                for _, n, dt in self.spec.buffers]
         return found
 
     def _check_residency(self, args, device) -> None:
@@ -288,6 +296,22 @@ class Launch:
         elif self.spec.coop_group * 2 > per_sm * _sms(device):
             raise ValueError(f"a cooperative split of {self.spec.coop_group} programs needs them all resident, but "
                              f"{kernel.n_regs} registers per thread leave {per_sm} per SM")
+
+
+def _raw_stream(device) -> int:
+    """The current stream's handle (torch.cuda.current_stream(device).cuda_stream costs 9 µs a call,
+    this 0.2: measured by scripts/launch_path_probe.py)."""
+    if device.type != "cuda":
+        return 0
+    return torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _no_launch_hooks() -> bool:
+    """Whether Triton has launch hooks to call (a profiler such as Proton sets them): the direct
+    launch skips them, so it is taken only where there are none."""
+    from triton import knobs
+
+    return knobs.runtime.launch_enter_hook is None and knobs.runtime.launch_exit_hook is None
 
 
 def tma_descriptor(t: torch.Tensor, box: tuple[int, ...], view: tuple[int, ...] | None = None):

@@ -1,0 +1,193 @@
+"""A program's call replayed as one CUDA graph.
+
+The Python dispatch of every region, kernel and library call leaves the hot path (torch.compile's
+reduce-overhead mode does the same). The first calls run normally (autotuning happens there); the
+second is timed, the graph captured on the third is timed too and kept only if it is faster both
+to the end of its device work and on the host. A capture that fails (a host sync, a sparse op) is
+logged and the program keeps running normally.
+
+A graph reads and writes fixed addresses. By default a replay copies each input into the graph's
+own buffer and clones each output out of it, which costs a copy and an allocation per tensor: a
+training step's graphs take and give a hundred activations. Two kinds of tensors skip that
+(CUDA Graph Trees' idea, in small):
+
+- *handed-over outputs* (`options["free_outputs"]`: a forward's activations saved for its
+  backward, gradients passed on inside the backward) leave as the graph's own buffers, not
+  clones. Before the next replay overwrites them, every one of them must be free again (its
+  storage referenced by nothing outside the graph); where one is still held, that call runs
+  without the graph and allocates afresh, so a held tensor is never overwritten;
+- *borrowed inputs*: an input that is, at capture, another graph's handed-over output is read
+  where it lies instead of copied. A replay needs each borrowed input at that same address (with
+  the same strides); otherwise the call runs without the graph.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+
+import torch
+
+log = logging.getLogger("stitchflow")
+
+# data pointer of a handed-over output -> the replayer that owns it (borrowers look them up at capture)
+_HANDED_OVER: "weakref.WeakValueDictionary[int, GraphReplay]" = weakref.WeakValueDictionary()
+
+
+def storage_uses(t: torch.Tensor) -> int:
+    """How many tensors (and storage objects) hold `t`'s storage."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+class GraphReplay:
+    WARMUP_CALLS = 2
+
+    def __init__(self, prog, keep_always: bool = False):
+        """`keep_always` keeps a captured graph without the comparison (options={"cuda_graphs": "always"}: a
+        host-bound loop whose timing at the third call is not representative, and tests that must exercise
+        the replay whatever the timing)."""
+        self.prog = prog
+        self.keep_always = keep_always
+        self.calls = 0
+        self.failed: str | None = None  # why calls run without a graph (capture failed, not worth it)
+        self.plain_ms = self.replay_ms = (float("inf"), float("inf"))  # (to the device's end, on the host)
+        self.graph = None
+        self.static_inputs: list = []  # per tensor input: the graph's buffer, or None where borrowed
+        self.borrowed: dict[int, tuple] = {}  # tensor position -> (data pointer, strides) read in place
+        self.static_env: dict = {}
+        self.handed_over: dict[str, int] = {}  # output name -> its storage's uses when nothing outside holds it
+        self.plain_calls = 0  # calls that ran without the graph because of a held output or a moved input
+
+    def applies(self, inputs) -> bool:
+        """CUDA inputs, dense or CSR (a GNN's adjacency); a CSR input must keep the non-zero count of
+        the captured one (its structure is copied in, as a dense input's values are)."""
+        tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+        if self.failed is not None or not tensors or not all(
+                t.is_cuda and t.layout in (torch.strided, torch.sparse_csr) for t in tensors):
+            return False
+        return self.graph is None or all(
+            s is None or s.layout != torch.sparse_csr or s.values().numel() == t.values().numel()
+            for s, t in zip(self.static_inputs, tensors))
+
+    def __call__(self, inputs) -> dict:
+        """The environment of the outputs (names -> tensors) for `inputs`."""
+        prog = self.prog
+        self.calls += 1
+        if self.graph is None and self.calls < self.WARMUP_CALLS:
+            return prog._run(prog._bind(inputs))
+        if self.graph is None and self.calls == self.WARMUP_CALLS:
+            self.plain_ms, env = best_of(lambda: prog._run(prog._bind(inputs)))
+            return env
+        if self.graph is None:
+            if not self._capture(inputs):
+                return prog._run(prog._bind(inputs))
+            self.replay_ms, outputs = best_of(lambda: self._replay(inputs))
+            if not self.keep_always and not self._worth_it():
+                self._release()
+                log.info("stitchflow: no CUDA graph, %s", self.failed)
+            return outputs
+        if not self._ready(inputs):
+            self.plain_calls += 1
+            return prog._run(prog._bind(inputs))
+        return self._replay(inputs)
+
+    def _worth_it(self) -> bool:
+        """A replay must be faster both to the end of its device work and on the host: a call that
+        returns sooner but queues copies lengthens a step whose device is the bottleneck, and one
+        that ends sooner in isolation but spends longer on the host (a copy and an allocation per
+        input and output) lengthens a step whose host is."""
+        (plain, plain_host), (replay, replay_host) = self.plain_ms, self.replay_ms
+        if replay < plain and replay_host < plain_host:
+            return True
+        self.failed = (f"not worth a graph: a replay took {replay:.3f} ms ({replay_host:.3f} ms on the host), a plain "
+                       f"call {plain:.3f} ms ({plain_host:.3f} ms on the host)")
+        return False
+
+    def _ready(self, inputs) -> bool:
+        """Every borrowed input where the graph reads it, and every handed-over output free again."""
+        tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+        for k, (pointer, stride) in self.borrowed.items():
+            if tensors[k].data_ptr() != pointer or tensors[k].stride() != stride:
+                return False
+        return all(storage_uses(self.static_env[name]) <= uses for name, uses in self.handed_over.items())
+
+    def _replay(self, inputs) -> dict:
+        targets, sources = [], []
+        for static, x in zip(self.static_inputs, [x for x in inputs if isinstance(x, torch.Tensor)]):
+            if static is None:  # borrowed: read where it lies
+                continue
+            if static.layout == torch.sparse_csr:  # the members are the static tensor's own storage
+                targets += [static.crow_indices(), static.col_indices(), static.values()]
+                sources += [x.crow_indices(), x.col_indices(), x.values()]
+            else:
+                targets.append(static)
+                sources.append(x)
+        if targets:
+            torch._foreach_copy_(targets, sources)
+        self.graph.replay()
+        self.prog.regions_executed += len(self.prog._compiled)
+        out = {}
+        for name in dict.fromkeys(self.prog.graph.outputs):
+            made = self.static_env[name]
+            # a handed-over output leaves as a new tensor on the graph's storage: its uses count who holds it
+            out[name] = made.detach() if name in self.handed_over else made.clone()
+        return out
+
+    def _capture(self, inputs) -> bool:
+        prog = self.prog
+        tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+        self.borrowed = {k: (x.data_ptr(), x.stride()) for k, x in enumerate(tensors)
+                         if x.layout == torch.strided and _HANDED_OVER.get(x.data_ptr()) not in (None, self)}
+        self.static_inputs = [None if k in self.borrowed else x.clone() for k, x in enumerate(tensors)]
+        static = iter([x if s is None else s for x, s in zip(tensors, self.static_inputs)])
+        bound = [next(static) if isinstance(x, torch.Tensor) else x for x in inputs]
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # one run on a side stream, as torch's docs ask
+                prog._run(prog._bind(bound))
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                env = prog._run(prog._bind(bound))
+        except Exception as err:  # capture refuses host syncs and some library calls
+            self.failed = f"{type(err).__name__}: {err}"
+            log.info("stitchflow: CUDA graph capture failed, running without it: %s", self.failed)
+            torch.cuda.synchronize()
+            self.static_inputs, self.borrowed = [], {}
+            return False
+        del bound, static
+        # nothing of ours may hold a borrowed input: its owner counts the holders before it replays
+        inputs_named = set(prog.graph.inputs)
+        self.static_env = {name: t for name, t in env.items() if name not in inputs_named or name in prog.graph.outputs}
+        del env
+        self.graph = graph
+        free = set(prog.options.get("free_outputs", ())) - inputs_named
+        self.handed_over = {name: storage_uses(self.static_env[name]) for name in dict.fromkeys(prog.graph.outputs)
+                            if name in free and isinstance(self.static_env[name], torch.Tensor)}
+        for name in self.handed_over:
+            _HANDED_OVER[self.static_env[name].data_ptr()] = self
+        return True
+
+    def _release(self) -> None:
+        for name in self.handed_over:
+            if _HANDED_OVER.get(self.static_env[name].data_ptr()) is self:
+                del _HANDED_OVER[self.static_env[name].data_ptr()]
+        self.graph, self.static_inputs, self.static_env, self.borrowed, self.handed_over = None, [], {}, {}, {}
+
+
+def best_of(call, repeats: int = 3):
+    """((the shortest wall time in ms of `call` to the end of its device work, the shortest until it
+    returned), its last result). The previous result is dropped before each call, so that a replay's
+    handed-over outputs are free again for the next."""
+    best, host, result = float("inf"), float("inf"), None
+    for _ in range(repeats):
+        result = None
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        result = call()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        best, host = min(best, (time.perf_counter() - t0) * 1e3), min(host, (t1 - t0) * 1e3)
+    return (best, host), result
