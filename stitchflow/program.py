@@ -51,7 +51,9 @@ class Program:
         if use_graphs not in (True, False, "always"):
             raise StitchflowError(f"options['cuda_graphs'] must be True (replay where a replay is faster), False or "
                                   f"'always' (replay even where it is slower), not {use_graphs!r}")
-        self._replay = GraphReplay(self, keep_always=use_graphs == "always") if use_graphs else None
+        self._replay = GraphReplay(lambda inputs: self._run(self._bind(inputs)), self.graph.outputs,
+                                   self.options.get("free_outputs", ()), self.graph.inputs,
+                                   keep_always=use_graphs == "always", on_replay=self._replayed) if use_graphs else None
 
     @property
     def graph(self) -> Graph:
@@ -82,6 +84,9 @@ class Program:
             module = self.reference if isinstance(self.reference, torch.nn.Module) else None
             self._parameters = list(module.parameters()) if module is not None else []
         return [p for p in self._parameters if p.requires_grad]
+
+    def _replayed(self) -> None:
+        self.regions_executed += len(self._compiled)
 
     def _run(self, env: dict) -> dict:
         for run in self._compiled:

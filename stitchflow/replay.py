@@ -16,9 +16,15 @@ training step's graphs take and give a hundred activations. Two kinds of tensors
   clones. Before the next replay overwrites them, every one of them must be free again (its
   storage referenced by nothing outside the graph); where one is still held, that call runs
   without the graph and allocates afresh, so a held tensor is never overwritten;
-- *borrowed inputs*: an input that is, at capture, another graph's handed-over output is read
-  where it lies instead of copied. A replay needs each borrowed input at that same address (with
-  the same strides); otherwise the call runs without the graph.
+- *borrowed inputs*: an input that is, at capture, another graph's handed-over output, or a
+  parameter or buffer (a tensor Dynamo marks as living at a fixed address), is read where it
+  lies instead of copied. A replay needs each borrowed input at that same address (with the same
+  strides); otherwise the call runs without the graph.
+
+What is replayed is any callable from inputs to named outputs: a Program's call, or a whole
+AOTAutograd graph with its eager ops and the programs of its partitions (`AotGraphReplay`: one
+graph launch for a training step's backward, cuDNN's convolution backwards included). Inside a
+capture, a program runs plainly: the outer graph records its kernels.
 """
 
 from __future__ import annotations
@@ -43,11 +49,15 @@ def storage_uses(t: torch.Tensor) -> int:
 class GraphReplay:
     WARMUP_CALLS = 2
 
-    def __init__(self, prog, keep_always: bool = False):
-        """`keep_always` keeps a captured graph without the comparison (options={"cuda_graphs": "always"}: a
-        host-bound loop whose timing at the third call is not representative, and tests that must exercise
-        the replay whatever the timing)."""
-        self.prog = prog
+    def __init__(self, run, outputs, free=(), inputs=(), keep_always: bool = False, on_replay=None):
+        """`run(inputs)` makes the outputs' environment (name -> value) by a plain call; `outputs` names
+        what a call returns, `free` the outputs that may be handed over, `inputs` the environment's
+        names of the inputs (not kept after capture); `on_replay()` is told of every replay.
+        `keep_always` keeps a captured graph without the comparison (options={"cuda_graphs": "always"}:
+        a host-bound loop whose timing at the third call is not representative, and tests that must
+        exercise the replay whatever the timing)."""
+        self.run, self.outputs, self.free, self.input_names = run, tuple(outputs), set(free), set(inputs)
+        self.on_replay = on_replay
         self.keep_always = keep_always
         self.calls = 0
         self.failed: str | None = None  # why calls run without a graph (capture failed, not worth it)
@@ -57,6 +67,7 @@ class GraphReplay:
         self.borrowed: dict[int, tuple] = {}  # tensor position -> (data pointer, strides) read in place
         self.static_env: dict = {}
         self.handed_over: dict[str, int] = {}  # output name -> its storage's uses when nothing outside holds it
+        self.aliases: set[str] = set()  # outputs that are views of borrowed inputs
         self.plain_calls = 0  # calls that ran without the graph because of a held output or a moved input
 
     def applies(self, inputs) -> bool:
@@ -71,17 +82,18 @@ class GraphReplay:
             for s, t in zip(self.static_inputs, tensors))
 
     def __call__(self, inputs) -> dict:
-        """The environment of the outputs (names -> tensors) for `inputs`."""
-        prog = self.prog
+        """The environment of the outputs (names -> values) for `inputs`."""
+        if torch.cuda.is_current_stream_capturing():  # inside an outer graph's capture: it records our kernels
+            return self.run(inputs)
         self.calls += 1
         if self.graph is None and self.calls < self.WARMUP_CALLS:
-            return prog._run(prog._bind(inputs))
+            return self.run(inputs)
         if self.graph is None and self.calls == self.WARMUP_CALLS:
-            self.plain_ms, env = best_of(lambda: prog._run(prog._bind(inputs)))
+            self.plain_ms, env = best_of(lambda: self.run(inputs))
             return env
         if self.graph is None:
             if not self._capture(inputs):
-                return prog._run(prog._bind(inputs))
+                return self.run(inputs)
             self.replay_ms, outputs = best_of(lambda: self._replay(inputs))
             if not self.keep_always and not self._worth_it():
                 self._release()
@@ -89,7 +101,7 @@ class GraphReplay:
             return outputs
         if not self._ready(inputs):
             self.plain_calls += 1
-            return prog._run(prog._bind(inputs))
+            return self.run(inputs)
         return self._replay(inputs)
 
     def _worth_it(self) -> bool:
@@ -126,19 +138,26 @@ class GraphReplay:
         if targets:
             torch._foreach_copy_(targets, sources)
         self.graph.replay()
-        self.prog.regions_executed += len(self.prog._compiled)
+        if self.on_replay is not None:
+            self.on_replay()
         out = {}
-        for name in dict.fromkeys(self.prog.graph.outputs):
+        for name in dict.fromkeys(self.outputs):
             made = self.static_env[name]
-            # a handed-over output leaves as a new tensor on the graph's storage: its uses count who holds it
-            out[name] = made.detach() if name in self.handed_over else made.clone()
+            # a handed-over output (or a view of a borrowed input) leaves as a new tensor on the same
+            # storage: a handed-over one's uses then count who holds it
+            if not isinstance(made, torch.Tensor):
+                out[name] = made
+            elif name in self.handed_over or name in self.aliases:
+                out[name] = made.detach()
+            else:
+                out[name] = made.clone()
         return out
 
     def _capture(self, inputs) -> bool:
-        prog = self.prog
         tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
-        self.borrowed = {k: (x.data_ptr(), x.stride()) for k, x in enumerate(tensors)
-                         if x.layout == torch.strided and _HANDED_OVER.get(x.data_ptr()) not in (None, self)}
+        self.borrowed = {k: (x.data_ptr(), x.stride()) for k, x in enumerate(tensors) if x.layout == torch.strided and (
+            _HANDED_OVER.get(x.data_ptr()) not in (None, self) or _fixed_address(x))}
+        borrowed_storages = {tensors[k].untyped_storage().data_ptr() for k in self.borrowed}
         self.static_inputs = [None if k in self.borrowed else x.clone() for k, x in enumerate(tensors)]
         static = iter([x if s is None else s for x, s in zip(tensors, self.static_inputs)])
         bound = [next(static) if isinstance(x, torch.Tensor) else x for x in inputs]
@@ -146,11 +165,11 @@ class GraphReplay:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # one run on a side stream, as torch's docs ask
-                prog._run(prog._bind(bound))
+                self.run(bound)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                env = prog._run(prog._bind(bound))
+                env = self.run(bound)
         except Exception as err:  # capture refuses host syncs and some library calls
             self.failed = f"{type(err).__name__}: {err}"
             log.info("stitchflow: CUDA graph capture failed, running without it: %s", self.failed)
@@ -159,13 +178,14 @@ class GraphReplay:
             return False
         del bound, static
         # nothing of ours may hold a borrowed input: its owner counts the holders before it replays
-        inputs_named = set(prog.graph.inputs)
-        self.static_env = {name: t for name, t in env.items() if name not in inputs_named or name in prog.graph.outputs}
+        self.static_env = {name: t for name, t in env.items() if name not in self.input_names or name in self.outputs}
         del env
         self.graph = graph
-        free = set(prog.options.get("free_outputs", ())) - inputs_named
-        self.handed_over = {name: storage_uses(self.static_env[name]) for name in dict.fromkeys(prog.graph.outputs)
-                            if name in free and isinstance(self.static_env[name], torch.Tensor)}
+        made = {name: t for name, t in self.static_env.items() if name in self.outputs and isinstance(t, torch.Tensor)}
+        # views of a borrowed input (a transposed weight saved for the backward) are the caller's memory
+        self.aliases = {name for name, t in made.items() if t.untyped_storage().data_ptr() in borrowed_storages}
+        self.handed_over = {name: storage_uses(t) for name, t in made.items()
+                            if name in self.free - self.input_names - self.aliases}
         for name in self.handed_over:
             _HANDED_OVER[self.static_env[name].data_ptr()] = self
         return True
@@ -175,6 +195,40 @@ class GraphReplay:
             if _HANDED_OVER.get(self.static_env[name].data_ptr()) is self:
                 del _HANDED_OVER[self.static_env[name].data_ptr()]
         self.graph, self.static_inputs, self.static_env, self.borrowed, self.handed_over = None, [], {}, {}, {}
+        self.aliases = set()
+
+
+def _fixed_address(t: torch.Tensor) -> bool:
+    """A parameter or buffer: Dynamo marks those as living at a fixed address (an optimizer updates
+    them in place)."""
+    return isinstance(t, torch.nn.Parameter) or getattr(t, "_dynamo_static_input_type", None) is not None
+
+
+class AotGraphReplay:
+    """One of AOTAutograd's graphs (its partitions' programs and eager ops together, as compiled by
+    backend._partition_and_wrap) replayed as one CUDA graph: the host launches a training step's
+    backward, twenty cuDNN convolution backwards among it, as one graph. `free_from`: the first
+    output position that may be handed over (a forward's saved activations), None for none."""
+
+    def __init__(self, fn, n_outputs: int, free_from: int | None):
+        self.fn = fn
+        AOT_REPLAYS.add(self)
+        names = [f"out{k}" for k in range(n_outputs)]
+        free = names[free_from:] if free_from is not None else ()
+        self.replay = GraphReplay(self._run, names, free)
+
+    def _run(self, inputs) -> dict:
+        out = self.fn(*inputs)
+        return {f"out{k}": v for k, v in enumerate(out if isinstance(out, (tuple, list)) else (out,))}
+
+    def __call__(self, *args):
+        if not self.replay.applies(args):
+            return self.fn(*args)
+        env = self.replay(args)
+        return [env[name] for name in self.replay.outputs]
+
+
+AOT_REPLAYS: "weakref.WeakSet[AotGraphReplay]" = weakref.WeakSet()  # for tests and reports
 
 
 def best_of(call, repeats: int = 3):

@@ -57,3 +57,42 @@ def test_a_borrowed_input_is_read_where_it_lies_and_only_there():
     calls = consumer._replay.plain_calls
     torch.testing.assert_close(consumer(moved), g(moved), rtol=1e-4, atol=1e-3)
     assert consumer._replay.plain_calls == calls + 1
+
+
+@cuda
+def test_a_cnns_whole_training_step_replays_and_stays_eagers(monkeypatch):
+    """AOTAutograd's forward and backward graphs, eager convolution backwards among them, replay as one
+    CUDA graph each from the third step on, the forward handing its saved activations over; every step's
+    loss, input gradient and parameters equal eager's."""
+    import copy
+
+    import torch.nn as nn
+
+    from stitchflow import backend
+    from stitchflow.replay import AOT_REPLAYS
+
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    torch._dynamo.reset()
+    backend.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(3, 2, 1),
+                          nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(16, 5)).cuda()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="stitchflow")
+    opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in (model, reference)]
+    for step in range(6):
+        x = torch.randn(8, 3, 20, 20, device="cuda")
+        xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+        losses = [f(v).square().mean() for f, v in zip((compiled, reference), xs)]
+        for loss in losses:
+            loss.backward()
+        torch.testing.assert_close(losses[0], losses[1], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(xs[0].grad, xs[1].grad, rtol=1e-3, atol=1e-5)
+        for opt in opts:
+            opt.step(), opt.zero_grad()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-5)
+    replays = [r.replay for r in AOT_REPLAYS if r.replay.calls]
+    assert len(replays) >= 2 and all(r.graph is not None for r in replays), [r.failed for r in replays]
+    assert any(r.handed_over for r in replays) and any(r.borrowed for r in replays)
