@@ -37,7 +37,7 @@ def run(options):
     for r in AOT_REPLAYS:
         rp = r.replay
         print(" replay", rp.calls, rp.graph is not None, rp.failed, "handed", len(rp.handed_over), "borrowed",
-              len(rp.borrowed), "aliases", len(rp.aliases), "plain calls", rp.plain_calls)
+              len(rp.borrowed), "slots", len(rp.slots), "plain calls", rp.plain_calls)
 
 
 torch.backends.cudnn.allow_tf32 = False

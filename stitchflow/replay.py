@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -46,8 +47,58 @@ def storage_uses(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
+@dataclass
+class _Slot:
+    """One captured graph and the buffers it reads and writes."""
+
+    graph: "torch.cuda.CUDAGraph"
+    static_inputs: list  # per tensor input: the graph's buffer, or None where borrowed
+    borrowed: dict  # tensor position -> (data pointer, strides) read in place
+    static_env: dict  # what the capture made, by name (borrowed inputs left out)
+    handed_over: dict  # output name -> its storage's uses when nothing outside holds it
+    aliases: set  # outputs that are views of borrowed inputs
+
+    def ready(self, tensors) -> bool:
+        """Every borrowed input where the graph reads it, and every handed-over output free again."""
+        for k, (pointer, stride) in self.borrowed.items():
+            if tensors[k].data_ptr() != pointer or tensors[k].stride() != stride:
+                return False
+        return all(storage_uses(self.static_env[name]) <= uses for name, uses in self.handed_over.items())
+
+    def replay(self, tensors, outputs) -> dict:
+        targets, sources = [], []
+        for static, x in zip(self.static_inputs, tensors):
+            if static is None:  # borrowed: read where it lies
+                continue
+            if static.layout == torch.sparse_csr:  # the members are the static tensor's own storage
+                targets += [static.crow_indices(), static.col_indices(), static.values()]
+                sources += [x.crow_indices(), x.col_indices(), x.values()]
+            else:
+                targets.append(static)
+                sources.append(x)
+        if targets:
+            torch._foreach_copy_(targets, sources)
+        self.graph.replay()
+        out = {}
+        for name in dict.fromkeys(outputs):
+            made = self.static_env[name]
+            # a handed-over output (or a view of a borrowed input) leaves as a new tensor on the same
+            # storage: a handed-over one's uses then count who holds it
+            if not isinstance(made, torch.Tensor):
+                out[name] = made
+            elif name in self.handed_over or name in self.aliases:
+                out[name] = made.detach()
+            else:
+                out[name] = made.clone()
+        return out
+
+
 class GraphReplay:
     WARMUP_CALLS = 2
+    # A second graph on its own buffers is captured when the first one's handed-over outputs are still
+    # held at the next call: a training loop's `loss` of the last step lives until the next forward
+    # returns, its graph (and what the backward kept) with it. Two sets then take turns.
+    MAX_SLOTS = 2
 
     def __init__(self, run, outputs, free=(), inputs=(), keep_always: bool = False, on_replay=None):
         """`run(inputs)` makes the outputs' environment (name -> value) by a plain call; `outputs` names
@@ -62,13 +113,20 @@ class GraphReplay:
         self.calls = 0
         self.failed: str | None = None  # why calls run without a graph (capture failed, not worth it)
         self.plain_ms = self.replay_ms = (float("inf"), float("inf"))  # (to the device's end, on the host)
-        self.graph = None
-        self.static_inputs: list = []  # per tensor input: the graph's buffer, or None where borrowed
-        self.borrowed: dict[int, tuple] = {}  # tensor position -> (data pointer, strides) read in place
-        self.static_env: dict = {}
-        self.handed_over: dict[str, int] = {}  # output name -> its storage's uses when nothing outside holds it
-        self.aliases: set[str] = set()  # outputs that are views of borrowed inputs
-        self.plain_calls = 0  # calls that ran without the graph because of a held output or a moved input
+        self.slots: list[_Slot] = []
+        self.plain_calls = 0  # calls that ran without a graph: held outputs or moved inputs in every slot
+
+    @property
+    def graph(self):
+        return self.slots[0].graph if self.slots else None
+
+    @property
+    def handed_over(self) -> set[str]:
+        return {name for slot in self.slots for name in slot.handed_over}
+
+    @property
+    def borrowed(self) -> set[int]:
+        return {k for slot in self.slots for k in slot.borrowed}
 
     def applies(self, inputs) -> bool:
         """CUDA inputs, dense or CSR (a GNN's adjacency); a CSR input must keep the non-zero count of
@@ -77,32 +135,39 @@ class GraphReplay:
         if self.failed is not None or not tensors or not all(
                 t.is_cuda and t.layout in (torch.strided, torch.sparse_csr) for t in tensors):
             return False
-        return self.graph is None or all(
+        return not self.slots or all(
             s is None or s.layout != torch.sparse_csr or s.values().numel() == t.values().numel()
-            for s, t in zip(self.static_inputs, tensors))
+            for s, t in zip(self.slots[0].static_inputs, tensors))
 
     def __call__(self, inputs) -> dict:
         """The environment of the outputs (names -> values) for `inputs`."""
         if torch.cuda.is_current_stream_capturing():  # inside an outer graph's capture: it records our kernels
             return self.run(inputs)
         self.calls += 1
-        if self.graph is None and self.calls < self.WARMUP_CALLS:
+        if not self.slots and self.calls < self.WARMUP_CALLS:
             return self.run(inputs)
-        if self.graph is None and self.calls == self.WARMUP_CALLS:
+        if not self.slots and self.calls == self.WARMUP_CALLS:
             self.plain_ms, env = best_of(lambda: self.run(inputs))
             return env
-        if self.graph is None:
-            if not self._capture(inputs):
+        tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+        if not self.slots:
+            slot = self._capture(inputs)
+            if slot is None:
                 return self.run(inputs)
-            self.replay_ms, outputs = best_of(lambda: self._replay(inputs))
+            self.replay_ms, outputs = best_of(lambda: self._replay(slot, tensors))
             if not self.keep_always and not self._worth_it():
                 self._release()
                 log.info("stitchflow: no CUDA graph, %s", self.failed)
             return outputs
-        if not self._ready(inputs):
-            self.plain_calls += 1
-            return self.run(inputs)
-        return self._replay(inputs)
+        for slot in self.slots:
+            if slot.ready(tensors):
+                return self._replay(slot, tensors)
+        if len(self.slots) < self.MAX_SLOTS:
+            slot = self._capture(inputs)
+            if slot is not None:
+                return self._replay(slot, tensors)
+        self.plain_calls += 1
+        return self.run(inputs)
 
     def _worth_it(self) -> bool:
         """A replay must be faster both to the end of its device work and on the host: a call that
@@ -116,50 +181,21 @@ class GraphReplay:
                        f"call {plain:.3f} ms ({plain_host:.3f} ms on the host)")
         return False
 
-    def _ready(self, inputs) -> bool:
-        """Every borrowed input where the graph reads it, and every handed-over output free again."""
-        tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
-        for k, (pointer, stride) in self.borrowed.items():
-            if tensors[k].data_ptr() != pointer or tensors[k].stride() != stride:
-                return False
-        return all(storage_uses(self.static_env[name]) <= uses for name, uses in self.handed_over.items())
-
-    def _replay(self, inputs) -> dict:
-        targets, sources = [], []
-        for static, x in zip(self.static_inputs, [x for x in inputs if isinstance(x, torch.Tensor)]):
-            if static is None:  # borrowed: read where it lies
-                continue
-            if static.layout == torch.sparse_csr:  # the members are the static tensor's own storage
-                targets += [static.crow_indices(), static.col_indices(), static.values()]
-                sources += [x.crow_indices(), x.col_indices(), x.values()]
-            else:
-                targets.append(static)
-                sources.append(x)
-        if targets:
-            torch._foreach_copy_(targets, sources)
-        self.graph.replay()
+    def _replay(self, slot: _Slot, tensors) -> dict:
+        out = slot.replay(tensors, self.outputs)
         if self.on_replay is not None:
             self.on_replay()
-        out = {}
-        for name in dict.fromkeys(self.outputs):
-            made = self.static_env[name]
-            # a handed-over output (or a view of a borrowed input) leaves as a new tensor on the same
-            # storage: a handed-over one's uses then count who holds it
-            if not isinstance(made, torch.Tensor):
-                out[name] = made
-            elif name in self.handed_over or name in self.aliases:
-                out[name] = made.detach()
-            else:
-                out[name] = made.clone()
         return out
 
-    def _capture(self, inputs) -> bool:
+    def _capture(self, inputs) -> _Slot | None:
+        """A new slot captured on `inputs` (appended), or None where the capture failed (then no graph
+        is tried again)."""
         tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
-        self.borrowed = {k: (x.data_ptr(), x.stride()) for k, x in enumerate(tensors) if x.layout == torch.strided and (
+        borrowed = {k: (x.data_ptr(), x.stride()) for k, x in enumerate(tensors) if x.layout == torch.strided and (
             _HANDED_OVER.get(x.data_ptr()) not in (None, self) or _fixed_address(x))}
-        borrowed_storages = {tensors[k].untyped_storage().data_ptr() for k in self.borrowed}
-        self.static_inputs = [None if k in self.borrowed else x.clone() for k, x in enumerate(tensors)]
-        static = iter([x if s is None else s for x, s in zip(tensors, self.static_inputs)])
+        borrowed_storages = {tensors[k].untyped_storage().data_ptr() for k in borrowed}
+        static_inputs = [None if k in borrowed else x.clone() for k, x in enumerate(tensors)]
+        static = iter([x if s is None else s for x, s in zip(tensors, static_inputs)])
         bound = [next(static) if isinstance(x, torch.Tensor) else x for x in inputs]
         try:
             side = torch.cuda.Stream()
@@ -174,28 +210,30 @@ class GraphReplay:
             self.failed = f"{type(err).__name__}: {err}"
             log.info("stitchflow: CUDA graph capture failed, running without it: %s", self.failed)
             torch.cuda.synchronize()
-            self.static_inputs, self.borrowed = [], {}
-            return False
-        del bound, static
+            self._release()
+            return None
+        del bound, static, tensors
         # nothing of ours may hold a borrowed input: its owner counts the holders before it replays
-        self.static_env = {name: t for name, t in env.items() if name not in self.input_names or name in self.outputs}
+        static_env = {name: t for name, t in env.items() if name not in self.input_names or name in self.outputs}
         del env
-        self.graph = graph
-        made = {name: t for name, t in self.static_env.items() if name in self.outputs and isinstance(t, torch.Tensor)}
+        made = {name: t for name, t in static_env.items() if name in self.outputs and isinstance(t, torch.Tensor)}
         # views of a borrowed input (a transposed weight saved for the backward) are the caller's memory
-        self.aliases = {name for name, t in made.items() if t.untyped_storage().data_ptr() in borrowed_storages}
-        self.handed_over = {name: storage_uses(t) for name, t in made.items()
-                            if name in self.free - self.input_names - self.aliases}
-        for name in self.handed_over:
-            _HANDED_OVER[self.static_env[name].data_ptr()] = self
-        return True
+        aliases = {name for name, t in made.items() if t.untyped_storage().data_ptr() in borrowed_storages}
+        handed_over = {name: storage_uses(t) for name, t in made.items()
+                       if name in self.free - self.input_names - aliases}
+        del made
+        slot = _Slot(graph, static_inputs, borrowed, static_env, handed_over, aliases)
+        for name in handed_over:
+            _HANDED_OVER[static_env[name].data_ptr()] = self
+        self.slots.append(slot)
+        return slot
 
     def _release(self) -> None:
-        for name in self.handed_over:
-            if _HANDED_OVER.get(self.static_env[name].data_ptr()) is self:
-                del _HANDED_OVER[self.static_env[name].data_ptr()]
-        self.graph, self.static_inputs, self.static_env, self.borrowed, self.handed_over = None, [], {}, {}, {}
-        self.aliases = set()
+        for slot in self.slots:
+            for name in slot.handed_over:
+                if _HANDED_OVER.get(slot.static_env[name].data_ptr()) is self:
+                    del _HANDED_OVER[slot.static_env[name].data_ptr()]
+        self.slots = []
 
 
 def _fixed_address(t: torch.Tensor) -> bool:
