@@ -95,6 +95,7 @@ class StitchflowModule(torch.nn.Module):
         # outputs whose readers take any layout (backend_layouts.py), by position: the program may
         # hand them over channels last
         self.free_outputs: frozenset = frozenset()
+        self.program_options: dict = {}  # the backend's options that programs take (cuda_graphs)
         self.strides: dict[tuple, list] = {}  # per signature: eager's output strides, None where not dense
 
     def forward(self, *args):
@@ -150,7 +151,7 @@ class StitchflowModule(torch.nn.Module):
             layouts = self._layout_options(captured, args, bound)
             captured = bind_inputs(captured, args, bound)
             prog = Program(captured, regions_for(captured.graph, self.fusion, target=target), target, self.fusion,
-                           layouts)
+                           {**self.program_options, **layouts})
             log.info("stitchflow: %s compiled for %s: %d nodes in %d regions, %d inputs bound in place", self.name,
                      target, len(captured.graph.nodes), len(prog.regions), len(bound))
             return prog, bound, _dense_strides(captured.example_outputs)
@@ -408,6 +409,7 @@ def _partition_and_wrap(gm: fx.GraphModule, options: dict, label: str = ""):
             module = split.get_submodule(node.target)
             # an ATen graph's outputs are the other half's inputs, traced in eager's strides too
             module.free_outputs = free_positions(node, set(names), saved_from) if label else frozenset()
+            module.program_options = {k: options[k] for k in PROGRAM_OPTIONS if k in options}
             module.read_eagerly = _read_eagerly(node, set(names), outputs_too=bool(label)) - module.free_outputs
     split.recompile()
     split.stitchflow_modules = compiled
@@ -433,6 +435,7 @@ def _read_eagerly(node: fx.Node, partitions: set, outputs_too: bool) -> frozense
     return frozenset(positions)
 
 
+PROGRAM_OPTIONS = ("cuda_graphs",)  # backend options handed to every partition's Program
 COMPILED: list[StitchflowModule] = []  # every partition compiled since the last reset()
 
 

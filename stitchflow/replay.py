@@ -248,12 +248,12 @@ class AotGraphReplay:
     backward, twenty cuDNN convolution backwards among it, as one graph. `free_from`: the first
     output position that may be handed over (a forward's saved activations), None for none."""
 
-    def __init__(self, fn, n_outputs: int, free_from: int | None):
+    def __init__(self, fn, n_outputs: int, free_from: int | None, keep_always: bool = False):
         self.fn = fn
         AOT_REPLAYS.add(self)
         names = [f"out{k}" for k in range(n_outputs)]
         free = names[free_from:] if free_from is not None else ()
-        self.replay = GraphReplay(self._run, names, free)
+        self.replay = GraphReplay(self._run, names, free, keep_always=keep_always)
 
     def _run(self, inputs) -> dict:
         out = self.fn(*inputs)
