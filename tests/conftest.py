@@ -97,6 +97,14 @@ def run_fresh(code: str, payload) -> object:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.fixture
+def fp32_convolutions():
+    """cuDNN's TF32 off for a test that compares float32 convolutions with eager's: cuDNN takes it for
+    channels-last operands and not for NCHW ones. Through flags(), since OpInfo tests freeze the global flags."""
+    with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=False, allow_tf32=False):
+        yield
+
+
 @pytest.fixture(scope="session")
 def fresh_python():
     return run_fresh

@@ -63,7 +63,7 @@ def test_a_borrowed_input_is_read_where_it_lies_and_only_there():
 
 
 @cuda
-def test_a_cnns_whole_training_step_replays_and_stays_eagers(monkeypatch):
+def test_a_cnns_whole_training_step_replays_and_stays_eagers(fp32_convolutions):
     """AOTAutograd's forward and backward graphs, eager convolution backwards among them, replay as one
     CUDA graph each from the third step on, the forward handing its saved activations over; every step's
     loss, input gradient and parameters equal eager's."""
@@ -74,7 +74,6 @@ def test_a_cnns_whole_training_step_replays_and_stays_eagers(monkeypatch):
     from stitchflow import backend
     from stitchflow.replay import AOT_REPLAYS
 
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     torch._dynamo.reset()
     backend.reset()
     torch.manual_seed(0)

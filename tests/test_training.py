@@ -288,13 +288,12 @@ def test_max_pool_gradient_gathers_at_the_argmax(pool, shape, target):
 
 
 @pytest.mark.parametrize("target", ["gpu"])
-def test_a_cnns_training_step_keeps_its_activations_channels_last(target, monkeypatch):
+def test_a_cnns_training_step_keeps_its_activations_channels_last(target, fp32_convolutions):
     """The forward hands the backward its saved activations channels last (they leave as permuted
     views, no copy back to eager's strides); the backward reads them as stored and hands the eager
     convolution backwards its gradients channels last too. Gradients equal eager's (float64 judged;
     cuDNN's TF32 off, which it takes for channels-last float32 convolutions and not for NCHW ones)."""
     skip_unless_kernels_run(target)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(3, 2, 1),
                           nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
