@@ -29,6 +29,7 @@ capture, a program runs plainly: the outer graph records its kernels.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import time
 import weakref
@@ -37,6 +38,9 @@ from dataclasses import dataclass
 import torch
 
 log = logging.getLogger("stitchflow")
+
+# set while a whole AOTAutograd graph runs under its own replayer: the programs inside defer to it
+_UNDER_OUTER_REPLAY: contextvars.ContextVar[bool] = contextvars.ContextVar("stitchflow_outer_replay", default=False)
 
 # data pointer of a handed-over output -> the replayer that owns it (borrowers look them up at capture)
 _HANDED_OVER: "weakref.WeakValueDictionary[int, GraphReplay]" = weakref.WeakValueDictionary()
@@ -115,6 +119,9 @@ class GraphReplay:
         self.plain_ms = self.replay_ms = (float("inf"), float("inf"))  # (to the device's end, on the host)
         self.slots: list[_Slot] = []
         self.plain_calls = 0  # calls that ran without a graph: held outputs or moved inputs in every slot
+        # a program's replayer runs plainly inside a whole graph's replayer (which records its kernels):
+        # graphs of its own would only hold a third set of buffers
+        self.defers_to_outer = True
 
     @property
     def graph(self):
@@ -141,8 +148,8 @@ class GraphReplay:
 
     def __call__(self, inputs) -> dict:
         """The environment of the outputs (names -> values) for `inputs`."""
-        if torch.cuda.is_current_stream_capturing():  # inside an outer graph's capture: it records our kernels
-            return self.run(inputs)
+        if (self.defers_to_outer and _UNDER_OUTER_REPLAY.get()) or torch.cuda.is_current_stream_capturing():
+            return self.run(inputs)  # an outer graph records (or will record) our kernels
         self.calls += 1
         if not self.slots and self.calls < self.WARMUP_CALLS:
             return self.run(inputs)
@@ -254,15 +261,20 @@ class AotGraphReplay:
         names = [f"out{k}" for k in range(n_outputs)]
         free = names[free_from:] if free_from is not None else ()
         self.replay = GraphReplay(self._run, names, free, keep_always=keep_always)
+        self.replay.defers_to_outer = False
 
     def _run(self, inputs) -> dict:
         out = self.fn(*inputs)
         return {f"out{k}": v for k, v in enumerate(out if isinstance(out, (tuple, list)) else (out,))}
 
     def __call__(self, *args):
-        if not self.replay.applies(args):
+        if not self.replay.applies(args):  # not CUDA, or declined: the programs inside may replay on their own
             return self.fn(*args)
-        env = self.replay(args)
+        token = _UNDER_OUTER_REPLAY.set(True)
+        try:
+            env = self.replay(args)
+        finally:
+            _UNDER_OUTER_REPLAY.reset(token)
         return [env[name] for name in self.replay.outputs]
 
 

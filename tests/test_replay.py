@@ -101,3 +101,19 @@ def test_a_cnns_whole_training_step_replays_and_stays_eagers(fp32_convolutions):
     # the last step's loss (and the backward's graph it holds) lives into the next forward: the
     # replays take turns on two sets of buffers instead of falling back to plain calls
     assert all(r.plain_calls == 0 for r in replays), [(len(r.slots), r.plain_calls) for r in replays]
+
+
+def test_a_programs_replayer_defers_to_a_whole_graphs():
+    """Inside a whole AOTAutograd graph's replayer, a program's own replayer neither counts calls nor
+    captures: the outer graph records its kernels, and graphs of its own would hold a third buffer set."""
+    from stitchflow.replay import _UNDER_OUTER_REPLAY, GraphReplay
+
+    calls = []
+    inner = GraphReplay(lambda inputs: calls.append(1) or {"y": inputs[0] * 2}, ["y"])
+    token = _UNDER_OUTER_REPLAY.set(True)
+    try:
+        for _ in range(5):
+            assert torch.equal(inner([torch.ones(3)])["y"], torch.full((3,), 2.0))
+    finally:
+        _UNDER_OUTER_REPLAY.reset(token)
+    assert len(calls) == 5 and inner.calls == 0 and not inner.slots
