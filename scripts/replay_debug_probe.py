@@ -1,27 +1,25 @@
-"""Device probe: a small CNN trained under torch.compile(backend="stitchflow") beside eager, the
+"""Device probe: the zoo's small ResNet trained under torch.compile(backend="stitchflow") beside eager, the
 loss difference per step, with the whole-graph replay on and off. Not a test."""
 import copy
 import sys
 
 import torch
-import torch.nn as nn
 
 from stitchflow import backend
+from stitchflow.apps import APPS
 from stitchflow.replay import AOT_REPLAYS
 
 
 def run(options):
     torch._dynamo.reset()
     backend.reset()
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(3, 2, 1),
-                          nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
-                          nn.Flatten(), nn.Linear(16, 5)).cuda()
+    model, (example,) = APPS["resnet"].build(size="small")
+    model = model.cuda().train()
     reference = copy.deepcopy(model)
     compiled = torch.compile(model, backend="stitchflow", options=options)
     opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in (model, reference)]
     for step in range(7):
-        x = torch.randn(8, 3, 20, 20, device="cuda")
+        x = torch.randn(8, *example.shape[1:], device="cuda")
         xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
         outs = [f(v) for f, v in zip((compiled, reference), xs)]
         losses = [o.square().mean() for o in outs]
