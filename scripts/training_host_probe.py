@@ -34,17 +34,6 @@ def timed(owner, name, label):
     setattr(owner, name, wrapper)
 
 
-def _timed_runner(runner):
-    def run(*args):
-        t0 = time.perf_counter()
-        try:
-            return runner(*args)
-        finally:
-            SPENT["Triton launcher"] += time.perf_counter() - t0
-            CALLS["Triton launcher"] += 1
-    return run
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--app", default="resnet")
@@ -84,25 +73,16 @@ def main():
         for m in backend.COMPILED:
             for prog in m.programs.values():
                 if prog is not None and prog._replay is not None:
-                    prog._replay.graph, prog._replay.failed = None, "probe: plain calls"
+                    prog._replay._release()
+                    prog._replay.failed = "probe: plain calls"
         for _ in range(2):
             _step(fn, model, inputs, upstream)
         import stitchflow.program as program
-        import stitchflow.frontend.capture as capture
         import stitchflow.targets.gpu.grouping as grouping
         timed(program.Program, "_run", "Program._run")
         timed(program.Program, "_bind", "Program._bind")
         timed(program, "rebuild_outputs", "rebuild_outputs")
         timed(grouping.TorchStep, "__call__", "TorchStep.__call__")
-        original = runtime.Launch.__call__
-
-        def launch_call(self, env):
-            if self.fast is not None and not getattr(self, "_probed", False):
-                self.fast = [_timed_runner(r) for r in self.fast]
-                self._probed = True
-            return original(self, env)
-
-        runtime.Launch.__call__ = launch_call
     timed(runtime.GroupKernel, "__call__", "GroupKernel.__call__ (all)")
     timed(runtime.GroupKernel, "_signature", "GroupKernel._signature")
     timed(runtime.GroupKernel, "_build", "GroupKernel._build (rebuilds!)")

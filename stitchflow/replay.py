@@ -104,13 +104,16 @@ class GraphReplay:
     # returns, its graph (and what the backward kept) with it. Two sets then take turns.
     MAX_SLOTS = 2
 
-    def __init__(self, run, outputs, free=(), inputs=(), keep_always: bool = False, on_replay=None):
+    def __init__(self, run, outputs, free=(), inputs=(), keep_always: bool = False, on_replay=None,
+                 defers_to_outer: bool = True):
         """`run(inputs)` makes the outputs' environment (name -> value) by a plain call; `outputs` names
         what a call returns, `free` the outputs that may be handed over, `inputs` the environment's
         names of the inputs (not kept after capture); `on_replay()` is told of every replay.
         `keep_always` keeps a captured graph without the comparison (options={"cuda_graphs": "always"}:
         a host-bound loop whose timing at the third call is not representative, and tests that must
-        exercise the replay whatever the timing)."""
+        exercise the replay whatever the timing). `defers_to_outer`: a program's replayer runs plainly
+        inside a whole graph's replayer (which records its kernels): graphs of its own would only hold
+        a third set of buffers."""
         self.run, self.outputs, self.free, self.input_names = run, tuple(outputs), set(free), set(inputs)
         self.on_replay = on_replay
         self.keep_always = keep_always
@@ -119,9 +122,7 @@ class GraphReplay:
         self.plain_ms = self.replay_ms = (float("inf"), float("inf"))  # (to the device's end, on the host)
         self.slots: list[_Slot] = []
         self.plain_calls = 0  # calls that ran without a graph: held outputs or moved inputs in every slot
-        # a program's replayer runs plainly inside a whole graph's replayer (which records its kernels):
-        # graphs of its own would only hold a third set of buffers
-        self.defers_to_outer = True
+        self.defers_to_outer = defers_to_outer
 
     @property
     def graph(self):
@@ -260,8 +261,7 @@ class AotGraphReplay:
         AOT_REPLAYS.add(self)
         names = [f"out{k}" for k in range(n_outputs)]
         free = names[free_from:] if free_from is not None else ()
-        self.replay = GraphReplay(self._run, names, free, keep_always=keep_always)
-        self.replay.defers_to_outer = False
+        self.replay = GraphReplay(self._run, names, free, keep_always=keep_always, defers_to_outer=False)
 
     def _run(self, inputs) -> dict:
         out = self.fn(*inputs)
