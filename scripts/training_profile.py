@@ -30,6 +30,11 @@ def main():
     for _ in range(3):
         _step(fn, model, inputs, upstream)
     torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    _step(fn, model, inputs, upstream)
+    torch.cuda.synchronize()
+    print(f"memory during a step: peak allocated {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB, peak reserved "
+          f"{torch.cuda.max_memory_reserved() / 2**20:.0f} MiB (model, inputs, gradients, what the runner keeps)")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         _step(fn, model, inputs, upstream)
         torch.cuda.synchronize()

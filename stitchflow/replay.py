@@ -17,8 +17,8 @@ training step's graphs take and give a hundred activations. Two kinds of tensors
   storage referenced by nothing outside the graph); where one is still held, that call runs
   without the graph and allocates afresh, so a held tensor is never overwritten;
 - *borrowed inputs*: an input that is, at capture, another graph's handed-over output, or a
-  parameter or buffer (a tensor Dynamo marks as living at a fixed address), is read where it
-  lies instead of copied. A replay needs each borrowed input at that same address (with the same
+  parameter or buffer (a tensor Dynamo marks as living at a fixed address) or a view of one (a
+  transposed weight a forward saved for its backward), is read where it lies instead of copied. A replay needs each borrowed input at that same address (with the same
   strides); otherwise the call runs without the graph.
 
 What is replayed is any callable from inputs to named outputs: a Program's call, or a whole
@@ -44,6 +44,9 @@ _UNDER_OUTER_REPLAY: contextvars.ContextVar[bool] = contextvars.ContextVar("stit
 
 # data pointer of a handed-over output -> the replayer that owns it (borrowers look them up at capture)
 _HANDED_OVER: "weakref.WeakValueDictionary[int, GraphReplay]" = weakref.WeakValueDictionary()
+# storage address of a parameter or buffer some replayer read in place -> that tensor: a view of it
+# (AOTAutograd's backward takes the forward's transposed weights as saved tensors) lies there too
+_FIXED_STORAGES: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
 
 
 def storage_uses(t: torch.Tensor) -> int:
@@ -202,6 +205,9 @@ class GraphReplay:
         borrowed = {k: (x.data_ptr(), x.stride()) for k, x in enumerate(tensors) if x.layout == torch.strided and (
             _HANDED_OVER.get(x.data_ptr()) not in (None, self) or _fixed_address(x))}
         borrowed_storages = {tensors[k].untyped_storage().data_ptr() for k in borrowed}
+        for k in borrowed:
+            if _marked_fixed(tensors[k]):
+                _FIXED_STORAGES[tensors[k].untyped_storage().data_ptr()] = tensors[k]
         static_inputs = [None if k in borrowed else x.clone() for k, x in enumerate(tensors)]
         static = iter([x if s is None else s for x, s in zip(tensors, static_inputs)])
         bound = [next(static) if isinstance(x, torch.Tensor) else x for x in inputs]
@@ -244,17 +250,26 @@ class GraphReplay:
         self.slots = []
 
 
-def _fixed_address(t: torch.Tensor) -> bool:
+def _marked_fixed(t: torch.Tensor) -> bool:
     """A parameter or buffer: Dynamo marks those as living at a fixed address (an optimizer updates
     them in place)."""
     return isinstance(t, torch.nn.Parameter) or getattr(t, "_dynamo_static_input_type", None) is not None
+
+
+def _fixed_address(t: torch.Tensor) -> bool:
+    """A parameter or buffer, or a view of one that a replayer has read in place."""
+    if _marked_fixed(t):
+        return True
+    owner = _FIXED_STORAGES.get(t.untyped_storage().data_ptr())
+    return owner is not None and owner.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
 
 
 class AotGraphReplay:
     """One of AOTAutograd's graphs (its partitions' programs and eager ops together, as compiled by
     backend._partition_and_wrap) replayed as one CUDA graph: the host launches a training step's
     backward, twenty cuDNN convolution backwards among it, as one graph. `free_from`: the first
-    output position that may be handed over (a forward's saved activations), None for none."""
+    output position that may be handed over (a forward's saved activations; 0 for a backward,
+    whose gradients autograd takes as they are), None for none."""
 
     def __init__(self, fn, n_outputs: int, free_from: int | None, keep_always: bool = False):
         self.fn = fn

@@ -101,7 +101,10 @@ def _compile_half(gm: fx.GraphModule, example_inputs, *, options: dict, label: s
         # otherwise (a cuDNN convolution backward alone costs 0.17 ms of host time)
         outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
         n_outputs = len(outputs) if isinstance(outputs, (tuple, list)) else 1
-        fn = AotGraphReplay(fn, n_outputs, saved_outputs_start(label), options.get("cuda_graphs") == "always")
+        # handed over: the forward's saved activations, and every gradient of the backward (autograd
+        # accumulates them into .grad; the replay overwrites none while anyone holds it)
+        free_from = saved_outputs_start(label) if label == "forward" else 0
+        fn = AotGraphReplay(fn, n_outputs, free_from, options.get("cuda_graphs") == "always")
     return make_boxed_func(fn)
 
 

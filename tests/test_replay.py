@@ -117,3 +117,47 @@ def test_a_programs_replayer_defers_to_a_whole_graphs():
     finally:
         _UNDER_OUTER_REPLAY.reset(token)
     assert len(calls) == 5 and inner.calls == 0 and not inner.slots
+
+
+@cuda
+def test_a_backwards_gradients_are_handed_over_and_never_overwritten_while_held():
+    """The backward's graph hands its gradients to autograd without clones and reads the forward's
+    transposed weights where they lie. Gradients accumulated over steps, and gradients a caller keeps
+    after clearing .grad, stay what eager computes while later steps replay."""
+    import copy
+
+    import torch.nn as nn
+
+    from stitchflow import backend
+    from stitchflow.replay import AOT_REPLAYS
+
+    torch._dynamo.reset()
+    backend.reset()
+    earlier = set(AOT_REPLAYS)  # other tests' replays may still be alive
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 8)).cuda()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="stitchflow", options={"cuda_graphs": "always"})
+    kept, kept_values = [], []
+    for step in range(8):
+        x = torch.randn(32, 64, device="cuda")
+        for f in (compiled, reference):
+            f(x).square().sum().backward()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4)
+        if step >= 3:  # from here on: keep the gradients, clear .grad (steps 0-3 accumulate)
+            kept += [p.grad for p in model.parameters()]
+            kept_values += [p.grad.clone() for p in model.parameters()]
+            for m in (model, reference):
+                m.zero_grad()
+    for held, value in zip(kept, kept_values):
+        assert torch.equal(held, value)  # no replay wrote into a gradient someone holds
+    backward = [r.replay for r in set(AOT_REPLAYS) - earlier if r.replay.calls and r.replay.free == set(r.replay.outputs)]
+    assert len(backward) == 1 and backward[0].graph is not None, [r.replay.failed for r in AOT_REPLAYS]
+    replay = backward[0]
+    assert replay.handed_over, "the gradients were cloned out of the graph"
+    first = replay.slots[0]
+    copied = [s for s in first.static_inputs if s is not None]
+    assert first.borrowed
+    assert not any(s.shape in {(64, 96), (96, 64), (96, 8), (8, 96)} for s in copied), \
+        "a (transposed) weight was copied into the backward's graph"

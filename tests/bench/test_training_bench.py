@@ -23,8 +23,8 @@ def test_half_precision_runners_are_judged_against_the_step_in_float64():
 
 def test_a_runner_further_off_float64_than_eager_is_named(monkeypatch):
     runner = training._runner
-    monkeypatch.setattr(training, "_runner", lambda name, model: (lambda *a: runner(name, model)(*a) * 1.5)
-                        if name != "eager" else runner(name, model))
+    monkeypatch.setattr(training, "_runner", lambda name, model, options=None: (
+        (lambda *a: runner(name, model)(*a) * 1.5) if name != "eager" else runner(name, model)))
     row = training.bench_training("bert", torch.bfloat16, "small", device="cpu", timed=False,
                                   runners=("backend=stitchflow",))
     assert row["checked"] == ["eager"]
