@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
-import gc
 import json
 import statistics
 import sys
@@ -62,30 +61,6 @@ def _step(fn, model, inputs, upstream):
 def _synchronize(device: str) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
-
-
-def _reserved_now(device: str) -> int:
-    """CUDA memory the allocator holds once its free cached blocks are returned (0 off CUDA)."""
-    if torch.device(device).type != "cuda":
-        return 0
-    gc.collect()  # what earlier runners left in reference cycles goes now, not in the middle of a measurement
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    return torch.cuda.memory_reserved()
-
-
-def _steady_memory_mib(step, before: int) -> float:
-    """A runner's footprint in a steady step, over what the process held before the runner was made:
-    its copy of the model, gradients, the step's peak of activations, and what it keeps between steps
-    (CUDA graphs' memory pools). Warm steps first (graphs are captured from the third call); cached
-    blocks left free by compilation and autotuning are returned before the measured step."""
-    for _ in range(3):
-        step()
-    _reserved_now("cuda")
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    return round((torch.cuda.max_memory_reserved() - before) / 2**20, 1)
 
 
 def _gradients(model, inputs) -> list[torch.Tensor]:
@@ -141,7 +116,6 @@ def bench_training(app: str, dtype: torch.dtype, size: str = "default", device: 
     for name in ("eager", *(r for r in runners if r != "eager")):
         torch._dynamo.reset()
         backend.reset()
-        before = _reserved_now(device)
         model = copy.deepcopy(base)  # each runner its own parameters and gradients
         row[f"{name} us"] = None
         try:  # one failing competitor must not hide the others
@@ -172,8 +146,6 @@ def bench_training(app: str, dtype: torch.dtype, size: str = "default", device: 
             if name.startswith("backend"):
                 row[f"{name} eager parts"] = list(backend.FALLBACKS)
             steps[name] = lambda fn=fn, model=model: _step(fn, model, inputs, upstream)
-            if torch.device(device).type == "cuda":
-                row[f"{name} memory MiB"] = _steady_memory_mib(steps[name], before)
         except Exception as exc:
             row[f"{name} error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     if not timed:
@@ -193,7 +165,7 @@ def bench_training(app: str, dtype: torch.dtype, size: str = "default", device: 
 def markdown(rows: list[dict], info: dict) -> str:
     head = ("| model | input | eager µs | torch.compile µs | stitchflow µs | stitchflow (recomputed backward) µs | "
             "stitchflow vs eager | stitchflow vs torch.compile | max rel. error | first step s (torch.compile / "
-            "stitchflow) | memory MiB (eager / torch.compile / stitchflow) |")
+            "stitchflow) |")
     lines = [info.get("section", SECTION), "", *provenance_lines(info),
              f"{info['dtype']}, `APPS[app].build(size=\"{info['size']}\")` in training mode; a step = gradients "
              "cleared, forward, backward of a fixed random upstream gradient (no optimizer; dropout p = 0, so that "
@@ -203,17 +175,12 @@ def markdown(rows: list[dict], info: dict) -> str:
              f"{ROUNDS} rounds (runners in turn) of medians over steps, L2 evicted clean before each; output, input "
              "and parameter gradients checked first, in half precision against the step in float64 (each tensor's "
              "relative error ≤ 2e-2 or at most twice eager's; 'max rel. error' is against eager). The first step's wall "
-             "time includes compilation (stitchflow's autotuning too). Memory: CUDA memory reserved at the peak of "
-             "a steady step over what the process held before the runner was made (its model copy, gradients, "
-             "activations, CUDA graph pools).", "",
-             head, "|" + "---|" * 11]
+             "time includes compilation (stitchflow's autotuning too).", "",
+             head, "|" + "---|" * 10]
     lines += app_table_rows(rows, RUNNERS, lambda r, worst: (
         f" | {speedup_cell(r.get('backend=stitchflow vs eager'))} | "
         f"{speedup_cell(r.get('backend=stitchflow vs compile'))} | {worst:.1e} | "
-        f"{r.get('torch.compile first step s', '-')} / {r.get('backend=stitchflow first step s', '-')} | "
-        + " / ".join(f"{r[k]:.0f}" if r.get(k) is not None else "-"
-                     for k in ("eager memory MiB", "torch.compile memory MiB", "backend=stitchflow memory MiB"))
-        + " |"))
+        f"{r.get('torch.compile first step s', '-')} / {r.get('backend=stitchflow first step s', '-')} |"))
     for r in rows:
         parts = r.get("backend=stitchflow eager parts")
         if parts:
