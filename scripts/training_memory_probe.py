@@ -28,7 +28,10 @@ def main():
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--options", default="{}")
+    p.add_argument("--detail", default="", help="print plan, config and source of kernels whose name contains this")
     args = p.parse_args()
+    global DETAIL
+    DETAIL = args.detail
     import json
 
     torch.manual_seed(0)
@@ -72,6 +75,9 @@ def main():
 
 
 
+DETAIL = ""  # a kernel name's part whose plan, config and source are printed (--detail)
+
+
 def kernels_by_name():
     """Each generated kernel's profiler name -> its nodes and their output shapes (for reading profiles)."""
     import stitchflow.backend as backend
@@ -86,6 +92,17 @@ def kernels_by_name():
                         outs = [(o, tuple(s.graph.type_of[o].shape), str(s.graph.type_of[o].dtype)[6:])
                                 for p in s.plans for o in p.outputs]
                         print(f"{m.name} {kernel_name(s.title)}: {[n.name for n in nodes]} -> {outs}")
+                        if DETAIL and DETAIL in kernel_name(s.title):
+                            for p in s.plans:
+                                print("   plan: L", [(c, p.extents[c]) for c in p.L], "P", [(c, p.extents[c]) for c in p.P],
+                                      "p_contiguous", p.p_contiguous, "transposed", p.transposed, "outputs", p.outputs)
+                            print("   chosen", s.chosen, "tuned us", s.tuned_us)
+                            for sig, launch in s._built.items():
+                                print("   sig", sig)
+                                spec = getattr(launch, "spec", None)
+                                if spec is not None:
+                                    print("   grid", spec.grid, "phases", spec.phases, "warps", spec.num_warps)
+                                    print(spec.source)
                     else:
                         node = getattr(s, "node", None)
                         if node is not None:

@@ -9,7 +9,8 @@ read or written once — once per recomputation for an input a recomputed node s
   The nodes of a region are pipelined (every primitive has its own clock), so the busiest node
   bounds the region; regions run one after another, so a configuration costs the sum.
 - gpu: seconds = bytes / copy bandwidth + launches x launch cost + GEMM FLOPs / GEMM rate +
-  other FLOPs / fp32 rate, from a DeviceProfile (profile.py) of measured ceilings.
+  other FLOPs / fp32 rate, from a DeviceProfile (profile.py) of measured ceilings; a dense region
+  with GEMMs as library calls and stitched kernels step by step (`stepwise_estimate`).
 
 A model's cost is a weighted sum of its features; `calibrate` fits the weights from
 (estimate, measured) pairs (simulated cycles, timed kernels) by non-negative least squares.
@@ -46,6 +47,11 @@ class Estimate:
     gemm_flops: float = 0.0
     regions: int = 1
     loop: LoopNest | None = field(default=None, compare=False)
+    launches: float = 0.0  # kernel and library launches where a region takes several (0: one per region)
+
+    @property
+    def kernel_launches(self) -> float:
+        return self.launches or float(self.regions)
 
     def __str__(self) -> str:
         return (f"{self.regions} region(s): {self.flops:.4g} FLOPs ({self.recomputed_flops:.3g} recomputed), "
@@ -54,7 +60,8 @@ class Estimate:
     def __add__(self, other: "Estimate") -> "Estimate":
         return Estimate(self.nodes + other.nodes, self.flops + other.flops, self.bytes + other.bytes,
                         self.recomputed_flops + other.recomputed_flops, self.critical + other.critical,
-                        self.gemm_flops + other.gemm_flops, self.regions + other.regions)
+                        self.gemm_flops + other.gemm_flops, self.regions + other.regions,
+                        launches=self.kernel_launches + other.kernel_launches)
 
 
 _STREAMS: dict = {}  # (id(graph), densities, block) -> (graph, stream densities); graphs are immutable
@@ -301,6 +308,9 @@ class DataflowCostModel(_Weighted):
         return max(est.critical, est.bytes / self.bytes_per_cycle), est.regions * self.startup_cycles
 
 
+REGION_OVERHEAD = 0.25  # a region's dispatch, in kernel launches
+
+
 @dataclass(frozen=True)
 class GpuCostModel(_Weighted):
     """Seconds on a GPU from a DeviceProfile; one launch per region."""
@@ -316,12 +326,58 @@ class GpuCostModel(_Weighted):
         return f"gpu model ({self.profile.name}, {self.densities}, weights {self.weights})"
 
     def estimate(self, graph: Graph, nodes: Sequence[str], options: Mapping | None = None) -> Estimate:
-        return estimate_region(graph, nodes, self.densities, options, False, self.cost)
+        """A dense region holding GEMMs step by step (`stepwise_estimate`), any other region as its
+        fused loop nests."""
+        steps = stepwise_estimate(graph, nodes, self.densities, options, self.cost)
+        return steps if steps is not None else estimate_region(graph, nodes, self.densities, options, False, self.cost)
 
     def features(self, est: Estimate) -> tuple[float, ...]:
         p = self.profile
-        return (est.bytes / p.copy_bandwidth, est.regions * p.launch_s, est.gemm_flops / p.gemm_rate,
+        # a region's own dispatch (a program step on the host) beside its launches: where cutting a
+        # region saves nothing else, one region is cheaper than two
+        launches = est.kernel_launches + REGION_OVERHEAD * est.regions
+        return (est.bytes / p.copy_bandwidth, launches * p.launch_s, est.gemm_flops / p.gemm_rate,
                 (est.flops - est.gemm_flops) / p.fp32_rate)
+
+
+def stepwise_estimate(graph: Graph, nodes: Sequence[str], dens: Densities, options: Mapping | None = None,
+                      score=None) -> Estimate | None:
+    """A dense region as the gpu target runs it where it fuses nothing across a GEMM: each dense
+    contraction a library call, the other nodes stitched kernels, one per connected piece, each step
+    reading its inputs and writing what others read (the estimate's `launches` counts the steps).
+    The fused loop-nest estimate charges a region holding GEMMs with recomputing their producers at
+    every output point, which no GPU kernel does: a planner believing it cuts elementwise chains
+    between GEMMs and stores the cut (a training step's softmax backward: its gradient in float32,
+    512 MB, written and read back). None where the region holds no dense contraction or reads a
+    sparse tensor (sparse products are the fused estimate's)."""
+    members = set(nodes)
+    if any(not graph.type_of[t].format.is_dense for n in nodes for t in graph.node_of[n].inputs):
+        return None
+    gemms = [n for n in nodes if _is_contraction(graph.node_of[n])]
+    if not gemms:
+        return None
+    rest = [n for n in nodes if n not in gemms]
+    piece = {n: n for n in rest}
+
+    def find(n):
+        while piece[n] != n:
+            piece[n] = piece[piece[n]]
+            n = piece[n]
+        return n
+
+    for n in rest:
+        for t in graph.node_of[n].inputs:
+            if t in piece:
+                piece[find(t)] = find(n)
+    pieces: dict[str, list[str]] = {}
+    for n in rest:  # graph order within a piece
+        pieces.setdefault(find(n), []).append(n)
+    order = {name: k for k, name in enumerate(nodes)}
+    parts = [[g] for g in gemms] + [sorted(p, key=order.__getitem__) for p in pieces.values()]
+    ests = [estimate_region(graph, part, dens, options, False, score) for part in parts]
+    total = sum(ests[1:], ests[0])
+    return replace(total, nodes=tuple(n for n in nodes if n in members), loop=None, regions=1,
+                   launches=float(len(parts)))
 
 
 # models whose estimate of a region is estimate_region's under their densities: it depends on the

@@ -8,7 +8,7 @@ import torch
 
 from planner_graphs import build
 from stitchflow.apps import APPS, GCN
-from stitchflow.planner.cost import DataflowCostModel, Estimate, GpuCostModel, stored_bytes
+from stitchflow.planner.cost import REGION_OVERHEAD, DataflowCostModel, Estimate, GpuCostModel, stored_bytes
 from stitchflow.planner.profile import DeviceProfile
 from stitchflow.planner.prune import prune
 from stitchflow.planner.regions import regions_for
@@ -83,7 +83,7 @@ def test_gpu_model_has_no_storage_order_and_counts_launches():
     fused = model.estimate(graph, ["t0", "t1"])
     assert fused.recomputed_flops == 0  # any loop order: a[k]-outer traversal avoids recomputation
     feats = model.features(fused)
-    assert feats[1] == pytest.approx(model.profile.launch_s)
+    assert feats[1] == pytest.approx((1 + REGION_OVERHEAD) * model.profile.launch_s)  # one launch, one region
     assert model.cost(fused) == pytest.approx(sum(feats))
 
 
@@ -202,3 +202,28 @@ def test_accumulating_reductions_start_a_new_pipeline_stage():
     elementwise = build([("add", 0, 1), ("mul", 2, 0)], 8)
     prep_e = prepare(elementwise, ["t0", "t1"], unify(elementwise, ["t0", "t1"]), lambda t, inside: 1.0)
     assert set(pipeline_stages(elementwise, ["t0", "t1"], prep_e, ("i", "j")).values()) == {0}
+
+
+def test_gpu_model_runs_a_dense_region_with_gemms_step_by_step():
+    """GEMMs through the library, the elementwise chain between them one kernel: a cut through that
+    chain stores its float32 tensor and reads it back, and costs a launch and a region more; the fused
+    loop-nest estimate instead charged the merged region with recomputing the first GEMM per output."""
+    import stitchflow
+
+    def f(x, w1, w2):
+        h = (x @ w1).float()
+        return ((h * 2.0).sigmoid() * h).to(torch.bfloat16) @ w2
+
+    args = [torch.randn(s, dtype=torch.bfloat16) for s in ((64, 32), (32, 48), (48, 16))]
+    graph = stitchflow.compile(f, args, target="reference", fusion="full").graph
+    names = [n.name for n in graph.nodes]
+    model = GpuCostModel()
+    whole = model.estimate(graph, names)
+    assert whole.kernel_launches == 3 and whole.recomputed_flops == 0
+    cut = next(k for k, n in enumerate(graph.nodes) if graph.type_of[n.name].dtype == torch.bfloat16 and k > 0)
+    # the cut before the cast back: only the chain's last float32 value crosses it
+    first, rest = model.estimate(graph, names[:cut]), model.estimate(graph, names[cut:])
+    stored = stored_bytes(graph, names[cut - 1], 1.0)
+    assert graph.type_of[names[cut - 1]].dtype == torch.float32
+    assert first.bytes + rest.bytes - whole.bytes == pytest.approx(2 * stored)
+    assert model.cost(first) + model.cost(rest) > model.cost(whole)

@@ -349,6 +349,7 @@ def plan_part(graph: Graph, nodes: list[Node], uf: VarClasses, outside_users: se
     else:
         L = (inner,) if inner is not None else ()
     P = tuple(c for c in order if c not in L)
+    _check_reductions_cover(nodes, cls, extents, P)
     cross = _cross_inner(graph, nodes, cls, L)
     if cross is not None and cross in P:  # a large tensor is contiguous along a parallel axis
         P = tuple(c for c in P if c != cross) + (cross,)
@@ -358,6 +359,22 @@ def plan_part(graph: Graph, nodes: list[Node], uf: VarClasses, outside_users: se
     return PartPlan(tuple(nodes), cls, extents, L, P, stage, final, frozenset(row_level), outputs,
                     p_contiguous=inner is not None and inner in P, big_elem_bytes=big_bytes, online=online,
                     transposed=cross is not None and cross in P and not red_sets)
+
+
+def _check_reductions_cover(nodes, cls, extents, P) -> None:
+    """Every program of a part evaluates each of its nodes at its own points, so a reduction whose
+    result its readers broadcast along a parallel axis of their own (an RMS norm backward's row sum
+    read by elementwise work over another tensor's feature axis: no shared input joins the two axes)
+    would be reduced again at every point of that axis: 4096 times over in a Llama block. Such a
+    reduction ends the kernel before its readers, which read its result from memory."""
+    for n in nodes:
+        if not n.reduce or n.is_scatter:
+            continue
+        own = {cls[(n.name, v)] for v, _ in n.dims}
+        lacking = [extents[c] for c in P if c not in own and extents[c] > 1]
+        if lacking:
+            raise NotStitchable(f"{n.name}, a reduction, would be computed again at each of {_prod(lacking)} points "
+                                "of a parallel axis it does not index (its readers broadcast it along an axis of their own)")
 
 
 def _cross_inner(graph: Graph, nodes, cls, L) -> int | None:
