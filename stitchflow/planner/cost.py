@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
+import networkx as nx
 import numpy as np
 from scipy.optimize import nnls
 
@@ -112,7 +113,7 @@ def region_density(graph: Graph, dens: Densities, block: int | None = None):
     return density
 
 
-def _is_contraction(node) -> bool:
+def is_contraction(node) -> bool:
     return node.reduce == "sum" and bool(node.reduce_vars) and len(gating_accesses(node.body)) >= 2
 
 
@@ -135,7 +136,7 @@ def _node_work(ctx: _Context, name: str) -> tuple[float, float, bool]:
     node = ctx.graph.node_of[name]
     points = math.prod(node.extents.values()) * iteration_density(node, ctx.density)
     per_point = count_ops(node.body) + (1 if node.reduce_vars and not node.is_scatter else 0)
-    return points, float(per_point), _is_contraction(node)
+    return points, float(per_point), is_contraction(node)
 
 
 def _traffic(ctx: _Context) -> tuple[dict[str, float], float]:
@@ -350,34 +351,20 @@ def stepwise_estimate(graph: Graph, nodes: Sequence[str], dens: Densities, optio
     between GEMMs and stores the cut (a training step's softmax backward: its gradient in float32,
     512 MB, written and read back). None where the region holds no dense contraction or reads a
     sparse tensor (sparse products are the fused estimate's)."""
-    members = set(nodes)
     if any(not graph.type_of[t].format.is_dense for n in nodes for t in graph.node_of[n].inputs):
         return None
-    gemms = [n for n in nodes if _is_contraction(graph.node_of[n])]
+    gemms = [n for n in nodes if is_contraction(graph.node_of[n])]
     if not gemms:
         return None
     rest = [n for n in nodes if n not in gemms]
-    piece = {n: n for n in rest}
-
-    def find(n):
-        while piece[n] != n:
-            piece[n] = piece[piece[n]]
-            n = piece[n]
-        return n
-
-    for n in rest:
-        for t in graph.node_of[n].inputs:
-            if t in piece:
-                piece[find(t)] = find(n)
-    pieces: dict[str, list[str]] = {}
-    for n in rest:  # graph order within a piece
-        pieces.setdefault(find(n), []).append(n)
+    links = nx.Graph()
+    links.add_nodes_from(rest)
+    links.add_edges_from((t, n) for n in rest for t in graph.node_of[n].inputs if t in links)
     order = {name: k for k, name in enumerate(nodes)}
-    parts = [[g] for g in gemms] + [sorted(p, key=order.__getitem__) for p in pieces.values()]
+    parts = [[g] for g in gemms] + [sorted(p, key=order.__getitem__) for p in nx.connected_components(links)]
     ests = [estimate_region(graph, part, dens, options, False, score) for part in parts]
     total = sum(ests[1:], ests[0])
-    return replace(total, nodes=tuple(n for n in nodes if n in members), loop=None, regions=1,
-                   launches=float(len(parts)))
+    return replace(total, nodes=tuple(nodes), loop=None, regions=1, launches=float(len(parts)))
 
 
 # models whose estimate of a region is estimate_region's under their densities: it depends on the

@@ -10,7 +10,7 @@ from typing import Mapping, Sequence
 
 from ..ir.graph import Graph, Region
 from .candidates import Legality, is_convex_connected
-from .cost import model_for, stored_bytes
+from .cost import is_contraction, model_for, stored_bytes
 from .ilp import Costs, _quotient_cycle
 from .stats import measure
 
@@ -62,8 +62,13 @@ class _Judge:
         region = self.groups[self.owner[p]]
         leaves = p in self.graph.outputs or any(u not in region for u in self.graph.consumers.get(p, ()))
         saved = stored_bytes(self.graph, p, 1.0) * (1 if leaves else 2)
-        nest = self.costs.estimate(region).loop.nest_of(p)
-        extra = self.node_flops(p) * max(0.0, nest.factor - 1.0)
+        loop = self.costs.estimate(region).loop
+        if loop is None:  # a dense region with GEMMs, estimated step by step as the gpu target runs it
+            gemm = next((n for n in (p, c) if is_contraction(self.graph.node_of[n])), None)
+            if gemm is not None:
+                return f"one region, two steps: {p} is stored for {c} ({gemm} runs as a library GEMM)"
+            return f"fused: saves {saved:.4g} bytes of traffic"
+        extra = self.node_flops(p) * max(0.0, loop.nest_of(p).factor - 1.0)
         return f"fused: saves {saved:.4g} bytes of traffic, costs {extra:.4g} recomputed FLOPs"
 
     def apart(self, p: str, c: str) -> str:
@@ -87,9 +92,10 @@ class _Judge:
         together = self.costs.of(merged)
         separate = self.costs.of(ra) + self.costs.of(rb)
         est = self.costs.estimate(merged)
-        worst = max(est.loop.nests, key=lambda n: self.node_flops(n.node) * (n.factor - 1.0))
+        nests = est.loop.nests if est.loop is not None else ()  # None: step by step, nothing recomputed
+        worst = max(nests, key=lambda n: self.node_flops(n.node) * (n.factor - 1.0), default=None)
         recompute = ""
-        if worst.factor > 1.0:
+        if worst is not None and worst.factor > 1.0:
             extra = self.node_flops(worst.node) * (worst.factor - 1.0)
             recompute = (f"would recompute {worst.node} {worst.factor:.3g} times over "
                          f"{', '.join(worst.recompute_vars)} (+{extra:.3g} FLOPs); ")

@@ -227,3 +227,5 @@ def test_gpu_model_runs_a_dense_region_with_gemms_step_by_step():
     assert graph.type_of[names[cut - 1]].dtype == torch.float32
     assert first.bytes + rest.bytes - whole.bytes == pytest.approx(2 * stored)
     assert model.cost(first) + model.cost(rest) > model.cost(whole)
+    explained = stitchflow.compile(f, args, target="gpu", fusion="auto").explain()
+    assert "one region, two steps: to is stored for matmul_1 (matmul_1 runs as a library GEMM)" in explained
