@@ -21,8 +21,7 @@ import torch
 import triton.compiler
 
 import stitchflow.backend as backend
-from stitchflow.apps import APPS
-from stitchflow.bench.training import _runner, _step
+from stitchflow.bench.training import _runner, _step, training_case
 from stitchflow.targets.gpu import cluster_planes, runtime, timing
 
 TOTALS: collections.Counter = collections.Counter()
@@ -102,12 +101,7 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     args = p.parse_args()
     _instrument()
-    torch.manual_seed(0)
-    model, inputs = APPS[args.app].build(size=args.size, dtype=getattr(torch, args.dtype))
-    model = model.cuda().train()
-    inputs = tuple(x.cuda().requires_grad_(k == 0 and x.is_floating_point()) for k, x in enumerate(inputs))
-    out = model(*inputs)
-    upstream = torch.randn_like(out[0] if isinstance(out, tuple) else out)
+    model, inputs, upstream = training_case(args.app, getattr(torch, args.dtype), args.size)
     eager = copy.deepcopy(model)
     for _ in range(3):
         _step(eager, eager, inputs, upstream)

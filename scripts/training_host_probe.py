@@ -13,8 +13,7 @@ import torch
 
 import stitchflow.backend as backend
 import stitchflow.targets.gpu.runtime as runtime
-from stitchflow.apps import APPS
-from stitchflow.bench.training import _runner, _step
+from stitchflow.bench.training import _runner, _step, training_case
 
 SPENT = collections.Counter()
 CALLS = collections.Counter()
@@ -42,13 +41,8 @@ def main():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--plain", action="store_true", help="time every program's plain calls (no CUDA graph)")
     args = p.parse_args()
-    torch.manual_seed(0)
-    model, inputs = APPS[args.app].build(size=args.size, dtype=getattr(torch, args.dtype))
-    model = model.cuda().train()
-    inputs = tuple(x.cuda().requires_grad_(k == 0) for k, x in enumerate(inputs))
+    model, inputs, upstream = training_case(args.app, getattr(torch, args.dtype), args.size)
     fn = _runner("backend=stitchflow", model)
-    out = model(*inputs)
-    upstream = torch.randn_like(out[0] if isinstance(out, tuple) else out)
     for _ in range(4):
         _step(fn, model, inputs, upstream)
     torch.cuda.synchronize()

@@ -8,8 +8,7 @@ import argparse
 
 import torch
 
-from stitchflow.apps import APPS
-from stitchflow.bench.training import _runner, _step
+from stitchflow.bench.training import _runner, _step, training_case
 from stitchflow.replay import AOT_REPLAYS
 
 
@@ -34,15 +33,9 @@ def main():
     DETAIL = args.detail
     import json
 
-    torch.manual_seed(0)
-    model, inputs = APPS[args.app].build(size=args.size, dtype=getattr(torch, args.dtype))
-    model = model.cuda().train()
-    inputs = tuple(x.cuda().requires_grad_(k == 0) for k, x in enumerate(inputs))
-    print("model + inputs:", mib(torch.cuda.memory_allocated()))
+    model, inputs, upstream = training_case(args.app, getattr(torch, args.dtype), args.size)
+    print("model, inputs, upstream gradient:", mib(torch.cuda.memory_allocated()))
     fn = _runner("backend=stitchflow", model, json.loads(args.options))
-    out = model(*inputs)
-    upstream = torch.randn_like(out[0] if isinstance(out, tuple) else out)
-    del out
     for step in range(args.steps):
         torch.cuda.reset_peak_memory_stats()
         _step(fn, model, inputs, upstream)

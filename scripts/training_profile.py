@@ -5,13 +5,11 @@ partition with their kind. Not a test.
     python scripts/training_profile.py [--app llama] [--size default] [--dtype bfloat16]
 """
 import argparse
-import copy
 
 import torch
 
 import stitchflow.backend as backend
-from stitchflow.bench.training import _runner, _step
-from stitchflow.apps import APPS
+from stitchflow.bench.training import _runner, _step, training_case
 
 
 def main():
@@ -21,12 +19,8 @@ def main():
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--runner", default="backend=stitchflow")
     args = p.parse_args()
-    torch.manual_seed(0)
-    model, inputs = APPS[args.app].build(size=args.size, dtype=getattr(torch, args.dtype))
-    model = model.cuda().train()
-    inputs = tuple(x.cuda().requires_grad_(k == 0) for k, x in enumerate(inputs))
+    model, inputs, upstream = training_case(args.app, getattr(torch, args.dtype), args.size)
     fn = _runner(args.runner, model)
-    upstream = torch.randn_like(model(*inputs)[0] if isinstance(model(*inputs), tuple) else model(*inputs))
     for _ in range(3):
         _step(fn, model, inputs, upstream)
     torch.cuda.synchronize()

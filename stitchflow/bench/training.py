@@ -90,27 +90,36 @@ def _gradient_errors(got: list, want: list) -> list[float]:
             for k, (g, w) in enumerate(zip(got, want))]
 
 
+def training_case(app: str, dtype: torch.dtype, size: str = "default", device: str = "cuda", seed: int = 0):
+    """(model, inputs, upstream): the zoo's `app` in training mode on `device` with dropout off (so that
+    every runner computes the same step), its inputs with the first floating one requiring grad (the
+    activations' gradient of a block inside a deeper model; a mask's is not wanted), and a fixed random
+    gradient for its output."""
+    from stitchflow.apps import APPS
+
+    torch.manual_seed(seed)
+    model, inputs = APPS[app].build(size=size, dtype=dtype)
+    model = model.to(device).train()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    inputs = tuple(x.to(device).requires_grad_(k == 0 and x.is_floating_point()) if isinstance(x, torch.Tensor) else x
+                   for k, x in enumerate(inputs))
+    with torch.no_grad():
+        out = as_tuple(model(*inputs))[0]
+    return model, inputs, torch.randn_like(out)
+
+
 def bench_training(app: str, dtype: torch.dtype, size: str = "default", device: str = "cuda",
                    timed: bool = True, runners: tuple = RUNNERS, options: dict | None = None) -> dict:
     """One model's row: each of `runners` checked against eager (run first whatever `runners` says),
     then (`timed`) timed in rounds. `options` go to the stitchflow runners."""
     import stitchflow.backend as backend
-    from stitchflow.apps import APPS
 
-    torch.manual_seed(0)
-    base, inputs = APPS[app].build(size=size, dtype=dtype)
-    base = base.to(device).train()
-    for m in base.modules():  # dropout off, so that every runner computes the same step
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
-    # the activations' gradient is wanted (a block inside a deeper model), a mask's is not
-    inputs = tuple(x.to(device).requires_grad_(k == 0 and x.is_floating_point()) if isinstance(x, torch.Tensor) else x
-                   for k, x in enumerate(inputs))
+    base, inputs, upstream = training_case(app, dtype, size, device)
     row = {"app": app, "size": size, "dtype": str(dtype).removeprefix("torch."),
            "shapes": [list(x.shape) for x in inputs if isinstance(x, torch.Tensor)],
            "parameters": sum(p.numel() for p in base.parameters())}
-    out = as_tuple(base(*inputs))[0]
-    upstream = torch.randn_like(out)
     exact = _float64_step(base, inputs, upstream) if dtype in (torch.bfloat16, torch.float16) else None
     steps, want, eager_errors = {}, None, None
     for name in ("eager", *(r for r in runners if r != "eager")):
