@@ -40,32 +40,34 @@ def main():
         torch.cuda.reset_peak_memory_stats()
         _step(fn, model, inputs, upstream)
         torch.cuda.synchronize()
-        print(f"step {step}: allocated {mib(torch.cuda.memory_allocated())} (peak {mib(torch.cuda.max_memory_allocated())}),"
-              f" reserved {mib(torch.cuda.memory_reserved())} (peak {mib(torch.cuda.max_memory_reserved())})")
+        print(f"step {step}: allocated {mib(torch.cuda.memory_allocated())} "
+              f"(peak {mib(torch.cuda.max_memory_allocated())}), reserved {mib(torch.cuda.memory_reserved())} "
+              f"(peak {mib(torch.cuda.max_memory_reserved())})")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         _step(fn, model, inputs, upstream)
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=60))
     kernels_by_name()
     torch.cuda.empty_cache()
-    print("after empty_cache: reserved", mib(torch.cuda.memory_reserved()), "allocated", mib(torch.cuda.memory_allocated()))
+    print("after empty_cache: reserved", mib(torch.cuda.memory_reserved()),
+          "allocated", mib(torch.cuda.memory_allocated()))
     for r in AOT_REPLAYS:
         g = r.replay
-        print(f"graph: {len(g.outputs)} outputs, {len(g.free)} free, calls {g.calls}, slots {len(g.slots)}, plain calls "
-              f"{g.plain_calls}, failed {g.failed}")
+        print(f"graph: {len(g.outputs)} outputs, {len(g.free)} free, calls {g.calls}, slots {len(g.slots)}, "
+              f"plain calls {g.plain_calls}, failed {g.failed}")
         for k, slot in enumerate(g.slots):
             copied = [s for s in slot.static_inputs if s is not None]
             outs = [slot.static_env[n] for n in dict.fromkeys(g.outputs)]
             handed = [slot.static_env[n] for n in slot.handed_over]
-            print(f"  slot {k}: {len(copied)} inputs copied in ({mib(tensor_bytes(copied))}), {len(slot.borrowed)} borrowed,"
-                  f" outputs {mib(tensor_bytes(outs))}, handed over {len(handed)} ({mib(tensor_bytes(handed))}),"
-                  f" aliases {len(slot.aliases)}")
+            print(f"  slot {k}: {len(copied)} inputs copied in ({mib(tensor_bytes(copied))}), "
+                  f"{len(slot.borrowed)} borrowed, outputs {mib(tensor_bytes(outs))}, handed over {len(handed)} "
+                  f"({mib(tensor_bytes(handed))}), aliases {len(slot.aliases)}")
             big = sorted(copied, key=lambda t: -t.numel())[:5]
             print("    largest copied:", [(tuple(t.shape), str(t.dtype)) for t in big])
             cloned = [n for n in dict.fromkeys(g.outputs) if n not in slot.handed_over and n not in slot.aliases
                       and isinstance(slot.static_env[n], torch.Tensor)]
-            print("    cloned out:", [(tuple(slot.static_env[n].shape), str(slot.static_env[n].dtype)) for n in cloned][:8])
-
+            shapes = [(tuple(slot.static_env[n].shape), str(slot.static_env[n].dtype)) for n in cloned]
+            print("    cloned out:", shapes[:8])
 
 
 DETAIL = ""  # a kernel name's part whose plan, config and source are printed (--detail)
@@ -87,7 +89,8 @@ def kernels_by_name():
                         print(f"{m.name} {kernel_name(s.title)}: {[n.name for n in nodes]} -> {outs}")
                         if DETAIL and DETAIL in kernel_name(s.title):
                             for p in s.plans:
-                                print("   plan: L", [(c, p.extents[c]) for c in p.L], "P", [(c, p.extents[c]) for c in p.P],
+                                print("   plan: L", [(c, p.extents[c]) for c in p.L],
+                                      "P", [(c, p.extents[c]) for c in p.P],
                                       "p_contiguous", p.p_contiguous, "transposed", p.transposed, "outputs", p.outputs)
                             print("   chosen", s.chosen, "tuned us", s.tuned_us)
                             for sig, launch in s._built.items():

@@ -18,8 +18,9 @@ training step's graphs take and give a hundred activations. Two kinds of tensors
   without the graph and allocates afresh, so a held tensor is never overwritten;
 - *borrowed inputs*: an input that is, at capture, another graph's handed-over output, or a
   parameter or buffer (a tensor Dynamo marks as living at a fixed address) or a view of one (a
-  transposed weight a forward saved for its backward), is read where it lies instead of copied. A replay needs each borrowed input at that same address (with the same
-  strides); otherwise the call runs without the graph.
+  transposed weight a forward saved for its backward), is read where it lies instead of copied.
+  A replay needs each borrowed input at that same address (with the same strides); otherwise
+  the call runs without the graph.
 
 What is replayed is any callable from inputs to named outputs: a Program's call, or a whole
 AOTAutograd graph with its eager ops and the programs of its partitions (`AotGraphReplay`: one
@@ -261,6 +262,7 @@ def _fixed_address(t: torch.Tensor) -> bool:
     if _marked_fixed(t):
         return True
     owner = _FIXED_STORAGES.get(t.untyped_storage().data_ptr())
+    # the parameter may have moved since (`p.data = ...`), and something else come to lie there
     return owner is not None and owner.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
 
 

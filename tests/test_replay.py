@@ -152,7 +152,8 @@ def test_a_backwards_gradients_are_handed_over_and_never_overwritten_while_held(
                 m.zero_grad()
     for held, value in zip(kept, kept_values):
         assert torch.equal(held, value)  # no replay wrote into a gradient someone holds
-    backward = [r.replay for r in set(AOT_REPLAYS) - earlier if r.replay.calls and r.replay.free == set(r.replay.outputs)]
+    backward = [r.replay for r in set(AOT_REPLAYS) - earlier
+                if r.replay.calls and r.replay.free == set(r.replay.outputs)]
     assert len(backward) == 1 and backward[0].graph is not None, [r.replay.failed for r in AOT_REPLAYS]
     replay = backward[0]
     assert replay.handed_over, "the gradients were cloned out of the graph"

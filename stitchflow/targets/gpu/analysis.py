@@ -373,8 +373,9 @@ def _check_reductions_cover(nodes, cls, extents, P) -> None:
         own = {cls[(n.name, v)] for v, _ in n.dims}
         lacking = [extents[c] for c in P if c not in own and extents[c] > 1]
         if lacking:
-            raise NotStitchable(f"{n.name}, a reduction, would be computed again at each of {_prod(lacking)} points "
-                                "of a parallel axis it does not index (its readers broadcast it along an axis of their own)")
+            raise NotStitchable(f"{n.name}, a reduction, would be computed again at each of {_prod(lacking)} "
+                                "points of a parallel axis it does not index (its readers broadcast it along an "
+                                "axis of their own)")
 
 
 def _cross_inner(graph: Graph, nodes, cls, L) -> int | None:
