@@ -127,6 +127,11 @@ CONFIGS = [  # --configs: the generated kernel alone, over other tilings of the 
     Config(16, 2048, 32, 8, persistent=128, coop=True, tma=True),  # 4 groups of 32: smaller, less aligned groups
     Config(8, 4096, 16, 8, persistent=128, coop=True, tma=True),  # 8 groups of 16
     Config(32, 512, 128, 8, persistent=128, coop=True, tma=True),  # one group over the GPU (a cooperative launch)
+    # two programs per SM, so that one program's barrier falls in the other's streaming
+    Config(32, 512, 128, 4, persistent=256, coop=True, tma=True),  # the autotuning space's
+    Config(32, 512, 128, 8, persistent=256, coop=True, tma=True),
+    Config(16, 1024, 64, 8, persistent=256, coop=True, tma=True),  # four groups of 64
+    Config(16, 1024, 64, 4, persistent=256, coop=True, tma=True),
 ]
 
 
@@ -141,9 +146,13 @@ def time_configs(name: str, rounds: int = 3) -> None:
     for cfg in CONFIGS:
         spec = build_kernel(k.graph, [(k.plans[0], cfg)], strides, False, k.title, k.group_names)
         # a cooperative launch against a plain one, where the groups fit without it
-        for cooperative in (True, False) if cfg.split <= 64 else (True,):
+        for cooperative in (True, False) if cfg.split <= 64 and cfg.persistent <= 128 else (True,):
             launch = Launch(k.graph, dataclasses.replace(spec, cooperative=cooperative), f"{name}:{cfg}")
-            launch(env)
+            try:
+                launch(env)
+            except ValueError as refusal:  # not resident at once
+                print(f"{name} {cfg}: {refusal}", flush=True)
+                continue
             err = (env[spec.outputs[0]] - ref).abs().max().item()
             launches[f"{cfg} cooperative={cooperative} (max error {err:.1e})"] = launch
     times = {label: [] for label in launches}

@@ -2,9 +2,13 @@
 kernels of one forward+backward step (torch.profiler), largest first, and the regions of each compiled
 partition with their kind. Not a test.
 
-    python scripts/training_profile.py [--app llama] [--size default] [--dtype bfloat16]
+    python scripts/training_profile.py [--app llama] [--size default] [--dtype bfloat16] [--options '{"cuda_graphs": false}']
+
+With --by-shape, the host table groups ops by input shape (with CUDA graphs off, it says which aten op launched
+each torch kernel).
 """
 import argparse
+import json
 
 import torch
 
@@ -18,9 +22,12 @@ def main():
     p.add_argument("--size", default="default")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--runner", default="backend=stitchflow")
+    p.add_argument("--options", default="{}", help="the stitchflow backend's options, as JSON")
+    p.add_argument("--by-shape", action="store_true")
+    p.add_argument("--timeline", action="store_true", help="every kernel of the step in launch order, with its time")
     args = p.parse_args()
     model, inputs, upstream = training_case(args.app, getattr(torch, args.dtype), args.size)
-    fn = _runner(args.runner, model)
+    fn = _runner(args.runner, model, json.loads(args.options))
     for _ in range(3):
         _step(fn, model, inputs, upstream)
     torch.cuda.synchronize()
@@ -33,11 +40,21 @@ def main():
         _step(fn, model, inputs, upstream)
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=90))
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as host_prof:
+    if args.timeline:
+        kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                         key=lambda e: e.time_range.start)
+        for k, e in enumerate(kernels):
+            print(f"{k:4d} {e.time_range.start - kernels[0].time_range.start:9.1f} us  {e.device_time:8.1f} us  "
+                  f"{e.name[:90]}")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
+                                record_shapes=args.by_shape) as host_prof:
         _step(fn, model, inputs, upstream)
         torch.cuda.synchronize()
-    print(host_prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
+    if args.by_shape:
+        print(host_prof.key_averages(group_by_input_shape=True).table(
+            sort_by="device_time_total", row_limit=60, max_name_column_width=40, max_shapes_column_width=90))
+    else:
+        print(host_prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
     kernels = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
     import cProfile
     import pstats

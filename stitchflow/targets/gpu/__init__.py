@@ -41,7 +41,7 @@ from .channels_last import channels_last, channels_last_layouts
 from .conv import match_conv, region_convolutions
 from .grouping import TorchStep, fold_iotas, split_region
 from .reassociate import find_reassociations, reassociate
-from .rewrites import gather_one_hots
+from .rewrites import gather_one_hots, unroll_small_sums
 from .spmm import SpmmStep, sparse_product
 from .runtime import LAUNCHES, GroupKernel, interpreting
 
@@ -71,7 +71,7 @@ class GpuTarget:
 
     def compile_region(self, graph: Graph, region: Region, params: dict, options: dict):
         options = dict(options or {})
-        graph = gather_one_hots(fold_iotas(graph, params))
+        graph = unroll_small_sums(gather_one_hots(fold_iotas(graph, params)))
         if options.get("reassociate", True):
             found = find_reassociations(graph, set(region.nodes))
             for r in found:

@@ -304,10 +304,19 @@ class BodyEmitter:
         """`tl.load(...)` of tensor[indices] in the tensor's own dtype, and the tile axes it
         varies along."""
         pointer, mask, deps = self.raw_address(tensor, indices, node, scope)
+        hint = f", eviction_policy='{self.k.load_hint}'" if self.k.load_hint and "l" in deps else ""
+        if mask and any(_divides(i) for i in indices):
+            # Triton 3.6 on an H100 took a masked 8-byte load whose address repeats along the tile (a
+            # max-pool gradient's x[.., w // 2]) with the mask of its neighbour: at one or two warps the
+            # last column of a ceil-mode pool read 0 (scripts/triton_div_probe.py). The address is
+            # clamped into the tensor instead and the value masked, which that pattern gets right.
+            last = sum((n - 1) * st for n, st in zip(self.k.graph.type_of[tensor].shape, self.k.strides[tensor]))
+            base, _, off = pointer.partition(" + ")
+            clamped = f"{base} + tl.minimum(tl.maximum({off or '0'}, 0), {last})"
+            loaded = self.k.src.let(f"tl.load({clamped}{hint})", "x")
+            return f"tl.where({mask}, {loaded}, tl.zeros_like({loaded}))", deps
         mask_arg = f", mask={mask}, other=0" if mask else ""
-        if self.k.load_hint and "l" in deps:  # pieces re-read from L2 (codegen_split._coop_stages)
-            mask_arg += f", eviction_policy='{self.k.load_hint}'"
-        return f"tl.load({pointer}{mask_arg})", deps
+        return f"tl.load({pointer}{mask_arg}{hint})", deps
 
     # ------------------------------------------------------------ bodies
     def expr(self, e, node, scope: Scope, inlining: bool = False, result: torch.dtype | None = None) -> Val:
@@ -464,6 +473,17 @@ def substitute_expr(e, mapping: dict, ranges):
     if isinstance(e, Cast):
         return Cast(e.dtype, substitute_expr(e.arg, mapping, ranges))
     return e
+
+
+def _divides(e) -> bool:
+    """Whether index `e` holds a floor division or a remainder (its address repeats or wraps)."""
+    if isinstance(e, (Div, Mod)):
+        return True
+    if isinstance(e, Sum):
+        return any(_divides(a) for _, a in e.terms)
+    if isinstance(e, Gather):
+        return any(_divides(i) for i in e.indices)
+    return False
 
 
 def inline_body(producer, indices, ranges):

@@ -21,6 +21,7 @@ from ...ir.index import Div, Lit, Mod, Sum, Var, add, bounds, evaluate, substitu
 from ...ir.index import scale as scale_index
 from .analysis import (NotStitchable, PartPlan, components, factor_access, inlinable, is_contraction, node_refusal,
                        plan_part, product_factors, unify)
+from .batched_gemm import contiguous, plan_bmm, run_bmm
 from .conv import match_conv
 from .emit import inline_body
 
@@ -361,12 +362,24 @@ def contract(node: Node, env, out_dtype: torch.dtype, cache: dict | None = None)
     dtypes = {t.dtype for t in operands}
     compute = out_dtype if dtypes == {out_dtype} and out_dtype.is_floating_point else \
         torch.promote_types(out_dtype, torch.float32)
-    out = torch.einsum(plan.spec, *(t.to(compute) for t in operands))
+    out = _einsum(plan.spec, [t.to(compute) for t in operands], cache)
     out = out * plan.scale if plan.scale != 1.0 else out
     if len(plan.kept) != len(node.out_vars):  # broadcast output dims
         out = out.reshape([node.extents[v] if v in plan.kept else 1 for v in node.out_vars])
         out = out.expand([node.extents[v] for v in node.out_vars])
-    return out.to(out_dtype).contiguous().reshape(plan.out_shape)
+    return contiguous(out.to(out_dtype)).reshape(plan.out_shape)
+
+
+def _einsum(spec: str, operands: list[torch.Tensor], cache: dict) -> torch.Tensor:
+    """torch.einsum, or one bmm over the operands where they lie (batched_gemm: einsum's reshapes
+    copy operands that cuBLAS reads in place); the plan is kept per operand layout."""
+    if len(operands) != 2 or not all(t.dtype.is_floating_point for t in operands):
+        return torch.einsum(spec, *operands)
+    key = ("bmm", spec) + tuple((t.shape, t.stride()) for t in operands)
+    if key not in cache:
+        cache[key] = plan_bmm(spec, tuple(tuple(t.shape) for t in operands), tuple(t.stride() for t in operands))
+    plan = cache[key]
+    return torch.einsum(spec, *operands) if plan is None else run_bmm(plan, *operands)
 
 
 class TorchStep:

@@ -1,5 +1,6 @@
-"""One-hot select-sums become gathers (gpu target rewrites), and online sums stay finite on
-rows that start with -inf; every case checked against eager under TRITON_INTERPRET=1."""
+"""One-hot select-sums become gathers and sums of a few terms additions (gpu target rewrites),
+and online sums stay finite on rows that start with -inf; every case checked against eager under
+TRITON_INTERPRET=1."""
 
 import os
 import tempfile
@@ -15,7 +16,8 @@ import stitchflow  # noqa: E402
 from stitchflow.bench.stitching_patterns import PATTERNS, relative_error  # noqa: E402
 from stitchflow.ir.interpret import run_graph  # noqa: E402
 from stitchflow.targets.gpu.grouping import fold_iotas  # noqa: E402
-from stitchflow.targets.gpu.rewrites import gather_one_hots  # noqa: E402
+from stitchflow.targets.gpu.rewrites import SMALL_SUM, gather_one_hots, unroll_small_sums  # noqa: E402
+from conftest import assert_close  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="interpreter tests on CPU tensors: a GPU session (TRITON_INTERPRET=0) "
@@ -126,3 +128,66 @@ def test_full_chunks_run_unmasked_and_the_tail_once(monkeypatch):
     assert "for l0 in range(lo, 960, 64):" in body and "for l0 in range(960, hi, 64):" in body
     full_loop = body.split("for l0 in range(lo, 960, 64):")[1].split("for l0 in range(960, hi, 64):")[0]
     assert "mask_l" not in full_loop
+
+
+class GroupedKeyGradient(nn.Module):
+    """A GQA key gradient as a Llama step's backward meets it: the transposed per-head gradient
+    (h, d, t) summed over each group's query heads, then RoPE's backward multiplies (t, d)."""
+
+    def __init__(self, group: int):
+        super().__init__()
+        self.group = group
+
+    def forward(self, dkt, cos, sin):
+        b, h, d, t = dkt.shape
+        dk = dkt.view(b, h // self.group, self.group, d, t).sum(2).transpose(-1, -2)
+        return dk * cos, dk * sin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("group,tokens", [(4, 37), (2, 64), (SMALL_SUM * 2, 33)])
+def test_small_sums_become_additions_with_a_transposed_mapping(dtype, group, tokens):
+    """A sum over `group` <= SMALL_SUM heads becomes one elementwise part whose tiles transpose
+    (both the transposed read and the outputs stay coalesced); a larger group stays a reduction."""
+    gen = torch.Generator().manual_seed(6)
+    dkt = torch.randn(1, 2 * group, 16, tokens, generator=gen).to(dtype)
+    cos, sin = (torch.randn(tokens, 16, generator=gen).to(dtype) for _ in range(2))
+    module = GroupedKeyGradient(group)
+    prog = stitchflow.compile(module, (dkt, cos, sin), target="gpu", fusion="full")
+    graph = unroll_small_sums(prog.graph)
+    unrolled = group <= SMALL_SUM
+    assert any(n.reduce == "sum" for n in graph.nodes) != unrolled
+    outs = prog(dkt, cos, sin)
+    for out, ref in zip(outs, module(dkt, cos, sin)):
+        assert_close(out, ref)
+    (kernel,) = [k for run in prog._compiled for k in run.kernels]
+    assert kernel.plans[0].transposed == unrolled
+
+
+def test_sums_that_stay_reductions():
+    """GEMM-like products (library GEMMs) and integer sums are left alone; a float sum of five
+    terms is unrolled."""
+    x, w = torch.randn(5, 3), torch.randn(3, 4)
+    for fn, args, sums_left in ((lambda a, b: a @ b, (x, w), 1),
+                                (lambda a: a.sum(-1), (torch.arange(15).view(5, 3),), 1),
+                                (lambda a: a.sum(0), (x,), 0)):
+        prog = stitchflow.compile(fn, args, target="gpu")
+        assert sum(n.reduce == "sum" for n in unroll_small_sums(prog.graph).nodes) == sums_left
+
+
+def test_masked_gathers_load_clamped_addresses():
+    """A ceil-mode max-pool gradient gathers at w // 2 under the tile's mask: the generated loads
+    take clamped, in-bounds addresses with the value masked (Triton 3.6 read such a masked load with
+    its neighbour's mask at one or two warps on an H100), and the result equals eager's."""
+    x = torch.randn(2, 3, 8, 7)
+    _, idx = torch.nn.functional.max_pool2d_with_indices(x, 2, ceil_mode=True)
+    g = torch.randn(2, 3, 4, 4)
+
+    def backward(g, x, idx):
+        return torch.ops.aten.max_pool2d_with_indices_backward(g, x, [2, 2], [2, 2], [0, 0], [1, 1], True, idx)
+    prog = stitchflow.compile(backward, (g, x, idx), target="gpu", fusion="full")
+    assert torch.equal(prog(g, x, idx), backward(g, x, idx))
+    (kernel,) = [k for run in prog._compiled for k in run.kernels]
+    (launch,) = kernel._built.values()
+    loads = [line for line in launch.spec.source.splitlines() if "tl.load(" in line]
+    assert loads and all("tl.minimum(tl.maximum(" in line and "mask=" not in line for line in loads), loads
