@@ -1,8 +1,9 @@
-"""Device probe: which generated kernel of a model's training step differs from the reference interpreter? Every
-GroupKernel call is followed by the interpreter's evaluation of the same nodes on the same inputs; a kernel whose
-outputs differ prints its plans, input strides and source. Not a test.
+"""Device probe: which generated kernel of a model's training step differs from the reference interpreter? Runs
+one step under torch.compile(backend="stitchflow", options={"check_kernels": True}) without CUDA graphs and prints
+the first KernelMismatch with the kernel's source (how the Triton miscompile of scripts/triton_div_probe.py was
+found). Not a test.
 
-    python scripts/kernel_check_probe.py maxpool_ceil
+    python scripts/kernel_check_probe.py [maxpool_ceil | llama]
 """
 import sys
 
@@ -10,40 +11,32 @@ import torch
 from torch import nn
 
 import stitchflow.backend  # noqa: F401  (registers the backend)
-from stitchflow.ir.interpret import eval_node
-from stitchflow.targets.gpu.runtime import GroupKernel
-
-MODELS = {"maxpool_ceil": (lambda: nn.Sequential(nn.Linear(7, 7), nn.MaxPool2d(2, ceil_mode=True)), (2, 3, 8, 7))}
+from stitchflow.bench.training import training_case
+from stitchflow.ir.errors import KernelMismatch
 
 
-def checked_call(original):
-    def call(self, env):
-        original(self, env)
-        ref = dict(env)
-        for plan in self.plans:
-            for n in plan.nodes:
-                ref[n.name] = eval_node(n, ref, self.graph.type_of[n.name])
-        for plan in self.plans:
-            for name in plan.outputs:
-                got, want = env[name], ref[name]
-                if not torch.allclose(got.float(), want.float(), rtol=1e-3, atol=1e-3, equal_nan=True):
-                    print(f"MISMATCH {self.title} output {name}: max error {(got.float() - want.float()).abs().max()}")
-                    print("  inputs:", [(t, tuple(env[t].shape), env[t].stride()) for t in self.inputs])
-                    for launch in self._built.values():
-                        print(launch.spec.source[launch.spec.source.index("def _part0"):])
-    return call
+def maxpool_ceil():
+    model = nn.Sequential(nn.Linear(7, 7), nn.MaxPool2d(2, ceil_mode=True)).cuda()
+    return model, (torch.randn(2, 3, 8, 7, device="cuda"),), None
+
+
+CASES = {"maxpool_ceil": maxpool_ceil,
+         "llama": lambda: training_case("llama", torch.bfloat16, "small", "cuda", 0)}
 
 
 def main():
-    build, shape = MODELS[sys.argv[1] if len(sys.argv) > 1 else "maxpool_ceil"]
-    GroupKernel.__call__ = checked_call(GroupKernel.__call__)
     torch.manual_seed(0)
-    model = build().cuda()
+    model, inputs, upstream = CASES[sys.argv[1] if len(sys.argv) > 1 else "maxpool_ceil"]()
     fn = torch.compile(model, backend="stitchflow", options={"target": "gpu", "training": "compiled",
-                                                              "cuda_graphs": False})
-    fn(torch.randn(*shape, device="cuda")).sum().backward()
-    torch.cuda.synchronize()
-    print("done")
+                                                              "cuda_graphs": False, "check_kernels": True})
+    try:
+        out = fn(*inputs)
+        out.backward(upstream if upstream is not None else torch.ones_like(out))
+        torch.cuda.synchronize()
+        print("every generated kernel equals the reference interpreter")
+    except KernelMismatch as mismatch:
+        print(mismatch)
+        print(mismatch.source[mismatch.source.index("def _part0"):])
 
 
 if __name__ == "__main__":

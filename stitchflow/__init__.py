@@ -1,6 +1,6 @@
 """stitchflow: a fusion-centric compiler for sparse and dense deep learning."""
 
-from .ir.errors import FormatError, ShapeError, StitchflowError, TargetError, UnsupportedOpError
+from .ir.errors import FormatError, KernelMismatch, ShapeError, StitchflowError, TargetError, UnsupportedOpError
 from .program import Program, compile
 
 __version__ = "0.1.0"
@@ -24,4 +24,5 @@ def _register_dynamo_backend() -> None:
 _register_dynamo_backend()
 __all__ = [
     "compile", "Program", "StitchflowError", "UnsupportedOpError", "ShapeError", "FormatError", "TargetError",
+    "KernelMismatch",
 ]

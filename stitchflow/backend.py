@@ -17,7 +17,9 @@ runs through its program and the backward differentiates the partition's FX grap
 eagerly (_RecomputedBackward).
 
 Options (torch.compile(..., options={...})): target ("reference" | "gpu"; default "gpu" for
-CUDA tensors, else "reference"), fusion (default "auto"), training ("compiled" | "recompute").
+CUDA tensors, else "reference"), fusion (default "auto"), training ("compiled" | "recompute"),
+and the programs' cuda_graphs, autotune and check_kernels (every generated kernel's call checked
+against the reference interpreter: targets/gpu/runtime.check_outputs).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from torch.fx.passes.split_module import split_module
 from .backend_layouts import channels_last_order, free_positions, restride_placeholders, restrided, saved_outputs_start
 from .frontend.capture import Captured, capture
 from .frontend.registry import LOWERINGS, describe_target, early_refusal, is_inplace, key_of
-from .ir.errors import StitchflowError
+from .ir.errors import KernelMismatch, StitchflowError
 from .planner.regions import regions_for
 from .program import Program, gradients
 
@@ -107,6 +109,8 @@ class StitchflowModule(torch.nn.Module):
             return self._run(call, args)
         try:  # the first run of a program: a failure here (a kernel that does not build) costs speed only
             out = self._run(call, args)
+        except KernelMismatch:  # options["check_kernels"]: the user asked to be told
+            raise
         except Exception as err:
             _record(f"{self.name}: its program failed on the first call, {type(err).__name__}: {err}")
             log.warning("stitchflow: %s runs eagerly: its program failed (%s: %s)", self.name, type(err).__name__, err)
@@ -435,7 +439,7 @@ def _read_eagerly(node: fx.Node, partitions: set, outputs_too: bool) -> frozense
     return frozenset(positions)
 
 
-PROGRAM_OPTIONS = ("cuda_graphs",)  # backend options handed to every partition's Program
+PROGRAM_OPTIONS = ("cuda_graphs", "autotune", "check_kernels")  # backend options every partition's Program takes
 COMPILED: list[StitchflowModule] = []  # every partition compiled since the last reset()
 
 

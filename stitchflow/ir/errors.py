@@ -25,3 +25,12 @@ class FormatError(StitchflowError):
 
 class TargetError(StitchflowError):
     """A target cannot run a region (the message says why)."""
+
+
+class KernelMismatch(TargetError):
+    """A generated kernel's output differs from the reference interpreter's (options["check_kernels"]);
+    `source` is the kernel's source."""
+
+    def __init__(self, message: str, source: str = ""):
+        super().__init__(message)
+        self.source = source
