@@ -19,7 +19,7 @@ eagerly (_RecomputedBackward).
 Options (torch.compile(..., options={...})): target ("reference" | "gpu"; default "gpu" for
 CUDA tensors, else "reference"), fusion (default "auto"), training ("compiled" | "recompute"),
 and the programs' cuda_graphs, autotune and check_kernels (every generated kernel's call checked
-against the reference interpreter: targets/gpu/runtime.check_outputs).
+against the reference interpreter: targets/gpu/check.py).
 """
 
 from __future__ import annotations

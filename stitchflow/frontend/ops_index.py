@@ -200,27 +200,39 @@ def lower_select_scatter(ctx, x, src, dim, index):
 @lowering("aten.index_put", "aten.index_put_", torch.index_put, "method:index_put", "method:index_put_")
 def lower_index_put(ctx, x, indices, values, accumulate=False):
     """x with values added at x[indices] (accumulate=True: an embedding's gradient, rows summed into the
-    table) as a scatter-add. Index tensors of one shape on leading dims; values broadcast to that shape
-    followed by x's remaining dims. An overwriting index_put (the last of duplicates wins, in an order
-    eager does not define) is refused."""
+    table; a nearest upsampling's, x[:, :, rows[:, None], cols] with None for the whole dims) as a
+    scatter-add. The index tensors broadcast together and stand next to each other (None entries
+    before them or after); values broadcast to x's leading dims, the index shape and x's trailing dims.
+    An overwriting index_put (the last of duplicates wins, in an order eager does not define) is
+    refused."""
     from .ops_reduce import _scatter_add
 
     if not accumulate:
         raise UnsupportedOpError("index_put", "accumulate=False (a scatter that overwrites; duplicates race)",
                                  ctx.hint)
     indices = list(indices)
-    if not indices or any(not isinstance(i, TensorValue) for i in indices) or len({i.shape for i in indices}) != 1:
-        raise UnsupportedOpError("index_put", "index tensors other than one shape on the leading dims", ctx.hint)
-    if any(i.dtype == torch.bool for i in indices):
+    at = [d for d, i in enumerate(indices) if i is not None]
+    if not at or any(not isinstance(indices[d], TensorValue) for d in at):
+        raise UnsupportedOpError("index_put", "index entries other than tensors and None", ctx.hint)
+    if at != list(range(at[0], at[-1] + 1)):
+        raise UnsupportedOpError("index_put", "index tensors apart (eager moves their dims first)", ctx.hint)
+    tensors = [indices[d] for d in at]
+    if any(i.dtype == torch.bool for i in tensors):
         raise UnsupportedOpError("index_put", "a boolean mask index (its count depends on the data)", ctx.hint)
-    lead, rank = len(indices), len(indices[0].shape)
-    loop_shape = [*indices[0].shape, *x.shape[lead:]]
+    try:
+        shape = list(torch.broadcast_shapes(*(tuple(i.shape) for i in tensors)))
+    except RuntimeError as err:
+        raise ShapeError(f"index_put: index tensors of shapes {[list(i.shape) for i in tensors]} do not "
+                         f"broadcast") from err
+    first, rank = at[0], len(shape)
+    loop_shape = [*x.shape[:first], *shape, *x.shape[first + len(at):]]
+    tensors = [V.expand(i, shape) for i in tensors]
     if isinstance(values, TensorValue):
         values = V.expand(values, loop_shape)
 
     def out_index(o, rg):
-        at = [i.access(o[:rank], rg) for i in indices]
-        return [Gather(a.tensor, a.indices) for a in at] + list(o[rank:])
+        reads = [i.access(o[first:first + rank], rg) for i in tensors]
+        return list(o[:first]) + [Gather(a.tensor, a.indices) for a in reads] + list(o[first + rank:])
 
     return _scatter_add(ctx, x, out_index, values, loop_shape)
 

@@ -241,6 +241,8 @@ def evaluate(e: IndexExpr, env: Mapping[str, torch.Tensor], tensors: Mapping[str
         return torch.div(evaluate(e.arg, env, tensors), e.divisor, rounding_mode="floor")
     if isinstance(e, Mod):
         return torch.remainder(evaluate(e.arg, env, tensors), e.modulus)
-    idx = [evaluate(i, env, tensors) for i in e.indices]
     src = tensors[e.tensor]
+    # clamped like the interpreter's reads: the IR reads outside a tensor only where a `where`
+    # discards the value (a gather at a concatenation's or an upsampling's border)
+    idx = [evaluate(i, env, tensors).clamp(0, n - 1) for i, n in zip(e.indices, src.shape)]
     return src[tuple(idx)].to(torch.int64) if idx else src.to(torch.int64)

@@ -33,10 +33,14 @@ CASES = {
     # an embedding's gradient (rows summed into the table) and NLL's (a one-hot times -1)
     "index_put_accumulate": lambda x, y: torch.index_put(x.new_zeros(5, x.shape[2]), ((x[0, :, 0].abs() * 3).long() % 5,),
                                                          x[0] * 2, accumulate=True),
+    # a nearest upsampling's gradient: index tensors that broadcast, after a whole dim (None)
+    "index_put_broadcast": lambda x, y: torch.ops.aten.index_put(
+        x.new_zeros(x.shape[0], 3, 4), [None, ((x[0, :, 0].abs() * 3).long() % 3)[:, None],
+                                         (y[0, 0].abs() * 4).long() % 4], x[:, :, :1] * y[:, :1, :], True),
     "scatter_one_hot": lambda x, y: (x * 3).scatter(2, (y.transpose(1, 2)[..., :1].abs() * 2).long() % x.shape[2], -1.0),
     "cross": lambda x, y: torch.linalg.cross(x[:, :, :3].repeat(1, 1, 2)[..., :3], y.transpose(1, 2)[..., :3].repeat(1, 1, 2)[..., :3]),
 }
-GATHERS_COMPUTED_INDEX = {"take_along_dim", "index_put_accumulate", "scatter_one_hot"}
+GATHERS_COMPUTED_INDEX = {"take_along_dim", "index_put_accumulate", "index_put_broadcast", "scatter_one_hot"}
 
 
 @pytest.mark.parametrize("target", ["reference", "gpu", "dataflow"])
@@ -66,6 +70,8 @@ def test_refusals_name_the_problem():
     rows = torch.tensor([0, 2, 0])
     with pytest.raises(stitchflow.StitchflowError, match="accumulate=False"):
         stitchflow.compile(lambda x: torch.index_put(x, (rows,), x[:3] * 2), (x,))
+    with pytest.raises(stitchflow.StitchflowError, match="index tensors apart"):
+        stitchflow.compile(lambda x: torch.ops.aten.index_put(x[None], [rows * 0, None, rows], x[:3, :3], True), (x,))
     with pytest.raises(stitchflow.StitchflowError, match="a tensor source"):
         stitchflow.compile(lambda x: x.scatter(1, rows[:, None].expand(3, 2), x[:, :2]), (x,))
     with pytest.raises(stitchflow.StitchflowError, match="only one index per row"):

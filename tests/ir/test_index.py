@@ -40,3 +40,13 @@ def test_simplification_preserves_values(a, b, c, off):
     for d in (c, b * c, 7):
         assert torch.equal(evaluate(floordiv(e, d, ranges), env, {}).expand(a, b), (raw // d).expand(a, b))
         assert torch.equal(evaluate(mod(e, d, ranges), env, {}).expand(a, b), (raw % d).expand(a, b))
+
+
+def test_gathers_clamp_their_own_indices():
+    """A gather's index past the index tensor (an upsampling's border, read under a `where` that
+    discards it) reads the nearest entry instead of failing (UNet's training step on the gpu
+    target, checked against this interpreter, failed so)."""
+    idx = torch.tensor([3, 1, 4, 1])
+    e = Gather("idx", (add(Var("i"), 1),))
+    got = evaluate(e, {"i": torch.arange(4)}, {"idx": idx})
+    assert got.tolist() == [1, 4, 1, 1]

@@ -351,8 +351,9 @@ class BodyEmitter:
         return self.cast(v, self.k.graph.type_of[producer.name].dtype)
 
     def cast(self, v: Val, dtype: torch.dtype) -> Val:
-        if is_literal(v):  # a constant producer (torch.ones) inlined: rounded here, a number has no .to()
-            return const(torch.tensor(ast.literal_eval(v.code)).to(dtype).item())
+        if is_literal(v):  # a constant producer (torch.ones, a -inf mask fill) inlined: rounded here, a number
+            value = NAMED_CONSTANTS[v.code] if v.code in NAMED_CONSTANTS else ast.literal_eval(v.code)
+            return const(torch.tensor(value).to(dtype).item())
         if dtype == torch.bool:
             return v if v.kind == "b" else Val(self.k.src.let(f"({v.code} != 0)"), "b", v.deps)
         return Val(self.k.src.let(carried(v.code, dtype, self.interpret)), kind_of(dtype), v.deps)
@@ -510,8 +511,13 @@ def _as_float(v: Val) -> str:
     return f"{v.code}.to(tl.float32)"
 
 
+NAMED_CONSTANTS = {"INF": float("inf"), "NEG_INF": float("-inf"), "NAN": float("nan")}
+
+
 def is_literal(v: Val) -> bool:
-    return not v.deps and v.code.startswith("(")
+    """A constant, as `const` writes one: a parenthesized number or a named infinity or NaN (a
+    constexpr in the kernel, which has no .to())."""
+    return not v.deps and (v.code.startswith("(") or v.code in NAMED_CONSTANTS)
 
 
 def _promote(*vals: Val) -> str:

@@ -25,10 +25,11 @@ from pathlib import Path
 
 import torch
 
-from ...ir.errors import KernelMismatch, TargetError
+from ...ir.errors import TargetError
 from ...ir.graph import Graph
 from ...ir.interpret import eval_node
 from . import cluster_planes
+from .check import check_outputs
 from .analysis import PartPlan
 from .codegen import KernelSpec, build_kernel, kernel_inputs
 from .mapping import Config, candidates, max_coop_split, resident_per_sm
@@ -517,43 +518,3 @@ class GroupKernel:
         save_choice(key, best, timings, partial=bool(late))
         self.chosen = configs[best]
         return launches[best]
-
-
-# worst error allowed, relative to the output's largest magnitude: half types round every node's
-# value, and their GELU and erf take cheaper forms (emit._erf_lowp) than the interpreter's
-CHECK_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 4e-3}
-
-
-def check_outputs(kernel: GroupKernel, launch: Launch, env) -> None:
-    """options["check_kernels"] (or STITCHFLOW_CHECK_KERNELS=1): a call's outputs against the reference
-    interpreter's evaluation of the same nodes on the same inputs; KernelMismatch names the kernel,
-    the output, its error and the config, with the kernel's source attached. For finding a
-    miscompile (the max-pool gradient of scripts/triton_div_probe.py was found so); every node runs
-    again through torch, so checked calls are slow."""
-    graph, ours = kernel.graph, {n.name for p in kernel.plans for n in p.nodes}
-    ref = {name: value for name, value in env.items() if name not in ours}
-
-    def evaluate(name: str) -> None:  # with the producers a kernel inlines and nobody stored
-        if name not in ref:
-            node = graph.node_of[name]
-            for t in node.inputs:
-                evaluate(t)
-            ref[name] = eval_node(node, ref, graph.type_of[name])
-    for name in ours:
-        evaluate(name)
-    for plan in kernel.plans:
-        for name in plan.outputs:
-            got, want = env[name], ref[name]
-            if not want.dtype.is_floating_point:
-                error = float((got != want).sum())
-            else:
-                same_nan = torch.equal(got.isnan(), want.isnan())
-                finite = ~want.isnan()
-                scale = max(want[finite].abs().max().item(), 1e-30) if finite.any() else 1.0
-                error = (got[finite].double() - want[finite].double()).abs().max().item() / scale \
-                    if finite.any() else 0.0
-                error = error if same_nan else float("inf")
-            if error > CHECK_TOLERANCE.get(want.dtype, 0.0):
-                raise KernelMismatch(f"kernel {kernel.title} ({launch.spec.name}, config {kernel.chosen}): output "
-                                     f"{name} ({want.dtype}) differs from the reference interpreter by {error:.3g} "
-                                     f"of its largest magnitude", launch.spec.source)

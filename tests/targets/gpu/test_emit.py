@@ -36,3 +36,22 @@ def test_plain_reads_keep_their_runs():
     """A read whose indices are plain variables takes the per-index path (contiguous runs of axes) as before."""
     source = _source("batchnorm_train", (4, 6, 5, 7), torch.float32, Config(1, 256, 1, 4))
     assert all("//" not in a for a in _loads(source, "in0"))
+
+
+def test_an_infinite_constant_output_in_half_precision():
+    """A -inf fill that a masked softmax reads and the program also returns (GPT-3's BigBird mask, whose
+    forward saves the fill for the backward): stored and inlined as the constant, not cast (the
+    kernel's NEG_INF is a constexpr, which has no .to())."""
+    import stitchflow
+
+    def masked_softmax(s, mask):
+        fill = torch.full((), float("-inf"), dtype=s.dtype)
+        return torch.where(mask == 0, fill, s * 0.25).softmax(-1), fill
+
+    s = torch.randn(2, 6, 8).to(torch.bfloat16)
+    mask = (torch.rand(6, 8) > 0.3).to(torch.bfloat16)
+    mask[:, 0] = 1  # no row all masked
+    prog = stitchflow.compile(masked_softmax, (s, mask), target="gpu", fusion="full")
+    (probs, fill), (ref_probs, ref_fill) = prog(s, mask), masked_softmax(s, mask)
+    torch.testing.assert_close(probs, ref_probs, rtol=2e-2, atol=2e-2)
+    assert fill.dtype == torch.bfloat16 and fill.item() == float("-inf")
