@@ -5,7 +5,11 @@ max pool's training step, and the zoo's apps at their small size, inference thro
 training step through torch.compile(backend="stitchflow"), in bf16 and fp32. Not a test.
 
     python scripts/kernel_check_probe.py [case ...]      (default: all; a case is maxpool_ceil or APP:infer|train)
+
+On a machine without a GPU, `TRITON_INTERPRET=1 STITCHFLOW_PROBE_DEVICE=cpu` runs the same sweep on CPU tensors
+under Triton's interpreter (codegen logic, not the GPU compiler).
 """
+import os
 import sys
 import time
 
@@ -18,17 +22,18 @@ from stitchflow.bench.training import training_case
 from stitchflow.ir.errors import KernelMismatch
 
 OPTIONS = {"check_kernels": True, "cuda_graphs": False, "autotune": False}
+DEVICE = os.environ.get("STITCHFLOW_PROBE_DEVICE", "cuda")
 
 
 def maxpool_ceil(dtype):
-    model = nn.Sequential(nn.Linear(7, 7), nn.MaxPool2d(2, ceil_mode=True)).cuda().to(dtype)
-    x = torch.randn(2, 3, 8, 7, device="cuda", dtype=dtype, requires_grad=True)
+    model = nn.Sequential(nn.Linear(7, 7), nn.MaxPool2d(2, ceil_mode=True)).to(DEVICE, dtype)
+    x = torch.randn(2, 3, 8, 7, device=DEVICE, dtype=dtype, requires_grad=True)
     return model, (x,), None
 
 
 def train(case, dtype):
     model, inputs, upstream = maxpool_ceil(dtype) if case == "maxpool_ceil" else \
-        training_case(case, dtype, "small", "cuda", 0)
+        training_case(case, dtype, "small", DEVICE, 0)
     fn = torch.compile(model, backend="stitchflow", options={"target": "gpu", "training": "compiled", **OPTIONS})
     out = fn(*inputs)
     out = out[0] if isinstance(out, tuple) else out
@@ -37,8 +42,8 @@ def train(case, dtype):
 
 def infer(app, dtype):
     model, inputs = APPS[app].build(size="small", dtype=dtype)
-    model = model.cuda()
-    inputs = tuple(x.cuda() if isinstance(x, torch.Tensor) else x for x in inputs)
+    model = model.to(DEVICE)
+    inputs = tuple(x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in inputs)
     with torch.no_grad():
         stitchflow.compile(model, inputs, target="gpu", options=OPTIONS)(*inputs)
 
@@ -53,7 +58,8 @@ def main():
             app, _, mode = case.partition(":")
             try:
                 (infer if mode == "infer" else train)(app, dtype)
-                torch.cuda.synchronize()
+                if DEVICE == "cuda":
+                    torch.cuda.synchronize()
                 verdict = "every generated kernel equals the reference interpreter"
             except KernelMismatch as mismatch:
                 verdict = f"MISMATCH {mismatch}\n{mismatch.source[mismatch.source.find('def _part0'):]}"

@@ -136,6 +136,21 @@ def test_batch_norm_network_trains_and_tracks_running_statistics():
     assert "backward" in _compiled_graphs()
 
 
+@pytest.mark.parametrize("target", ["reference", "gpu"])
+def test_group_norm_forward_compiles_with_its_statistics(target):
+    """AOTAutograd's forward holds native_group_norm (its mean and rstd are saved for the backward):
+    lowered, so only the eager convolution backwards are left in the report (UNet's training step)."""
+    skip_unless_kernels_run(target)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(4, 8), nn.SiLU(), nn.Conv2d(8, 4, 1)).to(
+        DEVICE if target == "gpu" else "cpu")
+    device = next(model.parameters()).device
+    _train_side_by_side(model, lambda: (torch.randn(2, 3, 7, 6, device=device),), steps=2, options={"target": target})
+    report = backend.fallback_report()
+    assert "native_group_norm" not in report
+    assert all("convolution_backward" in line for line in report.splitlines()[1:]), report
+
+
 def test_batch_norm_in_eval_mode_while_fine_tuning():
     torch.manual_seed(0)
     model = _conv_net()

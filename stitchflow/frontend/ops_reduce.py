@@ -428,9 +428,13 @@ def lower_aten_batch_norm(ctx, *args, **kwargs):
 # ---------------------------------------------------------------- group and instance norm
 
 def group_norm(ctx, x, groups: int, weight=None, bias=None, eps=1e-5):
-    """Statistics per (sample, group of channels) over the group's channels and spatial dims, as
-    layer norm over x seen as [N, G, C/G, ...] (a split: affine indices), the per-channel weight
-    and bias read as [G, C/G]. Statistics in float32 for halves."""
+    return _group_norm(ctx, x, groups, weight, bias, eps)[0]
+
+
+def _group_norm(ctx, x, groups: int, weight=None, bias=None, eps=1e-5):
+    """(out, mean, var): statistics per (sample, group of channels) over the group's channels and
+    spatial dims, as layer norm over x seen as [N, G, C/G, ...] (a split: affine indices), the
+    per-channel weight and bias read as [G, C/G]. Statistics in float32 for halves."""
     if x.rank < 2 or x.shape[1] % groups:
         raise UnsupportedOpError("group_norm", f"{x.shape[1] if x.rank > 1 else 'no'} channels in {groups} groups",
                                  ctx.hint)
@@ -458,12 +462,30 @@ def group_norm(ctx, x, groups: int, weight=None, bias=None, eps=1e-5):
 
     # computed in the grouped coordinates and handed back as a view of x's shape, so that no
     # intermediate is read through the merge's index arithmetic (the gpu target splits there)
-    return V.reshape(b.emit(grouped.shape, x.dtype, body, tag=tag, hint=ctx.hint), x.shape)
+    return V.reshape(b.emit(grouped.shape, x.dtype, body, tag=tag, hint=ctx.hint), x.shape), mean, var
 
 
 @lowering(F.group_norm, "aten.group_norm")
 def lower_group_norm(ctx, x, num_groups, weight=None, bias=None, eps=1e-5, *args):
     return group_norm(ctx, x, num_groups, weight, bias, eps)
+
+
+@lowering("aten.native_group_norm")
+def lower_native_group_norm(ctx, x, weight, bias, n, c, hw, groups, eps):
+    """(out, mean, rstd), the statistics per (sample, group): what a group norm's backward reads, so
+    an AOTAutograd forward graph saves them (UNet's training step)."""
+    out, mean, var = _group_norm(ctx, x, groups, weight, bias, eps)
+    mean_type, rstd_type = ctx.out[1], ctx.out[2]
+
+    def rstd(o, r, rg):
+        e = call("rsqrt", call("add", var.read(o, rg), Const(eps)))
+        return e if var.dtype == rstd_type.dtype else Cast(rstd_type.dtype, e)
+
+    def kept_mean(o, r, rg):
+        return mean.read(o, rg) if mean.dtype == mean_type.dtype else Cast(mean_type.dtype, mean.read(o, rg))
+    b = ctx.builder
+    return (out, b.emit(tuple(mean_type.shape), mean_type.dtype, kept_mean, hint=f"{ctx.hint}_mean"),
+            b.emit(tuple(rstd_type.shape), rstd_type.dtype, rstd, hint=f"{ctx.hint}_rstd"))
 
 
 F_INSTANCE_NORM = ("input", "running_mean", "running_var", "weight", "bias", "use_input_stats", "momentum", "eps")
