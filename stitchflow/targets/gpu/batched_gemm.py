@@ -35,6 +35,7 @@ class OperandView:
     groups: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
     copy: bool
     inner: str = "cols"
+    strides: tuple[int, int, int] | None = None  # of the [batch, rows, cols] view, where it is one
 
     def __str__(self) -> str:
         dims = " ".join("x".join(map(str, g)) or "1" for g in self.groups)
@@ -97,11 +98,17 @@ def _view(sizes, strides, letters: str, groups: tuple[str, str, str]) -> Operand
     order = tuple(letters.index(c) for g in groups for c in g)
     dims = tuple(tuple(sizes[letters.index(c)] for c in g) for g in groups)
     merged = [merged_stride(d, [strides[letters.index(c)] for c in g]) for d, g in zip(dims, groups)]
-    rows, cols = math.prod(dims[1]), math.prod(dims[2])
+    batch, rows, cols = (math.prod(d) for d in dims)
     copy = None in merged or not cublas_reads(rows, cols, merged[1], merged[2])
     moving = [c for c in letters if sizes[letters.index(c)] != 1 and strides[letters.index(c)] != 0]
     fastest = min(moving, key=lambda c: abs(strides[letters.index(c)]), default=None)
-    return OperandView(order, dims, copy, "rows" if fastest is not None and fastest in groups[1] else "cols")
+    inner = "rows" if fastest is not None and fastest in groups[1] else "cols"
+    if copy:
+        return OperandView(order, dims, True, inner)
+    # size-1 dims take the strides cuBLAS accepts (they move no element)
+    row_stride, col_stride = _matrix_strides(rows, cols, merged[1], merged[2])
+    batch_stride = rows * cols if batch == 1 else merged[0]
+    return OperandView(order, dims, False, inner, (batch_stride, row_stride, col_stride))
 
 
 def _orders(group: list[str], sizes, strides, letters: str, natural: list[str]) -> list[str]:
@@ -171,16 +178,9 @@ def _matrices(t: torch.Tensor, view: OperandView) -> torch.Tensor:
     """`t` as the [batch, rows, cols] stack of `view`: strided where it lies, else copied with its
     fastest dim innermost."""
     b, r, c = (math.prod(g) for g in view.groups)
+    if not view.copy:  # the plan is kept per operand layout: its strides are this tensor's
+        return t.as_strided((b, r, c), view.strides, t.storage_offset())
     p = t.permute(view.order)
-    if not view.copy:
-        nb, nr = len(view.groups[0]), len(view.groups[1])
-        s = p.stride()
-        sb = merged_stride(p.shape[:nb], s[:nb])
-        sr = merged_stride(p.shape[nb:nb + nr], s[nb:nb + nr])
-        sc = merged_stride(p.shape[nb + nr:], s[nb + nr:])
-        sr, sc = _matrix_strides(r, c, sr, sc)
-        sb = r * c if b == 1 else sb
-        return p.as_strided((b, r, c), (sb, sr, sc), p.storage_offset())
     if view.inner == "rows":  # [batch, cols, rows] contiguous, read transposed
         nb, nr = len(view.groups[0]), len(view.groups[1])
         dims = list(range(nb)) + list(range(nb + nr, p.dim())) + list(range(nb, nb + nr))
