@@ -111,10 +111,10 @@ def _view(sizes, strides, letters: str, groups: tuple[str, str, str]) -> Operand
     return OperandView(order, dims, False, inner, (batch_stride, row_stride, col_stride))
 
 
-def _orders(group: list[str], sizes, strides, letters: str, natural: list[str]) -> list[str]:
-    """Candidate orders of a group's letters: the output's (or given) order, and outermost stride first."""
+def _orders(group: list[str], strides, letters: str) -> list[str]:
+    """Candidate orders of a group's letters: as given (the output's order), and outermost stride first."""
     by_stride = sorted(group, key=lambda c: -abs(strides[letters.index(c)]))
-    return list(dict.fromkeys(("".join(natural), "".join(by_stride))))
+    return list(dict.fromkeys(("".join(group), "".join(by_stride))))
 
 
 def plan_bmm(equation: str, sizes: tuple, strides: tuple) -> BmmPlan | None:
@@ -136,19 +136,18 @@ def plan_bmm(equation: str, sizes: tuple, strides: tuple) -> BmmPlan | None:
         (lspec, lsz, lst), (rspec, rsz, rst) = ((b, sizes[1], strides[1]), (a, sizes[0], strides[0])) if swapped \
             else ((a, sizes[0], strides[0]), (b, sizes[1], strides[1]))
         lrows, rcols = (cols, rows) if swapped else (rows, cols)
-        for m, n, k in itertools.product(_orders(lrows, lsz, lst, lspec, lrows),
-                                         _orders(rcols, rsz, rst, rspec, rcols),
-                                         _orders(summed, lsz, lst, lspec, summed)
-                                         + _orders(summed, rsz, rst, rspec, summed)):
+        for m, n, k in itertools.product(_orders(lrows, lst, lspec), _orders(rcols, rst, rspec),
+                                         _orders(summed, lst, lspec) + _orders(summed, rst, rspec)):
             left = _view(lsz, lst, lspec, ("".join(batch), m, k))
             right = _view(rsz, rst, rspec, ("".join(batch), k, n))
             result = "".join(batch) + m + n
             out_order = tuple(result.index(c) for c in out)
+            out_sizes = left.groups[0] + left.groups[1] + right.groups[2]
+            # elements copied: operands that no view gives, and the product when it must be permuted
             cost = left.copy * math.prod(lsz) + right.copy * math.prod(rsz) + \
-                (out_order != tuple(range(len(out)))) * math.prod(left.groups[0] + left.groups[1] + right.groups[2])
+                (out_order != tuple(range(len(out)))) * math.prod(out_sizes)
             if best is None or cost < best[0]:
-                sizes_out = left.groups[0] + left.groups[1] + right.groups[2]
-                best = (cost, BmmPlan(left, right, swapped, sizes_out, out_order))
+                best = (cost, BmmPlan(left, right, swapped, out_sizes, out_order))
     return best[1]
 
 
