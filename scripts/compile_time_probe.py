@@ -22,7 +22,7 @@ import triton.compiler
 
 import stitchflow.backend as backend
 from stitchflow.bench.training import _runner, _step, training_case
-from stitchflow.targets.gpu import cluster_planes, runtime, timing
+from stitchflow.targets.gpu import cluster_planes, compiles, prefetch, runtime, timing
 
 TOTALS: collections.Counter = collections.Counter()
 LOCK = threading.Lock()
@@ -92,6 +92,7 @@ def _instrument() -> None:
     runtime.precompile = _timed("precompile on threads (wall)", runtime.precompile)
     timing.timed_median = _timed("timing configs", timing.timed_median)
     cluster_planes.load = _timed("cluster CUDA modules", cluster_planes.load)
+    prefetch.walk = _timed("prefetch walks (codegen of every config, compiles queued)", prefetch.walk)
 
 
 def main() -> None:
@@ -112,7 +113,7 @@ def main() -> None:
     eager_s = time.perf_counter() - start
     fn = _runner("backend=stitchflow", model)
     _report_every(30)
-    print(f"threads compiling one space: {runtime.COMPILE_THREADS}; untimed below {runtime.TUNE_MIN_BYTES} bytes",
+    print(f"threads compiling one space: {compiles.COMPILE_THREADS}; untimed below {runtime.TUNE_MIN_BYTES} bytes",
           flush=True)
     for step in range(3):
         start = time.perf_counter()

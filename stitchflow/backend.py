@@ -439,7 +439,7 @@ def _read_eagerly(node: fx.Node, partitions: set, outputs_too: bool) -> frozense
     return frozenset(positions)
 
 
-PROGRAM_OPTIONS = ("cuda_graphs", "autotune", "check_kernels")  # backend options every partition's Program takes
+PROGRAM_OPTIONS = ("cuda_graphs", "autotune", "check_kernels", "prefetch")  # backend options every partition's Program takes
 COMPILED: list[StitchflowModule] = []  # every partition compiled since the last reset()
 
 

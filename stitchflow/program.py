@@ -41,6 +41,7 @@ class Program:
         # again eagerly (stitchflow.compile sets it; the torch.compile backend recomputes its own)
         self.reference = None
         self._parameters: list | None = None  # the reference's parameters (grad_params)
+        self._prefetched = False  # whether the target's prefetch ran (before the first call's regions)
         refusals = [(r, self.target.check_region(self.graph, r)) for r in self.regions]
         bad = [(r, why) for r, why in refusals if why]
         if bad:
@@ -89,6 +90,11 @@ class Program:
         self.regions_executed += len(self._compiled)
 
     def _run(self, env: dict) -> dict:
+        if not self._prefetched:
+            self._prefetched = True
+            prefetch = getattr(self.target, "prefetch", None)  # a target's compiles queued ahead, all at once
+            if prefetch is not None and self.options.get("prefetch", True):
+                prefetch(self.graph, self._compiled, env)
         for run in self._compiled:
             run(env)
             self.regions_executed += 1

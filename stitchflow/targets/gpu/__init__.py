@@ -40,6 +40,7 @@ from .chains import chain_shape, compile_chain, match_chains, match_gemm_epilogu
 from .channels_last import channels_last, channels_last_layouts
 from .conv import match_conv, region_convolutions
 from .grouping import TorchStep, fold_iotas, split_region
+from .prefetch import prefetch as prefetch_compiles
 from .reassociate import find_reassociations, reassociate
 from .rewrites import gather_one_hots, unroll_small_sums
 from .spmm import SpmmStep, sparse_product
@@ -109,6 +110,11 @@ class GpuTarget:
         run.chains = chains
         run.attention = attention
         return run
+
+    def prefetch(self, graph: Graph, runs, env: dict) -> int:
+        """Before a program's first call on `env`: every generated kernel's compiles queued at once
+        (prefetch.py), so that the call finds them compiled or compiling."""
+        return prefetch_compiles(graph, runs, env)
 
     def explain(self, graph: Graph, regions, options: dict | None = None, params: dict | None = None) -> list[str]:
         """Each GEMM → act → GEMM chain inside a region: its shape and the cost model's ranking of

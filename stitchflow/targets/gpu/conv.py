@@ -189,6 +189,10 @@ class ConvStep:
     def __call__(self, env) -> None:
         env[self.call.node] = self.call(env, self.dtype, self.weights)
 
+    def on_meta(self, env) -> None:
+        """The call on meta tensors (prefetch.py), with a weight cache of its own."""
+        env[self.call.node] = self.call(env, self.dtype, {})
+
     def __str__(self) -> str:
         return f"torch({self.call.node}: {self.call})"
 

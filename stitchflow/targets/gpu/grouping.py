@@ -410,6 +410,17 @@ class TorchStep:
             cpu = {t: env[t].cpu() for t in node.inputs}
             env[node.name] = eval_node(node, cpu, out_type).to(device)
 
+    def on_meta(self, env) -> None:
+        """The call on meta tensors (prefetch.py), for its output's strides: the same paths as a call, with
+        caches of its own, so that nothing made for meta tensors stays for real ones."""
+        node, out_type = self.node, self.graph.type_of[self.node.name]
+        if self.conv is not None:
+            env[node.name] = self.conv(env, out_type.dtype, {})
+        elif self.dense_gemm:
+            env[node.name] = contract(node, env, out_type.dtype, {})
+        else:
+            env[node.name] = eval_node(node, env, out_type)
+
     def __str__(self) -> str:
         if self.conv is not None:
             return f"torch({self.node.name}: {self.conv})"

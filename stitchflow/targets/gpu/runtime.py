@@ -10,7 +10,6 @@ the device, so later processes skip the timing.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import functools
 import hashlib
 import importlib.util
@@ -20,7 +19,6 @@ import math
 import os
 import re
 import sys
-import threading
 from pathlib import Path
 
 import torch
@@ -32,6 +30,7 @@ from . import cluster_planes
 from .check import check_outputs
 from .analysis import PartPlan
 from .codegen import KernelSpec, build_kernel, kernel_inputs
+from .compiles import COMPILE_DEADLINE_S, precompile, submit
 from .mapping import Config, candidates, max_coop_split, resident_per_sm
 
 log = logging.getLogger("stitchflow.gpu")
@@ -120,82 +119,7 @@ CODEGEN_VERSION = 8
 # microsecond at most, and compiling each costs about a second (a ResNet's backward has dozens of such kernels:
 # batch norm's running statistics, per-channel sums of small stages).
 TUNE_MIN_BYTES = 256 * 1024
-# Threads compiling one autotuning space at once (STITCHFLOW_COMPILE_THREADS=1: one at a time, no deadline)
-COMPILE_THREADS = int(os.environ.get("STITCHFLOW_COMPILE_THREADS", 0)) or min(16, os.cpu_count() or 1)
-# Seconds the autotuner waits for a space's compiles; configs still compiling then are not timed. Register-held
-# cooperative pieces of 16K-32K elements took 25-89 s each to compile on the H100's host (ResNet-18's stem batch
-# norm, scripts/compile_time_probe.py) where the other configs took under 10.
-COMPILE_DEADLINE_S = float(os.environ.get("STITCHFLOW_COMPILE_DEADLINE", 15))
 _IDENT = re.compile(r"[A-Za-z_]\w*")
-
-
-class _BackgroundCompiles(concurrent.futures.Executor):
-    """Each compile on a daemon thread, at most COMPILE_THREADS at once: a compile the autotuner stops waiting
-    for goes on in the background (its binary still lands in Triton's cache for later processes) and does not
-    hold the process at exit, as a ThreadPoolExecutor's workers would."""
-
-    def __init__(self):
-        self.slots = threading.BoundedSemaphore(COMPILE_THREADS)
-
-    def submit(self, fn, /, *args, **kwargs):
-        future: concurrent.futures.Future = concurrent.futures.Future()
-
-        def run():
-            with self.slots:
-                if not future.set_running_or_notify_cancel():
-                    return
-                try:
-                    future.set_result(fn(*args, **kwargs))
-                except BaseException as err:  # noqa: BLE001 (handed to whoever waits)
-                    future.set_exception(err)
-
-        threading.Thread(target=run, daemon=True, name="stitchflow-compile").start()
-        return future
-
-
-@functools.cache
-def _background_compiles() -> _BackgroundCompiles:
-    """One for the process, so that compiles left running past a deadline count against the next space's."""
-    return _BackgroundCompiles()
-
-
-def precompile(launches: list, env: dict, deadline: float | None = None) -> set:
-    """Compile the generated kernels of `launches` (other entries are skipped) at once on threads, before any is
-    timed: Triton's compiler releases the GIL in its passes and runs ptxas as a process, so a space compiles in
-    about the time of its slowest config instead of their sum. Waits `deadline` seconds at most (longer only if
-    no launch is ready by then; None: until all are) and returns the launches not compiled by then. A config
-    that fails here fails again when timed, which records why."""
-    todo = [launch for launch in launches if isinstance(launch, Launch)]
-    if len(todo) < 2 or COMPILE_THREADS < 2:
-        return set()
-    try:
-        from triton.runtime._async_compile import AsyncCompileMode, active_mode
-    except ImportError:  # a Triton without async compiles: each compiles at its first launch
-        return set()
-    token = active_mode.set(AsyncCompileMode(_background_compiles(), ignore_errors=True))
-    submitted = []
-    try:
-        for launch in todo:
-            try:
-                pending = [k for k in launch.compile(env) if hasattr(k, "future")]
-            except Exception as err:  # noqa: BLE001 (binding failed before compiling: timing says why)
-                log.debug("%s: not precompiled: %s", launch.title, err)
-                continue
-            submitted.append((launch, pending))
-    finally:
-        active_mode.reset(token)
-    concurrent.futures.wait([k.future for _, ks in submitted for k in ks], timeout=deadline)
-    if submitted and not any(all(k.future.done() for k in ks) for _, ks in submitted):
-        # nothing in time: the heuristic's first choice, however long it takes
-        concurrent.futures.wait([k.future for k in submitted[0][1]])
-    late = set()
-    for launch, kernels in submitted:
-        if all(k.future.done() for k in kernels):
-            for k in kernels:
-                k.result(ignore_errors=True)  # into the JIT's cache, where the launch finds it
-        else:
-            late.add(launch)
-    return late
 
 
 # options that pin a generated kernel's config (mapping.candidates' override)
@@ -270,6 +194,8 @@ class Launch:
         scratch is written before it is read within a launch, and launches on one stream run in
         turn, so they share it. One set per stream, so that calls on two streams, which may
         overlap, never share them; allocating them per call cost host time on every launch."""
+        if device.type == "meta":  # prefetch's call on meta tensors: nothing to keep
+            return [torch.empty(n, dtype=dt, device=device) for _, n, dt in self.spec.buffers]
         key = (device, _raw_stream(device))
         found = self.counters.get(key)
         if found is None:
@@ -353,6 +279,7 @@ class GroupKernel:
         self.group_names = group_names
         self.inputs = kernel_inputs(graph, [n for p in plans for n in p.nodes], group_names)
         self._built: dict = {}
+        self._prefetched: dict = {}  # signature -> (configs, launches) whose compiles prefetch queued
         self.tuned_us: float | None = None
         self.chosen: list[Config] | None = None
         self.cluster_plans: list = []  # cluster_planes sizes this part can take (set by _build)
@@ -377,10 +304,12 @@ class GroupKernel:
                 candidates(plan, sms, {"split": 1, "block_l": 1 << 15})[0]]
         return space
 
-    def _signature(self, env) -> tuple:
+    def _signature(self, env, device_type: str | None = None) -> tuple:
         """Per input: strides, device type, and whether its base is 16-byte aligned (TMA needs it;
-        a misaligned view of the same strides gets a kernel of its own)."""
-        return tuple((t, env[t].stride(), env[t].device.type, env[t].data_ptr() % 16 == 0) for t in self.inputs)
+        a misaligned view of the same strides gets a kernel of its own). `device_type` stands for the
+        tensors' own where they are meta tensors (prefetch)."""
+        return tuple((t, env[t].stride(), device_type or env[t].device.type, env[t].data_ptr() % 16 == 0)
+                     for t in self.inputs)
 
     def __call__(self, env) -> None:
         if not any(p.outputs for p in self.plans):  # nothing stored (argmax's unused peak): nothing to launch
@@ -401,38 +330,70 @@ class GroupKernel:
         if self.check:
             check_outputs(self, launch, env)
 
-    def _build(self, env, sig) -> Launch:
+    def _choice(self, env, sig, device) -> tuple[list, dict, bool, int | None, str | None]:
+        """(the configs, the strides, whether on a GPU, the config to run untimed or None to tune, the
+        tuning key or None). `device`: the tensors' device (`env` may hold meta tensors: see prefetch)."""
         strides = {t: s for t, s, _, _ in sig}
-        on_gpu = sig and sig[0][2] == "cuda" and not interpreting()
-        sms = _sms(env[sig[0][0]].device) if on_gpu else 132
+        on_gpu = bool(sig) and sig[0][2] == "cuda" and not interpreting()
+        sms = _sms(device) if on_gpu else 132
         no_streaming = None  # streamed pieces are Gluon kernels for sm_90 and later, fed by 16-byte-aligned TMA
-        if not on_gpu or torch.cuda.get_device_capability(env[sig[0][0]].device)[0] < 9:
+        if not on_gpu or torch.cuda.get_device_capability(device)[0] < 9:
             no_streaming = "need a Hopper GPU (sm_90 or later)"
         elif not all(aligned for _, _, _, aligned in sig):
             no_streaming = "need inputs whose base is 16-byte aligned (TMA)"
         spaces = [self._space(p, sms, no_streaming) for p in self.plans]
         variants = max(len(s) for s in spaces)
         configs = [[s[min(v, len(s) - 1)] for s in spaces] for v in range(variants)]
-        configs = self._with_clusters(configs, strides, env[sig[0][0]].device if on_gpu else None)
-        variants = len(configs)
+        configs = self._with_clusters(configs, strides, device if on_gpu else None)
         autotune = self.options.get("autotune", True)
         if autotune not in (True, False, "all"):
             raise TargetError(f"options['autotune'] must be True, False or 'all' (every config of every kernel "
                               f"compiled and timed), not {autotune!r}")
-        if not on_gpu or not autotune or variants == 1:
-            return self._make(configs[0], strides, on_gpu)
-        traffic = self._traffic(env)
-        if traffic < TUNE_MIN_BYTES and autotune != "all":
-            log.debug("%s: %d bytes move, too few to time %d configs: the first one runs", self.title, traffic, variants)
-            return self._make(configs[0], strides, on_gpu)
-        key = self._cache_key(sig, torch.cuda.get_device_name(env[sig[0][0]].device))
+        if not on_gpu or not autotune or len(configs) == 1:
+            return configs, strides, on_gpu, 0, None
+        if self._traffic(env) < TUNE_MIN_BYTES and autotune != "all":
+            log.debug("%s: too few bytes move to time %d configs: the first one runs", self.title, len(configs))
+            return configs, strides, on_gpu, 0, None
+        key = self._cache_key(sig, torch.cuda.get_device_name(device))
         cached = load_choice(key)
-        if cached is not None and cached < len(configs):
-            self.chosen = configs[cached]
-            self.tuned_us = load_timing(key, ",".join(map(str, configs[cached])))
-            return self._make(configs[cached], strides, on_gpu)
+        return configs, strides, on_gpu, cached if cached is not None and cached < len(configs) else None, key
+
+    def _build(self, env, sig) -> Launch:
+        configs, strides, on_gpu, pick, key = self._choice(env, sig, env[sig[0][0]].device)
+        made = self._prefetched.pop(sig, ((), ()))  # configs and launches compiling since prefetch
+        made = {tuple(cfgs): launch for cfgs, launch in zip(*made) if launch is not None}
+        if pick is not None:
+            if key is not None:
+                self.tuned_us = load_timing(key, ",".join(map(str, configs[pick])))
+            self.chosen = configs[pick]
+            launch = made.get(tuple(configs[pick]))
+            if launch is None:
+                return self._launch(configs[pick], strides, on_gpu)
+            precompile([launch], env)  # wait for its compile in flight rather than compile it again
+            return launch
+        autotune = self.options.get("autotune", True)
         deadline = None if autotune == "all" else self.options.get("compile_deadline", COMPILE_DEADLINE_S)
-        return self._tune(configs, strides, env, key, deadline)
+        return self._tune(configs, strides, env, key, deadline, [made.get(tuple(cfgs)) for cfgs in configs])
+
+    def prefetch(self, env, device) -> int:
+        """Queue the compiles that this kernel's first call will want (every config it will time, or the one it
+        will run), for `env`'s tensors, which may be meta tensors standing for the call's (prefetch.py), and
+        put its outputs in `env` as the launch would make them. Returns the compiles queued."""
+        if not any(p.outputs for p in self.plans) or not self.inputs:
+            return 0
+        sig = self._signature(env, device.type)
+        if sig in self._built or sig in self._prefetched:
+            return 0
+        configs, strides, on_gpu, pick, _ = self._choice(env, sig, device)
+        wanted = configs if pick is None else [configs[pick]]
+        # cluster kernels compile with nvcc when made: left to the tuner
+        launches = [None if cfgs[0].cluster else self._launch_or_none(cfgs, strides, on_gpu) for cfgs in wanted]
+        self._prefetched[sig] = (wanted, launches)
+        for p in self.plans:
+            for name in p.outputs:
+                ty = self.graph.type_of[name]
+                env[name] = torch.empty(ty.shape, dtype=ty.dtype, device=env[self.inputs[0]].device)
+        return submit([launch for launch in launches if launch is not None], env) if on_gpu else 0
 
     def _with_clusters(self, configs: list, strides: dict, device) -> list:
         """Plane statistics on thread-block clusters (cluster_planes) join the space last, so that cached
@@ -455,8 +416,15 @@ class GroupKernel:
             log.debug("%s: %s", self.title, reason)
         return configs + found
 
-    def _make(self, cfgs: list[Config], strides: dict, on_gpu: bool):
-        self.chosen = cfgs
+    def _launch_or_none(self, cfgs: list[Config], strides: dict, on_gpu: bool):
+        """The launch, or None where generating it fails (the tuner tries again and records why)."""
+        try:
+            return self._launch(cfgs, strides, on_gpu)
+        except Exception as err:  # noqa: BLE001
+            log.debug("%s: %s not prefetched: %s", self.title, ",".join(map(str, cfgs)), err)
+            return None
+
+    def _launch(self, cfgs: list[Config], strides: dict, on_gpu: bool):
         if cfgs[0].cluster:
             variant = [cp.cluster for cp in self.cluster_plans].index(cfgs[0].split)
             return cluster_planes.ClusterLaunch(self.graph, self.plans[0], self.cluster_plans, variant, self.title,
@@ -483,14 +451,16 @@ class GroupKernel:
         shape = tuple(rest for _, *rest in sig)
         return hashlib.sha256(f"{CODEGEN_VERSION}|{device_name}|{shape}|{text}".encode()).hexdigest()[:32]
 
-    def _tune(self, configs, strides, env, key, deadline: float | None) -> Launch:
+    def _tune(self, configs, strides, env, key, deadline: float | None, made: list | None = None) -> Launch:
+        """`made`: launches prefetch made for `configs` (None where it left one to be made here)."""
         from .timing import timed_median
 
         best, best_t, timings, failures = None, float("inf"), {}, []
         launches = []
-        for cfgs in configs:
+        for v, cfgs in enumerate(configs):
             try:
-                launches.append(self._make(cfgs, strides, True))
+                launches.append(made[v] if made is not None and made[v] is not None else
+                                self._launch(cfgs, strides, True))
             except Exception as err:  # refused while generating (GluonRefusal): recorded with the timed ones' failures
                 launches.append(err)
         late = precompile(launches, env, deadline)

@@ -15,7 +15,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import stitchflow  # noqa: E402
-from stitchflow.targets.gpu import runtime  # noqa: E402
+from stitchflow.targets.gpu import compiles, runtime  # noqa: E402
 from stitchflow.targets.gpu.codegen import kernel_name  # noqa: E402
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
@@ -102,9 +102,8 @@ def test_an_autotune_option_it_does_not_know_is_named():
         prog(x, w)
 
 
-def test_background_compiles_return_results_and_errors_and_bound_concurrency(monkeypatch):
-    monkeypatch.setattr(runtime, "COMPILE_THREADS", 2)
-    pool = runtime._BackgroundCompiles()
+def test_background_compiles_return_results_and_errors_and_bound_concurrency():
+    pool = compiles.CompilePool(threads=2)
     running, peak, lock = [0], [0], threading.Lock()
 
     def job(k):
@@ -143,3 +142,89 @@ def test_autotuning_compiles_a_space_on_threads_and_times_what_is_ready(monkeypa
     timed = runtime.json.loads(runtime._config_store().read_text())["_timings_us"][
         first._cache_key(sig, torch.cuda.get_device_name())]
     assert timed and (deadline == 0.0 or len(timed) > 1)
+
+
+def test_the_pool_runs_urgent_work_first_then_promoted_then_in_submission_order():
+    pool = compiles.CompilePool(threads=1)
+    gate, order = threading.Event(), []
+    blocker = pool.submit(gate.wait)  # holds the one worker while the queue fills
+
+    def background(k):
+        token = compiles._BACKGROUND.set(True)
+        try:
+            return pool.submit(order.append, f"background {k}")
+        finally:
+            compiles._BACKGROUND.reset(token)
+
+    queued = [background(k) for k in range(4)]
+    urgent = pool.submit(order.append, "urgent")
+    pool.promote([queued[2]])
+    gate.set()
+    for f in [blocker, urgent, *queued]:
+        f.result(timeout=10)
+    assert order == ["urgent", "background 2", "background 0", "background 1", "background 3"]
+
+
+_KERNELS = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def doubled(x, y, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y + offs, tl.load(x + offs, mask=offs < n) * 2.0, mask=offs < n)
+
+
+@triton.jit
+def broken(x, BLOCK: tl.constexpr):
+    tl.store(x + tl.arange(0, BLOCK), no_such_name)
+'''
+
+
+def _triton_closure(fn, block):
+    """What Triton's JIT hands an AsyncCompileMode: a closure over src, target, options and env_vars (no GPU
+    needed: the target is named)."""
+    import triton
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+
+    target = GPUTarget("cuda", 90, 32)
+    options, env_vars = make_backend(target).parse_options({}), get_cache_invalidating_env_vars()
+    src = ASTSource(fn, {"x": "*fp32", "y": "*fp32", "n": "i32", "BLOCK": "constexpr"} if fn.__name__ == "doubled"
+                    else {"x": "*fp32", "BLOCK": "constexpr"}, {"BLOCK": block})
+
+    def async_compile():
+        return triton.compile(src, target=target, options=options.__dict__, _env_vars=env_vars)
+
+    return async_compile
+
+
+def test_a_worker_process_compiles_into_tritons_cache_and_a_failure_is_raised_by_the_thread(monkeypatch, tmp_path):
+    import importlib.util
+    import sys
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # real JIT functions, compiled for a named target
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    path = tmp_path / "kernels_for_worker.py"
+    path.write_text(_KERNELS)
+    spec = importlib.util.spec_from_file_location("kernels_for_worker", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "kernels_for_worker", module)
+    spec.loader.exec_module(module)
+
+    job = compiles.worker_job(_triton_closure(module.doubled, 128))
+    assert job[:3] == (str(path), "kernels_for_worker", "doubled")
+    assert compiles.worker_job(lambda: None) is None  # not Triton's closure: compiled on the thread
+    worker = compiles.Worker()
+    try:
+        assert worker.run(job) is None
+        assert any((tmp_path / "triton").rglob("doubled.cubin"))  # the binary the thread's compile will find
+        assert "no_such_name" in worker.run(compiles.worker_job(_triton_closure(module.broken, 16)))
+    finally:
+        worker.close()
+    assert compiles._compile(_triton_closure(module.doubled, 256)).name == "doubled"
+    with pytest.raises(Exception) as raised:  # Triton's CompilationError, raised by the thread's own compile
+        compiles._compile(_triton_closure(module.broken, 32))
+    assert type(raised.value).__name__ == "CompilationError"
