@@ -18,7 +18,8 @@ Options (all optional): autotune (default True: time a few configs per kernel on
 kernels that move 256 KB or more, and cache the choice on disk; "all": every config of every kernel,
 however long it compiles, as the benchmarks ask; False: the first config of each); compile_deadline
 (seconds the autotuner waits for a kernel's configs to compile, default $STITCHFLOW_COMPILE_DEADLINE
-or 15; None waits for all);
+or 15; None waits for all); prefetch (default True: every kernel's compiles queued before a program's
+first call, prefetch.py);
 block_p, block_l, split, num_warps, persistent (pin the mapping, for tests and experiments).
 Environment: STITCHFLOW_CACHE (default ~/.cache/stitchflow) holds generated sources and chosen configs.
 """
