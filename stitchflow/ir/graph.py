@@ -73,11 +73,11 @@ class Node:
         out = frozenset().union(*(free_vars(i) for i in self.index))
         return out | body_vars(self.body)
 
-    @property
+    @functools.cached_property
     def accesses(self) -> tuple[Access, ...]:
         return reads(self.body)
 
-    @property
+    @functools.cached_property  # a node is immutable; planners ask for its inputs tens of thousands of times
     def inputs(self) -> tuple[str, ...]:
         """Tensors this node reads (gathered index tensors included), first-use order, unique."""
         names: list[str] = []

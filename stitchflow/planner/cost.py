@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import abc
 import math
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
@@ -362,9 +363,30 @@ def stepwise_estimate(graph: Graph, nodes: Sequence[str], dens: Densities, optio
     links.add_edges_from((t, n) for n in rest for t in graph.node_of[n].inputs if t in links)
     order = {name: k for k, name in enumerate(nodes)}
     parts = [[g] for g in gemms] + [sorted(p, key=order.__getitem__) for p in nx.connected_components(links)]
-    ests = [estimate_region(graph, part, dens, options, False, score) for part in parts]
+    ests = [_part_estimate(graph, tuple(part), dens, options, score) for part in parts]
     total = sum(ests[1:], ests[0])
     return replace(total, nodes=tuple(nodes), loop=None, regions=1, launches=float(len(parts)))
+
+
+# graph id -> {(part, densities, options, score): Estimate}: a planner estimates thousands of candidate regions,
+# and those holding GEMMs share most of their steps (a lone GEMM, a chain of elementwise nodes between two)
+_PART_ESTIMATES: dict[int, dict] = {}
+
+
+def _part_estimate(graph: Graph, part: tuple, dens: Densities, options: Mapping | None, score) -> Estimate:
+    """estimate_region of one step of a stepwise estimate, once per graph (Estimates are immutable)."""
+    cache = _PART_ESTIMATES.get(id(graph))
+    if cache is None:
+        cache = _PART_ESTIMATES[id(graph)] = {}
+        weakref.finalize(graph, _PART_ESTIMATES.pop, id(graph), None)
+    try:
+        key = (part, dens, repr(sorted((options or {}).items())), score)
+        hash(key)
+    except TypeError:  # a score or densities that cannot be a key: estimated every time
+        return estimate_region(graph, part, dens, options, False, score)
+    if key not in cache:
+        cache[key] = estimate_region(graph, part, dens, options, False, score)
+    return cache[key]
 
 
 # models whose estimate of a region is estimate_region's under their densities: it depends on the

@@ -229,3 +229,29 @@ def test_gpu_model_runs_a_dense_region_with_gemms_step_by_step():
     assert model.cost(first) + model.cost(rest) > model.cost(whole)
     explained = stitchflow.compile(f, args, target="gpu", fusion="auto").explain()
     assert "one region, two steps: to is stored for matmul_1 (matmul_1 runs as a library GEMM)" in explained
+
+
+def test_stepwise_estimates_reuse_their_steps_estimates_per_graph_and_equal_fresh_ones(monkeypatch):
+    """A planner estimates thousands of candidate regions whose GEMM steps recur: each step's estimate is
+    made once per graph, and an estimate from the cache equals one made afresh."""
+    import stitchflow
+    from stitchflow.planner import cost
+
+    def f(x, w1, w2):
+        h = (x @ w1).float()
+        return ((h * 2.0).sigmoid() * h).to(torch.bfloat16) @ w2
+
+    args = [torch.randn(s, dtype=torch.bfloat16) for s in ((64, 32), (32, 48), (48, 16))]
+    graph = stitchflow.compile(f, args, target="reference", fusion="full").graph
+    names = [n.name for n in graph.nodes]
+    made = []
+    fresh = cost.estimate_region
+    monkeypatch.setattr(cost, "estimate_region", lambda *a, **k: made.append(a[1]) or fresh(*a, **k))
+    model = GpuCostModel()
+    first = [model.estimate(graph, names[:k]) for k in range(2, len(names) + 1)]
+    steps = len(made)
+    again = [model.estimate(graph, names[:k]) for k in range(2, len(names) + 1)]
+    assert again == first and len(made) == steps  # nothing estimated twice
+    assert len(set(made)) == len(made)
+    cost._PART_ESTIMATES.clear()
+    assert [model.estimate(graph, names[:k]) for k in range(2, len(names) + 1)] == first
