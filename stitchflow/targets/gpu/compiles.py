@@ -14,7 +14,9 @@ key: a compile asked for twice (prefetched, then wanted by the tuner) runs once.
 A thread hands its compile to a worker process of its own (compile_worker.py), then compiles the
 same specialization itself, a hit in Triton's cache: Triton's frontend holds the GIL while it walks
 a kernel's AST, and sixteen threads doing so left the main thread (codegen, tuning, Dynamo) a
-sixteenth of the interpreter. STITCHFLOW_COMPILE_PROCESSES=0 compiles on the threads alone.
+sixteenth of the interpreter. A worker holds Triton and the kernel modules it compiled (a few hundred MB
+each); STITCHFLOW_COMPILE_PROCESSES=0 compiles on the threads alone, as does a process whose first worker
+fails to start or to answer.
 """
 
 from __future__ import annotations
@@ -86,9 +88,12 @@ def worker_job(compile_fn) -> tuple | None:
             cells["target"], dict(vars(options)), cells["env_vars"])
 
 
+_BROKEN: list[str] = []  # why worker processes were given up (the first failure to start or to answer)
+
+
 def _compile(compile_fn):
     """`compile_fn()`, its compile done first by this thread's worker process where it can be."""
-    job = worker_job(compile_fn) if PROCESSES else None
+    job = worker_job(compile_fn) if PROCESSES and not _BROKEN else None
     if job is not None:
         try:
             worker = getattr(_THREAD, "worker", None) or Worker()
@@ -97,8 +102,10 @@ def _compile(compile_fn):
             if failure is not None:  # compiled again below, which raises it here with its traceback
                 log.debug("compile worker: %s", failure)
         except Exception as err:  # noqa: BLE001 (a worker that breaks costs its speed only)
-            log.debug("compile worker broke (%s: %s); compiling on the thread", type(err).__name__, err)
             _THREAD.worker = None
+            if not _BROKEN:  # e.g. no interpreter at sys.executable (an embedded Python): threads alone
+                _BROKEN.append(f"{type(err).__name__}: {err}")
+                log.info("stitchflow: compile worker processes given up (%s); compiling on threads", _BROKEN[0])
     return compile_fn()
 
 

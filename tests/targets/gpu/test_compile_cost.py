@@ -228,3 +228,21 @@ def test_a_worker_process_compiles_into_tritons_cache_and_a_failure_is_raised_by
     with pytest.raises(Exception) as raised:  # Triton's CompilationError, raised by the thread's own compile
         compiles._compile(_triton_closure(module.broken, 32))
     assert type(raised.value).__name__ == "CompilationError"
+
+
+def test_workers_that_cannot_start_are_given_up_once_and_the_thread_compiles(monkeypatch, tmp_path):
+    monkeypatch.setattr(compiles, "_BROKEN", [])
+    monkeypatch.setattr(compiles, "_WORKER", tmp_path / "missing_worker.py")  # the interpreter exits at once
+    monkeypatch.setattr(compiles._THREAD, "worker", None, raising=False)
+    calls = []
+
+    def fake_triton_closure(src="s", target="t", options=None, env_vars=None):
+        def async_compile():
+            calls.append((src, target, options, env_vars))
+            return "compiled"
+        return async_compile
+
+    monkeypatch.setattr(compiles, "worker_job", lambda fn: ("job",))
+    assert compiles._compile(fake_triton_closure()) == "compiled"
+    assert compiles._BROKEN  # EOFError (it exited) or a broken pipe, whichever comes first
+    assert compiles._compile(fake_triton_closure()) == "compiled" and len(calls) == 2
