@@ -204,19 +204,27 @@ def test_accumulating_reductions_start_a_new_pipeline_stage():
     assert set(pipeline_stages(elementwise, ["t0", "t1"], prep_e, ("i", "j")).values()) == {0}
 
 
+def _gemm_act_gemm(x, w1, w2):
+    h = (x @ w1).float()
+    return ((h * 2.0).sigmoid() * h).to(torch.bfloat16) @ w2
+
+
+def _gemm_act_gemm_graph():
+    """(the bf16 GEMM -> float32 SiLU-like chain -> GEMM's graph, its node names, example args)."""
+    import stitchflow
+
+    args = [torch.randn(s, dtype=torch.bfloat16) for s in ((64, 32), (32, 48), (48, 16))]
+    graph = stitchflow.compile(_gemm_act_gemm, args, target="reference", fusion="full").graph
+    return graph, [n.name for n in graph.nodes], args
+
+
 def test_gpu_model_runs_a_dense_region_with_gemms_step_by_step():
     """GEMMs through the library, the elementwise chain between them one kernel: a cut through that
     chain stores its float32 tensor and reads it back, and costs a launch and a region more; the fused
     loop-nest estimate instead charged the merged region with recomputing the first GEMM per output."""
     import stitchflow
 
-    def f(x, w1, w2):
-        h = (x @ w1).float()
-        return ((h * 2.0).sigmoid() * h).to(torch.bfloat16) @ w2
-
-    args = [torch.randn(s, dtype=torch.bfloat16) for s in ((64, 32), (32, 48), (48, 16))]
-    graph = stitchflow.compile(f, args, target="reference", fusion="full").graph
-    names = [n.name for n in graph.nodes]
+    graph, names, args = _gemm_act_gemm_graph()
     model = GpuCostModel()
     whole = model.estimate(graph, names)
     assert whole.kernel_launches == 3 and whole.recomputed_flops == 0
@@ -227,23 +235,16 @@ def test_gpu_model_runs_a_dense_region_with_gemms_step_by_step():
     assert graph.type_of[names[cut - 1]].dtype == torch.float32
     assert first.bytes + rest.bytes - whole.bytes == pytest.approx(2 * stored)
     assert model.cost(first) + model.cost(rest) > model.cost(whole)
-    explained = stitchflow.compile(f, args, target="gpu", fusion="auto").explain()
+    explained = stitchflow.compile(_gemm_act_gemm, args, target="gpu", fusion="auto").explain()
     assert "one region, two steps: to is stored for matmul_1 (matmul_1 runs as a library GEMM)" in explained
 
 
 def test_stepwise_estimates_reuse_their_steps_estimates_per_graph_and_equal_fresh_ones(monkeypatch):
     """A planner estimates thousands of candidate regions whose GEMM steps recur: each step's estimate is
     made once per graph, and an estimate from the cache equals one made afresh."""
-    import stitchflow
     from stitchflow.planner import cost
 
-    def f(x, w1, w2):
-        h = (x @ w1).float()
-        return ((h * 2.0).sigmoid() * h).to(torch.bfloat16) @ w2
-
-    args = [torch.randn(s, dtype=torch.bfloat16) for s in ((64, 32), (32, 48), (48, 16))]
-    graph = stitchflow.compile(f, args, target="reference", fusion="full").graph
-    names = [n.name for n in graph.nodes]
+    graph, names, _ = _gemm_act_gemm_graph()
     made = []
     fresh = cost.estimate_region
     monkeypatch.setattr(cost, "estimate_region", lambda *a, **k: made.append(a[1]) or fresh(*a, **k))
