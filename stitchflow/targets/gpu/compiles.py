@@ -123,6 +123,10 @@ class CompilePool(concurrent.futures.Executor):
 
     def __init__(self, threads: int | None = None):
         self.threads = threads or COMPILE_THREADS
+        self._reset()
+
+    def _reset(self) -> None:
+        self.pid = os.getpid()
         self.cond = threading.Condition()
         self.queue: list = []  # (0 urgent / 1 background, submission number, job)
         self.order = itertools.count()
@@ -130,6 +134,8 @@ class CompilePool(concurrent.futures.Executor):
         self.workers = 0
 
     def submit(self, fn, /, *args, **kwargs):
+        if os.getpid() != self.pid:  # a forked child: the parent's workers did not come along
+            self._reset()
         future: concurrent.futures.Future = concurrent.futures.Future()
         # Triton's compiles come without arguments (a closure), and may go to a worker process
         job = _Job(functools.partial(fn, *args, **kwargs) if args or kwargs else functools.partial(_compile, fn), future)

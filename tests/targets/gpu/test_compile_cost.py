@@ -246,3 +246,19 @@ def test_workers_that_cannot_start_are_given_up_once_and_the_thread_compiles(mon
     assert compiles._compile(fake_triton_closure()) == "compiled"
     assert compiles._BROKEN  # EOFError (it exited) or a broken pipe, whichever comes first
     assert compiles._compile(fake_triton_closure()) == "compiled" and len(calls) == 2
+
+
+def test_a_forked_child_gets_workers_of_its_own():
+    """After a fork only the forking thread exists in the child: a pool that counted the parent's workers
+    would queue jobs nobody takes."""
+    pool = compiles.CompilePool(threads=2)
+    assert [pool.submit(lambda k: k + 1, k).result(timeout=10) for k in range(4)] == [1, 2, 3, 4]
+    child = os.fork()
+    if child == 0:  # the child: its answer is its exit code (nothing of pytest's runs here)
+        try:
+            ok = pool.submit(lambda k: k + 1, 41).result(timeout=10) == 42
+        except BaseException:  # noqa: BLE001
+            ok = False
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(child, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
