@@ -12,20 +12,12 @@ import statistics
 import torch
 
 from stitchflow.bench.training import _runner, _step, training_case
-from stitchflow.targets.gpu.timing import _clean_l2_flush
+from stitchflow.targets.gpu.timing import flushed_times
 
 
 def step_times(step, reps: int) -> list[float]:
     """Every step's µs between events, each after a clean L2 flush."""
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for start, end in zip(starts, ends):
-        _clean_l2_flush()
-        start.record()
-        step()
-        end.record()
-    torch.cuda.synchronize()
-    return [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
+    return [t * 1e6 for t in flushed_times(step, reps)]
 
 
 def quantile(xs: list[float], q: float) -> float:

@@ -40,6 +40,11 @@ def timed_median(fn, budget_s: float = 0.1) -> float:
     reps = max(20, min(1000, int(budget_s / per_call)))
     for _ in range(min(25, reps)):
         fn()
+    return statistics.median(flushed_times(fn, reps))
+
+
+def flushed_times(fn, reps: int) -> list[float]:
+    """Seconds of each of `reps` calls of `fn` (CUDA events around it), each after a clean L2 flush."""
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for start, end in zip(starts, ends):
@@ -48,7 +53,7 @@ def timed_median(fn, budget_s: float = 0.1) -> float:
         fn()
         end.record()
     torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e-3
+    return [s.elapsed_time(e) * 1e-3 for s, e in zip(starts, ends)]
 
 
 def graph_bench(fn, warmup: int = 2) -> tuple[float, str]:
