@@ -21,6 +21,9 @@ import torch
 import triton.compiler
 
 import stitchflow.backend as backend
+import stitchflow.program as program
+import stitchflow.replay as replay
+import stitchflow.training as training
 from stitchflow.bench.training import _runner, _step, training_case
 from stitchflow.targets.gpu import cluster_planes, compiles, prefetch, runtime, timing
 
@@ -93,6 +96,14 @@ def _instrument() -> None:
     timing.timed_median = _timed("timing configs", timing.timed_median)
     cluster_planes.load = _timed("cluster CUDA modules", cluster_planes.load)
     prefetch.walk = _timed("prefetch walks (codegen of every config, compiles queued)", prefetch.walk)
+    # a warm start's parts: each partition's capture, plan and program, the generated modules, the CUDA graphs
+    backend.StitchflowModule._compile = _timed("partitions compiled (capture, plan, program)",
+                                               backend.StitchflowModule._compile)
+    backend.regions_for = _timed("plans (regions_for)", backend.regions_for)
+    program.Program.__init__ = _timed("Program() (prepare, compile regions)", program.Program.__init__)
+    runtime.load_source = _timed("generated modules loaded", runtime.load_source)
+    replay.GraphReplay._capture = _timed("CUDA graphs captured", replay.GraphReplay._capture)
+    training._compile_half = _timed("AOT graphs handed over (partitioned, wrapped)", training._compile_half)
 
 
 def main() -> None:

@@ -9,6 +9,7 @@
     stitchflow simulate gcn --fusion partial  cycles and counters on the dataflow simulator
     stitchflow bench stitching|chains|gnn|attention|training   GPU benchmarks (on a machine with a GPU)
     stitchflow bench simulator              the dataflow simulator's speed (CPU)
+    stitchflow cache [--clear plans]        what stitchflow keeps on disk between processes, and clearing it
 """
 
 from __future__ import annotations
@@ -193,6 +194,53 @@ def cmd_bench(args) -> int:
     return module.main(args.rest) or 0
 
 
+CACHE_PARTS = {"plans": ("plans",), "gpu": ("gpu",), "all": ("plans", "gpu")}
+
+
+def _cache_entries(root) -> list[dict]:
+    """One entry per directory or file directly under the cache root and under gpu/: files and bytes."""
+    def walk(path):
+        files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
+        return {"path": str(path.relative_to(root)), "files": len(files), "bytes": sum(f.stat().st_size for f in files)}
+
+    tops = sorted(root.iterdir()) if root.is_dir() else []
+    out = []
+    for top in tops:
+        out += [walk(p) for p in sorted(top.iterdir())] if top.name == "gpu" and top.is_dir() else [walk(top)]
+    return out
+
+
+def cmd_cache(args) -> int:
+    import shutil
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from .ir.paths import cache_root
+
+    root = cache_root()
+    if args.clear:
+        for part in CACHE_PARTS[args.clear]:
+            target = root / part
+            if target.exists():
+                shutil.rmtree(target)
+                print(f"removed {target}")
+        return 0
+    entries = _cache_entries(root)
+    if args.json:
+        print(json.dumps({"root": str(root), "entries": entries}, indent=1))
+        return 0
+    table = Table(title=f"stitchflow cache: {root} ($STITCHFLOW_CACHE)")
+    for col in ("entry", "files", "MB"):
+        table.add_column(col, justify="left" if col == "entry" else "right")
+    for e in entries:
+        table.add_row(e["path"], str(e["files"]), f"{e['bytes'] / 1e6:.2f}")
+    console = Console()
+    console.print(table)
+    console.print("compiled kernels are in Triton's cache ($TRITON_CACHE_DIR, default ~/.triton/cache)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stitchflow", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -231,6 +279,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("suite", help="stitching (memory-intensive patterns) | chains (GEMM -> act -> GEMM) | simulator")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the suite (see `stitchflow bench SUITE --help`)")
     p.set_defaults(fn=cmd_bench)
+    p = verbs.add_parser("cache", help="list what stitchflow keeps on disk between processes (plans, kernels, "
+                                       "chosen configs), or clear it")
+    p.add_argument("--clear", choices=sorted(CACHE_PARTS), default=None,
+                   help="remove the planner's plans, the gpu target's sources and choices, or both")
+    p.add_argument("--json", action="store_true", help="print the entries as JSON")
+    p.set_defaults(fn=cmd_cache)
     return parser
 
 

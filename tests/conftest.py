@@ -7,6 +7,9 @@ import subprocess
 import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # CI has no GPU: Triton kernels run on the CPU
+# plans are not read from disk: tests patch cost models and legality at run time, which a plan's key cannot see
+# (tests/planner/test_plan_cache.py turns the cache on where it is the subject)
+os.environ.setdefault("STITCHFLOW_PLAN_CACHE", "0")
 
 import pytest
 import torch

@@ -8,7 +8,7 @@ import pytest
 
 from stitchflow.cli import build_parser, main
 
-VERBS = ["apps", "ops", "show", "run", "explain", "explore", "simulate", "bench"]
+VERBS = ["apps", "ops", "show", "run", "explain", "explore", "simulate", "bench", "cache"]
 
 
 @pytest.mark.parametrize("verb", VERBS)
@@ -68,3 +68,22 @@ def test_ops_lists_the_lowerings_by_names_torch_has(capsys):
             assert hasattr(importlib.import_module(module), attr), name
     assert main(["ops", "--grep", "POOL", "--family", "pool"]) == 0
     assert "max_pool2d" in capsys.readouterr().out
+
+
+def test_cache_lists_and_clears_what_stitchflow_keeps(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("STITCHFLOW_CACHE", str(tmp_path))
+    monkeypatch.setenv("STITCHFLOW_PLAN_CACHE", "1")
+    assert main(["cache", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"root": str(tmp_path), "entries": []}
+    assert main(["explain", "gcn", "--size", "small", "--fusion", "auto"]) == 0  # plans and keeps the plan
+    (tmp_path / "gpu" / "kernels").mkdir(parents=True)
+    (tmp_path / "gpu" / "kernels" / "k_0.py").write_text("kernel = None\n")
+    capsys.readouterr()
+    assert main(["cache", "--json"]) == 0
+    entries = {e["path"]: e for e in json.loads(capsys.readouterr().out)["entries"]}
+    assert entries["plans"]["files"] >= 1 and entries["gpu/kernels"] == {"path": "gpu/kernels", "files": 1, "bytes": 14}
+    assert main(["cache"]) == 0 and "gpu/kernels" in capsys.readouterr().out
+    assert main(["cache", "--clear", "plans"]) == 0
+    assert not (tmp_path / "plans").exists() and (tmp_path / "gpu" / "kernels" / "k_0.py").exists()
+    assert main(["cache", "--clear", "all"]) == 0
+    assert list(tmp_path.iterdir()) == []

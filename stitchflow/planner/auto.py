@@ -8,7 +8,10 @@ the static model with each of the loop-nest assumptions of loopnest.py — hoist
 target's default: a nested reduction may be buffered on chip), streaming (hoist=False), and
 placement by the order alone. Whether the target hoists depends on the dataflow order it picks
 by its own estimate, which the planner does not decide, so the plans that are best under each
-assumption are measured and the fastest kept."""
+assumption are measured and the fastest kept.
+
+Plans of a target named by a string are also kept on disk (plan_cache.py), keyed by the graph, the target,
+the densities and the package's source: a model compiled again in a new process is not planned again."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from typing import Mapping
 from ..ir.graph import Graph, Region
 from .candidates import Legality
 from .cost import model_for
+from . import plan_cache
 from .ilp import Costs, Plan, k_best, plan
 from .regions import by_layer, by_origin, ordered_regions
 from .stats import measure
@@ -29,12 +33,24 @@ def auto_plan(graph: Graph, target: str = "reference", values: Mapping | None = 
     hit = _PLANS.get(key)
     if hit is not None and hit[0] is graph and hit[1] is values:
         return hit[2]
-    model = model_for(target if isinstance(target, str) else "reference", measure(graph, values))
-    result = plan(graph, target, model)
+    result = _planned(graph, target, measure(graph, values))
     if len(_PLANS) > 32:
         _PLANS.clear()
     _PLANS[key] = (graph, values, result)
     return result
+
+
+def _planned(graph: Graph, target, densities) -> Plan:
+    """The plan made for the same graph, target and densities by an earlier process (plan_cache.py), else
+    made now and kept. A target given as an object (tests' legality stand-ins) is planned every time."""
+    if not (isinstance(target, str) and plan_cache.enabled()):
+        return plan(graph, target, model_for(target if isinstance(target, str) else "reference", densities))
+    key = plan_cache.plan_key(graph, target, densities)
+    made = plan_cache.load(key)
+    if made is None:
+        made = plan(graph, target, model_for(target, densities))
+        plan_cache.store(key, made)
+    return made
 
 
 def auto_groups(graph: Graph, target: str = "reference", values: Mapping | None = None) -> list[list[str]]:

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from ...ir.expr import Call, Read, reads
 from ...ir.graph import Graph, Node
 from ...ir.index import Var
+from ...ir.paths import cache_root
 from . import chain_cost, chain_kernels, chain_plans
 from .chain_kernels import ChainTiles, Epilogue, GemmTiles, interpreting
 from .chain_resident import ResidentTiles, resident_chain
@@ -441,8 +442,7 @@ def _device_name() -> str:
 
 
 def _cache_file() -> Path:
-    root = Path(os.environ.get("STITCHFLOW_CACHE") or Path.home() / ".cache" / "stitchflow")
-    path = root / "gpu"
+    path = cache_root() / "gpu"
     path.mkdir(parents=True, exist_ok=True)
     return path / "chains.json"
 

@@ -26,6 +26,7 @@ import torch
 from ...ir.errors import TargetError
 from ...ir.graph import Graph
 from ...ir.interpret import eval_node
+from ...ir.paths import cache_root
 from . import cluster_planes
 from .check import check_outputs
 from .analysis import PartPlan
@@ -44,8 +45,7 @@ def interpreting() -> bool:
 
 
 def cache_dir() -> Path:
-    root = Path(os.environ.get("STITCHFLOW_CACHE") or Path.home() / ".cache" / "stitchflow")
-    path = root / "gpu"
+    path = cache_root() / "gpu"
     (path / "kernels").mkdir(parents=True, exist_ok=True)
     return path
 
