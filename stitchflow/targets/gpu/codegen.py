@@ -31,7 +31,7 @@ from .codegen_split import SplitStitching
 from .codegen_tma import TmaStitching
 from .codegen_welford import WelfordStitching
 from .emit import LOW_PRECISION, BodyEmitter, Scope, Source, Val, is_literal, carried, contiguous_strides, kind_of, to_dtype
-from .codegen_header import APPROX_INTERPRETED, APPROX_PTX, HEADER
+from .codegen_header import header
 from .gluon_dialect import GluonRefusal, blocked_layout, to_gluon
 from .mapping import Config, Planes, n_chunks, phases, plane_geometry, programs, split_len
 
@@ -493,7 +493,7 @@ def build_kernel(graph: Graph, parts: list[tuple[PartPlan, Config]], strides: di
     tma = _streamed_inputs(graph, parts, arg, strides, interpret, wide, group_names)
     params = [arg[t] for t in inputs] + [arg[t] for t in outputs] + [arg["buf:" + b[0]] for b in buffers]
     params += [arg["tma:" + t] for t, *_ in tma]
-    lines = [HEADER.format(title=title, approx=APPROX_INTERPRETED if interpret else APPROX_PTX)]
+    lines = []
     grids = []
     for k, (plan, cfg) in enumerate(parts):
         src = Source()
@@ -508,7 +508,8 @@ def build_kernel(graph: Graph, parts: list[tuple[PartPlan, Config]], strides: di
     n_phases = max(phases(p, c) for p, c in parts)
     warps = max(c.num_warps for _, c in parts)
     group = max((c.split for _, c in parts if c.coop), default=0)
-    source = "\n".join(lines) + "\n"
+    body = "\n".join(lines) + "\n"
+    source = header(title, interpret, body) + "\n" + body
     gluon = any(cfg.tma or cfg.cp_async for _, cfg in parts)
     if gluon:  # one part (see _streamed_inputs): its tile and warps lay out every tensor
         plan, cfg = parts[0]

@@ -55,3 +55,22 @@ def test_an_infinite_constant_output_in_half_precision():
     (probs, fill), (ref_probs, ref_fill) = prog(s, mask), masked_softmax(s, mask)
     torch.testing.assert_close(probs, ref_probs, rtol=2e-2, atol=2e-2)
     assert fill.dtype == torch.bfloat16 and fill.item() == float("-inf")
+
+
+def test_a_module_holds_only_the_helpers_it_names():
+    from stitchflow.targets.gpu.codegen_header import header
+
+    def helpers(body, interpret=False):
+        return re.findall(r"def (\w+)\(", header("t", interpret, body))
+
+    assert helpers("    return x + 1\n") == []
+    # _erf_lowp calls the approximate reciprocal and exp2 (the exact ones under the interpreter)
+    assert sorted(helpers("    y = _erf_lowp(x)\n")) == ["_erf_lowp", "_ex2_approx", "_rcp_approx"]
+    assert "1.0 / x" in header("t", True, "    y = _erf_lowp(x)\n")
+    assert helpers("    m = tl.reduce(x, 1, _max_nan)\n") == ["_max_nan"]  # a combine named, not called
+    fmod = helpers("    r = _floordiv_from_fmod(a, b, _fmod_f64(a, b))\n")
+    assert fmod == ["_trunc", "_fmod_f64", "_floordiv_from_fmod"]  # _fmod_f64 calls _trunc
+    # a generated kernel: softmax's max reduction keeps NaNs, and its module compiles without the other helpers
+    k, strides = pattern_kernel("scale_mask_softmax", (6, 50))
+    source = build_kernel(k.graph, [(k.plans[0], Config(2, 64, 1, 4))], strides, True, k.title, k.group_names).source
+    assert "def _max_nan(" in source and "def _atan2(" not in source
