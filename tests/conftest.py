@@ -133,3 +133,12 @@ def skip_unless_kernels_run(target: str = "gpu") -> None:
     case elsewhere."""
     if target == "gpu" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("generated kernels run on CPU tensors only under TRITON_INTERPRET=1")
+
+
+@pytest.fixture(autouse=True)
+def _planner_estimates_per_test():
+    """The planner shares estimates of equal regions across graphs for the whole process (planner/ilp.py): each
+    test starts without those of earlier tests, so that tests counting estimates do not depend on their order."""
+    from stitchflow.planner import ilp
+
+    ilp._SHAPES.clear()

@@ -51,6 +51,26 @@ class Plan:
         return [list(r.nodes) for r in self.regions]
 
 
+# (model, options) -> region key -> (cost, estimate): a model's partitions between eager ops (ResNet's backward
+# is 17 graphs of four kinds of block) are mostly the same regions under other names, so graphs planned one after
+# another share their estimates; regionkey's ids are process-wide for this
+_SHAPES: dict[tuple, dict[tuple, tuple[float, Estimate]]] = {}
+MAX_SHAPES = 1 << 16  # estimates kept per model and options before the table starts again
+
+
+def _shared_estimates(model, options: dict) -> dict:
+    """The process-wide estimates by structure for `model` and `options` (a dict of this Costs' own
+    where either cannot be a key)."""
+    try:
+        key = (model, tuple(sorted(options.items())))
+        hash(key)
+    except TypeError:
+        return {}
+    if key not in _SHAPES and len(_SHAPES) >= 64:  # e.g. many sparse graphs, each with its own densities
+        _SHAPES.clear()
+    return _SHAPES.setdefault(key, {})
+
+
 class Costs:
     """Region costs under one model and options, memoised by node set, and for the static
     models also by structure: regions equal up to names (a model's repeated layers) are
@@ -65,7 +85,7 @@ class Costs:
         self._keys = None
         if type(model) in STRUCTURAL:
             self._keys = RegionKeys(graph, region_density(graph, model.densities, self.options.get("block")))
-        self._shapes: dict[tuple, tuple[float, Estimate]] = {}
+        self._shapes = _shared_estimates(model, self.options) if self._keys else {}
 
     def of(self, nodes: Sequence[str]) -> float:
         return self._entry(frozenset(nodes))[0]
@@ -94,6 +114,8 @@ class Costs:
         shape = self._keys.key(names)
         hit = self._shapes.get(shape)
         if hit is None:
+            if len(self._shapes) >= MAX_SHAPES:
+                self._shapes.clear()
             est = self.model.estimate(self.graph, names, self.options)
             hit = self._shapes[shape] = (self.model.cost(est), est)
         return hit

@@ -78,22 +78,28 @@ def node_template(node: Node) -> tuple:
     return (tuple(_index_shape(i, slot) for i in node.index), _body_shape(node.body, slot), node.dims, node.reduce)
 
 
+# template or description -> small id, shared by every RegionKeys of the process, so that keys hash ints, not
+# bodies, and regions of different graphs (a model's partitions between eager ops) compare too. Never cleared:
+# an id must keep its meaning while any key holds it (one entry per distinct node template, type and density)
+_IDS: dict[tuple, int] = {}
+
+
 class RegionKeys:
     """Structural keys of regions of one graph under one density model (`density` as the
     estimate reads it: a node's stream inside a region, a tensor's storage from memory).
-    Keys number templates and descriptions as this object meets them: compare keys of one
-    RegionKeys only."""
+    Keys number templates and descriptions in one table for the process, so the keys of two
+    graphs' regions are equal where the regions are equal up to names."""
 
     def __init__(self, graph: Graph, density: Density):
         self.graph = graph
         self.density = density
         self.position = {n.name: k for k, n in enumerate(graph.nodes)}
-        self._ids: dict[tuple, int] = {}  # template or description -> small id: keys hash ints, not bodies
         self._nodes: dict[str, tuple] = {}
         self._outside: dict[str, int] = {}
 
-    def _intern(self, value: tuple) -> int:
-        return self._ids.setdefault(value, len(self._ids))
+    @staticmethod
+    def _intern(value: tuple) -> int:
+        return _IDS.setdefault(value, len(_IDS))
 
     def _node(self, name: str) -> tuple:
         """(template id, inputs, id of its result's description, is a graph output, consumers)

@@ -131,3 +131,33 @@ def test_other_models_are_estimated_per_node_set():
     costs = Costs(graph, model)
     assert costs.of(["p1", "r1"]) == model.estimate(graph, ("p1", "r1")).flops
     assert costs.estimate(["p1", "r1"]).nodes == ("p1", "r1")
+
+
+def chain(names: list[str]) -> Graph:
+    """exp(a @ x) then exp(a @ that), under the given four node names."""
+    p0, r0, p1, r1 = names
+    nodes = [product(p0, "a", "x"), act(r0, p0), product(p1, "a", r0), act(r1, p1)]
+    types = {"a": TensorType((N, N), torch.float32, parse_format("csr", 2)),
+             "x": TensorType((N, N), torch.float32, dense(2))}
+    types |= {n.name: TensorType((N, N), torch.float32, dense(2)) for n in nodes}
+    return Graph(("a", "x"), (), tuple(nodes), (r1,), tuple(types.items())).validate()
+
+
+@pytest.mark.parametrize("model", MODELS, ids=["dataflow", "gpu"])
+def test_graphs_equal_up_to_names_share_their_estimates(model, monkeypatch):
+    """A model's partitions between eager ops are often one block under other names: a graph planned after
+    another estimates none of the regions they share, and its plan and estimates are those made afresh."""
+    from stitchflow.planner import ilp
+
+    first, second = chain(["p0", "r0", "p1", "r1"]), chain(["s0", "t0", "s1", "t1"])
+    fresh = ilp.plan(first, "gpu", model)  # its own estimates (the fixture cleared the shared ones)
+    ilp._SHAPES.clear()
+    original, calls = type(model).estimate, []
+    monkeypatch.setattr(type(model), "estimate", lambda self, g, nodes, options=None: calls.append(nodes) or
+                        original(self, g, nodes, options))
+    ilp.plan(second, "gpu", model)
+    made = len(calls)
+    shared = ilp.plan(first, "gpu", model)
+    assert made > 0 and len(calls) == made  # the second graph's candidates were all estimated for the first
+    assert shared == fresh and shared.estimates == fresh.estimates
+    assert [e.loop for e in shared.estimates] == [e.loop for e in fresh.estimates]
