@@ -521,3 +521,24 @@ def test_low_precision_erf_is_chosen_by_the_nodes_dtype(monkeypatch):
         x, b = _inputs("bias_gelu", (3, 40), dtype)
         stitchflow.compile(module, (x, b), target="gpu", fusion="full", options={"autotune": False})(x, b)
         assert sources and expect in sources[0].split("def _part0")[1]
+
+
+def test_a_column_reduction_too_narrow_to_fill_the_gpu_is_not_packed():
+    """Batch norm's statistics over channels-last activations beside its running statistics' update: packed, the
+    statistics would take one program per 32 channels over every row (ResNet-18's training step: 270-740 µs per
+    batch norm on an H100); alone they may split their rows across programs."""
+    from stitchflow.targets.gpu import runs_alone
+
+    class M(nn.Module):
+        def forward(self, x, running):
+            return x - x.mean(0), running * 0.9
+
+    module = M()
+    args = (torch.randn(2050, 64), torch.randn(64))
+    prog = stitchflow.compile(module, args, target="gpu", fusion="full")
+    LAUNCHES.clear()
+    _check(prog, module, args, torch.float32)
+    kernels = _kernels(prog)
+    assert len(kernels) == 2 and not any(k.packed for k in kernels)
+    (statistics,) = [k.plans[0] for k in kernels if k.plans[0].reductions]
+    assert statistics.p_contiguous and runs_alone(statistics)
