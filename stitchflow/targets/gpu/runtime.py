@@ -111,8 +111,9 @@ def save_choice(key: str, choice: list, timings: dict, partial: bool = False) ->
 # Part of every autotuning cache key: bump it when generated code changes what a config means, so that
 # configs chosen for older code are timed again (4: cooperative splits, variances at their mean's barrier;
 # 5: contiguous axis runs addressed as one coordinate; 6: TMA-fed column pieces, counters never reset;
-# 8: cluster planes join the space).
-CODEGEN_VERSION = 8
+# 8: cluster planes join the space; 9: timings leave out calls that waited on the host, so choices made
+# during a loaded cold start are made again).
+CODEGEN_VERSION = 9
 
 
 # A kernel that moves fewer bytes than this runs its first (heuristic) config untimed: its configs differ by a
