@@ -30,11 +30,13 @@ def _record(graph, fusion, target="reference", values=None):
     raise StitchflowError("recorded, not compiled")  # the partition runs eagerly
 
 
-def _spin() -> int:
-    """Keep a core busy (a compile worker's load) until terminated."""
+def _spin(parent: int) -> int:
+    """Keep a core busy (a compile worker's load) until terminated, or orphaned (a parent killed by `timeout`
+    does not stop its daemon children, and sixteen left spinning once slowed a later benchmark's runners)."""
     turns = 0
-    while True:
+    while turns % (1 << 20) or os.getppid() == parent:
         turns += 1
+    return turns
 
 
 def main() -> None:
@@ -50,7 +52,7 @@ def main() -> None:
     _step(_runner("backend=stitchflow", model, {"target": "gpu"}), model, inputs, upstream)
     print(f"{args.app} ({args.size}): {len(GRAPHS)} graphs of {[len(g.nodes) for g in GRAPHS]} nodes, "
           f"{args.busy} busy processes", flush=True)
-    spinning = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(args.busy)]
+    spinning = [multiprocessing.Process(target=_spin, args=(os.getpid(),), daemon=True) for _ in range(args.busy)]
     for proc in spinning:
         proc.start()
     for label in ("fresh", "from disk", "memo"):

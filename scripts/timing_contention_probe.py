@@ -7,6 +7,7 @@ main thread for minutes), and beside N spinning processes. Not a test.
     python scripts/timing_contention_probe.py [N]
 """
 import multiprocessing
+import os
 import statistics
 import sys
 import threading
@@ -28,10 +29,12 @@ def plain_median(fn, reps: int = 200) -> float:
     return statistics.median(s.elapsed_time(e) * 1e-3 for s, e in zip(starts, ends))
 
 
-def _spin(stop=None) -> int:
-    """Keep a core busy, and in a thread the GIL, until `stop` is set (or, in a process, until terminated)."""
+def _spin(stop=None, parent=None) -> int:
+    """Keep a core busy, and in a thread the GIL, until `stop` is set; in a process, until terminated or
+    orphaned (a parent killed by `timeout` does not stop its daemon children: sixteen left spinning once
+    slowed a later benchmark's runners)."""
     turns = 0
-    while stop is None or not stop.is_set():
+    while (stop is None or not stop.is_set()) and (turns % (1 << 20) or parent is None or os.getppid() == parent):
         turns += 1
     return turns
 
@@ -45,7 +48,7 @@ def main() -> None:
         if "threads" in label:
             helpers = [threading.Thread(target=_spin, args=(stop,), daemon=True) for _ in range(2)]
         elif "processes" in label:
-            helpers = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(n)]
+            helpers = [multiprocessing.Process(target=_spin, args=(None, os.getpid()), daemon=True) for _ in range(n)]
         for h in helpers:
             h.start()
         guarded = [timing.timed_median(fn) * 1e6 for _ in range(3)]
