@@ -25,6 +25,8 @@ def main():
     p.add_argument("--options", default="{}", help="the stitchflow backend's options, as JSON")
     p.add_argument("--by-shape", action="store_true")
     p.add_argument("--timeline", action="store_true", help="every kernel of the step in launch order, with its time")
+    p.add_argument("--by-kind", action="store_true", help="kernel time summed by kind (convolutions, GEMMs, "
+                   "generated, torch's elementwise and copies), then stop")
     args = p.parse_args()
     model, inputs, upstream = training_case(args.app, getattr(torch, args.dtype), args.size)
     fn = _runner(args.runner, model, json.loads(args.options))
@@ -46,6 +48,10 @@ def main():
         for k, e in enumerate(kernels):
             print(f"{k:4d} {e.time_range.start - kernels[0].time_range.start:9.1f} us  {e.device_time:8.1f} us  "
                   f"{e.name[:90]}")
+    if args.by_kind:
+        print_by_kind(prof)
+        print_regions()
+        return
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
                                 record_shapes=args.by_shape) as host_prof:
         _step(fn, model, inputs, upstream)
@@ -91,12 +97,44 @@ def main():
           f"{sum(spent.values()) / 10 * 1e3:.2f} ms")
     for label, t in sorted(spent.items(), key=lambda kv: -kv[1])[:25]:
         print(f"  {t / 10 * 1e6:8.1f} us  {label}")
+    print_regions()
+
+
+def print_regions() -> None:
+    """Every compiled partition's regions, with what runs each."""
     for m in backend.COMPILED:
         for prog in m.programs.values():
             if prog is None:
                 continue
             for region, compiled in zip(prog.regions, prog._compiled):
                 print(m.name, type(compiled).__name__, str(region)[:150])
+
+
+KINDS = (  # first match wins; names as the CUDA profiler reports them
+    ("generated (Triton)", r"^triton_|^sf_"),
+    ("convolution (cuDNN)", r"conv|xmma|cudnn|implicit_convolve|wgrad|dgrad|fprop|nchwToNhwc|nhwcToNchw"),
+    ("GEMM (cuBLAS)", r"gemm|cutlass|sm90_|nvjet|splitK"),
+    ("copies", r"copy|Memcpy|Memset|fill"),
+    ("torch elementwise / reductions", r"elementwise|reduce|batch_norm|vectorized|CatArray|index"),
+)
+
+
+def print_by_kind(prof) -> None:
+    """Kernel time per kind (µs per step), and each kind's three largest kernels."""
+    import re
+    totals, members = {}, {}
+    for e in prof.key_averages():
+        if e.self_device_time_total <= 0:
+            continue
+        kind = next((k for k, pattern in KINDS if re.search(pattern, e.key, re.I)), "other")
+        totals[kind] = totals.get(kind, 0.0) + e.self_device_time_total
+        members.setdefault(kind, []).append((e.self_device_time_total, e.count, e.key))
+    print(f"kernel time by kind: {sum(totals.values()):.0f} us in all")
+    for kind, total in sorted(totals.items(), key=lambda kv: -kv[1]):
+        top = sorted(members[kind], reverse=True)[:3]
+        print(f"  {total:8.0f} us  {sum(c for _, c, _ in members[kind]):4d} launches  {kind}")
+        for t, c, name in top:
+            print(f"      {t:8.0f} us  x{c:<4d} {name[:100]}")
 
 
 if __name__ == "__main__":

@@ -114,6 +114,7 @@ class StitchflowModule(torch.nn.Module):
         except Exception as err:
             _record(f"{self.name}: its program failed on the first call, {type(err).__name__}: {err}")
             log.warning("stitchflow: %s runs eagerly: its program failed (%s: %s)", self.name, type(err).__name__, err)
+            log.debug("stitchflow: %s failed here", self.name, exc_info=True)
             self.programs[call.key] = None
             self.last = None
             return self.gm(*args)

@@ -43,6 +43,26 @@ def saved_outputs_start(label: str) -> int | None:
     return getattr(meta, "num_forward", None)
 
 
+def written_back_inputs(label: str) -> dict[int, int]:
+    """In AOTAutograd's forward graph, {output position: input position} for the inputs whose new
+    values the graph returns for AOTAutograd to copy back (batch norm's running statistics): data
+    mutations only, not of leaves that require grad. Empty for other graphs."""
+    if label != "forward":
+        return {}
+    from torch._guards import TracingContext
+
+    context = TracingContext.try_get()
+    meta = getattr(context, "fw_metadata", None) if context is not None else None
+    if meta is None:
+        return {}
+    pairs = {}
+    for out, index in enumerate(getattr(meta, "mutated_inp_runtime_indices", ())):
+        info = meta.input_info[index]
+        if info.mutates_data and not info.mutates_metadata and not (info.is_leaf and info.requires_grad):
+            pairs[out] = index
+    return pairs
+
+
 def free_positions(call: fx.Node, partitions: set, saved_from: int | None) -> frozenset:
     """The positions of a partition call's results (None: its single value) whose every reader
     is free of layout: another partition, a LAYOUT_FREE op, or the graph's output at saved positions."""

@@ -65,6 +65,7 @@ class _Slot:
     static_env: dict  # what the capture made, by name (borrowed inputs left out)
     handed_over: dict  # output name -> its storage's uses when nothing outside holds it
     aliases: set  # outputs that are views of borrowed inputs
+    written_back: dict  # output name -> tensor position of the borrowed input the graph copies it into
 
     def ready(self, tensors) -> bool:
         """Every borrowed input where the graph reads it, and every handed-over output free again."""
@@ -89,6 +90,9 @@ class _Slot:
         self.graph.replay()
         out = {}
         for name in dict.fromkeys(outputs):
+            if name in self.written_back:  # the input itself: the caller's copy into it is a no-op
+                out[name] = tensors[self.written_back[name]]
+                continue
             made = self.static_env[name]
             # a handed-over output (or a view of a borrowed input) leaves as a new tensor on the same
             # storage: a handed-over one's uses then count who holds it
@@ -109,7 +113,7 @@ class GraphReplay:
     MAX_SLOTS = 2
 
     def __init__(self, run, outputs, free=(), inputs=(), keep_always: bool = False, on_replay=None,
-                 defers_to_outer: bool = True):
+                 defers_to_outer: bool = True, written_back=None):
         """`run(inputs)` makes the outputs' environment (name -> value) by a plain call; `outputs` names
         what a call returns, `free` the outputs that may be handed over, `inputs` the environment's
         names of the inputs (not kept after capture); `on_replay()` is told of every replay.
@@ -117,8 +121,12 @@ class GraphReplay:
         a host-bound loop whose timing at the third call is not representative, and tests that must
         exercise the replay whatever the timing). `defers_to_outer`: a program's replayer runs plainly
         inside a whole graph's replayer (which records its kernels): graphs of its own would only hold
-        a third set of buffers."""
+        a third set of buffers. `written_back`: output name -> position among the call's arguments of
+        the input the caller copies that output into (AOTAutograd's input mutations: batch norm's
+        running statistics); where that input is borrowed, the graph copies it there itself and
+        returns the input, so the caller's copy does nothing (two copies and their launches saved)."""
         self.run, self.outputs, self.free, self.input_names = run, tuple(outputs), set(free), set(inputs)
+        self.written_back = dict(written_back or {})
         self.on_replay = on_replay
         self.keep_always = keep_always
         self.calls = 0
@@ -166,7 +174,8 @@ class GraphReplay:
             slot = self._capture(inputs)
             if slot is None:
                 return self.run(inputs)
-            self.replay_ms, outputs = best_of(lambda: self._replay(slot, tensors))
+            restore = _restorer(slot, tensors)  # each timed replay updates the written-back inputs once
+            self.replay_ms, outputs = best_of(lambda: self._replay(slot, tensors), before=restore)
             if not self.keep_always and not self._worth_it():
                 self._release()
                 log.info("stitchflow: no CUDA graph, %s", self.failed)
@@ -221,6 +230,7 @@ class GraphReplay:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 env = self.run(bound)
+                written_back = self._write_back(env, bound, inputs, borrowed)
         except Exception as err:  # capture refuses host syncs and some library calls
             self.failed = f"{type(err).__name__}: {err}"
             log.info("stitchflow: CUDA graph capture failed, running without it: %s", self.failed)
@@ -237,11 +247,28 @@ class GraphReplay:
         handed_over = {name: storage_uses(t) for name, t in made.items()
                        if name in self.free - self.input_names - aliases}
         del made
-        slot = _Slot(graph, static_inputs, borrowed, static_env, handed_over, aliases)
+        slot = _Slot(graph, static_inputs, borrowed, static_env, handed_over, aliases, written_back)
         for name in handed_over:
             _HANDED_OVER[static_env[name].data_ptr()] = self
         self.slots.append(slot)
         return slot
+
+    def _write_back(self, env, bound, inputs, borrowed) -> dict:
+        """Inside the capture: each written-back output copied into its input where that input is
+        borrowed (so at the same address at every replay) and of the output's shape and dtype;
+        {output name: tensor position} of those."""
+        positions = {k: n for n, k in enumerate(k for k, x in enumerate(inputs) if isinstance(x, torch.Tensor))}
+        pairs = {}
+        for name, k in self.written_back.items():
+            t, value = positions.get(k), env.get(name)
+            if t is None or t not in borrowed or not isinstance(value, torch.Tensor):
+                continue
+            target = bound[k]
+            if value.shape == target.shape and value.dtype == target.dtype and value.device == target.device:
+                pairs[name] = (t, target, value)
+        if pairs:
+            torch._foreach_copy_([target for _, target, _ in pairs.values()], [v for _, _, v in pairs.values()])
+        return {name: t for name, (t, _, _) in pairs.items()}
 
     def _release(self) -> None:
         for slot in self.slots:
@@ -249,6 +276,14 @@ class GraphReplay:
                 if _HANDED_OVER.get(slot.static_env[name].data_ptr()) is self:
                     del _HANDED_OVER[slot.static_env[name].data_ptr()]
         self.slots = []
+
+
+def _restorer(slot: _Slot, tensors):
+    """A callable that puts back what the inputs a slot writes back into held now, or None."""
+    if not slot.written_back:
+        return None
+    kept = [(tensors[t], tensors[t].clone()) for t in slot.written_back.values()]
+    return lambda: [target.copy_(value) for target, value in kept]
 
 
 def _marked_fixed(t: torch.Tensor) -> bool:
@@ -273,12 +308,17 @@ class AotGraphReplay:
     output position that may be handed over (a forward's saved activations; 0 for a backward,
     whose gradients autograd takes as they are), None for none."""
 
-    def __init__(self, fn, n_outputs: int, free_from: int | None, keep_always: bool = False):
+    def __init__(self, fn, n_outputs: int, free_from: int | None, keep_always: bool = False,
+                 written_back: dict[int, int] | None = None):
+        """`written_back`: {output position: input position} of the inputs AOTAutograd copies outputs
+        into."""
         self.fn = fn
         AOT_REPLAYS.add(self)
         names = [f"out{k}" for k in range(n_outputs)]
         free = names[free_from:] if free_from is not None else ()
-        self.replay = GraphReplay(self._run, names, free, keep_always=keep_always, defers_to_outer=False)
+        back = {names[out]: k for out, k in (written_back or {}).items() if out < n_outputs}
+        self.replay = GraphReplay(self._run, names, free, keep_always=keep_always, defers_to_outer=False,
+                                  written_back=back)
 
     def _run(self, inputs) -> dict:
         out = self.fn(*inputs)
@@ -298,13 +338,15 @@ class AotGraphReplay:
 AOT_REPLAYS: "weakref.WeakSet[AotGraphReplay]" = weakref.WeakSet()  # for tests and reports
 
 
-def best_of(call, repeats: int = 3):
+def best_of(call, repeats: int = 3, before=None):
     """((the shortest wall time in ms of `call` to the end of its device work, the shortest until it
     returned), its last result). The previous result is dropped before each call, so that a replay's
-    handed-over outputs are free again for the next."""
+    handed-over outputs are free again for the next; `before()` runs before each call, untimed."""
     best, host, result = float("inf"), float("inf"), None
     for _ in range(repeats):
         result = None
+        if before is not None:
+            before()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         result = call()

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from . import backend
-from .backend_layouts import saved_outputs_start
+from .backend_layouts import saved_outputs_start, written_back_inputs
 from .replay import AotGraphReplay
 
 aten = torch.ops.aten
@@ -104,7 +104,8 @@ def _compile_half(gm: fx.GraphModule, example_inputs, *, options: dict, label: s
         # handed over: the forward's saved activations, and every gradient of the backward (autograd
         # accumulates them into .grad; the replay overwrites none while anyone holds it)
         free_from = saved_outputs_start(label) if label == "forward" else 0
-        fn = AotGraphReplay(fn, n_outputs, free_from, options.get("cuda_graphs") == "always")
+        fn = AotGraphReplay(fn, n_outputs, free_from, options.get("cuda_graphs") == "always",
+                            written_back=written_back_inputs(label))
     return make_boxed_func(fn)
 
 

@@ -302,6 +302,19 @@ def test_max_pool_gradient_gathers_at_the_argmax(pool, shape, target):
     assert backend.fallback_report().endswith("everything captured ran through stitchflow")
 
 
+def test_gpu_target_on_cpu_without_the_interpreter(monkeypatch):
+    """With no GPU and no interpreter the gpu target evaluates each part's nodes on the CPU, in the
+    graph's order: relu's gradient reads a zero (a constant the kernels fold) that a later part
+    made, and the backward had failed on its first call (and run eagerly)."""
+    import stitchflow.targets.gpu.runtime as runtime
+
+    monkeypatch.setattr(runtime, "interpreting", lambda: False)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.MaxPool2d(3, 2, 1))
+    _train_side_by_side(model, lambda: (torch.randn(2, 3, 9, 9),), steps=1, options={"target": "gpu"})
+    assert "failed" not in backend.fallback_report()
+
+
 @pytest.mark.parametrize("target", ["gpu"])
 def test_a_cnns_training_step_keeps_its_activations_channels_last(target, fp32_convolutions):
     """The forward hands the backward its saved activations channels last (they leave as permuted

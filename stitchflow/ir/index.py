@@ -97,6 +97,12 @@ def _linear(e: IndexExpr) -> tuple[dict, int]:
     return {e: 1}, 0
 
 
+def affine_terms(e: IndexExpr) -> tuple[dict, int]:
+    """e as ({atom: coefficient}, constant): atoms are variables, divisions, remainders, gathers."""
+    terms, const = _linear(e)
+    return dict(terms), const
+
+
 def _from_linear(terms: dict, const: int) -> IndexExpr:
     terms = {a: c for a, c in terms.items() if c != 0}
     if not terms:

@@ -10,6 +10,7 @@ the device, so later processes skip the timing.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import hashlib
 import importlib.util
@@ -270,13 +271,24 @@ def _sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+MAX_TILE = 1 << 20  # Triton's largest tensor (elements)
+
+
+def _unsplit(plan: PartPlan, sms: int) -> Config:
+    """A part's config without a split (a packed launch has no barrier): its rows walked in chunks of
+    up to 32768, the tile within Triton's largest tensor."""
+    cfg = candidates(plan, sms, {"split": 1, "block_l": 1 << 15})[0]
+    return cfg if cfg.BP * cfg.BL <= MAX_TILE else dataclasses.replace(cfg, BL=max(1, MAX_TILE // cfg.BP))
+
+
 class GroupKernel:
     """Nodes of one group run as one generated kernel; built lazily at the first call, since
     the generated addresses use the strides of the tensors actually passed."""
 
     def __init__(self, graph: Graph, plans: list[PartPlan], options: dict, title: str, group_names: set):
         self.graph, self.plans, self.options, self.title = graph, plans, options, title
-        self.packed = len(plans) > 1
+        # parts only inlined elsewhere have no program of their own: one working part is not packed (it may split)
+        self.packed = sum(1 for p in plans if p.outputs) > 1
         self.group_names = group_names
         self.inputs = kernel_inputs(graph, [n for p in plans for n in p.nodes], group_names)
         self._built: dict = {}
@@ -301,8 +313,7 @@ class GroupKernel:
                                  "a cooperative split cannot share a launch with packed parts")
             space = [c for c in space if not c.coop]
         if self.packed:  # packed parts share one launch: no phase barriers
-            space = [c for c in space if c.split == 1 or not plan.reductions] or [
-                candidates(plan, sms, {"split": 1, "block_l": 1 << 15})[0]]
+            space = [c for c in space if c.split == 1 or not plan.reductions] or [_unsplit(plan, sms)]
         return space
 
     def _signature(self, env, device_type: str | None = None) -> tuple:
@@ -319,8 +330,11 @@ class GroupKernel:
         # no GPU and no interpreter, or nothing read (an arange, an identity: torch makes them where the
         # program's tensors are, which a kernel with no inputs would not know)
         if first is None or (first.device.type == "cpu" and not interpreting()):
-            for p in self.plans:
-                for n in p.nodes:
+            # in the graph's order: a plan may read a value (a constant folded into the kernels) that a
+            # later plan makes
+            mine = {n.name for p in self.plans for n in p.nodes}
+            for n in self.graph.nodes:
+                if n.name in mine:
                     env[n.name] = eval_node(n, env, self.graph.type_of[n.name])
             return
         sig = self._signature(env)
@@ -342,7 +356,8 @@ class GroupKernel:
             no_streaming = "need a Hopper GPU (sm_90 or later)"
         elif not all(aligned for _, _, _, aligned in sig):
             no_streaming = "need inputs whose base is 16-byte aligned (TMA)"
-        spaces = [self._space(p, sms, no_streaming) for p in self.plans]
+        # a part with no outputs launches nothing: one config stands for it
+        spaces = [self._space(p, sms, no_streaming)[:None if p.outputs else 1] for p in self.plans]
         variants = max(len(s) for s in spaces)
         configs = [[s[min(v, len(s) - 1)] for s in spaces] for v in range(variants)]
         configs = self._with_clusters(configs, strides, device if on_gpu else None)

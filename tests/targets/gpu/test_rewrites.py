@@ -175,6 +175,51 @@ def test_sums_that_stay_reductions():
         assert sum(n.reduce == "sum" for n in unroll_small_sums(prog.graph).nodes) == sums_left
 
 
+class Pools(nn.Module):
+    """ResNet's stem pool with its indices and a 2x2 tiling max pool of x, and a stride-1 average
+    pool (count_include_pad off) of y, channels last as a CNN's activations are."""
+
+    def forward(self, x, y):
+        peak, index = torch.nn.functional.max_pool2d(x, 3, 2, 1, return_indices=True)
+        mean = torch.nn.functional.avg_pool2d(y, 3, 1, 1, count_include_pad=False)
+        return peak, index, mean, torch.nn.functional.max_pool2d(x, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(2, 5, 11, 9), (1, 16, 8, 8)])
+def test_sliding_windows_become_elementwise(dtype, shape):
+    """Pools over overlapping windows (3x3, stride 2 or 1) are unrolled into elementwise maxima and
+    sums (the sum's input read by it alone), each tap one read, and agree with eager, a NaN kept where
+    torch keeps it; a tiling pool (windows that do not overlap) stays a reduction."""
+    x, y = (torch.randn(shape).to(dtype).contiguous(memory_format=torch.channels_last) for _ in range(2))
+    x[0, 1, 2, 3] = y[0, 1, 2, 3] = float("nan")
+    module = Pools()
+    prog = stitchflow.compile(module, (x, y), target="gpu", fusion="full")
+    graph = unroll_small_sums(prog.graph)
+    kept = [n for n in graph.nodes if n.reduce and n.reduce_vars]
+    assert len(kept) == 1 and kept[0].reduce == "max", [str(n) for n in kept]
+    for out, ref in zip(prog(x, y), module(x, y)):
+        assert_close(out, ref)
+
+
+def test_a_max_pools_gradient_is_unrolled_where_it_reads_memory():
+    """The gradient of an overlapping max pool gathers the windows that hold each input point: unrolled
+    where the incoming gradient is an input, a reduction where it is computed in the same kernel (two
+    gradients added: unrolled, a consumer's phases would each recompute it)."""
+    g1, g2 = torch.randn(2, 4, 3, 3), torch.randn(2, 4, 3, 3)
+    x = torch.randn(2, 4, 6, 6)
+    _, index = torch.nn.functional.max_pool2d(x, 3, 2, 1, return_indices=True)
+
+    def gather(g, x, index):
+        return torch.ops.aten.max_pool2d_with_indices_backward(g, x, [3, 3], [2, 2], [1, 1], [1, 1], False, index)
+
+    for fn, args, unrolled in ((gather, (g1, x, index), True),
+                               (lambda a, b, x, index: gather(a + b, x, index), (g1, g2, x, index), False)):
+        prog = stitchflow.compile(fn, args, target="gpu", fusion="full")
+        assert any(n.reduce for n in unroll_small_sums(prog.graph).nodes) != unrolled
+        assert_close(prog(*args), fn(*args))
+
+
 def test_masked_gathers_load_clamped_addresses():
     """A ceil-mode max-pool gradient gathers at w // 2 under the tile's mask: the generated loads
     take clamped, in-bounds addresses with the value masked (Triton 3.6 read such a masked load with
