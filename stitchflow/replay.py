@@ -266,8 +266,13 @@ class GraphReplay:
             target = bound[k]
             if value.shape == target.shape and value.dtype == target.dtype and value.device == target.device:
                 pairs[name] = (t, target, value)
-        if pairs:
-            torch._foreach_copy_([target for _, target, _ in pairs.values()], [v for _, _, v in pairs.values()])
+        by_dtype: dict = {}  # one fused copy per dtype: mixed lists take a copy (a graph node) per tensor
+        for _, target, value in pairs.values():
+            by_dtype.setdefault(target.dtype, ([], []))
+            by_dtype[target.dtype][0].append(target)
+            by_dtype[target.dtype][1].append(value)
+        for targets, values in by_dtype.values():
+            torch._foreach_copy_(targets, values)
         return {name: t for name, (t, _, _) in pairs.items()}
 
     def _release(self) -> None:
