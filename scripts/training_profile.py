@@ -108,6 +108,9 @@ def print_regions() -> None:
                 continue
             for region, compiled in zip(prog.regions, prog._compiled):
                 print(m.name, type(compiled).__name__, str(region)[:150])
+                for step in getattr(compiled, "steps", ()):
+                    if type(step).__name__ == "TorchStep":  # a node run through torch, with the reason
+                        print("   ", step, [tuple(prog.graph.type_of[step.node.name].shape)])
 
 
 KINDS = (  # first match wins; names as the CUDA profiler reports them

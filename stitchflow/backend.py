@@ -36,7 +36,8 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 from torch.fx.passes.split_module import split_module
 
-from .backend_layouts import channels_last_order, free_positions, restride_placeholders, restrided, saved_outputs_start
+from .backend_layouts import (channels_last_order, convolution_inputs_like_gradients, free_positions, like_gradient,
+                              restride_placeholders, restrided, saved_outputs_start)
 from .frontend.capture import Captured, capture
 from .frontend.registry import LOWERINGS, describe_target, early_refusal, is_inplace, key_of
 from .ir.errors import KernelMismatch, StitchflowError
@@ -394,8 +395,9 @@ def _partition_and_wrap(gm: fx.GraphModule, options: dict, label: str = ""):
     if label == "backward":  # saved activations may come channels last
         restride_placeholders(gm, lambda u: u.op == "output" or (u.op in ("call_function", "call_method")
                                                                  and not _supported(u)))
+        convolution_inputs_like_gradients(gm)
     for node in gm.graph.nodes:
-        if node.target is operator.getitem or node.target is restrided:  # the op's record says why; ours
+        if node.target in (operator.getitem, restrided, like_gradient):  # the op's record says why; ours
             continue
         if node.op in ("call_function", "call_method") and not _supported(node):
             why = early_refusal(node) if key_of(node) in LOWERINGS else None

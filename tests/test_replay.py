@@ -76,6 +76,7 @@ def test_a_cnns_whole_training_step_replays_and_stays_eagers(fp32_convolutions):
 
     torch._dynamo.reset()
     backend.reset()
+    earlier = set(AOT_REPLAYS)  # other tests' replays may still be alive
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(3, 2, 1),
                           nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
@@ -97,7 +98,7 @@ def test_a_cnns_whole_training_step_replays_and_stays_eagers(fp32_convolutions):
         torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-5)
     for a, b in zip(model.buffers(), reference.buffers()):  # running statistics, updated once a step
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-    replays = [r.replay for r in AOT_REPLAYS if r.replay.calls]
+    replays = [r.replay for r in set(AOT_REPLAYS) - earlier if r.replay.calls]
     assert len(replays) >= 2 and all(r.graph is not None for r in replays), [r.failed for r in replays]
     assert any(r.handed_over for r in replays) and any(r.borrowed for r in replays)
     # the forward's graph writes the running statistics into the buffers itself (AOTAutograd's copies

@@ -315,6 +315,43 @@ def test_gpu_target_on_cpu_without_the_interpreter(monkeypatch):
     assert "failed" not in backend.fallback_report()
 
 
+def test_like_gradient_converts_only_an_input_behind_a_channels_last_gradient():
+    from stitchflow.backend_layouts import like_gradient
+
+    x = torch.randn(2, 3, 6, 5)
+    last = torch.randn(2, 8, 6, 5).contiguous(memory_format=torch.channels_last)
+    moved = like_gradient(x, last)
+    assert moved.is_contiguous(memory_format=torch.channels_last) and torch.equal(moved, x)
+    assert like_gradient(x, last.contiguous()) is x
+    assert like_gradient(x[0], last[0]) is x[0] or like_gradient(x[0], last[0]).data_ptr() == x[0].data_ptr()
+
+
+@pytest.mark.parametrize("target", ["gpu"])
+def test_a_first_convolution_reads_its_input_in_its_gradients_layout(target, fp32_convolutions, monkeypatch):
+    """The user's NCHW image meets a channels-last gradient at the first convolution's backward:
+    the backward graph converts the image (cheap, 3 channels) instead of ATen converting the gradient
+    and cuDNN both back. Gradients, the image's among them, equal eager's."""
+    import stitchflow.backend_layouts as layouts
+
+    skip_unless_kernels_run(target)
+    seen, original = [], layouts.like_gradient
+
+    def counting(x, grad):
+        out = original(x, grad)
+        seen.append(out is not x)
+        return out
+
+    monkeypatch.setattr(layouts, "LAYOUT_FREE", layouts.LAYOUT_FREE | {counting})
+    monkeypatch.setattr(layouts, "like_gradient", counting)
+    monkeypatch.setattr(backend, "like_gradient", counting)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
+                          nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5)).to(DEVICE)
+    _train_side_by_side(model, lambda: (torch.randn(4, 3, 10, 10, device=DEVICE),), steps=2, exact=True,
+                        options={"target": target})
+    assert any(seen), "no convolution backward read its input converted"
+
+
 @pytest.mark.parametrize("target", ["gpu"])
 def test_a_cnns_training_step_keeps_its_activations_channels_last(target, fp32_convolutions):
     """The forward hands the backward its saved activations channels last (they leave as permuted
