@@ -109,7 +109,8 @@ def convolution_inputs_like_gradients(gm: fx.GraphModule) -> None:
     (`like_gradient`). cuDNN runs in the input's suggested format, so with an NCHW input and a
     channels-last gradient (ours) ATen converted the gradient to NCHW and cuDNN converted both back
     to NHWC around its kernels: ResNet-18's stem backward spent 199 + 49 + 69 + 51 µs in such copies
-    (H100), where converting the 3-channel image costs a few."""
+    (H100); converting the image (3 channels, a tenth of the gradient's bytes) instead made the whole
+    step 358 µs faster."""
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not torch.ops.aten.convolution_backward.default:
             continue
