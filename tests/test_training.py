@@ -323,7 +323,8 @@ def test_like_gradient_converts_only_an_input_behind_a_channels_last_gradient():
     moved = like_gradient(x, last)
     assert moved.is_contiguous(memory_format=torch.channels_last) and torch.equal(moved, x)
     assert like_gradient(x, last.contiguous()) is x
-    assert like_gradient(x[0], last[0]) is x[0] or like_gradient(x[0], last[0]).data_ptr() == x[0].data_ptr()
+    unbatched = x[0]  # 3 dims: no channels-last format to convert to
+    assert like_gradient(unbatched, last[0]) is unbatched
 
 
 @pytest.mark.parametrize("target", ["gpu"])
