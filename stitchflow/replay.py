@@ -268,9 +268,9 @@ class GraphReplay:
                 pairs[name] = (t, target, value)
         by_dtype: dict = {}  # one fused copy per dtype: mixed lists take a copy (a graph node) per tensor
         for _, target, value in pairs.values():
-            by_dtype.setdefault(target.dtype, ([], []))
-            by_dtype[target.dtype][0].append(target)
-            by_dtype[target.dtype][1].append(value)
+            targets, values = by_dtype.setdefault(target.dtype, ([], []))
+            targets.append(target)
+            values.append(value)
         for targets, values in by_dtype.values():
             torch._foreach_copy_(targets, values)
         return {name: t for name, (t, _, _) in pairs.items()}
@@ -288,7 +288,11 @@ def _restorer(slot: _Slot, tensors):
     if not slot.written_back:
         return None
     kept = [(tensors[t], tensors[t].clone()) for t in slot.written_back.values()]
-    return lambda: [target.copy_(value) for target, value in kept]
+
+    def restore() -> None:
+        for target, value in kept:
+            target.copy_(value)
+    return restore
 
 
 def _marked_fixed(t: torch.Tensor) -> bool:

@@ -89,18 +89,13 @@ def as_index(e: "IndexExpr | int | str") -> IndexExpr:
 
 # ---------------------------------------------------------------- linear normal form
 
-def _linear(e: IndexExpr) -> tuple[dict, int]:
+def affine_terms(e: IndexExpr) -> tuple[dict, int]:
+    """e as ({atom: coefficient}, constant), a new dict: atoms are variables, divisions, remainders, gathers."""
     if isinstance(e, Lit):
         return {}, e.value
     if isinstance(e, Sum):
         return {a: c for c, a in e.terms}, e.const
     return {e: 1}, 0
-
-
-def affine_terms(e: IndexExpr) -> tuple[dict, int]:
-    """e as ({atom: coefficient}, constant): atoms are variables, divisions, remainders, gathers."""
-    terms, const = _linear(e)
-    return dict(terms), const
 
 
 def _from_linear(terms: dict, const: int) -> IndexExpr:
@@ -119,7 +114,7 @@ def add(*es: IndexExpr | int) -> IndexExpr:
     terms: dict = {}
     const = 0
     for e in es:
-        t, c = _linear(as_index(e))
+        t, c = affine_terms(as_index(e))
         const += c
         for a, k in t.items():
             terms[a] = terms.get(a, 0) + k
@@ -127,7 +122,7 @@ def add(*es: IndexExpr | int) -> IndexExpr:
 
 
 def scale(e: IndexExpr | int, k: int) -> IndexExpr:
-    t, c = _linear(as_index(e))
+    t, c = affine_terms(as_index(e))
     return _from_linear({a: v * k for a, v in t.items()}, c * k)
 
 
@@ -157,7 +152,7 @@ def bounds(e: IndexExpr, ranges: Ranges) -> tuple[int, int]:
 
 def _split(e: IndexExpr, d: int) -> tuple[IndexExpr, IndexExpr]:
     """e = d*q + r where q collects the terms divisible by d."""
-    t, c = _linear(e)
+    t, c = affine_terms(e)
     q = {a: k // d for a, k in t.items() if k % d == 0}
     r = {a: k for a, k in t.items() if k % d != 0}
     return _from_linear(q, c // d), _from_linear(r, c % d)

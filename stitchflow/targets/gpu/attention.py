@@ -26,7 +26,7 @@ import torch
 
 from ...ir.expr import Access
 from ...ir.graph import Graph, Node
-from ...ir.index import Var, _linear, rename
+from ...ir.index import Var, affine_terms, rename
 from ...ir.interpret import eval_node
 from .attention_kernel import MAX_BATCH_AXES, Operand, launch, scratch
 from .attention_fold import NotAttention, score_coefficients, transform_sources
@@ -62,7 +62,7 @@ def _affine_vars(access: Access) -> frozenset[str] | None:
     """The variables of an access whose every index is an integer combination of variables."""
     names = set()
     for index in access.indices:
-        terms, _ = _linear(index)
+        terms, _ = affine_terms(index)
         if not all(isinstance(atom, Var) for atom in terms):
             return None
         names |= {atom.name for atom in terms}
@@ -318,7 +318,7 @@ class AttentionStep:
         t = env[access.tensor]
         coef, offset = {}, 0
         for index, stride in zip(access.indices, t.stride()):
-            terms, const = _linear(index)
+            terms, const = affine_terms(index)
             offset += const * stride
             for atom, c in terms.items():
                 coef[atom.name] = coef.get(atom.name, 0) + c * stride

@@ -265,9 +265,12 @@ def _warps(tile: int, elem_bytes: int) -> int:
     return min(16, pow2(w))
 
 
+MAX_TILE = 1 << 20  # Triton's largest tensor (elements): a larger [BP, BL] tile does not compile
+
+
 def _fix(plan: PartPlan, BP: int, BL: int, split: int = 1, warps: int | None = None) -> Config:
     BP = max(1, min(BP, pow2(plan.P_total)))
-    BL = max(1, min(BL, pow2(plan.L_total)))
+    BL = max(1, min(BL, pow2(plan.L_total), MAX_TILE // BP))
     split = max(1, min(split, cdiv(plan.L_total, BL)))
     return Config(BP, BL, split, warps or _warps(BP * BL, plan.big_elem_bytes))
 

@@ -1,7 +1,7 @@
 """IR rewrites the gpu target applies to a graph before grouping it into kernels.
 
-Sums over a few terms become additions, and sliding windows of a few taps (pools and their
-gradients) elementwise sums and maxima (`unroll_small_sums`). GQA's key and value gradients sum
+Sums over a few terms become additions, and maxima (and sums of what lies in memory) over sliding
+windows of a few taps, i.e. pools, elementwise maxima and sums (`unroll_small_sums`). GQA's key and value gradients sum
 over the query heads of a group (4 in Llama 3), and RoPE's backward reads that sum transposed: as
 a reduction, the part takes the reduction's mapping, whose tiles keep the read's contiguous axis
 fast and wrote the outputs two bytes per 256-byte row (96 µs for 8 MB in a Llama step on an H100);

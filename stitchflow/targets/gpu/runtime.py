@@ -10,7 +10,6 @@ the device, so later processes skip the timing.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 import hashlib
 import importlib.util
@@ -271,16 +270,6 @@ def _sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-MAX_TILE = 1 << 20  # Triton's largest tensor (elements)
-
-
-def _unsplit(plan: PartPlan, sms: int) -> Config:
-    """A part's config without a split (a packed launch has no barrier): its rows walked in chunks of
-    up to 32768, the tile within Triton's largest tensor."""
-    cfg = candidates(plan, sms, {"split": 1, "block_l": 1 << 15})[0]
-    return cfg if cfg.BP * cfg.BL <= MAX_TILE else dataclasses.replace(cfg, BL=max(1, MAX_TILE // cfg.BP))
-
-
 class GroupKernel:
     """Nodes of one group run as one generated kernel; built lazily at the first call, since
     the generated addresses use the strides of the tensors actually passed."""
@@ -313,7 +302,8 @@ class GroupKernel:
                                  "a cooperative split cannot share a launch with packed parts")
             space = [c for c in space if not c.coop]
         if self.packed:  # packed parts share one launch: no phase barriers
-            space = [c for c in space if c.split == 1 or not plan.reductions] or [_unsplit(plan, sms)]
+            space = [c for c in space if c.split == 1 or not plan.reductions] or [
+                candidates(plan, sms, {"split": 1, "block_l": 1 << 15})[0]]
         return space
 
     def _signature(self, env, device_type: str | None = None) -> tuple:

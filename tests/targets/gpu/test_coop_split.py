@@ -106,6 +106,15 @@ def test_long_rows_get_coop_candidates_and_the_rest_say_why_not():
     assert pinned.split == 1 and not pinned.coop
 
 
+def test_no_config_asks_for_a_tile_over_tritons_largest_tensor():
+    """A packed launch's unsplit fallback pins 32768-long chunks; over wide column blocks that was a
+    [64, 32768] tile, which Triton refuses to compile (ResNet-18's stem backward ran eagerly)."""
+    columns = _plan("column_standardize", (65536, 1024))
+    (pinned,) = candidates(columns, override={"split": 1, "block_l": 1 << 15, "block_p": 64})
+    assert pinned.BP == 64 and pinned.BP * pinned.BL <= 1 << 20
+    assert all(c.BP * c.BL <= 1 << 20 for c in candidates(columns))
+
+
 def test_centred_variances_are_found_where_they_are():
     from stitchflow.targets.gpu.codegen_split import centred_variances
 
