@@ -24,6 +24,7 @@ def main():
     p.add_argument("--runner", default="backend=stitchflow")
     p.add_argument("--options", default="{}", help="the stitchflow backend's options, as JSON")
     p.add_argument("--by-shape", action="store_true")
+    p.add_argument("--rows", type=int, default=25, help="rows of the kernel table")
     p.add_argument("--timeline", action="store_true", help="every kernel of the step in launch order, with its time")
     p.add_argument("--by-kind", action="store_true", help="kernel time summed by kind (convolutions, GEMMs, "
                    "generated, torch's elementwise and copies), then stop")
@@ -41,7 +42,7 @@ def main():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         _step(fn, model, inputs, upstream)
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=90))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=90))
     if args.timeline:
         kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                          key=lambda e: e.time_range.start)

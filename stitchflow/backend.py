@@ -37,7 +37,8 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 from torch.fx.passes.split_module import split_module
 
 from .backend_layouts import (channels_last_order, convolution_inputs_like_gradients, free_positions, like_gradient,
-                              restride_placeholders, restrided, saved_outputs_start)
+                              restride_placeholders, restrided, saved_outputs_start, saved_weights_channels_last,
+                              weight_channels_last, weight_like_gradient)
 from .frontend.capture import Captured, capture
 from .frontend.registry import LOWERINGS, describe_target, early_refusal, is_inplace, key_of
 from .ir.errors import KernelMismatch, StitchflowError
@@ -396,8 +397,12 @@ def _partition_and_wrap(gm: fx.GraphModule, options: dict, label: str = ""):
         restride_placeholders(gm, lambda u: u.op == "output" or (u.op in ("call_function", "call_method")
                                                                  and not _supported(u)))
         convolution_inputs_like_gradients(gm)
+    saved_from = saved_outputs_start(label)
+    if label == "forward" and _convolutions_channels_last(gm, target):
+        saved_weights_channels_last(gm, saved_from)
+    ours = (restrided, like_gradient, weight_like_gradient, weight_channels_last)
     for node in gm.graph.nodes:
-        if node.target in (operator.getitem, restrided, like_gradient):  # the op's record says why; ours
+        if node.target is operator.getitem or node.target in ours:  # the op's record says why; ours
             continue
         if node.op in ("call_function", "call_method") and not _supported(node):
             why = early_refusal(node) if key_of(node) in LOWERINGS else None
@@ -410,7 +415,6 @@ def _partition_and_wrap(gm: fx.GraphModule, options: dict, label: str = ""):
         module = StitchflowModule(split.get_submodule(name), target, fusion, f"{label}.{name}" if label else name)
         setattr(split, name, module)
         compiled.append(module)
-    saved_from = saved_outputs_start(label)
     for node in split.graph.nodes:
         if node.op == "call_module" and node.target in names:
             module = split.get_submodule(node.target)
@@ -422,6 +426,15 @@ def _partition_and_wrap(gm: fx.GraphModule, options: dict, label: str = ""):
     split.stitchflow_modules = compiled
     COMPILED.extend(compiled)
     return split
+
+
+def _convolutions_channels_last(gm: fx.GraphModule, target: str | None) -> bool:
+    """Will the graph's convolutions run channels last: the gpu target's programs store their
+    activations so (targets/gpu/channels_last.py), and CUDA tensors go to it by default."""
+    if target is not None:
+        return target == "gpu"
+    return any(isinstance(v := n.meta.get("val"), torch.Tensor) and v.is_cuda
+               for n in gm.graph.nodes if n.op == "placeholder")
 
 
 def _read_eagerly(node: fx.Node, partitions: set, outputs_too: bool) -> frozenset:

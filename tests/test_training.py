@@ -374,3 +374,61 @@ def test_a_cnns_training_step_keeps_its_activations_channels_last(target, fp32_c
     read = {name for p in backward for name in p.captured.layouts if name in p.graph.inputs}
     assert read, "no backward partition read its inputs as stored"
     assert any(name in p.graph.outputs for p in backward for name in p.captured.layouts)
+
+
+def test_weights_follow_their_gradients_layout_and_are_stored_channels_last_once():
+    from stitchflow.backend_layouts import weight_channels_last, weight_like_gradient
+
+    w = torch.randn(8, 3, 3, 3)
+    last = weight_channels_last(w)
+    assert last.is_contiguous(memory_format=torch.channels_last) and torch.equal(last, w)
+    assert weight_channels_last(last) is last
+    nhwc = torch.randn(2, 8, 6, 5).contiguous(memory_format=torch.channels_last)
+    assert weight_like_gradient(last, nhwc) is last
+    assert weight_like_gradient(w, nhwc).is_contiguous(memory_format=torch.channels_last)
+    back = weight_like_gradient(last, nhwc.contiguous())  # an NCHW gradient: the weight goes back to NCHW
+    assert back.is_contiguous() and torch.equal(back, w)
+    assert weight_like_gradient(w, nhwc.contiguous()) is w
+    assert weight_like_gradient(w[:, :, 0], nhwc[:, :, 0]) is not None  # 3 dims: no channels-last format
+
+
+def test_a_convolution_reads_a_weight_in_its_inputs_format():
+    from stitchflow.targets.gpu.conv import _weight
+
+    w = torch.randn(8, 3, 3, 3)
+    x_last = torch.randn(2, 3, 6, 5).contiguous(memory_format=torch.channels_last)
+    moved = _weight(w, x_last, None)
+    assert moved.is_contiguous(memory_format=torch.channels_last) and torch.equal(moved, w)
+    back = _weight(moved, x_last.contiguous(), {})
+    assert back.is_contiguous() and torch.equal(back, w)
+    assert _weight(w, x_last.contiguous(), None) is w and _weight(moved, x_last, None) is moved
+
+
+@pytest.mark.parametrize("target", ["gpu"])
+def test_a_training_step_converts_each_convolution_weight_once(target, fp32_convolutions, monkeypatch):
+    """The forward converts each convolution weight it saves for the backward to channels last once,
+    its convolutions read that copy, and the backward's convolution backwards get it as stored (no
+    conversion there). Gradients and the parameters after SGD steps equal eager's."""
+    import stitchflow.backend_layouts as layouts
+
+    skip_unless_kernels_run(target)
+    converted, matched, original = [], [], layouts.weight_like_gradient
+
+    def counting(w, grad):
+        out = original(w, grad)
+        matched.append(out is w and w.is_contiguous(memory_format=torch.channels_last))
+        return out
+
+    monkeypatch.setattr(layouts, "LAYOUT_FREE", layouts.LAYOUT_FREE | {counting})
+    monkeypatch.setattr(layouts, "weight_like_gradient", counting)
+    monkeypatch.setattr(backend, "weight_like_gradient", counting)
+    monkeypatch.setattr(backend, "saved_weights_channels_last",
+                        lambda gm, saved_from: converted.append(layouts.saved_weights_channels_last(gm, saved_from)))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
+                          nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 6, 1), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten()).to(DEVICE)
+    _train_side_by_side(model, lambda: (torch.randn(4, 3, 10, 10, device=DEVICE),), steps=2, exact=True,
+                        options={"target": target})
+    assert converted == [3], converted
+    assert matched and all(matched), "a convolution backward's weight was not channels last as the forward saved it"

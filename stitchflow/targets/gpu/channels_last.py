@@ -37,7 +37,9 @@ def channels_last(graph: Graph) -> Graph:
 
 def channels_last_layouts(graph: Graph, free_outputs=(), input_orders=None) -> tuple[Graph, dict]:
     """(the rewritten graph, {input or output name: the permutation of its axes as stored})."""
-    input_orders = {k: tuple(v) for k, v in (input_orders or {}).items() if k in graph.inputs}
+    # a convolution's weight keeps its axes whatever its strides: cuDNN reads it in either layout
+    weights = {call.weight for node in graph.nodes if (call := match_conv(graph, node)) is not None}
+    input_orders = {k: tuple(v) for k, v in (input_orders or {}).items() if k in graph.inputs and k not in weights}
     order = _choose(graph, set(free_outputs) - set(graph.inputs), input_orders)
     if not order:
         return graph, {}

@@ -68,18 +68,22 @@ class ConvCall:
 
 def _weight(w: torch.Tensor, x: torch.Tensor, cache: dict | None) -> torch.Tensor:
     """The weight in the input's memory format, converted once per version of it: cuDNN would
-    convert a weight of the other format at every call. Not cached while a CUDA graph records:
-    every replay must convert again, since an optimizer updates the weight in place between them
-    (a cached copy would be read stale)."""
+    convert a weight of the other format at every call (and an NCHW input too, behind a weight the
+    forward of a training step stored channels last). Not cached while a CUDA graph records: every
+    replay must convert again, since an optimizer updates the weight in place between them (a
+    cached copy would be read stale)."""
     last = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
-    if last is None or not x.is_contiguous(memory_format=last) or x.is_contiguous():
+    if last is None or x.is_contiguous() == x.is_contiguous(memory_format=last):
+        return w
+    form = torch.contiguous_format if x.is_contiguous() else last
+    if w.is_contiguous(memory_format=form):
         return w
     if cache is None or (w.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return w.contiguous(memory_format=last)
-    key = (w.data_ptr(), w._version, w.dtype)
+        return w.contiguous(memory_format=form)
+    key = (w.data_ptr(), w._version, w.dtype, form)
     if key not in cache:
         cache.clear()
-        cache[key] = w.contiguous(memory_format=last)
+        cache[key] = w.contiguous(memory_format=form)
     return cache[key]
 
 

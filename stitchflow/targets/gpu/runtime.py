@@ -306,6 +306,17 @@ class GroupKernel:
                 candidates(plan, sms, {"split": 1, "block_l": 1 << 15})[0]]
         return space
 
+    def _evaluated(self, env) -> set[str]:
+        """The nodes a call evaluates without kernels: the parts' own, and the producers of the group
+        that their kernels would inline (a part kept only to be inlined stores nothing)."""
+        needed, todo = set(), [n.name for p in self.plans for n in p.nodes]
+        while todo:
+            name = todo.pop()
+            if name not in needed:
+                needed.add(name)
+                todo += [t for t in self.graph.node_of[name].inputs if t in self.group_names and t not in env]
+        return needed
+
     def _signature(self, env, device_type: str | None = None) -> tuple:
         """Per input: strides, device type, and whether its base is 16-byte aligned (TMA needs it;
         a misaligned view of the same strides gets a kernel of its own). `device_type` stands for the
@@ -322,9 +333,9 @@ class GroupKernel:
         if first is None or (first.device.type == "cpu" and not interpreting()):
             # in the graph's order: a plan may read a value (a constant folded into the kernels) that a
             # later plan makes
-            mine = {n.name for p in self.plans for n in p.nodes}
+            needed = self._evaluated(env)
             for n in self.graph.nodes:
-                if n.name in mine:
+                if n.name in needed:
                     env[n.name] = eval_node(n, env, self.graph.type_of[n.name])
             return
         sig = self._signature(env)

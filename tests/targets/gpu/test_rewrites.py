@@ -16,7 +16,8 @@ import stitchflow  # noqa: E402
 from stitchflow.bench.stitching_patterns import PATTERNS, relative_error  # noqa: E402
 from stitchflow.ir.interpret import run_graph  # noqa: E402
 from stitchflow.targets.gpu.grouping import fold_iotas  # noqa: E402
-from stitchflow.targets.gpu.rewrites import SMALL_SUM, gather_one_hots, unroll_small_sums  # noqa: E402
+from stitchflow.targets.gpu.rewrites import (SMALL_SUM, gather_one_hots, sink_widening_casts,  # noqa: E402
+                                             unroll_small_sums)
 from conftest import assert_close  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -236,3 +237,44 @@ def test_masked_gathers_load_clamped_addresses():
     (launch,) = kernel._built.values()
     loads = [line for line in launch.spec.source.splitlines() if "tl.load(" in line]
     assert loads and all("tl.minimum(tl.maximum(" in line and "mask=" not in line for line in loads), loads
+
+
+def _pool_gradient(g, x, index):
+    return torch.ops.aten.max_pool2d_with_indices_backward(g, x, [3, 3], [2, 2], [1, 1], [1, 1], False, index)
+
+
+def test_a_widening_cast_between_kernels_is_stored_narrow():
+    """ResNet's stem backward: a max pool's gradient (bfloat16, gathered in its own kernel) is cast
+    to float32 for the batch norm backward's per-channel sums in another kernel. The cast moves into
+    its readers, so the bfloat16 gradient is what crosses between the kernels; values equal eager's."""
+    a, b = (torch.randn(2, 4, 5, 5).to(torch.bfloat16) for _ in range(2))
+    x = torch.randn(2, 4, 9, 9).to(torch.bfloat16)
+    _, index = torch.nn.functional.max_pool2d(x, 3, 2, 1, return_indices=True)
+
+    def stem_backward(a, b, x, index):
+        g = torch.where(x > 0, _pool_gradient(a + b, x, index), 0).float()
+        total = g.sum((0, 2, 3), keepdim=True)
+        return ((g - total / 162) * x.float()).to(torch.bfloat16), total
+
+    args = (a, b, x, index)
+    prog = stitchflow.compile(stem_backward, args, target="gpu", fusion="full")
+    sunk = sink_widening_casts(prog.graph)
+    assert sunk is not prog.graph and any("float32(" in str(n.body) and n.reduce == "sum" for n in sunk.nodes)
+    out = prog(*args)
+    stored = {o for run in prog._compiled for k in run.kernels for p in k.plans for o in p.outputs}
+    full = [o for o in stored if prog.graph.type_of[o].shape == (2, 4, 9, 9)]
+    assert full and all(prog.graph.type_of[o].dtype == torch.bfloat16 for o in full), full
+    for got, want in zip(out, stem_backward(*args)):  # sums of bfloat16 values: bfloat16's tolerance
+        assert_close(got, want, torch.bfloat16)
+
+
+def test_casts_read_by_products_inputs_or_outputs_stay():
+    """A cast a GEMM reads, a cast of an input, and a cast the program returns stay nodes."""
+    w = torch.randn(6, 5).to(torch.bfloat16)
+
+    def casts(x, w):
+        h = torch.relu(x).float()
+        return h @ w.float(), x.float().sum(1), torch.tanh(x).float()
+
+    prog = stitchflow.compile(casts, (torch.randn(4, 6).to(torch.bfloat16), w), target="gpu", fusion="full")
+    assert sink_widening_casts(prog.graph) is prog.graph
