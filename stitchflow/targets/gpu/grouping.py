@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 import torch
 
@@ -159,7 +160,60 @@ def split_region(graph: Graph, region: Region) -> list[tuple[str, list[Node], li
         except NotStitchable as err:
             steps.append(("torch", [n], str(err)))
     flush()
-    return [_final(graph, s) for s in steps]
+    return [_final(graph, s) for s in defer_elementwise(graph, steps)]
+
+
+def defer_elementwise(graph: Graph, steps: list) -> list:
+    """Elementwise work that a kernel computes only for one later kernel moves into that kernel, when
+    the later kernel can take it and reads no more bytes for it than the values it would have read.
+    Greedy grouping in graph order can leave such nodes in an earlier kernel, which then stores what
+    they make (ResNet's stem backward: a batch norm's x - mean, in float32, stored before the max
+    pool's gradient kernel for the batch norm backward after it, where recomputing it reads x in
+    bfloat16, half the bytes, and the store goes)."""
+    steps = list(steps)
+    for i in range(len(steps)):
+        for j in range(i + 1, len(steps)):
+            if steps[i][0] != "kernel" or steps[j][0] != "kernel":
+                continue
+            moved = _deferrable(graph, steps[i][1], steps[j][1])
+            if not moved:
+                continue
+            kept = [n for n in steps[i][1] if n.name not in moved]
+            taken = [n for n in steps[i][1] if n.name in moved] + steps[j][1]
+            try:
+                planned = [plan_group(graph, nodes, set()) for nodes in (kept, taken) if nodes]
+            except NotStitchable:
+                continue
+            log.info("%s moved into the kernel at %s (elementwise, read only there)", sorted(moved), taken[-1].name)
+            steps[j] = ("kernel", taken, planned[-1])
+            steps[i] = ("kernel", kept, planned[0]) if kept else ("empty", [], None)
+    return [s for s in steps if s[0] != "empty"]
+
+
+def _deferrable(graph: Graph, earlier: list[Node], later: list[Node]) -> set[str]:
+    """The nodes of `earlier` that may move into `later`: elementwise, not program outputs, each read
+    only by those nodes or by `later`, each made from tensors outside `earlier` or from those nodes;
+    empty unless their outside inputs are no more bytes than what `later` reads of them."""
+    mine, theirs = {n.name for n in earlier}, {n.name for n in later}
+    moved = {n.name for n in earlier if n.reduce is None and not n.is_scatter and n.name not in graph.outputs}
+    changed = True
+    while changed:
+        changed = False
+        for name in sorted(moved):
+            node = graph.node_of[name]
+            if any(c not in moved and c not in theirs for c in graph.consumers.get(name, ())) or \
+                    any(t in mine and t not in moved for t in node.inputs):
+                moved.discard(name)
+                changed = True
+    if not any(c in theirs for m in moved for c in graph.consumers.get(m, ())):
+        return set()
+    outside = {t for m in moved for t in graph.node_of[m].inputs if t not in moved}
+    read_later = {m for m in moved if any(c in theirs for c in graph.consumers.get(m, ()))}
+    return moved if _bytes(graph, outside) <= _bytes(graph, read_later) else set()
+
+
+def _bytes(graph: Graph, names) -> int:
+    return sum(math.prod(graph.type_of[t].shape) * graph.type_of[t].dtype.itemsize for t in names if t in graph.type_of)
 
 
 def _final(graph: Graph, step):
