@@ -149,10 +149,12 @@ def weight_like_gradient(w, grad):
     return w
 
 
-def weight_channels_last(w):
-    """A convolution weight stored channels last (a copy, made once per forward)."""
-    last = _channels_last_format(w)
-    return w if last is None or w.is_contiguous(memory_format=last) else w.contiguous(memory_format=last)
+def weights_channels_last(*weights) -> tuple:
+    """Convolution weights stored channels last (copies made once per forward, one launch on a GPU:
+    targets/gpu/weights.py)."""
+    from .targets.gpu.weights import channels_last_copies
+
+    return channels_last_copies(weights)
 
 
 def _channels_last_format(t):
@@ -166,10 +168,10 @@ LAYOUT_FREE = LAYOUT_FREE | {like_gradient, weight_like_gradient}
 def saved_weights_channels_last(gm: fx.GraphModule, saved_from: int | None) -> int:
     """In AOTAutograd's forward graph, for a target that runs convolutions channels last: each
     convolution weight (a graph input) that the graph also saves for the backward is converted to
-    channels last once (`weight_channels_last`); the forward's convolutions read that copy and the
-    backward gets it in the weight's place. Otherwise the forward converted it for cuDNN and the
-    backward's convolution_backward converted it again (ResNet-18: 20 weights, 90 µs a step on an
-    H100). Returns how many weights it converts."""
+    channels last once (`weights_channels_last`, all in one launch); the forward's convolutions read
+    that copy and the backward gets it in the weight's place. Otherwise the forward converted it for
+    cuDNN and the backward's convolution_backward converted it again (ResNet-18: 20 weights, 90 µs
+    a step on an H100). Returns how many weights it converts."""
     if saved_from is None:
         return 0
     output = next(n for n in gm.graph.nodes if n.op == "output")
@@ -182,17 +184,22 @@ def saved_weights_channels_last(gm: fx.GraphModule, saved_from: int | None) -> i
             if isinstance(w, fx.Node) and w.op == "placeholder" and id(w) in saved and \
                     _channels_last_format(w.meta.get("val")) is not None:
                 weights.setdefault(w, []).append(node)
+    if not weights:
+        return 0
+    last_input = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    with gm.graph.inserting_after(last_input):
+        copies = gm.graph.call_function(weights_channels_last, tuple(weights))
     converted = {}
-    for w, convolutions in weights.items():
-        with gm.graph.inserting_after(w):
-            converted[w] = gm.graph.call_function(weight_channels_last, (w,))
-        converted[w].meta["val"] = w.meta["val"]
-        for conv in convolutions:
-            conv.replace_input_with(w, converted[w])
-    if converted:  # the saved positions only: a weight the graph returns to the user keeps its layout
-        swapped = [*outputs[:saved_from], *(converted.get(v, v) for v in outputs[saved_from:])]
-        output.args = (type(output.args[0])(swapped),)
-        gm.recompile()
+    with gm.graph.inserting_after(copies):
+        for k, (w, convolutions) in enumerate(weights.items()):
+            converted[w] = gm.graph.call_function(operator.getitem, (copies, k))
+            converted[w].meta["val"] = w.meta["val"]
+            for conv in convolutions:
+                conv.replace_input_with(w, converted[w])
+    # the saved positions only: a weight the graph returns to the user keeps its layout
+    swapped = [*outputs[:saved_from], *(converted.get(v, v) for v in outputs[saved_from:])]
+    output.args = (type(output.args[0])(swapped),)
+    gm.recompile()
     return len(converted)
 
 

@@ -377,12 +377,12 @@ def test_a_cnns_training_step_keeps_its_activations_channels_last(target, fp32_c
 
 
 def test_weights_follow_their_gradients_layout_and_are_stored_channels_last_once():
-    from stitchflow.backend_layouts import weight_channels_last, weight_like_gradient
+    from stitchflow.backend_layouts import weight_like_gradient, weights_channels_last
 
     w = torch.randn(8, 3, 3, 3)
-    last = weight_channels_last(w)
+    (last,) = weights_channels_last(w)
     assert last.is_contiguous(memory_format=torch.channels_last) and torch.equal(last, w)
-    assert weight_channels_last(last) is last
+    assert weights_channels_last(last)[0] is last
     nhwc = torch.randn(2, 8, 6, 5).contiguous(memory_format=torch.channels_last)
     assert weight_like_gradient(last, nhwc) is last
     assert weight_like_gradient(w, nhwc).is_contiguous(memory_format=torch.channels_last)

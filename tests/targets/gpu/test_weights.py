@@ -1,0 +1,43 @@
+"""Convolution weights stored channels last in one launch (targets/gpu/weights.py), against torch's
+conversion, under TRITON_INTERPRET=1 on CPU tensors (on a GPU session, on CUDA tensors)."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from stitchflow.targets.gpu.weights import BLOCK, channels_last_copies  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+
+
+def _weights():
+    g = torch.Generator().manual_seed(0)
+    shapes = [((64, 3, 7, 7), torch.bfloat16), ((8, 8, 1, 1), torch.bfloat16), ((5, 1, 3, 3), torch.float32),
+              ((3, 4, 2, 3, 5), torch.float32), ((7, 33, 3, 3), torch.bfloat16), ((2, 2 * BLOCK + 3, 1, 1), torch.float32)]
+    return [torch.randn(s, generator=g).to(DEVICE, dtype) for s, dtype in shapes]
+
+
+def test_every_weight_is_copied_channels_last_in_one_launch():
+    weights = _weights()
+    copies = channels_last_copies(weights)
+    for w, c in zip(weights, copies):
+        form = torch.channels_last if w.dim() == 4 else torch.channels_last_3d
+        assert c.is_contiguous(memory_format=form) and c.dtype == w.dtype and torch.equal(c, w)
+        assert (c is w) == w.is_contiguous(memory_format=form)  # a 1x1 weight is both: kept
+
+
+@pytest.mark.parametrize("case", ["already channels last", "not contiguous", "3 dims", "empty"])
+def test_weights_the_kernel_does_not_take(case):
+    w = torch.randn(6, 4, 3, 3, device=DEVICE)
+    other = {"already channels last": w.contiguous(memory_format=torch.channels_last),
+             "not contiguous": w.transpose(2, 3), "3 dims": w[0], "empty": w[:0]}[case]
+    out = channels_last_copies([w, other])
+    assert torch.equal(out[0], w) and out[0].is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(out[1], other)
+    if case in ("already channels last", "3 dims"):
+        assert out[1] is other
+    elif case == "not contiguous":
+        assert out[1].is_contiguous(memory_format=torch.channels_last)
