@@ -44,20 +44,20 @@ def channels_last_copies(weights) -> tuple:
     so, or of another rank, as it is. Those of a GPU (or under Triton's interpreter) that are NCHW
     contiguous are copied in one launch, the rest through torch."""
     out = list(weights)
-    batch = []
+    batches: dict = {}  # device -> positions of the weights one launch there copies
     for k, w in enumerate(weights):
         form = channels_last_format(w)
         if form is None or w.is_contiguous(memory_format=form):
             continue
         if w.is_contiguous() and w.numel() > 0 and (w.is_cuda or interpreting()):
-            batch.append(k)
+            batches.setdefault(w.device, []).append(k)
         else:
             out[k] = w.contiguous(memory_format=form)
-    for first in range(0, len(batch), MOST):
-        chunk = batch[first:first + MOST]
-        copies = _launch([weights[k] for k in chunk])
-        for k, copy in zip(chunk, copies):
-            out[k] = copy
+    for batch in batches.values():
+        for first in range(0, len(batch), MOST):
+            chunk = batch[first:first + MOST]
+            for k, copy in zip(chunk, _launch([weights[k] for k in chunk])):
+                out[k] = copy
     return tuple(out)
 
 

@@ -1,0 +1,53 @@
+"""Kernel boundaries of the gpu target's grouping (targets/gpu/grouping.py): elementwise work that a
+kernel makes only for one later kernel moves into it (`defer_elementwise`)."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+import stitchflow  # noqa: E402
+from stitchflow.targets.gpu.grouping import defer_elementwise, plan_group  # noqa: E402
+
+
+def _two_kernels(fn, args, first: int):
+    """The program's nodes cut into two kernels after the `first` ones, as greedy grouping can leave them."""
+    graph = stitchflow.compile(fn, args, target="gpu", fusion="full").graph
+    nodes = list(graph.nodes)
+    steps = [("kernel", part, plan_group(graph, part, set())) for part in (nodes[:first], nodes[first:])]
+    return graph, steps
+
+
+def test_a_centred_input_moves_into_the_kernel_that_reads_it():
+    """x - mean in float32, of a bfloat16 x, read only by the next kernel: computed there from x (half
+    the bytes of the float32 value), not stored."""
+    x, mean = torch.randn(64, 24).to(torch.bfloat16), torch.randn(24)
+
+    def centred_square_sums(x, mean):
+        centred = x.float() - mean
+        return (centred * centred).sum(0)
+
+    graph, steps = _two_kernels(centred_square_sums, (x, mean), first=2)
+    (kernel,) = defer_elementwise(graph, steps)
+    assert [n.name for n in kernel[1]] == [n.name for n in graph.nodes]
+    stored = {o for plan in kernel[2] for o in plan.outputs}
+    assert stored == set(graph.outputs)
+
+
+def test_work_read_elsewhere_or_costing_more_bytes_stays():
+    """Not moved: a value the program returns (it is stored anyway), and one whose inputs are more bytes
+    than itself (three float32 tensors summed: the later kernel would read three tensors for one)."""
+    a, b, c = (torch.randn(32, 16) for _ in range(3))
+
+    def returned(a, b, c):
+        total = a + b
+        return total, (total * c).sum(1)
+
+    def wide_inputs(a, b, c):
+        total = a + b + c
+        return (total * total).sum(1)
+
+    for fn, first in ((returned, 1), (wide_inputs, 2)):
+        graph, steps = _two_kernels(fn, (a, b, c), first=first)
+        assert defer_elementwise(graph, steps) == steps, fn.__name__
