@@ -101,12 +101,13 @@ class StitchflowModule(torch.nn.Module):
         self.free_outputs: frozenset = frozenset()
         self.program_options: dict = {}  # the backend's options that programs take (cuda_graphs)
         self.strides: dict[tuple, list] = {}  # per signature: eager's output strides, None where not dense
+        self.traced_strides: list | None = None  # per input: the strides the FX graph was traced with
 
     def forward(self, *args):
         call = self.last if self.last is not None and self.last.matches(args) else self._lookup(args)
         self.last = call
         if call.program is None:
-            return self.gm(*args)
+            return self._eager(args)
         if call.trusted:
             return self._run(call, args)
         try:  # the first run of a program: a failure here (a kernel that does not build) costs speed only
@@ -119,9 +120,23 @@ class StitchflowModule(torch.nn.Module):
             log.debug("stitchflow: %s failed here", self.name, exc_info=True)
             self.programs[call.key] = None
             self.last = None
-            return self.gm(*args)
+            return self._eager(args)
         call.trusted = True
         return out
+
+    def _eager(self, args):
+        return self.gm(*self._as_traced(args))
+
+    def _as_traced(self, args) -> list:
+        """The arguments, each tensor in the strides the FX graph was traced with: another partition may
+        hand one over channels last (a free output; a convolution weight the forward stored so), and an
+        eager op may refuse that layout (CUDA's native_group_norm takes only contiguous inputs), a view
+        may not fit it, or a convolution follow it into its output's layout."""
+        if self.traced_strides is None:
+            self.traced_strides = [tuple(v.stride()) if isinstance(v := n.meta.get("val"), torch.Tensor) and
+                                   v.layout == torch.strided else None
+                                   for n in self.gm.graph.nodes if n.op == "placeholder"]
+        return [restrided(a, s) for a, s in zip(args, self.traced_strides)]
 
     def _run(self, call: "_Call", args):
         if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
@@ -153,7 +168,7 @@ class StitchflowModule(torch.nn.Module):
     def _compile(self, args) -> tuple[Program | None, dict, list]:
         target = self.target or ("gpu" if any(isinstance(a, torch.Tensor) and a.is_cuda for a in args) else "reference")
         try:
-            captured = capture(self.gm, args)
+            captured = capture(self.gm, self._as_traced(args))  # the IR has no layouts; eager's example values do
             bound = {k: a for k, a in enumerate(args) if k not in self.moved and _static_address(a)}
             layouts = self._layout_options(captured, args, bound)
             captured = bind_inputs(captured, args, bound)

@@ -223,6 +223,41 @@ def test_a_program_failing_on_its_first_call_runs_eagerly_from_then_on(monkeypat
     assert "failed on the first call, RuntimeError: a kernel that does not build" in backend.fallback_report()
 
 
+def test_a_partition_run_eagerly_takes_its_inputs_in_the_strides_it_was_traced_with():
+    """Another partition may hand a tensor over channels last; where this one then runs eagerly (its program
+    failed), an eager op may refuse that layout (a view here; CUDA's native_group_norm) or read it wrongly."""
+    import torch.fx as fx
+
+    gm = fx.symbolic_trace(lambda x: x.view(2, -1) * 2)
+    x = torch.randn(2, 3, 4, 5)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            node.meta["val"] = torch.empty_like(x)
+    module = backend.StitchflowModule(gm, "reference", "auto", "partition")
+    last = x.contiguous(memory_format=torch.channels_last)
+    with pytest.raises(RuntimeError):
+        gm(last)  # the view of a channels-last tensor
+    assert_close(module._eager((last,)), x.view(2, -1) * 2)
+
+
+def test_a_partition_captures_its_example_inputs_in_the_strides_it_was_traced_with(monkeypatch):
+    """A convolution weight the forward stored channels last made eager's convolution return channels last
+    in the capture's example run, and CUDA's native_group_norm refused it: the whole UNet forward ran
+    eagerly. The capture takes its examples in the traced strides; the program still gets the tensor as is."""
+    import torch.fx as fx
+
+    gm = fx.symbolic_trace(lambda x, w: F.group_norm(F.conv2d(x, w, padding=1), 2))
+    x, w = torch.randn(2, 3, 6, 6), torch.randn(4, 3, 3, 3)
+    for node, val in zip((n for n in gm.graph.nodes if n.op == "placeholder"), (x, w)):
+        node.meta["val"] = torch.empty_like(val)
+    seen, original = [], backend.capture
+    monkeypatch.setattr(backend, "capture", lambda g, args: seen.append([a.stride() for a in args]) or original(g, args))
+    module = backend.StitchflowModule(gm, "reference", "auto", "partition")
+    last = w.contiguous(memory_format=torch.channels_last)
+    assert_close(module(x, last), F.group_norm(F.conv2d(x, w, padding=1), 2))
+    assert seen == [[x.stride(), w.stride()]]
+
+
 def test_training_through_the_backend_gets_eagers_gradients():
     """Where autograd records, a partition's forward runs through stitchflow and its backward
     differentiates the eager graph: the same gradients, and the same parameters after SGD steps."""

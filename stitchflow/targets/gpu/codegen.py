@@ -29,11 +29,11 @@ from ...ir.graph import Graph
 from .analysis import PartPlan
 from .codegen_split import SplitStitching
 from .codegen_tma import TmaStitching
-from .codegen_welford import WelfordStitching
+from .codegen_welford import WelfordStitching, phase_stages, phased_riding
 from .emit import LOW_PRECISION, BodyEmitter, Scope, Source, Val, is_literal, carried, contiguous_strides, kind_of, to_dtype
 from .codegen_header import header
 from .gluon_dialect import GluonRefusal, blocked_layout, to_gluon
-from .mapping import Config, Planes, n_chunks, phases, plane_geometry, programs, split_len
+from .mapping import Config, Planes, n_chunks, plane_geometry, programs, split_len
 
 @dataclass(frozen=True)
 class KernelSpec:
@@ -74,7 +74,8 @@ class PartKernel(SplitStitching, TmaStitching, WelfordStitching):
         self.single_chunk = n_chunks(plan, cfg) == 1
         self.need_mask_p = plan.P_total % cfg.BP != 0
         self.need_mask_l = plan.L_total % cfg.BL != 0 or split_len(plan, cfg) % cfg.BL != 0  # TMA pieces
-        self.reduction_phases = phases(plan, cfg) > 1
+        self.phase_stages = phase_stages(graph, plan, cfg)  # the stage each launch runs (codegen_welford)
+        self.reduction_phases = len(self.phase_stages) > 1
         self.load_hint: str | None = None  # eviction policy of loads along the local axes (emit.raw_load)
         self._loaded: dict = {}  # partials loaded after a barrier, by reduction (codegen_split)
         geometry = plane_geometry(plan, cfg) if cfg.tma and not plan.p_contiguous else None
@@ -168,7 +169,7 @@ class PartKernel(SplitStitching, TmaStitching, WelfordStitching):
             self.prologue(0)
             self.program_coop()
             return
-        n_phases = phases(self.plan, self.cfg)
+        n_phases = len(self.phase_stages)
         if n_phases == 1 and self.cfg.persistent and self.split == 1:
             nblocks = -(-self.plan.P_total // self.cfg.BP)
             self.src.emit(f"for pid_p in range(pid, {nblocks}, {programs(self.plan, self.cfg)}):")
@@ -221,17 +222,21 @@ class PartKernel(SplitStitching, TmaStitching, WelfordStitching):
             self.coord(c, root)
         self.chunk_scope = None
         final = self.plan.final_stage
+        self._riding = riding = self.riding_variances() if phase is None else phased_riding(self.graph, self.plan,
+                                                                                            self.cfg)
+        stage_of = {r.name: self.plan.stage[riding[r.name][0]] if r.name in riding else self.plan.stage[r.name]
+                    for r in self.plan.reductions}
         if phase is None:
             stages = list(range(final + 1))
         else:
-            for r in self.plan.reductions:
-                if self.plan.stage[r.name] < phase:
+            stages = [self.phase_stages[phase]]
+            for r in self.plan.reductions:  # what earlier launches left, a riding variance after its mean
+                if stage_of[r.name] < stages[0] and r.name not in riding:
                     self.combine_partials(r, root)
-            stages = [phase]
+            for var, (mean, factor) in riding.items():
+                if stage_of[var] < stages[0]:
+                    self._combine_variance(var, mean, factor, root)
         self.emit_ready_rows(root, stages[0])
-        self._riding = riding = self.riding_variances() if phase is None else {}
-        stage_of = {r.name: self.plan.stage[riding[r.name][0]] if r.name in riding else self.plan.stage[r.name]
-                    for r in self.plan.reductions}
         for s in stages:
             reds = [r for r in self.plan.reductions if stage_of[r.name] == s]
             full_outs = [o for o in self.plan.outputs if o not in self.plan.row_level] if s == final else []
@@ -239,7 +244,7 @@ class PartKernel(SplitStitching, TmaStitching, WelfordStitching):
                 self.stage_loop(root, reds, full_outs, partial=phase is not None and s < final)
             if phase is None or s == final:
                 self.emit_ready_rows(root, s + 1)
-        if phase is None or phase == final:
+        if stages[-1] == final:
             self.store_rows(root)
 
     def emit_ready_rows(self, root: Scope, upto: int) -> None:
@@ -307,7 +312,8 @@ class PartKernel(SplitStitching, TmaStitching, WelfordStitching):
                     results[r.name] = self.src.let(self._reduce(r, accs[r.name]), "r")
             tail = str(self.plan.L_total % self.cfg.BL) if self.plan.L_total % self.cfg.BL else None
             for v, (m, factor) in pairs.items():
-                results[m], results[v] = self.welford_total(m, factor, welford[m], tail)
+                results[m], results[v] = self.welford_piece(m, factor, welford[m]) if partial else \
+                    self.welford_total(m, factor, welford[m], tail)
             reds = reds_all
         else:
             if self.chunk_scope is not None and not self.reduction_phases:
@@ -480,7 +486,7 @@ def build_kernel(graph: Graph, parts: list[tuple[PartPlan, Config]], strides: di
         strides = {**strides, t: contiguous_strides(graph.type_of[t].shape)}
     buffers = []  # (name, elements, dtype): partial reductions; int64 ones are counters (runtime.Launch)
     for plan, cfg in parts:
-        if phases(plan, cfg) > 1 or cfg.coop:
+        if len(phase_stages(graph, plan, cfg)) > 1 or cfg.coop:
             for r in plan.reductions:
                 if plan.stage[r.name] < plan.final_stage:
                     arg["buf:" + r.name] = f"buf{len(buffers)}"
@@ -505,7 +511,7 @@ def build_kernel(graph: Graph, parts: list[tuple[PartPlan, Config]], strides: di
         grids.append(programs(plan, cfg))
     name = kernel_name(title)
     lines += _dispatch(params, grids, name)
-    n_phases = max(phases(p, c) for p, c in parts)
+    n_phases = max(len(phase_stages(graph, p, c)) for p, c in parts)
     warps = max(c.num_warps for _, c in parts)
     group = max((c.split for _, c in parts if c.coop), default=0)
     body = "\n".join(lines) + "\n"
