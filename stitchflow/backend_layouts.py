@@ -176,12 +176,12 @@ def saved_weights_channels_last(gm: fx.GraphModule, saved_from: int | None) -> i
         return 0
     output = next(n for n in gm.graph.nodes if n.op == "output")
     outputs = _flat(output.args[0])
-    saved = {id(v) for v in outputs[saved_from:] if isinstance(v, fx.Node)}
+    saved = {v for v in outputs[saved_from:] if isinstance(v, fx.Node)}
     weights = {}
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is torch.ops.aten.convolution.default:
             w = node.args[1]
-            if isinstance(w, fx.Node) and w.op == "placeholder" and id(w) in saved and \
+            if isinstance(w, fx.Node) and w.op == "placeholder" and w in saved and \
                     _channels_last_format(w.meta.get("val")) is not None:
                 weights.setdefault(w, []).append(node)
     if not weights:

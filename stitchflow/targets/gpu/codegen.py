@@ -75,6 +75,7 @@ class PartKernel(SplitStitching, TmaStitching, WelfordStitching):
         self.need_mask_p = plan.P_total % cfg.BP != 0
         self.need_mask_l = plan.L_total % cfg.BL != 0 or split_len(plan, cfg) % cfg.BL != 0  # TMA pieces
         self.phase_stages = phase_stages(graph, plan, cfg)  # the stage each launch runs (codegen_welford)
+        self.phased_riding = phased_riding(graph, plan, cfg)  # variances riding their mean's launch
         self.reduction_phases = len(self.phase_stages) > 1
         self.load_hint: str | None = None  # eviction policy of loads along the local axes (emit.raw_load)
         self._loaded: dict = {}  # partials loaded after a barrier, by reduction (codegen_split)
@@ -222,8 +223,7 @@ class PartKernel(SplitStitching, TmaStitching, WelfordStitching):
             self.coord(c, root)
         self.chunk_scope = None
         final = self.plan.final_stage
-        self._riding = riding = self.riding_variances() if phase is None else phased_riding(self.graph, self.plan,
-                                                                                            self.cfg)
+        self._riding = riding = self.riding_variances() if phase is None else self.phased_riding
         stage_of = {r.name: self.plan.stage[riding[r.name][0]] if r.name in riding else self.plan.stage[r.name]
                     for r in self.plan.reductions}
         if phase is None:
