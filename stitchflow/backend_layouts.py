@@ -158,6 +158,7 @@ def weights_channels_last(*weights) -> tuple:
 
 
 def _channels_last_format(t):
+    # targets/gpu/conv.channels_last_format's twin: importing the gpu target here would load Triton with the backend
     return {4: torch.channels_last, 5: torch.channels_last_3d}.get(t.dim()) if isinstance(t, torch.Tensor) else None
 
 

@@ -74,8 +74,8 @@ class PartKernel(SplitStitching, TmaStitching, WelfordStitching):
         self.single_chunk = n_chunks(plan, cfg) == 1
         self.need_mask_p = plan.P_total % cfg.BP != 0
         self.need_mask_l = plan.L_total % cfg.BL != 0 or split_len(plan, cfg) % cfg.BL != 0  # TMA pieces
-        self.phase_stages = phase_stages(graph, plan, cfg)  # the stage each launch runs (codegen_welford)
         self.phased_riding = phased_riding(graph, plan, cfg)  # variances riding their mean's launch
+        self.phase_stages = phase_stages(graph, plan, cfg, self.phased_riding)  # the stage each launch runs
         self.reduction_phases = len(self.phase_stages) > 1
         self.load_hint: str | None = None  # eviction policy of loads along the local axes (emit.raw_load)
         self._loaded: dict = {}  # partials loaded after a barrier, by reduction (codegen_split)

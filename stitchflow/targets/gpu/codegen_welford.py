@@ -32,12 +32,13 @@ def phased_riding(graph, plan, cfg) -> dict[str, tuple[str, float]]:
     return found if len(found) == 1 else {}
 
 
-def phase_stages(graph, plan, cfg) -> list[int]:
+def phase_stages(graph, plan, cfg, riding: dict | None = None) -> list[int]:
     """The stages that a phased split's launches run, one each: those with a reduction of their own
-    (a riding variance's is its mean's) and the last; [final stage] for a part in one launch."""
+    (a riding variance's is its mean's) and the last; [final stage] for a part in one launch.
+    `riding`: phased_riding's answer, where the caller has it."""
     if not (cfg.split > 1 and plan.reductions and not cfg.coop):
         return [plan.final_stage]
-    riding = phased_riding(graph, plan, cfg)
+    riding = phased_riding(graph, plan, cfg) if riding is None else riding
     busy = {plan.stage[riding[r.name][0] if r.name in riding else r.name] for r in plan.reductions}
     return [s for s in range(plan.final_stage + 1) if s in busy or s == plan.final_stage]
 

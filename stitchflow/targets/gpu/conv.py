@@ -66,13 +66,18 @@ class ConvCall:
         return y.reshape(self.out_shape).permute(self.y_order).contiguous().to(out_dtype)
 
 
+def channels_last_format(t) -> torch.memory_format | None:
+    """The channels-last memory format of a tensor of its rank (4 or 5 dims), else None."""
+    return {4: torch.channels_last, 5: torch.channels_last_3d}.get(t.dim()) if isinstance(t, torch.Tensor) else None
+
+
 def _weight(w: torch.Tensor, x: torch.Tensor, cache: dict | None) -> torch.Tensor:
     """The weight in the input's memory format, converted once per version of it: cuDNN would
     convert a weight of the other format at every call (and an NCHW input too, behind a weight the
     forward of a training step stored channels last). Not cached while a CUDA graph records: every
     replay must convert again, since an optimizer updates the weight in place between them (a
     cached copy would be read stale)."""
-    last = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
+    last = channels_last_format(x)
     if last is None or x.is_contiguous() == x.is_contiguous(memory_format=last):
         return w
     form = torch.contiguous_format if x.is_contiguous() else last

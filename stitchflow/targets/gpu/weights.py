@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .conv import channels_last_format
 from .runtime import interpreting
 
 BLOCK = 1024
@@ -33,10 +34,6 @@ def _channels_last_copies(srcs, dsts, starts, channels, windows, numels, N: tl.c
             src = (rest // windows[i]) * (channels[i] * windows[i]) + c * windows[i] + rest % windows[i]
             inside = o < numels[i]
             tl.store(dsts[i] + o, tl.load(srcs[i] + src, mask=inside), mask=inside)
-
-
-def channels_last_format(t) -> torch.memory_format | None:
-    return {4: torch.channels_last, 5: torch.channels_last_3d}.get(t.dim()) if isinstance(t, torch.Tensor) else None
 
 
 def channels_last_copies(weights) -> tuple:
