@@ -310,9 +310,15 @@ class BodyEmitter:
             # max-pool gradient's x[.., w // 2]) with the mask of its neighbour: at one or two warps the
             # last column of a ceil-mode pool read 0 (scripts/triton_div_probe.py). The address is
             # clamped into the tensor instead and the value masked, which that pattern gets right.
-            last = sum((n - 1) * st for n, st in zip(self.k.graph.type_of[tensor].shape, self.k.strides[tensor]))
-            base, _, off = pointer.partition(" + ")
-            clamped = f"{base} + tl.minimum(tl.maximum({off or '0'}, 0), {last})"
+            if self.k.mask(deps, scope) is None:
+                # no lane lies past the iteration space: each index clamped into its dimension keeps the
+                # address contiguous along the tile, so the loads stay vectorized (ResNet-18's unrolled
+                # stem pool gradient, channels last: 662 µs with whole addresses clamped, 130 with each index)
+                clamped = f"{self.k.arg[tensor]} + {self.offset(tensor, indices, node, scope).code}"
+            else:
+                last = sum((n - 1) * st for n, st in zip(self.k.graph.type_of[tensor].shape, self.k.strides[tensor]))
+                base, _, off = pointer.partition(" + ")
+                clamped = f"{base} + tl.minimum(tl.maximum({off or '0'}, 0), {last})"
             loaded = self.k.src.let(f"tl.load({clamped}{hint})", "x")
             return f"tl.where({mask}, {loaded}, tl.zeros_like({loaded}))", deps
         mask_arg = f", mask={mask}, other=0" if mask else ""

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import math
 
+import networkx as nx
 import torch
 
 from ...ir.expr import Access, Call, Cast, Const, IndexValue, Read
@@ -145,8 +146,12 @@ def split_region(graph: Graph, region: Region) -> list[tuple[str, list[Node], li
             steps.append(("torch", [n], why))
             continue
         try:
-            plans = plan_group(graph, current + [n], set())
-            current = current + [n]
+            grown = plan_group(graph, current + [n], set())
+            taps = recomputed_stencils(graph, grown)
+            if taps:
+                raise NotStitchable(f"{', '.join(taps)} would be gathered again in each pass of the kernel "
+                                    f"(window taps cost more than storing the value once)")
+            plans, current = grown, current + [n]
             continue
         except NotStitchable as err:
             if not current:
@@ -182,7 +187,12 @@ def defer_elementwise(graph: Graph, steps: list) -> list:
             taken = [n for n in steps[i][1] if n.name in moved] + steps[j][1]
             try:
                 planned = [plan_group(graph, nodes, set()) for nodes in (kept, taken) if nodes]
-            except NotStitchable:
+            except NotStitchable as err:
+                log.debug("%s stay before the kernel at %s: %s", sorted(moved), taken[-1].name, err)
+                continue
+            if recomputed_stencils(graph, planned[-1]):
+                log.debug("%s stay before the kernel at %s: it would gather %s in two passes", sorted(moved),
+                          taken[-1].name, recomputed_stencils(graph, planned[-1]))
                 continue
             log.info("%s moved into the kernel at %s (elementwise, read only there)", sorted(moved), taken[-1].name)
             steps[j] = ("kernel", taken, planned[-1])
@@ -192,8 +202,9 @@ def defer_elementwise(graph: Graph, steps: list) -> list:
 
 def _deferrable(graph: Graph, earlier: list[Node], later: list[Node]) -> set[str]:
     """The nodes of `earlier` that may move into `later`: elementwise, not program outputs, each read
-    only by those nodes or by `later`, each made from tensors outside `earlier` or from those nodes;
-    empty unless their outside inputs are no more bytes than what `later` reads of them."""
+    only by those nodes or by `later`, each made from tensors outside `earlier` or from those nodes.
+    Each connected piece of them moves only if its outside inputs are no more bytes than what `later`
+    reads of it (ResNet's stem: a batch norm's x - mean moves, the pool gradient's taps beside it stay)."""
     mine, theirs = {n.name for n in earlier}, {n.name for n in later}
     moved = {n.name for n in earlier if n.reduce is None and not n.is_scatter and n.name not in graph.outputs}
     changed = True
@@ -205,11 +216,52 @@ def _deferrable(graph: Graph, earlier: list[Node], later: list[Node]) -> set[str
                     any(t in mine and t not in moved for t in node.inputs):
                 moved.discard(name)
                 changed = True
-    if not any(c in theirs for m in moved for c in graph.consumers.get(m, ())):
-        return set()
-    outside = {t for m in moved for t in graph.node_of[m].inputs if t not in moved}
-    read_later = {m for m in moved if any(c in theirs for c in graph.consumers.get(m, ()))}
-    return moved if _bytes(graph, outside) <= _bytes(graph, read_later) else set()
+    links = nx.Graph()
+    links.add_nodes_from(moved)
+    links.add_edges_from((t, m) for m in moved for t in graph.node_of[m].inputs if t in moved)
+    taken = set()
+    for piece in nx.connected_components(links):
+        outside = {t for m in piece for t in graph.node_of[m].inputs if t not in piece}
+        read_later = {m for m in piece if any(c in theirs for c in graph.consumers.get(m, ()))}
+        if _bytes(graph, outside) <= _bytes(graph, read_later):
+            taken |= piece
+        else:
+            log.debug("%s stay before the kernel at %s: their inputs are more bytes than their values",
+                      sorted(piece), later[-1].name)
+    return taken
+
+
+STENCIL_TAPS = 3  # reads of one tensor at that many places make a node a stencil (an unrolled window)
+
+
+def recomputed_stencils(graph: Graph, plans: list[PartPlan]) -> list[str]:
+    """Stencils (nodes reading one tensor at STENCIL_TAPS or more places: an unrolled pool
+    gradient's window) that a part needs in more than one of its passes: a reduction's pass and
+    the final one, which writes the outputs. Inlined, such a node is gathered again in each pass
+    (a split's phases are separate launches), where storing it once costs a write and a read."""
+    found = []
+    for plan in plans:
+        if plan.final_stage == 0:
+            continue
+        names = {n.name for n in plan.nodes}
+        passes: dict[str, set] = {}
+        for node in reversed(plan.nodes):  # readers first
+            need = {plan.final_stage} if node.name in plan.outputs and node.name not in plan.row_level else set()
+            for c in graph.consumers.get(node.name, ()):
+                if c in names and graph.node_of[c].reduce:
+                    need.add(plan.stage[c])
+                elif c in names and c not in plan.row_level:
+                    need |= passes[c]
+            passes[node.name] = need
+        found += [n.name for n in plan.nodes if len(passes[n.name]) > 1 and _taps(n) >= STENCIL_TAPS]
+    return found
+
+
+def _taps(node: Node) -> int:
+    places: dict[str, set] = {}
+    for access in node.accesses:
+        places.setdefault(access.tensor, set()).add(access.indices)
+    return max((len(p) for p in places.values()), default=0)
 
 
 def _bytes(graph: Graph, names) -> int:

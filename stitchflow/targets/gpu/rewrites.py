@@ -60,17 +60,17 @@ def unroll_small_sums(graph: Graph) -> Graph:
       input, a GEMM's product) by this sum alone. Where other nodes read the operand, or a
       producer would be stitched into the same kernel, the summed axis stays a loop axis of the
       part (a layer norm over a short row), which the reduction's mapping serves;
-    - a floating-point max over a sliding window of at most SMALL_WINDOW taps (a read's index
-      moves with both an output and a window coordinate: max pooling), and such a sum where what
-      it sums is read from memory by it alone (a stride-1 average pool of an input). As a
+    - a floating-point max or sum over a sliding window of at most SMALL_WINDOW taps (a read's
+      index moves with both an output and a window coordinate: max pooling, a stride-1 average
+      pool, a max pool's gradient gathered from the windows that may hold each position). As a
       reduction the window is the fast axis of the part's tiles: 9 taps padded to 16 lanes whose
       addresses jump by a row, where the output's contiguous axis (channels, for a channels-last
       pool) should be; unrolled, each tap is one coalesced read of a tile of outputs, which the
       taps' neighbours share through the cache (ResNet-18's stem pool and its indices: 313 µs ->
-      43 µs on an H100, torch.compile 49). A max pool's gradient, whose incoming gradient is
-      computed in the same kernel, stays a reduction: unrolled, it became part of the batch
-      norm backward it feeds and was recomputed in each of that split's phases (582 µs against
-      408 for ResNet-18's stem).
+      43 µs on an H100, torch.compile 49). Unrolled taps are costly to compute twice, so the
+      grouping keeps them out of a kernel that would need them in two of its passes
+      (`grouping.recomputed_stencils`: the stem's pool gradient had become part of the batch norm
+      backward it feeds and was gathered again in each phase of its split, 582 µs against 408).
 
     A sum's terms are added in its accumulation type (float32, float64 for float64), so rounding
     happens once, as the sum's; a max is exact in any order. Not GEMM-like products (they run as
@@ -132,8 +132,8 @@ def _unrollable(graph: Graph, node: Node, readers) -> bool:
     if is_contraction(node):
         return False
     terms = math.prod(node.extents[v] for v in node.reduce_vars)
-    if node.reduce == "max":
-        return terms <= SMALL_WINDOW and _slides(node)
+    if terms <= SMALL_WINDOW and _slides(node):
+        return True
     summed = {a.tensor for a in node.accesses if a.vars & set(node.reduce_vars)}
     if any(readers[t] > 1 or not _in_memory(graph, t) for t in summed):
         return False

@@ -51,3 +51,33 @@ def test_work_read_elsewhere_or_costing_more_bytes_stays():
     for fn, first in ((returned, 1), (wide_inputs, 2)):
         graph, steps = _two_kernels(fn, (a, b, c), first=first)
         assert defer_elementwise(graph, steps) == steps, fn.__name__
+
+
+def _pool_gradient(g, x, index):
+    return torch.ops.aten.max_pool2d_with_indices_backward(g, x, [3, 3], [2, 2], [1, 1], [1, 1], False, index)
+
+
+def test_each_piece_moves_on_its_own_bytes():
+    """A ResNet stem's backward in small: the batch norm backward needs the max pool's gradient (window
+    taps, kept out of it and stored: `recomputed_stencils`) and its centred input in two passes. Greedy
+    order leaves both before it; the centred input (x - mean from a bfloat16 x) moves in, the taps
+    (more bytes of inputs than their value) stay, and the result equals eager."""
+    x = torch.randn(2, 4, 6, 6, dtype=torch.bfloat16)
+    _, index = torch.nn.functional.max_pool2d(x, 3, 2, 1, return_indices=True)
+    a, b = torch.randn(2, 4, 3, 3, dtype=torch.bfloat16), torch.randn(2, 4, 3, 3, dtype=torch.bfloat16)
+    y, mean = torch.randn(2, 4, 6, 6, dtype=torch.bfloat16), torch.randn(1, 4, 1, 1)
+
+    def batch_norm_backward_like(a, b, x, index, y, mean):
+        centred = y.float() - mean
+        g = torch.where(x <= 0, 0, _pool_gradient(a + b, x, index)).float()
+        return g - g.sum(dim=(0, 2, 3), keepdim=True) - (g * centred).sum(dim=(0, 2, 3), keepdim=True) * centred
+
+    args = (a, b, x, index, y, mean)
+    prog = stitchflow.compile(batch_norm_backward_like, args, target="gpu", fusion="full")
+    kernels = [k for run in prog._compiled for k in run.kernels]
+    assert len(kernels) == 2, [k.title for k in kernels]
+    # the first kernel stores the gradient alone (in bfloat16: its widening cast sinks), not y - mean
+    (taps,) = [o for plan in kernels[0].plans for o in plan.outputs]
+    assert prog.graph.type_of[taps].dtype == torch.bfloat16 and not any(n.reduce for n in kernels[0].plans[0].nodes)
+    exact = batch_norm_backward_like(*(t.double() if t.is_floating_point() else t for t in args))
+    assert (prog(*args) - exact).abs().max() <= 2 * (batch_norm_backward_like(*args) - exact).abs().max() + 1e-3

@@ -203,21 +203,41 @@ def test_sliding_windows_become_elementwise(dtype, shape):
         assert_close(out, ref)
 
 
-def test_a_max_pools_gradient_is_unrolled_where_it_reads_memory():
+def test_a_max_pools_gradient_is_unrolled():
     """The gradient of an overlapping max pool gathers the windows that hold each input point: unrolled
-    where the incoming gradient is an input, a reduction where it is computed in the same kernel (two
-    gradients added: unrolled, a consumer's phases would each recompute it)."""
+    into taps, each a coalesced read, whether the incoming gradient is an input or computed in the
+    same kernel (two gradients added)."""
     g1, g2 = torch.randn(2, 4, 3, 3), torch.randn(2, 4, 3, 3)
     x = torch.randn(2, 4, 6, 6)
     _, index = torch.nn.functional.max_pool2d(x, 3, 2, 1, return_indices=True)
 
-    def gather(g, x, index):
-        return torch.ops.aten.max_pool2d_with_indices_backward(g, x, [3, 3], [2, 2], [1, 1], [1, 1], False, index)
-
-    for fn, args, unrolled in ((gather, (g1, x, index), True),
-                               (lambda a, b, x, index: gather(a + b, x, index), (g1, g2, x, index), False)):
+    for fn, args in ((_pool_gradient, (g1, x, index)),
+                     (lambda a, b, x, index: _pool_gradient(a + b, x, index), (g1, g2, x, index))):
         prog = stitchflow.compile(fn, args, target="gpu", fusion="full")
-        assert any(n.reduce for n in unroll_small_sums(prog.graph).nodes) != unrolled
+        assert not any(n.reduce for n in unroll_small_sums(prog.graph).nodes)
+        assert_close(prog(*args), fn(*args))
+
+
+def test_unrolled_taps_are_stored_before_a_kernel_that_needs_them_twice():
+    """A batch norm backward after the pool's gradient needs it in two passes (its sums, then its
+    outputs): the unrolled taps end their kernel and are stored, rather than gathered again in each
+    pass; a consumer that needs them once takes them in."""
+    g1, g2 = torch.randn(2, 4, 3, 3), torch.randn(2, 4, 3, 3)
+    x = torch.randn(2, 4, 6, 6)
+    _, index = torch.nn.functional.max_pool2d(x, 3, 2, 1, return_indices=True)
+
+    def centred(a, b, x, index):
+        g = torch.relu(_pool_gradient(a + b, x, index))
+        return g - g.mean(dim=(0, 2, 3), keepdim=True)
+
+    def scaled(a, b, x, index):
+        return torch.relu(_pool_gradient(a + b, x, index)) * 2
+
+    for fn, kernels in ((centred, 2), (scaled, 1)):
+        args = (g1, g2, x, index)
+        prog = stitchflow.compile(fn, args, target="gpu", fusion="full")
+        launched = [k for run in prog._compiled for k in run.kernels]
+        assert len(launched) == kernels, [k.title for k in launched]
         assert_close(prog(*args), fn(*args))
 
 
@@ -237,6 +257,22 @@ def test_masked_gathers_load_clamped_addresses():
     (launch,) = kernel._built.values()
     loads = [line for line in launch.spec.source.splitlines() if "tl.load(" in line]
     assert loads and all("tl.minimum(tl.maximum(" in line and "mask=" not in line for line in loads), loads
+
+
+def test_gathers_without_a_tail_clamp_each_index():
+    """Where no lane of the tile lies past the iteration space, a gathered tap clamps each index into its
+    dimension instead of the whole address, so the coordinate that walks the tensor contiguously stays
+    outside any clamp and the loads stay vectorized (ResNet-18's unrolled stem pool gradient: 662 µs
+    with whole addresses clamped, 130 µs with each index, H100)."""
+    x = torch.randn(2, 4, 8, 8)
+    _, index = torch.nn.functional.max_pool2d(x, 3, 2, 1, return_indices=True)
+    g = torch.randn(2, 4, 4, 4)
+    prog = stitchflow.compile(_pool_gradient, (g, x, index), target="gpu", fusion="full")
+    assert torch.equal(prog(g, x, index), _pool_gradient(g, x, index))
+    (kernel,) = [k for run in prog._compiled for k in run.kernels]
+    (launch,) = kernel._built.values()
+    loads = [line for line in launch.spec.source.splitlines() if "tl.load(" in line and "//" in line]
+    assert len(loads) == 8 and not any("tl.minimum(tl.maximum(" in line for line in loads), loads
 
 
 def _pool_gradient(g, x, index):
