@@ -3,9 +3,9 @@
 A training step's forward converts each convolution weight to channels last for cuDNN (the optimizer
 updates the NCHW parameter in place between steps, so the copy is made again each step). Through
 torch that is one strided-copy kernel per weight, 2-10 µs each for ResNet-18's 20 weights on an H100,
-most of it launch and tail. Here one Triton kernel walks every weight's blocks: a program finds its
-weight among the launch's (a static branch per weight, the tensors passed as tuples) and writes a
-contiguous block of the channels-last copy, gathering it from the NCHW weight.
+most of it launch and tail. Here one Triton kernel walks every weight's tiles: a program finds its
+weight among the launch's (a static branch per weight, the tensors passed as tuples) and moves one
+output channel's [channels, taps] tile, read and written along contiguous runs.
 """
 
 from __future__ import annotations
@@ -19,21 +19,33 @@ import triton.language as tl
 from .conv import channels_last_format
 from .runtime import interpreting
 
-BLOCK = 1024
+TILE = 1024  # elements a program moves (at most): [channels, window taps] of one output channel
 MOST = 64  # weights per launch: each is a branch of the kernel
 
 
 @triton.jit
-def _channels_last_copies(srcs, dsts, starts, channels, windows, numels, N: tl.constexpr, BLOCK: tl.constexpr):
+def _channels_last_copies(srcs, dsts, starts, channels, windows, N: tl.constexpr, BCS: tl.constexpr,
+                          KPS: tl.constexpr):
     pid = tl.program_id(0)
     for i in tl.static_range(N):
         if (pid >= starts[i]) & (pid < starts[i + 1]):
-            # element o of the copy is w[o // (C·K), o % C, (o // C) % K] of the NCHW weight [O, C, K]
-            o = (pid - starts[i]) * BLOCK + tl.arange(0, BLOCK)
-            c, rest = o % channels[i], o // channels[i]
-            src = (rest // windows[i]) * (channels[i] * windows[i]) + c * windows[i] + rest % windows[i]
-            inside = o < numels[i]
-            tl.store(dsts[i] + o, tl.load(srcs[i] + src, mask=inside), mask=inside)
+            # an output channel o of the NCHW weight [O, C, K] is one contiguous slab of C·K elements, and
+            # of the copy [O, K, C] too: a program moves a [BC, K] tile of it, read along the taps and
+            # written along the channels (Triton turns it around in shared memory between the two)
+            C, K = channels[i], windows[i]
+            blocks = tl.cdiv(C, BCS[i])
+            o, c0 = (pid - starts[i]) // blocks, ((pid - starts[i]) % blocks) * BCS[i]
+            c = c0 + tl.arange(0, BCS[i])[:, None]
+            k = tl.arange(0, KPS[i])[None, :]
+            inside = (c < C) & (k < K)
+            tile = tl.load(srcs[i] + o * C * K + c * K + k, mask=inside)
+            tl.store(dsts[i] + o * C * K + k * C + c, tile, mask=inside)
+
+
+def _tile(w: torch.Tensor) -> tuple[int, int]:
+    """(channels, taps) of a program's tile: every tap of the window, as many channels as fit TILE."""
+    taps = triton.next_power_of_2(w[0, 0].numel())
+    return max(1, min(triton.next_power_of_2(w.shape[1]), TILE // taps)), taps
 
 
 def channels_last_copies(weights) -> tuple:
@@ -60,12 +72,32 @@ def channels_last_copies(weights) -> tuple:
 
 def _launch(weights: list) -> list:
     copies = [torch.empty_like(w, memory_format=channels_last_format(w)) for w in weights]
+    tiles = [_tile(w) for w in weights]
     starts = [0]
-    for w in weights:
-        starts.append(starts[-1] + triton.cdiv(w.numel(), BLOCK))
+    for w, (channels, _) in zip(weights, tiles):
+        starts.append(starts[-1] + w.shape[0] * triton.cdiv(w.shape[1], channels))
     with torch.cuda.device(weights[0].device) if weights[0].is_cuda else contextlib.nullcontext():
         _channels_last_copies[(starts[-1],)](
             tuple(weights), tuple(copies), tuple(starts), tuple(w.shape[1] for w in weights),
-            tuple(w[0, 0].numel() for w in weights), tuple(w.numel() for w in weights),
-            N=len(weights), BLOCK=BLOCK, num_warps=4)
+            tuple(w[0, 0].numel() for w in weights), N=len(weights), BCS=tuple(c for c, _ in tiles),
+            KPS=tuple(k for _, k in tiles), num_warps=4)
     return copies
+
+
+def compile_for_sm90(shapes: list) -> dict:
+    """Compile one launch for bfloat16 weights of `shapes` for sm_90 with Triton's ptxas (no GPU needed):
+    its tile shapes and shared memory. Tests use it on CPU machines, where the interpreter takes any Python."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import mangle_type
+
+    ws = tuple(torch.empty(tuple(s), dtype=torch.bfloat16) for s in shapes)
+    tiles = [_tile(w) for w in ws]
+    starts = tuple(range(0, 8 * len(ws) + 1, 8))  # no 1 among them: Triton folds an int of 1 into the kernel
+    values = dict(srcs=ws, dsts=ws, starts=starts, channels=tuple(w.shape[1] for w in ws),
+                  windows=tuple(w[0, 0].numel() for w in ws))
+    signature = {name: mangle_type(v) for name, v in values.items()} | dict.fromkeys(("N", "BCS", "KPS"), "constexpr")
+    meta = {"N": len(ws), "BCS": tuple(c for c, _ in tiles), "KPS": tuple(k for _, k in tiles)}
+    kernel = triton.compile(ASTSource(_channels_last_copies, signature, meta), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": 4})
+    return {"tiles": tiles, "shared": kernel.metadata.shared, "turned_in_shared": "st.shared" in kernel.asm["ptx"]}

@@ -8,7 +8,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from stitchflow.targets.gpu.weights import BLOCK, channels_last_copies  # noqa: E402
+from stitchflow.targets.gpu.weights import TILE, channels_last_copies  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 
@@ -16,7 +16,8 @@ DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRE
 def _weights():
     g = torch.Generator().manual_seed(0)
     shapes = [((64, 3, 7, 7), torch.bfloat16), ((8, 8, 1, 1), torch.bfloat16), ((5, 1, 3, 3), torch.float32),
-              ((3, 4, 2, 3, 5), torch.float32), ((7, 33, 3, 3), torch.bfloat16), ((2, 2 * BLOCK + 3, 1, 1), torch.float32)]
+              ((3, 4, 2, 3, 5), torch.float32), ((7, 33, 3, 3), torch.bfloat16), ((2, 2 * TILE + 3, 1, 1), torch.float32),
+              ((3, TILE // 8 + 3, 3, 3), torch.float32)]  # channels over three tiles
     return [torch.randn(s, generator=g).to(DEVICE, dtype) for s, dtype in shapes]
 
 
@@ -41,3 +42,14 @@ def test_weights_the_kernel_does_not_take(case):
         assert out[1] is other
     elif case == "not contiguous":
         assert out[1].is_contiguous(memory_format=torch.channels_last)
+
+
+def test_the_kernel_compiles_for_hopper(fresh_python):
+    """The interpreter takes any Python: the per-weight tile shapes (constexpr tuples indexed in a static
+    loop) must also compile for sm_90 (in a fresh process without the interpreter, conftest.run_fresh),
+    their turn through shared memory included."""
+    code = ("import json, sys\nfrom stitchflow.targets.gpu.weights import compile_for_sm90\n"
+            "print(json.dumps(compile_for_sm90(json.loads(sys.stdin.read()))))\n")
+    made = fresh_python(code, [[8, 64, 3, 3], [64, 3, 7, 7], [4, 300, 3, 3]])
+    assert made["tiles"] == [[64, 16], [4, 64], [64, 16]]
+    assert made["turned_in_shared"] and made["shared"] > 0
