@@ -75,7 +75,7 @@ def compile_forward_and_backward(gm: fx.GraphModule, example_inputs, options: di
         fw_compiler=functools.partial(_compile_half, options=options, label="forward"),
         bw_compiler=functools.partial(_compile_half, options=options, label="backward"),
         inference_compiler=functools.partial(_compile_half, options=options, label="inference"),
-        partition_fn=min_cut_rematerialization_partition,
+        partition_fn=functools.partial(_partition, min_cut_rematerialization_partition),
         decompositions=decompositions(),
     )
     try:
@@ -84,6 +84,66 @@ def compile_forward_and_backward(gm: fx.GraphModule, example_inputs, options: di
         backend._record(f"AOTAutograd could not trace the graph ({len(gm.graph.nodes)} nodes), so its backward "
                         f"differentiates an eager rerun: {type(err).__name__}: {err}")
         return None
+
+
+def _partition(partition_fn, joint_module, joint_inputs, **kwargs):
+    """AOTAutograd's partition, then constants the backward would take from the forward computed in it."""
+    forward, backward = partition_fn(joint_module, joint_inputs, **kwargs)
+    recompute_constants(forward, backward)
+    return forward, backward
+
+
+CONSTANT_MOST = 1 << 16  # elements of a saved constant the backward recomputes rather than reads
+
+
+def recompute_constants(forward: fx.GraphModule, backward: fx.GraphModule) -> list[str]:
+    """Saved tensors that the forward computes from no input (integer constants of at most CONSTANT_MOST
+    elements: nearest upsampling's source rows, arange(2n) // 2) computed again in the backward, which
+    then sees a constant, not data: its scatter-add over them becomes a sum of windows there
+    (targets/gpu/rewrites.window_scatters). The forward still returns them (a few bytes); the backward's
+    placeholders stay, unused. Returns the names recomputed."""
+    made = {n.name: n for n in forward.graph.nodes}
+    placeholders = [n for n in backward.graph.nodes if n.op == "placeholder"]
+    first = next(n for n in backward.graph.nodes if n.op != "placeholder")
+    done = []
+    for ph in placeholders:
+        source = made.get(ph.name)
+        if not ph.users or source is None or not _small_integer(source) or _constant_inputs(source) is None:
+            continue
+        env: dict = {}
+        with backward.graph.inserting_before(first):  # in the forward's order, before the backward's own work
+            for node in _constant_inputs(source):
+                env[node] = backward.graph.node_copy(node, lambda a: env[a])
+        ph.replace_all_uses_with(env[source])
+        done.append(ph.name)
+    if done:
+        backward.graph.lint()
+        backward.recompile()
+    return done
+
+
+def _small_integer(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and not val.is_floating_point() and not val.is_complex() and \
+        val.numel() <= CONSTANT_MOST
+
+
+def _constant_inputs(node: fx.Node) -> list[fx.Node] | None:
+    """`node` and what it is computed from, in graph order, when nothing of it is an input or drawn at
+    random; None otherwise."""
+    seen: dict = {}
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen[n] = True
+        if n.op != "call_function" or (isinstance(n.target, torch._ops.OpOverload)
+                                       and torch.Tag.nondeterministic_seeded in n.target.tags):
+            return None
+        todo += n.all_input_nodes
+    order = {n: k for k, n in enumerate(node.graph.nodes)}
+    return sorted(seen, key=order.__getitem__)
 
 
 def _compile_half(gm: fx.GraphModule, example_inputs, *, options: dict, label: str):

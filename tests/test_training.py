@@ -302,6 +302,26 @@ def test_max_pool_gradient_gathers_at_the_argmax(pool, shape, target):
     assert backend.fallback_report().endswith("everything captured ran through stitchflow")
 
 
+@pytest.mark.parametrize("target", ["reference", "gpu"])
+@pytest.mark.parametrize("scale", [2, 3])
+def test_nearest_upsampling_gradient_sums_windows_without_a_scatter(scale, target):
+    """AOTAutograd saves nearest upsampling's source rows (arange(s·n) // s) for the backward, which read
+    them as data and scattered the gradient through torch. The backward now computes them itself
+    (`training.recompute_constants`), and the scatter-add over them becomes a sum of s x s windows
+    (rewrites.window_scatters): every region runs through stitchflow, gradients as eager's."""
+    skip_unless_kernels_run(target)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 5), nn.Upsample(scale_factor=scale, mode="nearest"), nn.SiLU())
+    model = model.to(DEVICE if target == "gpu" else "cpu")
+    device = next(model.parameters()).device
+    _train_side_by_side(model, lambda: (torch.randn(2, 3, 4, 5, device=device),), steps=1, options={"target": target})
+    assert backend.fallback_report().endswith("everything captured ran through stitchflow")
+    if target == "gpu":
+        steps = [step for m in backend.COMPILED if m.name.startswith("backward") for p in m.programs.values() if p
+                 for run in p._compiled for step in getattr(run, "steps", ())]
+        assert steps and not any(getattr(getattr(step, "node", None), "is_scatter", False) for step in steps)
+
+
 def test_gpu_target_on_cpu_without_the_interpreter(monkeypatch):
     """With no GPU and no interpreter the gpu target evaluates each part's nodes on the CPU, in the
     graph's order: relu's gradient reads a zero (a constant the kernels fold) that a later part

@@ -43,7 +43,7 @@ from .conv import match_conv, region_convolutions
 from .grouping import TorchStep, fold_iotas, split_region
 from .prefetch import prefetch as prefetch_compiles
 from .reassociate import find_reassociations, reassociate
-from .rewrites import gather_one_hots, sink_widening_casts, unroll_small_sums
+from .rewrites import gather_one_hots, sink_widening_casts, unroll_small_sums, window_scatters
 from .spmm import SpmmStep, sparse_product
 from .runtime import LAUNCHES, GroupKernel, interpreting
 
@@ -73,7 +73,8 @@ class GpuTarget:
 
     def compile_region(self, graph: Graph, region: Region, params: dict, options: dict):
         options = dict(options or {})
-        graph = sink_widening_casts(unroll_small_sums(gather_one_hots(fold_iotas(graph, params))))
+        graph = window_scatters(fold_iotas(graph, params), params)
+        graph = sink_widening_casts(unroll_small_sums(gather_one_hots(graph)))
         if options.get("reassociate", True):
             found = find_reassociations(graph, set(region.nodes))
             for r in found:

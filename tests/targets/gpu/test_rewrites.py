@@ -314,3 +314,21 @@ def test_casts_read_by_products_inputs_or_outputs_stay():
 
     prog = stitchflow.compile(casts, (torch.randn(4, 6).to(torch.bfloat16), w), target="gpu", fusion="full")
     assert sink_widening_casts(prog.graph) is prog.graph
+
+
+@pytest.mark.parametrize("rows, exact", [(torch.arange(16) // 2, True), (torch.arange(16) % 8, False)],
+                         ids=["blocks", "wrapped"])
+def test_a_scatter_add_over_constant_blocks_becomes_a_sum_of_windows(rows, exact):
+    """out[.., r[l], r[m]] += g[.., l, m]: with r = arange(16) // 2 (nearest upsampling's gradient) each
+    output sums its own 2 x 2 window, in one kernel and no torch scatter; with any other constant (a wrap
+    that sends rows 0 and 8 to one output) the scatter stays, and both equal eager."""
+    def scatter(g):
+        r = (torch.arange(16, device=g.device) // 2) if exact else (torch.arange(16, device=g.device) % 8)
+        out = torch.zeros(2, 3, 8, 8, device=g.device)
+        return torch.ops.aten.index_put(out, [None, None, r[:, None], r[None, :]], g, True)
+
+    g = torch.randn(2, 3, 16, 16)
+    prog = stitchflow.compile(scatter, (g,), target="gpu", fusion="full")
+    assert_close(prog(g), scatter(g))
+    torch_steps = [s for run in prog._compiled for s in run.steps if type(s).__name__ == "TorchStep"]
+    assert bool(torch_steps) != exact, torch_steps
