@@ -151,6 +151,10 @@ def split_region(graph: Graph, region: Region) -> list[tuple[str, list[Node], li
             if taps:
                 raise NotStitchable(f"{', '.join(taps)} would be gathered again in each pass of the kernel "
                                     f"(window taps cost more than storing the value once)")
+            starved = starved_by_packing(grown)
+            if starved:
+                raise NotStitchable(f"{', '.join(starved)} would share a launch with other parts, unsplit, over too "
+                                    f"few programs")
             plans, current = grown, current + [n]
             continue
         except NotStitchable as err:
@@ -229,6 +233,22 @@ def _deferrable(graph: Graph, earlier: list[Node], later: list[Node]) -> set[str
             log.debug("%s stay before the kernel at %s: their inputs are more bytes than their values",
                       sorted(piece), later[-1].name)
     return taken
+
+
+PACKED_MIN_PROGRAMS = 132  # a long reduction packed beside other parts should still fill the GPU's SMs
+PACKED_LONG = 1024  # reduced elements per row from which a reduction wants its rows split over programs
+
+
+def starved_by_packing(plans: list[PartPlan]) -> list[str]:
+    """Reductions that packing would starve. Parts packed into one launch share no barrier, so none of
+    them splits its rows over programs (GroupKernel._space); a long reduction over few rows then runs on
+    a handful of programs: a U-Net's group-norm gradient sums, [8 x 128] rows of 1024, packed in pairs,
+    took 60-88 µs a launch on an H100, where split alone they take a few."""
+    working = [p for p in plans if p.outputs]
+    if len(working) < 2:
+        return []
+    return [p.reductions[0].name for p in working if p.reductions and p.L_total >= PACKED_LONG
+            and math.ceil(p.P_total / (32 if p.p_contiguous else 1)) < PACKED_MIN_PROGRAMS]
 
 
 STENCIL_TAPS = 3  # reads of one tensor at that many places make a node a stencil (an unrolled window)

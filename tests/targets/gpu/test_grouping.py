@@ -81,3 +81,19 @@ def test_each_piece_moves_on_its_own_bytes():
     assert prog.graph.type_of[taps].dtype == torch.bfloat16 and not any(n.reduce for n in kernels[0].plans[0].nodes)
     exact = batch_norm_backward_like(*(t.double() if t.is_floating_point() else t for t in args))
     assert (prog(*args) - exact).abs().max() <= 2 * (batch_norm_backward_like(*args) - exact).abs().max() + 1e-3
+
+
+def test_long_reductions_over_few_rows_are_not_packed():
+    """Two independent channel sums over 32 x 32 positions of 8 images (a U-Net's group-norm gradient
+    sums, channels last): packed into one launch neither could split its positions over programs, so
+    each gets a kernel of its own; over 4 x 4 positions they still share one."""
+    def two_sums(a, b):
+        return a.float().sum(dim=(1, 2)), (b.float() * 2).sum(dim=(1, 2))
+
+    for side, kernels in ((32, 2), (4, 1)):
+        a, b = (torch.randn(8, side, side, 16, dtype=torch.bfloat16) for _ in range(2))
+        prog = stitchflow.compile(two_sums, (a, b), target="gpu", fusion="full")
+        launched = [k for run in prog._compiled for k in run.kernels]
+        assert len(launched) == kernels, [k.title for k in launched]
+        for out, ref in zip(prog(a, b), two_sums(a, b)):
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)  # float32 sums of 1024 in other orders
