@@ -151,10 +151,6 @@ def split_region(graph: Graph, region: Region) -> list[tuple[str, list[Node], li
             if taps:
                 raise NotStitchable(f"{', '.join(taps)} would be gathered again in each pass of the kernel "
                                     f"(window taps cost more than storing the value once)")
-            starved = starved_by_packing(grown)
-            if starved:
-                raise NotStitchable(f"{', '.join(starved)} would share a launch with other parts, unsplit, over too "
-                                    f"few programs")
             plans, current = grown, current + [n]
             continue
         except NotStitchable as err:
@@ -169,7 +165,7 @@ def split_region(graph: Graph, region: Region) -> list[tuple[str, list[Node], li
         except NotStitchable as err:
             steps.append(("torch", [n], str(err)))
     flush()
-    return [_final(graph, s) for s in defer_elementwise(graph, steps)]
+    return [_final(graph, s) for s in unpack_starved(graph, defer_elementwise(graph, steps))]
 
 
 def defer_elementwise(graph: Graph, steps: list) -> list:
@@ -237,6 +233,48 @@ def _deferrable(graph: Graph, earlier: list[Node], later: list[Node]) -> set[str
 
 PACKED_MIN_PROGRAMS = 132  # a long reduction packed beside other parts should still fill the GPU's SMs
 PACKED_LONG = 1024  # reduced elements per row from which a reduction wants its rows split over programs
+
+
+def unpack_starved(graph: Graph, steps: list) -> list:
+    """Each kernel whose packing starves a long reduction (`starved_by_packing`) split into kernels: one
+    per starved part, one for the other parts together, in an order that runs a part before the parts
+    that read it. Checked on the finished kernels, not while they grow: a part that is alone for a
+    moment (a batch norm's running-statistics update, before the node that joins it to the statistics)
+    is no reason to cut the kernel. A kernel whose pieces read each other both ways stays packed."""
+    out = []
+    for step in steps:
+        starved = set(starved_by_packing(step[2])) if step[0] == "kernel" else set()
+        pieces = [[n.name for n in p.nodes] for p in step[2] if {r.name for r in p.reductions} & starved] if starved else []
+        if not pieces:
+            out.append(step)
+            continue
+        rest = [n.name for n in step[1] if not any(n.name in piece for piece in pieces)]
+        pieces += [rest] if rest else []
+        order = _piece_order(graph, pieces)
+        try:
+            kernels = [[n for n in step[1] if n.name in set(pieces[k])] for k in order or ()]
+            unpacked = [("kernel", nodes, plan_group(graph, nodes, set())) for nodes in kernels]
+        except NotStitchable:
+            unpacked = []
+        if not unpacked:
+            out.append(step)
+            continue
+        log.info("kernel at %s unpacked into %d: %s would run unsplit beside other parts", step[1][-1].name,
+                 len(pieces), sorted(starved))
+        out += unpacked
+    return out
+
+
+def _piece_order(graph: Graph, pieces: list[list[str]]) -> list[int] | None:
+    owner = {name: k for k, piece in enumerate(pieces) for name in piece}
+    deps = nx.DiGraph()
+    deps.add_nodes_from(range(len(pieces)))
+    deps.add_edges_from((owner[t], owner[name]) for name in owner for t in graph.node_of[name].inputs
+                        if t in owner and owner[t] != owner[name])
+    try:
+        return list(nx.topological_sort(deps))
+    except nx.NetworkXUnfeasible:
+        return None
 
 
 def starved_by_packing(plans: list[PartPlan]) -> list[str]:
