@@ -231,7 +231,7 @@ def _deferrable(graph: Graph, earlier: list[Node], later: list[Node]) -> set[str
     return taken
 
 
-PACKED_MIN_PROGRAMS = 132  # a long reduction packed beside other parts should still fill the GPU's SMs
+PACKED_MIN_PROGRAMS = 128  # fewer programs than this (of an H100's 132 SMs) starve a long reduction packed unsplit
 PACKED_LONG = 1024  # reduced elements per row from which a reduction wants its rows split over programs
 
 
