@@ -190,9 +190,10 @@ def defer_elementwise(graph: Graph, steps: list) -> list:
             except NotStitchable as err:
                 log.debug("%s stay before the kernel at %s: %s", sorted(moved), taken[-1].name, err)
                 continue
-            if recomputed_stencils(graph, planned[-1]):
+            taps = recomputed_stencils(graph, planned[-1])
+            if taps:
                 log.debug("%s stay before the kernel at %s: it would gather %s in two passes", sorted(moved),
-                          taken[-1].name, recomputed_stencils(graph, planned[-1]))
+                          taken[-1].name, taps)
                 continue
             log.info("%s moved into the kernel at %s (elementwise, read only there)", sorted(moved), taken[-1].name)
             steps[j] = ("kernel", taken, planned[-1])
@@ -244,11 +245,12 @@ def unpack_starved(graph: Graph, steps: list) -> list:
     out = []
     for step in steps:
         starved = set(starved_by_packing(step[2])) if step[0] == "kernel" else set()
-        pieces = [[n.name for n in p.nodes] for p in step[2] if {r.name for r in p.reductions} & starved] if starved else []
-        if not pieces:
+        if not starved:
             out.append(step)
             continue
-        rest = [n.name for n in step[1] if not any(n.name in piece for piece in pieces)]
+        pieces = [[n.name for n in p.nodes] for p in step[2] if {r.name for r in p.reductions} & starved]
+        alone = {name for piece in pieces for name in piece}
+        rest = [n.name for n in step[1] if n.name not in alone]
         pieces += [rest] if rest else []
         order = _piece_order(graph, pieces)
         try:

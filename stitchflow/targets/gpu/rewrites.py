@@ -93,7 +93,8 @@ def unroll_small_sums(graph: Graph) -> Graph:
 
 def window_scatters(graph: Graph, params: dict) -> Graph:
     """The graph with each scatter-add over constant blocks, out[.., c[l], ..] += v[.., l, ..] where c
-    (a constant, in `params`) is arange(n) // s, written as a sum of windows, out[.., p, ..] =
+    (a parameter, or a node computed from coordinates alone) is arange(n) // s, written as a sum of
+    windows, out[.., p, ..] =
     sum_{r < s} v[.., s·p + r, ..], unrolled where it has at most SMALL_WINDOW terms. Torch ran the
     scatter (a U-Net's nearest-upsampling gradients) with int64 index tensors of the gradient's size,
     three adds and an index_add per upsampling: 150 µs of the step on an H100; the sum is a stitched
