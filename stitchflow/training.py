@@ -108,11 +108,12 @@ def recompute_constants(forward: fx.GraphModule, backward: fx.GraphModule) -> li
     done = []
     for ph in placeholders:
         source = made.get(ph.name)
-        if not ph.users or source is None or not _small_integer(source) or _constant_inputs(source) is None:
+        computed = _constant_inputs(source) if ph.users and source is not None and _small_integer(source) else None
+        if computed is None:
             continue
         env: dict = {}
         with backward.graph.inserting_before(first):  # in the forward's order, before the backward's own work
-            for node in _constant_inputs(source):
+            for node in computed:
                 env[node] = backward.graph.node_copy(node, lambda a: env[a])
         ph.replace_all_uses_with(env[source])
         done.append(ph.name)
@@ -131,13 +132,13 @@ def _small_integer(node: fx.Node) -> bool:
 def _constant_inputs(node: fx.Node) -> list[fx.Node] | None:
     """`node` and what it is computed from, in graph order, when nothing of it is an input or drawn at
     random; None otherwise."""
-    seen: dict = {}
+    seen: set = set()
     todo = [node]
     while todo:
         n = todo.pop()
         if n in seen:
             continue
-        seen[n] = True
+        seen.add(n)
         if n.op != "call_function" or (isinstance(n.target, torch._ops.OpOverload)
                                        and torch.Tag.nondeterministic_seeded in n.target.tags):
             return None

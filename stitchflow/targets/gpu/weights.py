@@ -70,17 +70,22 @@ def channels_last_copies(weights) -> tuple:
     return tuple(out)
 
 
+def _arguments(weights, copies, starts) -> tuple[dict, dict]:
+    """(the kernel's tensor and integer arguments, its constexpr ones) for one launch."""
+    tiles = [_tile(w) for w in weights]
+    values = dict(srcs=tuple(weights), dsts=tuple(copies), starts=tuple(starts),
+                  channels=tuple(w.shape[1] for w in weights), windows=tuple(w[0, 0].numel() for w in weights))
+    return values, {"N": len(weights), "BCS": tuple(c for c, _ in tiles), "KPS": tuple(k for _, k in tiles)}
+
+
 def _launch(weights: list) -> list:
     copies = [torch.empty_like(w, memory_format=channels_last_format(w)) for w in weights]
-    tiles = [_tile(w) for w in weights]
     starts = [0]
-    for w, (channels, _) in zip(weights, tiles):
-        starts.append(starts[-1] + w.shape[0] * triton.cdiv(w.shape[1], channels))
+    for w in weights:
+        starts.append(starts[-1] + w.shape[0] * triton.cdiv(w.shape[1], _tile(w)[0]))
+    values, meta = _arguments(weights, copies, starts)
     with torch.cuda.device(weights[0].device) if weights[0].is_cuda else contextlib.nullcontext():
-        _channels_last_copies[(starts[-1],)](
-            tuple(weights), tuple(copies), tuple(starts), tuple(w.shape[1] for w in weights),
-            tuple(w[0, 0].numel() for w in weights), N=len(weights), BCS=tuple(c for c, _ in tiles),
-            KPS=tuple(k for _, k in tiles), num_warps=4)
+        _channels_last_copies[(starts[-1],)](**values, **meta, num_warps=4)
     return copies
 
 
@@ -91,13 +96,11 @@ def compile_for_sm90(shapes: list) -> dict:
     from triton.compiler import ASTSource
     from triton.runtime.jit import mangle_type
 
-    ws = tuple(torch.empty(tuple(s), dtype=torch.bfloat16) for s in shapes)
-    tiles = [_tile(w) for w in ws]
-    starts = tuple(range(0, 8 * len(ws) + 1, 8))  # no 1 among them: Triton folds an int of 1 into the kernel
-    values = dict(srcs=ws, dsts=ws, starts=starts, channels=tuple(w.shape[1] for w in ws),
-                  windows=tuple(w[0, 0].numel() for w in ws))
-    signature = {name: mangle_type(v) for name, v in values.items()} | dict.fromkeys(("N", "BCS", "KPS"), "constexpr")
-    meta = {"N": len(ws), "BCS": tuple(c for c, _ in tiles), "KPS": tuple(k for _, k in tiles)}
+    ws = [torch.empty(tuple(s), dtype=torch.bfloat16) for s in shapes]
+    starts = range(0, 8 * len(ws) + 1, 8)  # no 1 among them: Triton folds an int of 1 into the kernel
+    values, meta = _arguments(ws, ws, starts)
+    signature = {name: mangle_type(v) for name, v in values.items()} | dict.fromkeys(meta, "constexpr")
     kernel = triton.compile(ASTSource(_channels_last_copies, signature, meta), target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": 4})
-    return {"tiles": tiles, "shared": kernel.metadata.shared, "turned_in_shared": "st.shared" in kernel.asm["ptx"]}
+    return {"tiles": [_tile(w) for w in ws], "shared": kernel.metadata.shared,
+            "turned_in_shared": "st.shared" in kernel.asm["ptx"]}
