@@ -16,6 +16,7 @@ If AOTAutograd cannot trace the graph, the caller falls back to the recomputed b
 from __future__ import annotations
 
 import functools
+import operator
 
 import torch
 import torch.fx as fx
@@ -90,7 +91,41 @@ def _partition(partition_fn, joint_module, joint_inputs, **kwargs):
     """AOTAutograd's partition, then constants the backward would take from the forward computed in it."""
     forward, backward = partition_fn(joint_module, joint_inputs, **kwargs)
     recompute_constants(forward, backward)
+    bias_gradients_as_sums(backward)
     return forward, backward
+
+
+def bias_gradients_as_sums(backward: fx.GraphModule) -> int:
+    """Each convolution backward's bias gradient taken out of it, as a sum of the output's gradient over
+    every axis but the channels (a transposed convolution's too): an op of the graph, which stitchflow
+    compiles with the gradient's other readers, where ATen's convolution_backward ran it as a torch
+    reduction of its own (a U-Net's 18 took 202 µs of an H100 step; Inductor sums them in its kernels
+    too). Returns how many it took out."""
+    taken = 0
+    for node in list(backward.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.convolution_backward.default \
+                or len(node.args) != 11 or not node.args[10][2]:
+            continue
+        grad, mask = node.args[0], list(node.args[10])
+        val = grad.meta.get("val") if isinstance(grad, fx.Node) else None
+        if not isinstance(val, torch.Tensor):
+            continue
+        items = [u for u in node.users if u.target is operator.getitem and u.args[1] == 2]
+        if items:
+            with backward.graph.inserting_after(node):
+                total = backward.graph.call_function(aten.sum.dim_IntList, (grad, [0, *range(2, val.dim())]))
+            total.meta.update(items[0].meta)
+            for item in items:
+                item.replace_all_uses_with(total)
+                backward.graph.erase_node(item)
+        node.args = (*node.args[:10], [mask[0], mask[1], False])
+        if isinstance(node.meta.get("val"), (tuple, list)):
+            node.meta["val"] = (*node.meta["val"][:2], None)
+        taken += 1
+    if taken:
+        backward.graph.lint()
+        backward.recompile()
+    return taken
 
 
 CONSTANT_MOST = 1 << 16  # elements of a saved constant the backward recomputes rather than reads

@@ -322,6 +322,36 @@ def test_nearest_upsampling_gradient_sums_windows_without_a_scatter(scale, targe
         assert steps and not any(getattr(getattr(step, "node", None), "is_scatter", False) for step in steps)
 
 
+@pytest.mark.parametrize("target", ["reference", "gpu"])
+def test_convolution_bias_gradients_are_sums_in_the_graph(target, monkeypatch):
+    """A convolution backward's bias gradient (a plain and a transposed convolution, 2-d and 1-d) is
+    taken out of it as a sum of the output's gradient over all but the channels, which stitchflow
+    compiles: gradients as eager's, and every convolution_backward left asks for no bias gradient."""
+    skip_unless_kernels_run(target)
+    masks = []
+    taken = training.bias_gradients_as_sums
+
+    def recorded(backward):
+        count = taken(backward)
+        masks.extend(tuple(n.args[10]) for n in backward.graph.nodes
+                     if n.target is torch.ops.aten.convolution_backward.default)
+        return count
+
+    monkeypatch.setattr(training, "bias_gradients_as_sums", recorded)
+    torch.manual_seed(0)
+    device = DEVICE if target == "gpu" else "cpu"
+    model = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.GroupNorm(2, 6), nn.SiLU(),
+                          nn.ConvTranspose2d(6, 4, 2, stride=2), nn.Tanh()).to(device)
+    _train_side_by_side(model, lambda: (torch.randn(2, 3, 5, 7, device=device),), steps=2, options={"target": target})
+    assert len(masks) == 2 and all(mask[2] is False for mask in masks), masks
+    fell_back = backend.fallback_report().splitlines()[1:]
+    assert len(fell_back) == 2 and all("convolution_backward" in line for line in fell_back), fell_back
+    masks.clear()
+    line = nn.Conv1d(4, 5, 3).to(device)
+    _train_side_by_side(line, lambda: (torch.randn(3, 4, 9, device=device),), steps=1, options={"target": target})
+    assert masks == [(True, True, False)]
+
+
 def test_gpu_target_on_cpu_without_the_interpreter(monkeypatch):
     """With no GPU and no interpreter the gpu target evaluates each part's nodes on the CPU, in the
     graph's order: relu's gradient reads a zero (a constant the kernels fold) that a later part

@@ -98,6 +98,7 @@ class PartPlan:
     p_contiguous: bool  # the memory-contiguous class is parallel (column-reduction style)
     big_elem_bytes: int = 4
     transposed: bool = False  # a large tensor is contiguous along the innermost parallel class
+    crossed: bool = False  # so too, in a reduction whose other large tensors run along the local axes
     online: dict = None  # sum reduction -> the max it is rescaled by (online softmax)
 
     @property
@@ -358,7 +359,8 @@ def plan_part(graph: Graph, nodes: list[Node], uf: VarClasses, outside_users: se
     outputs = tuple(n.name for n in nodes if n.name in outside_users)
     return PartPlan(tuple(nodes), cls, extents, L, P, stage, final, frozenset(row_level), outputs,
                     p_contiguous=inner is not None and inner in P, big_elem_bytes=big_bytes, online=online,
-                    transposed=cross is not None and cross in P and not red_sets)
+                    transposed=cross is not None and cross in P and not red_sets,
+                    crossed=cross is not None and cross in P and bool(red_sets))
 
 
 def _check_reductions_cover(nodes, cls, extents, P) -> None:

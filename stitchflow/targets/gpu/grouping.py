@@ -26,6 +26,7 @@ from .analysis import (NotStitchable, PartPlan, components, factor_access, inlin
 from .batched_gemm import contiguous, plan_bmm, run_bmm
 from .conv import match_conv
 from .emit import inline_body
+from .mapping import programs, unsplit_config
 
 log = logging.getLogger("stitchflow.gpu")
 
@@ -288,7 +289,13 @@ def starved_by_packing(plans: list[PartPlan]) -> list[str]:
     if len(working) < 2:
         return []
     return [p.reductions[0].name for p in working if p.reductions and p.L_total >= PACKED_LONG
-            and math.ceil(p.P_total / (32 if p.p_contiguous else 1)) < PACKED_MIN_PROGRAMS]
+            and _packed_programs(p) < PACKED_MIN_PROGRAMS]
+
+
+def _packed_programs(plan: PartPlan) -> int:
+    """Programs of a reduction packed unsplit: a row each (the autotuner may take one), or the
+    column blocks of `unsplit_config`."""
+    return programs(plan, unsplit_config(plan)) if plan.p_contiguous else plan.P_total
 
 
 STENCIL_TAPS = 3  # reads of one tensor at that many places make a node a stencil (an unrolled window)

@@ -32,7 +32,7 @@ from .check import check_outputs
 from .analysis import PartPlan
 from .codegen import KernelSpec, build_kernel, kernel_inputs
 from .compiles import COMPILE_DEADLINE_S, precompile, submit
-from .mapping import Config, candidates, max_coop_split, resident_per_sm
+from .mapping import Config, candidates, max_coop_split, resident_per_sm, unsplit_config
 
 log = logging.getLogger("stitchflow.gpu")
 
@@ -302,8 +302,7 @@ class GroupKernel:
                                  "a cooperative split cannot share a launch with packed parts")
             space = [c for c in space if not c.coop]
         if self.packed:  # packed parts share one launch: no phase barriers
-            space = [c for c in space if c.split == 1 or not plan.reductions] or [
-                candidates(plan, sms, {"split": 1, "block_l": 1 << 15})[0]]
+            space = [c for c in space if c.split == 1 or not plan.reductions] or [unsplit_config(plan, sms)]
         return space
 
     def _evaluated(self, env) -> set[str]:

@@ -5,10 +5,12 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import stitchflow  # noqa: E402
 from stitchflow.targets.gpu.grouping import defer_elementwise, plan_group  # noqa: E402
+from stitchflow.targets.gpu.mapping import candidates, programs  # noqa: E402
 
 
 def _two_kernels(fn, args, first: int):
@@ -99,3 +101,43 @@ def test_long_reductions_over_few_rows_are_not_packed():
         assert len(launched) == kernels, [k.title for k in launched]
         for out, ref in zip(prog(a, b), two_sums(a, b)):
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)  # float32 sums of 1024 in other orders
+
+
+def test_packed_channel_sums_fill_the_device():
+    """Channel sums over 16 x 16 positions of 8 images with 256 channels stay packed in one launch;
+    unsplit, their column tiles narrow until the 2048 channels fill two waves of an H100's programs
+    (the wide tiles left 16 programs)."""
+    def two_sums(a, b):
+        return a.float().sum(dim=(1, 2)), (b.float() * 2).sum(dim=(1, 2))
+
+    a, b = (torch.randn(8, 16, 16, 256, dtype=torch.bfloat16) for _ in range(2))
+    prog = stitchflow.compile(two_sums, (a, b), target="gpu", fusion="full")
+    outs = prog(a, b)
+    (kernel,) = [k for run in prog._compiled for k in run.kernels]
+    assert kernel.packed
+    reductions = [(p, c) for p, c in zip(kernel.plans, kernel.chosen) if p.reductions]
+    assert len(reductions) == 2
+    for plan, cfg in reductions:
+        assert cfg.split == 1 and programs(plan, cfg) >= 128, cfg
+        assert cfg.BP * 2 >= 32, cfg  # no narrower than a 32-byte sector of bfloat16
+    for out, ref in zip(outs, two_sums(a, b)):
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("pins", [{}, {"block_p": 64, "block_l": 64, "split": 4}])
+def test_a_reduction_across_layouts_may_take_square_tiles(pins):
+    """A channel sum over an NCHW value made from an NHWC tensor (a convolution's bias gradient from
+    channels-last activations): the part's large tensors disagree on the contiguous axis, so its
+    autotuning space holds square tiles beside the row configs, and they compute the same sums."""
+    def f(x):
+        y = x.permute(0, 3, 1, 2) * 2
+        return y, y.float().sum(dim=(0, 2, 3))
+
+    x = torch.randn(3, 9, 10, 37, dtype=torch.bfloat16)
+    prog = stitchflow.compile(f, (x,), target="gpu", fusion="full", options=pins)
+    (kernel,) = [k for run in prog._compiled for k in run.kernels]
+    (plan,) = [p for p in kernel.plans if p.reductions]
+    assert plan.crossed and not plan.p_contiguous
+    assert any(c.BP == 64 and c.BL == 64 for c in candidates(plan)), candidates(plan)
+    for out, ref in zip(prog(x), f(x)):
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
