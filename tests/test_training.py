@@ -322,14 +322,9 @@ def test_nearest_upsampling_gradient_sums_windows_without_a_scatter(scale, targe
         assert steps and not any(getattr(getattr(step, "node", None), "is_scatter", False) for step in steps)
 
 
-@pytest.mark.parametrize("target", ["reference", "gpu"])
-def test_convolution_bias_gradients_are_sums_in_the_graph(target, monkeypatch):
-    """A convolution backward's bias gradient (a plain and a transposed convolution, 2-d and 1-d) is
-    taken out of it as a sum of the output's gradient over all but the channels, which stitchflow
-    compiles: gradients as eager's, and every convolution_backward left asks for no bias gradient."""
-    skip_unless_kernels_run(target)
-    masks = []
-    taken = training.bias_gradients_as_sums
+def _convolution_backward_masks(monkeypatch) -> list:
+    """The output masks of the convolution backwards left in each backward graph, as compiled."""
+    masks, taken = [], training.bias_gradients_as_sums
 
     def recorded(backward):
         count = taken(backward)
@@ -338,6 +333,16 @@ def test_convolution_bias_gradients_are_sums_in_the_graph(target, monkeypatch):
         return count
 
     monkeypatch.setattr(training, "bias_gradients_as_sums", recorded)
+    return masks
+
+
+@pytest.mark.parametrize("target", ["reference", "gpu"])
+def test_convolution_bias_gradients_are_sums_in_the_graph(target, monkeypatch):
+    """A convolution backward's bias gradient (a plain and a transposed convolution, 2-d and 1-d) is
+    taken out of it as a sum of the output's gradient over all but the channels, which stitchflow
+    compiles: gradients as eager's, and every convolution_backward left asks for no bias gradient."""
+    skip_unless_kernels_run(target)
+    masks = _convolution_backward_masks(monkeypatch)
     torch.manual_seed(0)
     device = DEVICE if target == "gpu" else "cpu"
     model = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.GroupNorm(2, 6), nn.SiLU(),
@@ -350,6 +355,23 @@ def test_convolution_bias_gradients_are_sums_in_the_graph(target, monkeypatch):
     line = nn.Conv1d(4, 5, 3).to(device)
     _train_side_by_side(line, lambda: (torch.randn(3, 4, 9, device=device),), steps=1, options={"target": target})
     assert masks == [(True, True, False)]
+
+
+@pytest.mark.parametrize("conv, shape", [
+    (lambda: nn.Conv2d(4, 6, 3, stride=2, padding=2, dilation=2, groups=2), (2, 4, 9, 8)),
+    (lambda: nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1, groups=2), (2, 4, 5, 6)),
+    (lambda: nn.Conv3d(3, 5, (2, 3, 3), padding=(0, 1, 1)), (2, 3, 4, 5, 6)),
+])
+def test_bias_gradients_of_other_convolutions_are_sums_too(conv, shape, monkeypatch):
+    """Grouped, dilated, strided, transposed with output padding, 3-d: the sum over all but the
+    channels is each one's bias gradient."""
+    masks = _convolution_backward_masks(monkeypatch)
+    torch.manual_seed(0)
+    _train_side_by_side(nn.Sequential(conv(), nn.SiLU()), lambda: (torch.randn(*shape),), steps=1,
+                        options={"target": "reference"})
+    assert masks == [(True, True, False)]
+    fell_back = backend.fallback_report().splitlines()[1:]
+    assert len(fell_back) == 1 and "convolution_backward" in fell_back[0], fell_back
 
 
 def test_gpu_target_on_cpu_without_the_interpreter(monkeypatch):
