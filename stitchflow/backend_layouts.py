@@ -162,8 +162,35 @@ def _channels_last_format(t):
     return {4: torch.channels_last, 5: torch.channels_last_3d}.get(t.dim()) if isinstance(t, torch.Tensor) else None
 
 
+def pointwise_weight_gradient(grad, x, weight_shape):
+    """A 1x1 convolution's weight gradient (stride 1, no padding, one group) as GEMMs over the
+    positions, grad^T · x, accumulated in float32: cuDNN handed it to a cuBLAS kernel with no split
+    over the positions (U-Net's 128 -> 64 skip at 8x64x64, K = 32768: 46 µs on an H100, where
+    `torch.mm` of the same operands takes 15). Operands are read as stored: both channels last, one
+    GEMM over every position; otherwise one per image (a batched GEMM), summed."""
+    (g, g_last), (a, a_last) = _per_image(grad), _per_image(x)
+    wide = grad.is_cuda and grad.dtype in (torch.float16, torch.bfloat16)  # float32 accumulators out
+    if g_last and a_last:
+        lhs, rhs = g.reshape(-1, g.shape[2]).t(), a.reshape(-1, a.shape[2])
+        out = torch.mm(lhs, rhs, out_dtype=torch.float32) if wide else torch.mm(lhs, rhs)
+    else:
+        lhs, rhs = (g.transpose(1, 2) if g_last else g), (a if a_last else a.transpose(1, 2))
+        out = (torch.bmm(lhs, rhs, out_dtype=torch.float32) if wide else torch.bmm(lhs, rhs)).sum(0)
+    return out.to(grad.dtype).view(weight_shape)
+
+
+def _per_image(t) -> tuple:
+    """(t as [N, positions, C] with True where stored channels last, else as [N, C, positions] with
+    False): views of a dense tensor in either layout, a copy otherwise."""
+    n, c = t.shape[:2]
+    last = t.movedim(1, -1)
+    if last.is_contiguous() and not t.is_contiguous():
+        return last.reshape(n, -1, c), True
+    return t.contiguous().reshape(n, c, -1), False
+
+
 # their readers of the gradient only look at the layout
-LAYOUT_FREE = LAYOUT_FREE | {like_gradient, weight_like_gradient}
+LAYOUT_FREE = LAYOUT_FREE | {like_gradient, weight_like_gradient, pointwise_weight_gradient}
 
 
 def saved_weights_channels_last(gm: fx.GraphModule, saved_from: int | None) -> int:

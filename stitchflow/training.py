@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from . import backend
-from .backend_layouts import saved_outputs_start, written_back_inputs
+from .backend_layouts import pointwise_weight_gradient, saved_outputs_start, written_back_inputs
 from .replay import AotGraphReplay
 
 aten = torch.ops.aten
@@ -92,7 +92,43 @@ def _partition(partition_fn, joint_module, joint_inputs, **kwargs):
     forward, backward = partition_fn(joint_module, joint_inputs, **kwargs)
     recompute_constants(forward, backward)
     bias_gradients_as_sums(backward)
+    pointwise_weight_gradients(backward)
     return forward, backward
+
+
+def pointwise_weight_gradients(backward: fx.GraphModule) -> int:
+    """Each 1x1 convolution's weight gradient (stride 1, no padding or dilation, one group, not
+    transposed) taken out of its convolution_backward as one GEMM (`pointwise_weight_gradient`).
+    Returns how many it took out."""
+    taken = 0
+    for node in list(backward.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.convolution_backward.default \
+                or len(node.args) != 11 or not node.args[10][1]:
+            continue
+        grad, x, w, _, stride, padding, dilation, transposed, _, groups, mask = node.args
+        shape = tuple(w.meta["val"].shape) if isinstance(w, fx.Node) and "val" in w.meta else None
+        if shape is None or any(k != 1 for k in shape[2:]) or transposed or groups != 1 or \
+                any(s != 1 for s in stride) or any(p != 0 for p in padding) or any(d != 1 for d in dilation):
+            continue
+        items = [u for u in node.users if u.target is operator.getitem and u.args[1] == 1]
+        if items:
+            with backward.graph.inserting_after(node):
+                gemm = backward.graph.call_function(pointwise_weight_gradient, (grad, x, shape))
+            gemm.meta.update(items[0].meta)
+            for item in items:
+                item.replace_all_uses_with(gemm)
+                backward.graph.erase_node(item)
+        node.args = (*node.args[:10], [mask[0], False, mask[2]])
+        if isinstance(node.meta.get("val"), (tuple, list)):
+            val = node.meta["val"]
+            node.meta["val"] = (val[0], None, *val[2:])
+        if not (mask[0] or mask[2] or node.users):  # nothing left for cuDNN to compute
+            backward.graph.erase_node(node)
+        taken += 1
+    if taken:
+        backward.graph.lint()
+        backward.recompile()
+    return taken
 
 
 def bias_gradients_as_sums(backward: fx.GraphModule) -> int:

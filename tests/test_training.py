@@ -323,8 +323,9 @@ def test_nearest_upsampling_gradient_sums_windows_without_a_scatter(scale, targe
 
 
 def _convolution_backward_masks(monkeypatch) -> list:
-    """The output masks of the convolution backwards left in each backward graph, as compiled."""
-    masks, taken = [], training.bias_gradients_as_sums
+    """The output masks of the convolution backwards left in each backward graph, as compiled (after
+    the partition hook's last rewrite)."""
+    masks, taken = [], training.pointwise_weight_gradients
 
     def recorded(backward):
         count = taken(backward)
@@ -332,7 +333,7 @@ def _convolution_backward_masks(monkeypatch) -> list:
                      if n.target is torch.ops.aten.convolution_backward.default)
         return count
 
-    monkeypatch.setattr(training, "bias_gradients_as_sums", recorded)
+    monkeypatch.setattr(training, "pointwise_weight_gradients", recorded)
     return masks
 
 
@@ -372,6 +373,34 @@ def test_bias_gradients_of_other_convolutions_are_sums_too(conv, shape, monkeypa
     assert masks == [(True, True, False)]
     fell_back = backend.fallback_report().splitlines()[1:]
     assert len(fell_back) == 1 and "convolution_backward" in fell_back[0], fell_back
+
+
+@pytest.mark.parametrize("target", ["reference", "gpu"])
+def test_pointwise_convolution_weight_gradients_are_gemms(target, monkeypatch, fp32_convolutions):
+    """A 1x1 convolution's weight gradient is one GEMM over every position (`pointwise_weight_gradient`),
+    its input gradient still cuDNN's; a strided 1x1 convolution keeps its weight gradient in cuDNN."""
+    skip_unless_kernels_run(target)
+    masks = _convolution_backward_masks(monkeypatch)
+    torch.manual_seed(0)
+    device = DEVICE if target == "gpu" else "cpu"
+    model = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.SiLU(), nn.Conv2d(6, 5, 1), nn.GroupNorm(1, 5),
+                          nn.Conv2d(5, 4, 1, stride=2, bias=False)).to(device)
+    _train_side_by_side(model, lambda: (torch.randn(2, 3, 6, 7, device=device),), steps=2, options={"target": target})
+    assert sorted(masks) == sorted([(True, True, False), (True, False, False), (True, True, False)]), masks
+    fell_back = backend.fallback_report().splitlines()[1:]
+    assert len(fell_back) == 3 and all("convolution_backward" in line for line in fell_back), fell_back
+
+
+@pytest.mark.parametrize("grad_last", [False, True])
+@pytest.mark.parametrize("x_last", [False, True])
+def test_pointwise_weight_gradient_reads_either_layout(grad_last, x_last):
+    from stitchflow.backend_layouts import pointwise_weight_gradient
+
+    grad, x = torch.randn(3, 5, 4, 6, dtype=torch.float64), torch.randn(3, 7, 4, 6, dtype=torch.float64)
+    grad = grad.contiguous(memory_format=torch.channels_last) if grad_last else grad
+    x = x.contiguous(memory_format=torch.channels_last) if x_last else x
+    torch.testing.assert_close(pointwise_weight_gradient(grad, x, (5, 7, 1, 1)),
+                               torch.einsum("nchw,ndhw->cd", grad, x).view(5, 7, 1, 1))
 
 
 def test_gpu_target_on_cpu_without_the_interpreter(monkeypatch):
