@@ -166,7 +166,7 @@ def split_region(graph: Graph, region: Region) -> list[tuple[str, list[Node], li
         except NotStitchable as err:
             steps.append(("torch", [n], str(err)))
     flush()
-    return [_final(graph, s) for s in unpack_starved(graph, defer_elementwise(graph, steps))]
+    return [_final(graph, s) for s in defer_elementwise(graph, unpack_starved(graph, defer_elementwise(graph, steps)))]
 
 
 def defer_elementwise(graph: Graph, steps: list) -> list:
@@ -204,18 +204,21 @@ def defer_elementwise(graph: Graph, steps: list) -> list:
 
 def _deferrable(graph: Graph, earlier: list[Node], later: list[Node]) -> set[str]:
     """The nodes of `earlier` that may move into `later`: elementwise, not program outputs, each read
-    only by those nodes or by `later`, each made from tensors outside `earlier` or from those nodes.
+    only by those nodes or by `later`, each made from tensors outside `earlier`, from values `earlier`
+    stores anyway (a group norm gradient's bfloat16 product, read by the later sums too), or from those
+    nodes.
     Each connected piece of them moves only if its outside inputs are no more bytes than what `later`
     reads of it (ResNet's stem: a batch norm's x - mean moves, the pool gradient's taps beside it stay)."""
     mine, theirs = {n.name for n in earlier}, {n.name for n in later}
     moved = {n.name for n in earlier if n.reduce is None and not n.is_scatter and n.name not in graph.outputs}
+    stored = {t for t in mine if t in graph.outputs or any(c not in mine for c in graph.consumers.get(t, ()))}
     changed = True
     while changed:
         changed = False
         for name in sorted(moved):
             node = graph.node_of[name]
             if any(c not in moved and c not in theirs for c in graph.consumers.get(name, ())) or \
-                    any(t in mine and t not in moved for t in node.inputs):
+                    any(t in mine and t not in moved and t not in stored for t in node.inputs):
                 moved.discard(name)
                 changed = True
     links = nx.Graph()

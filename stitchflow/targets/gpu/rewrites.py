@@ -211,7 +211,8 @@ def _sinkable(graph: Graph, node: Node) -> bool:
     source = body.arg.access
     producer = graph.node_of.get(source.tensor)
     wide, narrow = graph.type_of[node.name].dtype, graph.type_of[source.tensor].dtype
-    if producer is None or is_contraction(producer) or not (wide.is_floating_point and narrow.is_floating_point) or \
+    if (producer is None and source.tensor not in graph.inputs) or (producer is not None and is_contraction(producer)) \
+            or not (wide.is_floating_point and narrow.is_floating_point) or \
             wide.itemsize <= narrow.itemsize or source.indices != tuple(Var(v) for v in node.out_vars) or \
             graph.type_of[source.tensor].shape != graph.type_of[node.name].shape:
         return False

@@ -55,6 +55,22 @@ def test_work_read_elsewhere_or_costing_more_bytes_stays():
         assert defer_elementwise(graph, steps) == steps, fn.__name__
 
 
+def test_work_made_from_a_value_stored_anyway_moves():
+    """A group norm gradient's product in small: float32(a) * float32(y), with a = bfloat16(...) stored by
+    the first kernel for a reader of its own; the product, read only by the next kernel's sum, is
+    computed there from a and y (bfloat16) rather than stored in float32."""
+    x, y = torch.randn(64, 24).to(torch.bfloat16), torch.randn(64, 24).to(torch.bfloat16)
+
+    def product_sums(x, y):
+        a = torch.tanh(x.float()).to(torch.bfloat16)
+        return a, (a.float() * y.float()).sum(0)
+
+    graph, steps = _two_kernels(product_sums, (x, y), first=6)  # ..., to, float32(to), float32(y), mul | sum
+    first, second = defer_elementwise(graph, steps)
+    assert {o for plan in first[2] for o in plan.outputs} == {"to"}
+    assert "mul" in {n.name for n in second[1]}
+
+
 def _pool_gradient(g, x, index):
     return torch.ops.aten.max_pool2d_with_indices_backward(g, x, [3, 3], [2, 2], [1, 1], [1, 1], False, index)
 
