@@ -96,41 +96,6 @@ def _partition(partition_fn, joint_module, joint_inputs, **kwargs):
     return forward, backward
 
 
-def pointwise_weight_gradients(backward: fx.GraphModule) -> int:
-    """Each 1x1 convolution's weight gradient (stride 1, no padding or dilation, one group, not
-    transposed) taken out of its convolution_backward as one GEMM (`pointwise_weight_gradient`).
-    Returns how many it took out."""
-    taken = 0
-    for node in list(backward.graph.nodes):
-        if node.op != "call_function" or node.target is not aten.convolution_backward.default \
-                or len(node.args) != 11 or not node.args[10][1]:
-            continue
-        grad, x, w, _, stride, padding, dilation, transposed, _, groups, mask = node.args
-        shape = tuple(w.meta["val"].shape) if isinstance(w, fx.Node) and "val" in w.meta else None
-        if shape is None or any(k != 1 for k in shape[2:]) or transposed or groups != 1 or \
-                any(s != 1 for s in stride) or any(p != 0 for p in padding) or any(d != 1 for d in dilation):
-            continue
-        items = [u for u in node.users if u.target is operator.getitem and u.args[1] == 1]
-        if items:
-            with backward.graph.inserting_after(node):
-                gemm = backward.graph.call_function(pointwise_weight_gradient, (grad, x, shape))
-            gemm.meta.update(items[0].meta)
-            for item in items:
-                item.replace_all_uses_with(gemm)
-                backward.graph.erase_node(item)
-        node.args = (*node.args[:10], [mask[0], False, mask[2]])
-        if isinstance(node.meta.get("val"), (tuple, list)):
-            val = node.meta["val"]
-            node.meta["val"] = (val[0], None, *val[2:])
-        if not (mask[0] or mask[2] or node.users):  # nothing left for cuDNN to compute
-            backward.graph.erase_node(node)
-        taken += 1
-    if taken:
-        backward.graph.lint()
-        backward.recompile()
-    return taken
-
-
 def bias_gradients_as_sums(backward: fx.GraphModule) -> int:
     """Each convolution backward's bias gradient taken out of it, as a sum of the output's gradient over
     every axis but the channels (a transposed convolution's too): an op of the graph, which stitchflow
@@ -138,30 +103,63 @@ def bias_gradients_as_sums(backward: fx.GraphModule) -> int:
     reduction of its own (a U-Net's 18 took 202 µs of an H100 step; Inductor sums them in its kernels
     too). Returns how many it took out."""
     taken = 0
-    for node in list(backward.graph.nodes):
-        if node.op != "call_function" or node.target is not aten.convolution_backward.default \
-                or len(node.args) != 11 or not node.args[10][2]:
-            continue
-        grad, mask = node.args[0], list(node.args[10])
+    for node in _convolution_backwards(backward.graph, output=2):
+        grad = node.args[0]
         val = grad.meta.get("val") if isinstance(grad, fx.Node) else None
-        if not isinstance(val, torch.Tensor):
+        if isinstance(val, torch.Tensor):
+            _take_out(backward.graph, node, 2, aten.sum.dim_IntList, (grad, [0, *range(2, val.dim())]))
+            taken += 1
+    return _recompiled(backward, taken)
+
+
+def pointwise_weight_gradients(backward: fx.GraphModule) -> int:
+    """Each 1x1 convolution's weight gradient (stride 1, no padding or dilation, one group, not
+    transposed) taken out of its convolution_backward as GEMMs over the positions
+    (`pointwise_weight_gradient`). Returns how many it took out."""
+    taken = 0
+    for node in _convolution_backwards(backward.graph, output=1):
+        grad, x, w, _, stride, padding, dilation, transposed, _, groups, _ = node.args
+        shape = tuple(w.meta["val"].shape) if isinstance(w, fx.Node) and "val" in w.meta else None
+        if shape is None or any(k != 1 for k in shape[2:]) or transposed or groups != 1 or \
+                any(s != 1 for s in stride) or any(p != 0 for p in padding) or any(d != 1 for d in dilation):
             continue
-        items = [u for u in node.users if u.target is operator.getitem and u.args[1] == 2]
-        if items:
-            with backward.graph.inserting_after(node):
-                total = backward.graph.call_function(aten.sum.dim_IntList, (grad, [0, *range(2, val.dim())]))
-            total.meta.update(items[0].meta)
-            for item in items:
-                item.replace_all_uses_with(total)
-                backward.graph.erase_node(item)
-        node.args = (*node.args[:10], [mask[0], mask[1], False])
-        if isinstance(node.meta.get("val"), (tuple, list)):
-            node.meta["val"] = (*node.meta["val"][:2], None)
+        _take_out(backward.graph, node, 1, pointwise_weight_gradient, (grad, x, shape))
         taken += 1
-    if taken:
-        backward.graph.lint()
-        backward.recompile()
-    return taken
+    return _recompiled(backward, taken)
+
+
+def _convolution_backwards(graph: fx.Graph, output: int) -> list[fx.Node]:
+    """The convolution_backward nodes that compute their `output` (0: the input's gradient, 1: the
+    weight's, 2: the bias')."""
+    return [n for n in graph.nodes if n.op == "call_function" and n.target is aten.convolution_backward.default
+            and len(n.args) == 11 and n.args[10][output]]
+
+
+def _take_out(graph: fx.Graph, node: fx.Node, output: int, target, args: tuple) -> None:
+    """`node`'s `output` computed by `target(*args)` instead: what read it reads that, and the convolution
+    backward no longer computes it (nor runs, when nothing of it is left)."""
+    items = [u for u in node.users if u.target is operator.getitem and u.args[1] == output]
+    if items:
+        with graph.inserting_after(node):
+            value = graph.call_function(target, args)
+        value.meta.update(items[0].meta)
+        for item in items:
+            item.replace_all_uses_with(value)
+            graph.erase_node(item)
+    mask = list(node.args[10])
+    mask[output] = False
+    node.args = (*node.args[:10], mask)
+    if isinstance(val := node.meta.get("val"), (tuple, list)):
+        node.meta["val"] = tuple(None if k == output else v for k, v in enumerate(val))
+    if not any(mask) and not node.users:
+        graph.erase_node(node)
+
+
+def _recompiled(gm: fx.GraphModule, changes: int) -> int:
+    if changes:
+        gm.graph.lint()
+        gm.recompile()
+    return changes
 
 
 CONSTANT_MOST = 1 << 16  # elements of a saved constant the backward recomputes rather than reads
