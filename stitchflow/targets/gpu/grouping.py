@@ -166,7 +166,9 @@ def split_region(graph: Graph, region: Region) -> list[tuple[str, list[Node], li
         except NotStitchable as err:
             steps.append(("torch", [n], str(err)))
     flush()
-    return [_final(graph, s) for s in defer_elementwise(graph, unpack_starved(graph, defer_elementwise(graph, steps)))]
+    steps = unpack_starved(graph, defer_elementwise(graph, steps))
+    # again: an unpacked part leaves behind the elementwise work it read (a group norm gradient's product)
+    return [_final(graph, s) for s in defer_elementwise(graph, steps)]
 
 
 def defer_elementwise(graph: Graph, steps: list) -> list:

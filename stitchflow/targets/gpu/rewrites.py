@@ -187,8 +187,10 @@ def sink_widening_casts(graph: Graph) -> Graph:
     in another kernel, and 103 MB went through memory where 51 MB now do.
 
     Only where every reader takes it: not a graph output, not read by a GEMM-like product (the
-    library matmuls and convolutions read tensors, not expressions), and m neither an input nor
-    a GEMM's product (attention and chain matchers walk the nodes after those)."""
+    library matmuls and convolutions read tensors, not expressions), and m not a GEMM's product
+    (attention and chain matchers walk the nodes after those). m may be an input: its readers then
+    read it as stored (a U-Net's group norm gradient read float32(x) of its activations in two
+    kernels, which stored the float32 copy between them)."""
     sunk = {node.name: node.body.arg.access.tensor for node in graph.nodes if _sinkable(graph, node)}
     if not sunk:
         return graph
