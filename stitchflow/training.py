@@ -16,6 +16,7 @@ If AOTAutograd cannot trace the graph, the caller falls back to the recomputed b
 from __future__ import annotations
 
 import functools
+import logging
 import operator
 
 import torch
@@ -26,6 +27,7 @@ from .backend_layouts import pointwise_weight_gradient, saved_outputs_start, wri
 from .replay import AotGraphReplay
 
 aten = torch.ops.aten
+log = logging.getLogger("stitchflow.training")
 
 # ATen ops that core ATen keeps whole but whose decompositions lower: training batch norm, its
 # running-statistics update made functional (AOTAutograd copies the new statistics back).
@@ -90,9 +92,11 @@ def compile_forward_and_backward(gm: fx.GraphModule, example_inputs, options: di
 def _partition(partition_fn, joint_module, joint_inputs, **kwargs):
     """AOTAutograd's partition, then constants the backward would take from the forward computed in it."""
     forward, backward = partition_fn(joint_module, joint_inputs, **kwargs)
-    recompute_constants(forward, backward)
-    bias_gradients_as_sums(backward)
-    pointwise_weight_gradients(backward)
+    recomputed = recompute_constants(forward, backward)
+    sums, gemms = bias_gradients_as_sums(backward), pointwise_weight_gradients(backward)
+    if recomputed or sums or gemms:
+        log.info("backward graph: %d saved constants recomputed, %d convolution bias gradients as sums, %d 1x1 "
+                 "weight gradients as GEMMs", len(recomputed), sums, gemms)
     return forward, backward
 
 
