@@ -97,9 +97,19 @@ class PartPlan:
     outputs: tuple[str, ...]  # node outputs the part must store
     p_contiguous: bool  # the memory-contiguous class is parallel (column-reduction style)
     big_elem_bytes: int = 4
-    transposed: bool = False  # a large tensor is contiguous along the innermost parallel class
-    crossed: bool = False  # so too, in a reduction whose other large tensors run along the local axes
+    cross_parallel: bool = False  # a large tensor is contiguous along the innermost parallel class
     online: dict = None  # sum reduction -> the max it is rescaled by (online softmax)
+
+    @property
+    def transposed(self) -> bool:
+        """Elementwise, with a large tensor contiguous along a parallel class: a transpose."""
+        return self.cross_parallel and not self.reductions
+
+    @property
+    def crossed(self) -> bool:
+        """A reduction whose large tensors disagree on the contiguous axis (one along a parallel
+        class, others along the local ones)."""
+        return self.cross_parallel and bool(self.reductions)
 
     @property
     def P_total(self) -> int:
@@ -359,8 +369,7 @@ def plan_part(graph: Graph, nodes: list[Node], uf: VarClasses, outside_users: se
     outputs = tuple(n.name for n in nodes if n.name in outside_users)
     return PartPlan(tuple(nodes), cls, extents, L, P, stage, final, frozenset(row_level), outputs,
                     p_contiguous=inner is not None and inner in P, big_elem_bytes=big_bytes, online=online,
-                    transposed=cross is not None and cross in P and not red_sets,
-                    crossed=cross is not None and cross in P and bool(red_sets))
+                    cross_parallel=cross is not None and cross in P)
 
 
 def _check_reductions_cover(nodes, cls, extents, P) -> None:
