@@ -403,6 +403,24 @@ def test_pointwise_weight_gradient_reads_either_layout(grad_last, x_last):
                                torch.einsum("nchw,ndhw->cd", grad, x).view(5, 7, 1, 1))
 
 
+@settings(max_examples=8, deadline=None)
+@given(cin=st.integers(1, 6), cout=st.integers(1, 6), kernel=st.sampled_from([1, 3]), stride=st.integers(1, 2),
+       bias=st.booleans(), side=st.integers(3, 7), last=st.booleans())
+def test_random_convolutions_get_eagers_gradients(cin, cout, kernel, stride, bias, side, last):
+    """Convolutions of any width, 1x1 or 3x3, strided or not, with or without a bias, on NCHW or
+    channels-last inputs: whatever the partition hook takes out of their backward (bias sums, 1x1
+    weight GEMMs), the gradients are eager's."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(cin, cout, kernel, stride=stride, padding=kernel // 2, bias=bias)
+
+    def inputs():
+        x = torch.randn(2, cin, side, side + 1)
+        return (x.contiguous(memory_format=torch.channels_last) if last else x,)
+
+    torch._dynamo.reset()
+    _train_side_by_side(nn.Sequential(conv, nn.Tanh()), inputs, steps=1, options={"target": "reference"})
+
+
 def test_gpu_target_on_cpu_without_the_interpreter(monkeypatch):
     """With no GPU and no interpreter the gpu target evaluates each part's nodes on the CPU, in the
     graph's order: relu's gradient reads a zero (a constant the kernels fold) that a later part
