@@ -190,9 +190,7 @@ def recompute_constants(forward: fx.GraphModule, backward: fx.GraphModule) -> li
                 env[node] = backward.graph.node_copy(node, lambda a: env[a])
         ph.replace_all_uses_with(env[source])
         done.append(ph.name)
-    if done:
-        backward.graph.lint()
-        backward.recompile()
+    _recompiled(backward, len(done))
     return done
 
 
