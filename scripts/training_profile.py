@@ -28,6 +28,8 @@ def main():
     p.add_argument("--timeline", action="store_true", help="every kernel of the step in launch order, with its time")
     p.add_argument("--by-kind", action="store_true", help="kernel time summed by kind (convolutions, GEMMs, "
                    "generated, torch's elementwise and copies), then stop")
+    p.add_argument("--launchers", metavar="REGEX", help="every kernel whose name matches, with the chain of ops that "
+                   "launched it and their input shapes (run with --options '{\"cuda_graphs\": false}'), then stop")
     args = p.parse_args()
     model, inputs, upstream = training_case(args.app, getattr(torch, args.dtype), args.size)
     fn = _runner(args.runner, model, json.loads(args.options))
@@ -49,6 +51,9 @@ def main():
         for k, e in enumerate(kernels):
             print(f"{k:4d} {e.time_range.start - kernels[0].time_range.start:9.1f} us  {e.device_time:8.1f} us  "
                   f"{e.name[:90]}")
+    if args.launchers:
+        print_launchers(fn, model, inputs, upstream, args.launchers)
+        return
     if args.by_kind:
         print_by_kind(prof)
         print_regions()
@@ -112,6 +117,27 @@ def print_regions() -> None:
                 for step in getattr(compiled, "steps", ()):
                     if type(step).__name__ == "TorchStep":  # a node run through torch, with the reason
                         print("   ", step, [tuple(prog.graph.type_of[step.node.name].shape)])
+
+
+def print_launchers(fn, model, inputs, upstream, pattern: str) -> None:
+    """Each kernel matching `pattern` under the host op that launched it, that op's parents, and the shapes."""
+    import re
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
+                                record_shapes=True) as prof:
+        _step(fn, model, inputs, upstream)
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.events():
+        for k in getattr(e, "kernels", ()):
+            if re.search(pattern, k.name):
+                chain, parent = [], e.cpu_parent
+                while parent is not None:
+                    chain.append(parent.name)
+                    parent = parent.cpu_parent
+                rows.append((e.time_range.start, k.duration, e.name, e.input_shapes, " < ".join(chain[:4])))
+    print(f"{len(rows)} kernels matching {pattern!r}, {sum(r[1] for r in rows):.1f} us:")
+    for _, us, name, shapes, chain in sorted(rows):
+        print(f"  {us:7.1f} us  {name} {str(shapes)[:110]}  < {chain[:160]}")
 
 
 KINDS = (  # first match wins; names as the CUDA profiler reports them

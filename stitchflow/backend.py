@@ -38,7 +38,8 @@ from torch.fx.passes.split_module import split_module
 
 from .backend_layouts import (channels_last_order, convolution_inputs_like_gradients, free_positions, like_gradient,
                               pointwise_weight_gradient, restride_placeholders, restrided, saved_outputs_start,
-                              saved_weights_channels_last, weight_like_gradient, weights_channels_last)
+                              saved_weights_channels_last, unfolded_weight_gradient, weight_like_gradient,
+                              weights_channels_last)
 from .frontend.capture import Captured, capture
 from .frontend.registry import LOWERINGS, describe_target, early_refusal, is_inplace, key_of
 from .ir.errors import KernelMismatch, StitchflowError
@@ -415,7 +416,8 @@ def _partition_and_wrap(gm: fx.GraphModule, options: dict, label: str = ""):
     saved_from = saved_outputs_start(label)
     if label == "forward" and _convolutions_channels_last(gm, target):
         saved_weights_channels_last(gm, saved_from)
-    ours = (restrided, like_gradient, weight_like_gradient, weights_channels_last, pointwise_weight_gradient)
+    ours = (restrided, like_gradient, weight_like_gradient, weights_channels_last, pointwise_weight_gradient,
+            unfolded_weight_gradient)
     for node in gm.graph.nodes:
         if node.target is operator.getitem or node.target in ours:  # the op's record says why; ours
             continue

@@ -179,6 +179,18 @@ def pointwise_weight_gradient(grad, x, weight_shape):
     return out.to(grad.dtype).view(weight_shape)
 
 
+def unfolded_weight_gradient(grad, x, weight_shape, stride, padding, dilation):
+    """The weight gradient of a 2-d convolution over a thin input (one group, not transposed): the input's
+    windows unfolded (im2col: [N, Cin·kh·kw, positions], no larger than the gradient when a window holds
+    no more values than the output has channels), then `pointwise_weight_gradient` over them. cuDNN pads
+    such an input to 8 channels and ran U-Net's 3 -> 64 stem (8x64x64) as one split-K implicit GEMM of
+    232 µs on an H100."""
+    cols = torch.nn.functional.unfold(x, tuple(weight_shape[2:]), dilation=tuple(dilation), padding=tuple(padding),
+                                      stride=tuple(stride))
+    cols = cols.view(x.shape[0], cols.shape[1], *grad.shape[2:])
+    return pointwise_weight_gradient(grad, cols, (weight_shape[0], cols.shape[1], 1, 1)).view(weight_shape)
+
+
 def _per_image(t) -> tuple:
     """(t as [N, positions, C] with True where stored channels last, else as [N, C, positions] with
     False): views of a dense tensor in either layout, a copy otherwise."""
@@ -190,7 +202,7 @@ def _per_image(t) -> tuple:
 
 
 # their readers of the gradient only look at the layout
-LAYOUT_FREE = LAYOUT_FREE | {like_gradient, weight_like_gradient, pointwise_weight_gradient}
+LAYOUT_FREE = LAYOUT_FREE | {like_gradient, weight_like_gradient, pointwise_weight_gradient, unfolded_weight_gradient}
 
 
 def saved_weights_channels_last(gm: fx.GraphModule, saved_from: int | None) -> int:

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import operator
 
 import torch
 import torch.fx as fx
 
 from . import backend
-from .backend_layouts import pointwise_weight_gradient, saved_outputs_start, written_back_inputs
+from .backend_layouts import (pointwise_weight_gradient, saved_outputs_start, unfolded_weight_gradient,
+                              written_back_inputs)
 from .replay import AotGraphReplay
 
 aten = torch.ops.aten
@@ -93,10 +95,10 @@ def _partition(partition_fn, joint_module, joint_inputs, **kwargs):
     """AOTAutograd's partition, then constants the backward would take from the forward computed in it."""
     forward, backward = partition_fn(joint_module, joint_inputs, **kwargs)
     recomputed = recompute_constants(forward, backward)
-    sums, gemms = bias_gradients_as_sums(backward), pointwise_weight_gradients(backward)
+    sums, gemms = bias_gradients_as_sums(backward), weight_gradients_as_gemms(backward)
     if recomputed or sums or gemms:
-        log.info("backward graph: %d saved constants recomputed, %d convolution bias gradients as sums, %d 1x1 "
-                 "weight gradients as GEMMs", len(recomputed), sums, gemms)
+        log.info("backward graph: %d saved constants recomputed, %d convolution bias gradients as sums, %d weight "
+                 "gradients as GEMMs", len(recomputed), sums, gemms)
     return forward, backward
 
 
@@ -116,18 +118,30 @@ def bias_gradients_as_sums(backward: fx.GraphModule) -> int:
     return _recompiled(backward, taken)
 
 
-def pointwise_weight_gradients(backward: fx.GraphModule) -> int:
-    """Each 1x1 convolution's weight gradient (stride 1, no padding or dilation, one group, not
-    transposed) taken out of its convolution_backward as GEMMs over the positions
-    (`pointwise_weight_gradient`). Returns how many it took out."""
+THIN_CHANNELS = 8  # cuDNN pads an input with fewer channels to 8 for its tensor-core weight-gradient kernels
+
+
+def weight_gradients_as_gemms(backward: fx.GraphModule) -> int:
+    """Weight gradients taken out of their convolution_backward (one group, not transposed) as GEMMs over the
+    positions: a 1x1 convolution's (stride 1, no padding or dilation) over the input as it is
+    (`pointwise_weight_gradient`), and a 2-d convolution's over a thin input (fewer than THIN_CHANNELS channels,
+    a window of them no wider than the output's channels, so the unfolded input is no larger than the
+    gradient) over its unfolded windows (`unfolded_weight_gradient`). Returns how many it took out."""
     taken = 0
     for node in _convolution_backwards(backward.graph, output=1):
         grad, x, w, _, stride, padding, dilation, transposed, _, groups, _ = node.args
         shape = tuple(w.meta["val"].shape) if isinstance(w, fx.Node) and "val" in w.meta else None
-        if shape is None or any(k != 1 for k in shape[2:]) or transposed or groups != 1 or \
-                any(s != 1 for s in stride) or any(p != 0 for p in padding) or any(d != 1 for d in dilation):
+        if shape is None or transposed or groups != 1:
             continue
-        _take_out(backward.graph, node, 1, pointwise_weight_gradient, (grad, x, shape))
+        window = shape[1] * math.prod(shape[2:])
+        if all(k == 1 for k in shape[2:]) and all(s == 1 for s in stride) and not any(padding) and \
+                all(d == 1 for d in dilation):
+            _take_out(backward.graph, node, 1, pointwise_weight_gradient, (grad, x, shape))
+        elif len(shape) == 4 and shape[1] < THIN_CHANNELS and window <= shape[0] and \
+                any(k != 1 for k in shape[2:]):
+            _take_out(backward.graph, node, 1, unfolded_weight_gradient, (grad, x, shape, stride, padding, dilation))
+        else:
+            continue
         taken += 1
     return _recompiled(backward, taken)
 

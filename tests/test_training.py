@@ -325,7 +325,7 @@ def test_nearest_upsampling_gradient_sums_windows_without_a_scatter(scale, targe
 def _convolution_backward_masks(monkeypatch) -> list:
     """The output masks of the convolution backwards left in each backward graph, as compiled (after
     the partition hook's last rewrite)."""
-    masks, taken = [], training.pointwise_weight_gradients
+    masks, taken = [], training.weight_gradients_as_gemms
 
     def recorded(backward):
         count = taken(backward)
@@ -333,7 +333,7 @@ def _convolution_backward_masks(monkeypatch) -> list:
                      if n.target is torch.ops.aten.convolution_backward.default)
         return count
 
-    monkeypatch.setattr(training, "pointwise_weight_gradients", recorded)
+    monkeypatch.setattr(training, "weight_gradients_as_gemms", recorded)
     return masks
 
 
@@ -403,13 +403,45 @@ def test_pointwise_weight_gradient_reads_either_layout(grad_last, x_last):
                                torch.einsum("nchw,ndhw->cd", grad, x).view(5, 7, 1, 1))
 
 
+@pytest.mark.parametrize("target", ["reference", "gpu"])
+def test_thin_input_weight_gradients_are_gemms_over_unfolded_windows(target, monkeypatch, fp32_convolutions):
+    """A convolution over an input of fewer than 8 channels whose window (channels x kernel) is no wider than
+    its output's channels (an RGB stem) has its weight gradient as GEMMs over the unfolded windows
+    (`unfolded_weight_gradient`), strided and dilated too; one whose window is wider keeps cuDNN's."""
+    skip_unless_kernels_run(target)
+    masks = _convolution_backward_masks(monkeypatch)
+    torch.manual_seed(0)
+    device = DEVICE if target == "gpu" else "cpu"
+    model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.GroupNorm(4, 32), nn.SiLU(),
+                          nn.Conv2d(32, 2, 3, stride=2, padding=2, dilation=2), nn.SiLU(),
+                          nn.Conv2d(2, 20, 3, stride=2, padding=1, bias=False), nn.SiLU(),
+                          nn.Conv2d(20, 4, 1)).to(device)
+    _train_side_by_side(model, lambda: (torch.randn(2, 3, 9, 10, device=device),), steps=2,
+                        options={"target": target})
+    assert sorted(masks) == sorted([(True, False, False), (True, True, False), (True, False, False),
+                                    (True, False, False)]), masks
+
+
+@pytest.mark.parametrize("x_last", [False, True])
+@pytest.mark.parametrize("stride, padding, dilation", [((1, 1), (1, 1), (1, 1)), ((2, 1), (0, 2), (1, 2))])
+def test_unfolded_weight_gradient_is_the_convolutions(x_last, stride, padding, dilation):
+    from stitchflow.backend_layouts import unfolded_weight_gradient
+
+    x, w = torch.randn(2, 3, 9, 8, dtype=torch.float64), torch.randn(6, 3, 3, 2, dtype=torch.float64)
+    grad = torch.randn_like(torch.nn.functional.conv2d(x, w, None, stride, padding, dilation))
+    expected = torch.nn.grad.conv2d_weight(x, w.shape, grad, stride, padding, dilation)
+    x = x.contiguous(memory_format=torch.channels_last) if x_last else x
+    grad = grad.contiguous(memory_format=torch.channels_last) if x_last else grad
+    torch.testing.assert_close(unfolded_weight_gradient(grad, x, w.shape, stride, padding, dilation), expected)
+
+
 @settings(max_examples=8, deadline=None)
-@given(cin=st.integers(1, 6), cout=st.integers(1, 6), kernel=st.sampled_from([1, 3]), stride=st.integers(1, 2),
+@given(cin=st.integers(1, 6), cout=st.integers(1, 20), kernel=st.sampled_from([1, 3]), stride=st.integers(1, 2),
        bias=st.booleans(), side=st.integers(3, 7), last=st.booleans())
 def test_random_convolutions_get_eagers_gradients(cin, cout, kernel, stride, bias, side, last):
     """Convolutions of any width, 1x1 or 3x3, strided or not, with or without a bias, on NCHW or
-    channels-last inputs: whatever the partition hook takes out of their backward (bias sums, 1x1
-    weight GEMMs), the gradients are eager's."""
+    channels-last inputs: whatever the partition hook takes out of their backward (bias sums, weight
+    GEMMs over the input or its unfolded windows), the gradients are eager's."""
     torch.manual_seed(0)
     conv = nn.Conv2d(cin, cout, kernel, stride=stride, padding=kernel // 2, bias=bias)
 
