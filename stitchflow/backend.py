@@ -36,7 +36,8 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 from torch.fx.passes.split_module import split_module
 
-from .backend_layouts import (channels_last_order, convolution_inputs_like_gradients, free_positions, like_gradient,
+from .backend_layouts import (channels_last_order, convolution_inputs_like_gradients, convolution_positions,
+                              free_positions, like_gradient,
                               pointwise_weight_gradient, restride_placeholders, restrided, saved_outputs_start,
                               saved_weights_channels_last, unfolded_weight_gradient, weight_like_gradient,
                               weights_channels_last)
@@ -100,6 +101,8 @@ class StitchflowModule(torch.nn.Module):
         # outputs whose readers take any layout (backend_layouts.py), by position: the program may
         # hand them over channels last
         self.free_outputs: frozenset = frozenset()
+        # of those, the ones a convolution reads (a backward's gradients for cuDNN): stored channels last
+        self.last_outputs: frozenset = frozenset()
         self.program_options: dict = {}  # the backend's options that programs take (cuda_graphs)
         self.strides: dict[tuple, list] = {}  # per signature: eager's output strides, None where not dense
         self.traced_strides: list | None = None  # per input: the strides the FX graph was traced with
@@ -191,11 +194,18 @@ class StitchflowModule(torch.nn.Module):
         """The program's options on layouts at the partition's boundary: its free outputs by IR name,
         and the inputs that arrive channels last (not bound ones: parameters keep their layout)."""
         leaves = captured.out_spec[1]
-        free = [leaves[0] if k is None else leaves[k] for k in self.free_outputs
-                if (k is None and len(leaves) == 1) or (k is not None and k < len(leaves))]
+
+        def found(positions) -> list:
+            return [leaves[0] if k is None else leaves[k] for k in positions
+                    if (k is None and len(leaves) == 1) or (k is not None and k < len(leaves))]
+        free = tuple(o for o in found(self.free_outputs) if isinstance(o, str))
+        # a view leaf is (name, shape); its node is stored for the view only where no other leaf returns it
+        fixed = {o if isinstance(o, str) else o[0] for o in found(set(range(len(leaves))) - self.free_outputs)
+                 if isinstance(o, (str, tuple))} if len(leaves) > 1 or None not in self.free_outputs else set()
+        last = tuple(o for o in found(self.last_outputs) if (o if isinstance(o, str) else o[0]) not in fixed)
         tensors = [(k, a) for k, a in enumerate(args) if isinstance(a, torch.Tensor)]
         orders = {name: channels_last_order(a) for (k, a), name in zip(tensors, captured.graph.inputs) if k not in bound}
-        return {"free_outputs": tuple(o for o in free if isinstance(o, str)),
+        return {"free_outputs": free, "last_outputs": tuple(o for o in last if isinstance(o, (str, tuple))),
                 "input_orders": {name: p for name, p in orders.items() if p is not None}}
 
     @property
@@ -437,6 +447,7 @@ def _partition_and_wrap(gm: fx.GraphModule, options: dict, label: str = ""):
             module = split.get_submodule(node.target)
             # an ATen graph's outputs are the other half's inputs, traced in eager's strides too
             module.free_outputs = free_positions(node, set(names), saved_from) if label else frozenset()
+            module.last_outputs = convolution_positions(node) & module.free_outputs
             module.program_options = {k: options[k] for k in PROGRAM_OPTIONS if k in options}
             module.read_eagerly = _read_eagerly(node, set(names), outputs_too=bool(label)) - module.free_outputs
     split.recompile()

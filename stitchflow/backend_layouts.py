@@ -18,6 +18,7 @@ channels-last strides), and a partition given one reads it as stored (`input_ord
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -164,16 +165,17 @@ def _channels_last_format(t):
 
 def pointwise_weight_gradient(grad, x, weight_shape):
     """A 1x1 convolution's weight gradient (stride 1, no padding, one group) as GEMMs over the
-    positions, grad^T · x, accumulated in float32: cuDNN handed it to a cuBLAS kernel with no split
-    over the positions (U-Net's 128 -> 64 skip at 8x64x64, K = 32768: 46 µs on an H100, where
-    `torch.mm` of the same operands takes 15). Operands are read as stored: both channels last, one
-    GEMM over every position; otherwise one per image (a batched GEMM), summed."""
+    positions, grad^T · x: cuDNN handed it to a cuBLAS kernel with no split over the positions
+    (U-Net's 128 -> 64 skip at 8x64x64, K = 32768: 46 µs on an H100, where `torch.mm` of the same
+    operands takes 15). Operands are read as stored: both channels last, one GEMM over every position
+    (cuBLAS accumulates in float32 and rounds once; asked for a float32 result, torch 2.11 ran a
+    CUTLASS fallback with 2-byte alignment, 78 µs); otherwise one per image (a batched GEMM) into
+    float32, summed."""
     (g, g_last), (a, a_last) = _per_image(grad), _per_image(x)
-    wide = grad.is_cuda and grad.dtype in (torch.float16, torch.bfloat16)  # float32 accumulators out
     if g_last and a_last:
-        lhs, rhs = g.reshape(-1, g.shape[2]).t(), a.reshape(-1, a.shape[2])
-        out = torch.mm(lhs, rhs, out_dtype=torch.float32) if wide else torch.mm(lhs, rhs)
+        out = torch.mm(g.reshape(-1, g.shape[2]).t(), a.reshape(-1, a.shape[2]))
     else:
+        wide = grad.is_cuda and grad.dtype in (torch.float16, torch.bfloat16)  # float32 accumulators out
         lhs, rhs = (g.transpose(1, 2) if g_last else g), (a if a_last else a.transpose(1, 2))
         out = (torch.bmm(lhs, rhs, out_dtype=torch.float32) if wide else torch.bmm(lhs, rhs)).sum(0)
     return out.to(grad.dtype).view(weight_shape)
@@ -181,14 +183,28 @@ def pointwise_weight_gradient(grad, x, weight_shape):
 
 def unfolded_weight_gradient(grad, x, weight_shape, stride, padding, dilation):
     """The weight gradient of a 2-d convolution over a thin input (one group, not transposed): the input's
-    windows unfolded (im2col: [N, Cin·kh·kw, positions], no larger than the gradient when a window holds
-    no more values than the output has channels), then `pointwise_weight_gradient` over them. cuDNN pads
-    such an input to 8 channels and ran U-Net's 3 -> 64 stem (8x64x64) as one split-K implicit GEMM of
-    232 µs on an H100."""
-    cols = torch.nn.functional.unfold(x, tuple(weight_shape[2:]), dilation=tuple(dilation), padding=tuple(padding),
-                                      stride=tuple(stride))
-    cols = cols.view(x.shape[0], cols.shape[1], *grad.shape[2:])
-    return pointwise_weight_gradient(grad, cols, (weight_shape[0], cols.shape[1], 1, 1)).view(weight_shape)
+    windows unfolded ([N, Cin·kh·kw, positions], no larger than the gradient when a window holds no more
+    values than the output has channels), in the gradient's layout, then `pointwise_weight_gradient` over
+    them. cuDNN pads such an input to 8 channels and ran U-Net's 3 -> 64 stem (8x64x64) as one split-K
+    implicit GEMM of 232 µs on an H100."""
+    return pointwise_weight_gradient(grad, _windows(x, weight_shape[2:], stride, padding, dilation, grad),
+                                     (weight_shape[0], weight_shape[1] * math.prod(weight_shape[2:]), 1, 1)
+                                     ).view(weight_shape)
+
+
+def _windows(x, kernel, stride, padding, dilation, like):
+    """x's windows as [N, C·kh·kw, Ho, Wo], in `like`'s layout (channels last or not): one copy of a
+    strided view of the padded input (F.unfold launches an im2col kernel per image)."""
+    n, c, h, w = x.shape
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = kernel, stride, padding, dilation
+    ho, wo = like.shape[2:]
+    xp = torch.nn.functional.pad(x, (pw, pw, ph, ph)) if ph or pw else x
+    s = xp.stride()
+    view = xp.as_strided((n, c, kh, kw, ho, wo), (s[0], s[1], dh * s[2], dw * s[3], sh * s[2], sw * s[3]))
+    if _channels_last_format(like) is not None and like.is_contiguous(memory_format=torch.channels_last) and \
+            not like.is_contiguous():
+        return view.permute(0, 4, 5, 1, 2, 3).reshape(n, ho, wo, c * kh * kw).permute(0, 3, 1, 2)
+    return view.reshape(n, c * kh * kw, ho, wo)
 
 
 def _per_image(t) -> tuple:
@@ -203,6 +219,24 @@ def _per_image(t) -> tuple:
 
 # their readers of the gradient only look at the layout
 LAYOUT_FREE = LAYOUT_FREE | {like_gradient, weight_like_gradient, pointwise_weight_gradient, unfolded_weight_gradient}
+# ...and of those, the ones that run faster when it is channels last: cuDNN, given an NCHW gradient, transposed it,
+# the input and the weight to NHWC around each kernel and the result back (U-Net's backward: 36 such transposes)
+CONVOLUTION_READERS = LAYOUT_FREE - {weights_channels_last}
+
+
+def convolution_positions(call: fx.Node) -> frozenset:
+    """The positions of a partition call's results (None: its single value) that a convolution (or a
+    convolution's backward, or one of its operands' helpers above) reads. (The forward's saved
+    activations are left to the forward's own choice: storing them channels last for the backward's
+    sake made U-Net's group norms read and write across layouts, 132 -> 368 µs of forward kernels
+    against the 30 µs of copies it saved.)"""
+    def convolved(value: fx.Node) -> bool:
+        return any(u.op == "call_function" and u.target in CONVOLUTION_READERS for u in value.users)
+
+    items = [u for u in call.users if u.op == "call_function" and u.target is operator.getitem]
+    if not items:
+        return frozenset({None}) if convolved(call) else frozenset()
+    return frozenset(item.args[1] for item in items if convolved(item))
 
 
 def saved_weights_channels_last(gm: fx.GraphModule, saved_from: int | None) -> int:

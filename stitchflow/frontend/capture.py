@@ -272,7 +272,9 @@ def rebuild_outputs(captured: Captured, env: Mapping[str, torch.Tensor]):
     def leaf(o):
         if isinstance(o, str):
             return env[o] if o not in layouts else env[o].permute(_inverse(layouts[o]))
-        return env[o[0]].view(o[1]) if isinstance(o, tuple) else o
+        if isinstance(o, tuple):  # stored in an order that keeps the reshape a view (channels_last._view_last)
+            return env[o[0]].view(o[1]) if o[0] not in layouts else env[o[0]].permute(_inverse(layouts[o[0]])).view(o[1])
+        return o
 
     return tree_unflatten([leaf(o) for o in outputs], spec)
 

@@ -61,12 +61,13 @@ class GpuTarget:
     def prepare(self, captured, regions, options=None):
         """Activations around convolutions channels last (channels_last.py), once for every region.
         options["free_outputs"]: outputs that may leave permuted; options["input_orders"]: inputs
-        that arrive permuted ({name: the permutation that makes them contiguous})."""
+        that arrive permuted ({name: the permutation that makes them contiguous});
+        options["last_outputs"]: free outputs that convolutions outside read, stored channels last."""
         options = options or {}
         if not options.get("channels_last", True):
             return captured, regions
         graph, layouts = channels_last_layouts(captured.graph, options.get("free_outputs", ()),
-                                               options.get("input_orders"))
+                                               options.get("input_orders"), options.get("last_outputs", ()))
         if graph is captured.graph:
             return captured, regions
         return dataclasses.replace(captured, graph=graph, layouts={**captured.layouts, **layouts}), regions

@@ -35,12 +35,22 @@ def channels_last(graph: Graph) -> Graph:
     return channels_last_layouts(graph)[0]
 
 
-def channels_last_layouts(graph: Graph, free_outputs=(), input_orders=None) -> tuple[Graph, dict]:
-    """(the rewritten graph, {input or output name: the permutation of its axes as stored})."""
+def channels_last_layouts(graph: Graph, free_outputs=(), input_orders=None, last_outputs=()) -> tuple[Graph, dict]:
+    """(the rewritten graph, {input or output name: the permutation of its axes as stored}).
+    `last_outputs`: free outputs that a convolution outside reads (a training step's backward hands
+    its gradients and recomputed activations to cuDNN's convolution backward), stored channels last."""
     # a convolution's weight keeps its axes whatever its strides: cuDNN reads it in either layout
     weights = {call.weight for node in graph.nodes if (call := match_conv(graph, node)) is not None}
     input_orders = {k: tuple(v) for k, v in (input_orders or {}).items() if k in graph.inputs and k not in weights}
-    order = _choose(graph, set(free_outputs) - set(graph.inputs), input_orders)
+    wanted = {}
+    for out in last_outputs:  # a name, or (name, shape) where the output leaves as a view of that shape
+        name, shape = (out, None) if isinstance(out, str) else out
+        if name in graph.node_of:
+            perm = _view_last(graph.type_of[name].shape, shape or graph.type_of[name].shape)
+            if perm is not None and perm != tuple(range(len(perm))):
+                wanted[name] = perm
+    free = (set(free_outputs) | set(wanted)) - set(graph.inputs)
+    order = _choose(graph, free, {**wanted, **input_orders})
     if not order:
         return graph, {}
     nodes = tuple(_permute_node(_reindex(n, order), order.get(n.name)) for n in graph.nodes)
@@ -49,8 +59,51 @@ def channels_last_layouts(graph: Graph, free_outputs=(), input_orders=None) -> t
     return dataclasses.replace(graph, nodes=nodes, types=types), ends
 
 
+def _view_last(shape: tuple[int, ...], view: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The order to store a tensor of `shape` in so that its reshape to `view` (an image batch, 4 or 5
+    dims) is channels last; None where no order does (a merged group holds channels and positions)."""
+    if len(view) not in (4, 5):
+        return None
+    groups = _reshape_groups(tuple(shape), tuple(view))
+    if groups is None:
+        return None
+    position = {axis: k for k, axis in enumerate((0, *range(2, len(view)), 1))}  # the view's axes as stored
+    placed = []
+    for axes, view_axes in groups:
+        at = [position[v] for v in view_axes]
+        if at != list(range(at[0], at[0] + len(at))):
+            return None
+        placed.append((at[0], axes))
+    return tuple(axis for _, axes in sorted(placed) for axis in axes)
+
+
+def _reshape_groups(shape: tuple[int, ...], view: tuple[int, ...]) -> list[tuple[list, list]] | None:
+    """The runs of axes that a reshape from `shape` to `view` merges or splits, as (axes of shape,
+    axes of view) pairs of equal size; axes of extent 1 at the end join the last run."""
+    groups, i, j = [], 0, 0
+    while i < len(shape) and j < len(view):
+        axes, view_axes, a, b = [i], [j], shape[i], view[j]
+        i, j = i + 1, j + 1
+        while a != b:
+            if a < b and i < len(shape):
+                axes.append(i)
+                a, i = a * shape[i], i + 1
+            elif b < a and j < len(view):
+                view_axes.append(j)
+                b, j = b * view[j], j + 1
+            else:
+                return None
+        groups.append((axes, view_axes))
+    if not groups or any(shape[k] != 1 for k in range(i, len(shape))) or any(view[k] != 1 for k in range(j, len(view))):
+        return None
+    groups[-1][0].extend(range(i, len(shape)))
+    groups[-1][1].extend(range(j, len(view)))
+    return groups
+
+
 def _choose(graph: Graph, free_outputs: set = frozenset(), input_orders: dict | None = None) -> dict[str, tuple[int, ...]]:
-    """node (or input) -> the permutation of its output axes (new axis k is old axis perm[k])."""
+    """node (or input) -> the permutation of its output axes (new axis k is old axis perm[k]);
+    `input_orders` seeds it (inputs that arrive permuted, outputs wanted so)."""
     keep = set(graph.outputs) - set(free_outputs)
     order: dict[str, tuple[int, ...]] = dict(input_orders or {})
     queue: deque = deque(order)

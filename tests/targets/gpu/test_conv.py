@@ -153,6 +153,28 @@ def test_channels_last_permutes_the_activations_around_convolutions_and_changes_
             assert torch.equal(before[name].permute(0, 2, 3, 1), after[name])
 
 
+@pytest.mark.parametrize("shape, view, expect", [
+    ((2, 8, 16, 16), (2, 8, 16, 16), (0, 2, 3, 1)),  # the plain channels-last order
+    ((2, 4, 2, 256), (2, 8, 16, 16), (0, 3, 1, 2)),  # group norm's [N, G, C/G, HW]: positions, then groups
+    ((2, 4, 2, 8, 32), (2, 8, 8, 32), (0, 3, 4, 1, 2)),
+    ((2, 8, 4, 4, 1), (2, 8, 16), None),  # a 3-d view is no image batch
+    ((2, 16, 16, 8), (2, 8, 16, 16), None),  # a channel axis merged with positions
+    ((3, 5, 2, 7, 1), (3, 5, 2, 7), (0, 2, 3, 4, 1)),  # a trailing axis of extent 1 joins the last run
+])
+def test_the_order_that_keeps_a_view_channels_last(shape, view, expect):
+    """A node returned as a reshape of itself (group norm's gradient, computed per group) is stored so
+    that the reshape is a channels-last view where any order makes it one."""
+    from stitchflow.targets.gpu.channels_last import _view_last
+
+    perm = _view_last(shape, view)
+    assert perm == expect
+    if perm is not None:
+        stored = torch.arange(torch.Size(shape).numel()).reshape(shape).permute(perm).contiguous()
+        logical = stored.permute([perm.index(k) for k in range(len(perm))])
+        v = logical.view(view)
+        assert v.is_contiguous(memory_format=torch.channels_last if len(view) == 4 else torch.channels_last_3d)
+
+
 @runs_kernels
 def test_explain_lists_each_convolution_as_it_will_run():
     m, x = _block(torch.float32)
