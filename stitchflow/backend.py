@@ -37,7 +37,7 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 from torch.fx.passes.split_module import split_module
 
 from .backend_layouts import (channels_last_order, convolution_inputs_like_gradients, convolution_positions,
-                              free_positions, like_gradient,
+                              free_positions, like_gradient, like_parameters,
                               pointwise_weight_gradient, restride_placeholders, restrided, saved_outputs_start,
                               saved_weights_channels_last, unfolded_weight_gradient, weight_like_gradient,
                               weights_channels_last)
@@ -427,7 +427,7 @@ def _partition_and_wrap(gm: fx.GraphModule, options: dict, label: str = ""):
     if label == "forward" and _convolutions_channels_last(gm, target):
         saved_weights_channels_last(gm, saved_from)
     ours = (restrided, like_gradient, weight_like_gradient, weights_channels_last, pointwise_weight_gradient,
-            unfolded_weight_gradient)
+            unfolded_weight_gradient, like_parameters)
     for node in gm.graph.nodes:
         if node.target is operator.getitem or node.target in ours:  # the op's record says why; ours
             continue

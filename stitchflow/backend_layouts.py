@@ -158,6 +158,15 @@ def weights_channels_last(*weights) -> tuple:
     return channels_last_copies(weights)
 
 
+def like_parameters(*grads) -> tuple:
+    """Gradients of NCHW parameters (and inputs) that cuDNN returned channels last, copied contiguous in
+    one launch (targets/gpu/weights.py): autograd's AccumulateGrad keeps a gradient only in its
+    variable's layout and otherwise copied each one by itself (U-Net: 17 launches, 50 µs a step)."""
+    from .targets.gpu.weights import contiguous_copies
+
+    return contiguous_copies(grads)
+
+
 def _channels_last_format(t):
     # targets/gpu/conv.channels_last_format's twin: importing the gpu target here would load Triton with the backend
     return {4: torch.channels_last, 5: torch.channels_last_3d}.get(t.dim()) if isinstance(t, torch.Tensor) else None
@@ -218,10 +227,11 @@ def _per_image(t) -> tuple:
 
 
 # their readers of the gradient only look at the layout
-LAYOUT_FREE = LAYOUT_FREE | {like_gradient, weight_like_gradient, pointwise_weight_gradient, unfolded_weight_gradient}
+LAYOUT_FREE = LAYOUT_FREE | {like_gradient, weight_like_gradient, pointwise_weight_gradient, unfolded_weight_gradient,
+                             like_parameters}
 # ...and of those, the ones that run faster when it is channels last: cuDNN, given an NCHW gradient, transposed it,
 # the input and the weight to NHWC around each kernel and the result back (U-Net's backward: 36 such transposes)
-CONVOLUTION_READERS = LAYOUT_FREE - {weights_channels_last}
+CONVOLUTION_READERS = LAYOUT_FREE - {weights_channels_last, like_parameters}
 
 
 def convolution_positions(call: fx.Node) -> frozenset:

@@ -24,8 +24,8 @@ import torch
 import torch.fx as fx
 
 from . import backend
-from .backend_layouts import (pointwise_weight_gradient, saved_outputs_start, unfolded_weight_gradient,
-                              written_back_inputs)
+from .backend_layouts import (like_parameters, pointwise_weight_gradient, saved_outputs_start,
+                              unfolded_weight_gradient, written_back_inputs)
 from .replay import AotGraphReplay
 
 aten = torch.ops.aten
@@ -96,9 +96,11 @@ def _partition(partition_fn, joint_module, joint_inputs, **kwargs):
     forward, backward = partition_fn(joint_module, joint_inputs, **kwargs)
     recomputed = recompute_constants(forward, backward)
     sums, gemms = bias_gradients_as_sums(backward), weight_gradients_as_gemms(backward)
-    if recomputed or sums or gemms:
+    laid = gradients_like_parameters(backward, joint_inputs[0] if joint_inputs else ())
+    if recomputed or sums or gemms or laid:
         log.info("backward graph: %d saved constants recomputed, %d convolution bias gradients as sums, %d weight "
-                 "gradients as GEMMs", len(recomputed), sums, gemms)
+                 "gradients as GEMMs, %d gradients copied into their variables' layout in one launch",
+                 len(recomputed), sums, gemms, laid)
     return forward, backward
 
 
@@ -144,6 +146,29 @@ def weight_gradients_as_gemms(backward: fx.GraphModule) -> int:
             continue
         taken += 1
     return _recompiled(backward, taken)
+
+
+def gradients_like_parameters(backward: fx.GraphModule, primals) -> int:
+    """The gradients the backward returns straight from a convolution's backward (a weight's, or an input's)
+    for an NCHW variable, passed through one `like_parameters` call: cuDNN returns them channels last when
+    it runs so, and autograd copied each into its variable's layout by itself. (The backward returns one
+    gradient per primal, in order.) Returns how many it passes."""
+    output = next(n for n in backward.graph.nodes if n.op == "output")
+    outs = list(output.args[0]) if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
+    picked = [k for k, (g, p) in enumerate(zip(outs, primals))
+              if isinstance(g, fx.Node) and g.target is operator.getitem and g.args[1] in (0, 1) and
+              getattr(g.args[0], "target", None) is aten.convolution_backward.default and
+              isinstance(p, torch.Tensor) and p.dim() in (4, 5) and p.is_contiguous()]
+    if not picked:
+        return 0
+    with backward.graph.inserting_before(output):
+        laid = backward.graph.call_function(like_parameters, tuple(outs[k] for k in picked))
+        for k in picked:
+            item = backward.graph.call_function(operator.getitem, (laid, picked.index(k)))
+            item.meta.update(outs[k].meta)
+            outs[k] = item
+    output.args = (tuple(outs) if isinstance(output.args[0], (tuple, list)) else outs[0],)
+    return _recompiled(backward, len(picked))
 
 
 def _convolution_backwards(graph: fx.Graph, output: int) -> list[fx.Node]:

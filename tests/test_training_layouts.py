@@ -77,3 +77,26 @@ def test_convolution_backwards_get_channels_last_gradients(dtype, monkeypatch, f
     assert len(seen) == 8, seen
     assert seen[0][0] == "nchw", seen  # the output layer: the caller's gradient
     assert all(grad == "last" for grad, _ in seen[1:]), seen
+
+
+def test_convolution_gradients_reach_autograd_in_their_variables_layout(monkeypatch, fp32_convolutions):
+    """The weight gradients (and the image's) that the backward returns straight from cuDNN pass through one
+    `like_parameters` launch into the NCHW layout of their variables, so autograd keeps them as they are:
+    every one is contiguous and eager's; a 1x1 weight's (a GEMM's) and the biases' (sums) do not need it."""
+    skip_unless_kernels_run("gpu")
+    import stitchflow.training as training
+
+    passed, laid = [], training.gradients_like_parameters
+    monkeypatch.setattr(training, "gradients_like_parameters", lambda bw, primals: passed.append(laid(bw, primals)))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), _ResBlock(8, 16, 4), nn.Conv2d(16, 3, 3)).to(DEVICE)
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 3, 8, 10, device=DEVICE)
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    for m, xi in zip((torch.compile(model, backend="stitchflow", options={"target": "gpu"}), reference), xs):
+        m(xi).square().mean().backward()
+    assert passed == [5]  # four 3x3 weights and the image
+    for ours, eager in [(xs[0].grad, xs[1].grad), *((p.grad, q.grad) for p, q in
+                                                     zip(model.parameters(), reference.parameters()))]:
+        assert ours.is_contiguous()
+        torch.testing.assert_close(ours, eager, **TOL[torch.float32])
