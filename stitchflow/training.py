@@ -149,14 +149,15 @@ def weight_gradients_as_gemms(backward: fx.GraphModule) -> int:
 
 
 def gradients_like_parameters(backward: fx.GraphModule, primals) -> int:
-    """The gradients the backward returns straight from a convolution's backward (a weight's, or an input's)
-    for an NCHW variable, passed through one `like_parameters` call: cuDNN returns them channels last when
-    it runs so, and autograd copied each into its variable's layout by itself. (The backward returns one
-    gradient per primal, in order.) Returns how many it passes."""
+    """The weight gradients the backward returns straight from a convolution's backward for NCHW
+    parameters, passed through one `like_parameters` call: cuDNN returns them channels last when it runs
+    so, and autograd copied each into its parameter's layout by itself. (The backward returns one gradient
+    per primal, in order. An image's gradient is left to autograd's copy: the launch's tiles are a
+    weight's, and ResNet-18's 32x3x224x224 image gradient in them cost 130 µs.) Returns how many it passes."""
     output = next(n for n in backward.graph.nodes if n.op == "output")
     outs = list(output.args[0]) if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
     picked = [k for k, (g, p) in enumerate(zip(outs, primals))
-              if isinstance(g, fx.Node) and g.target is operator.getitem and g.args[1] in (0, 1) and
+              if isinstance(g, fx.Node) and g.target is operator.getitem and g.args[1] == 1 and
               getattr(g.args[0], "target", None) is aten.convolution_backward.default and
               isinstance(p, torch.Tensor) and p.dim() in (4, 5) and p.is_contiguous()]
     if not picked:

@@ -63,7 +63,8 @@ def channels_last_copies(weights) -> tuple:
 
 def contiguous_copies(tensors) -> tuple:
     """The other way: each tensor [O, C, *window] that is stored channels last, copied NCHW contiguous
-    (one launch for those of a GPU or under the interpreter); any other as it is."""
+    (one launch for those of a GPU or under the interpreter whose window fits a tile, through torch
+    otherwise); any other as it is."""
     return _copies(tensors, to_last=False)
 
 
@@ -77,7 +78,7 @@ def _copies(tensors, to_last: bool) -> tuple:
         have, want = (torch.contiguous_format, form) if to_last else (form, torch.contiguous_format)
         if w.is_contiguous(memory_format=want):
             continue  # already so (a 1x1 weight is both)
-        if w.is_contiguous(memory_format=have) and w.numel() > 0 and (w.is_cuda or interpreting()):
+        if w.is_contiguous(memory_format=have) and w.numel() > 0 and w[0, 0].numel() <= TILE and (w.is_cuda or interpreting()):
             batches.setdefault(w.device, []).append(k)
         elif to_last or w.is_contiguous(memory_format=have):  # through torch (a strided weight goes channels last)
             out[k] = w.contiguous(memory_format=want)

@@ -35,7 +35,8 @@ def test_channels_last_tensors_are_copied_back_contiguous_in_one_launch():
     NCHW layout in one launch; those already contiguous (a 1x1 weight is both), of another rank, or in
     neither layout are left as they are."""
     lasts = [w.contiguous(memory_format=torch.channels_last if w.dim() == 4 else torch.channels_last_3d)
-             for w in _weights()] + [torch.randn(2, 3, 9, 7, device=DEVICE).contiguous(memory_format=torch.channels_last)]
+             for w in _weights()] + [torch.randn(2, 3, *hw, device=DEVICE).contiguous(memory_format=torch.channels_last)
+                                     for hw in ((9, 7), (40, 40))]  # the second's planes exceed a tile: torch's copy
     others = [torch.randn(4, 3, 3, 3, device=DEVICE), torch.randn(5, 6, device=DEVICE),
               torch.randn(4, 3, 3, 3, device=DEVICE).transpose(2, 3)]
     copies = contiguous_copies(lasts + others)
