@@ -153,7 +153,8 @@ def gradients_like_parameters(backward: fx.GraphModule, primals) -> int:
     parameters, passed through one `like_parameters` call: cuDNN returns them channels last when it runs
     so, and autograd copied each into its parameter's layout by itself. (The backward returns one gradient
     per primal, in order. An image's gradient is left to autograd's copy: the launch's tiles are a
-    weight's, and ResNet-18's 32x3x224x224 image gradient in them cost 130 µs.) Returns how many it passes."""
+    weight's, and ResNet-18's 32x3x224x224 image gradient in them made its step 3602 µs against
+    3403.) Returns how many it passes."""
     output = next(n for n in backward.graph.nodes if n.op == "output")
     outs = list(output.args[0]) if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
     picked = [k for k, (g, p) in enumerate(zip(outs, primals))
