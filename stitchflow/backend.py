@@ -191,21 +191,24 @@ class StitchflowModule(torch.nn.Module):
             return None, {}, []
 
     def _layout_options(self, captured: Captured, args, bound: dict) -> dict:
-        """The program's options on layouts at the partition's boundary: its free outputs by IR name,
-        and the inputs that arrive channels last (not bound ones: parameters keep their layout)."""
+        """The program's options on layouts at the partition's boundary: its free outputs by IR name, those
+        of them a convolution reads (stored channels last; a view's as (name, shape)), and the inputs that
+        arrive channels last (not bound ones: parameters keep their layout)."""
         leaves = captured.out_spec[1]
 
         def found(positions) -> list:
             return [leaves[0] if k is None else leaves[k] for k in positions
                     if (k is None and len(leaves) == 1) or (k is not None and k < len(leaves))]
+
+        def node(leaf):  # a view leaf is (name, shape)
+            return leaf if isinstance(leaf, str) else leaf[0] if isinstance(leaf, tuple) else None
         free = tuple(o for o in found(self.free_outputs) if isinstance(o, str))
-        # a view leaf is (name, shape); its node is stored for the view only where no other leaf returns it
-        fixed = {o if isinstance(o, str) else o[0] for o in found(set(range(len(leaves))) - self.free_outputs)
-                 if isinstance(o, (str, tuple))} if len(leaves) > 1 or None not in self.free_outputs else set()
-        last = tuple(o for o in found(self.last_outputs) if (o if isinstance(o, str) else o[0]) not in fixed)
+        # a node is stored for its view only where no leaf outside the free ones returns it too
+        held = {node(leaves[k]) for k in range(len(leaves)) if k not in self.free_outputs} if len(leaves) > 1 else set()
+        last = tuple(o for o in found(self.last_outputs) if node(o) is not None and node(o) not in held)
         tensors = [(k, a) for k, a in enumerate(args) if isinstance(a, torch.Tensor)]
         orders = {name: channels_last_order(a) for (k, a), name in zip(tensors, captured.graph.inputs) if k not in bound}
-        return {"free_outputs": free, "last_outputs": tuple(o for o in last if isinstance(o, (str, tuple))),
+        return {"free_outputs": free, "last_outputs": last,
                 "input_orders": {name: p for name, p in orders.items() if p is not None}}
 
     @property

@@ -163,9 +163,9 @@ def weights_channels_last(*weights) -> tuple:
 
 
 def like_parameters(*grads) -> tuple:
-    """Gradients of NCHW parameters (and inputs) that cuDNN returned channels last, copied contiguous in
-    one launch (targets/gpu/weights.py): autograd's AccumulateGrad keeps a gradient only in its
-    variable's layout and otherwise copied each one by itself (U-Net: 17 launches, 50 µs a step)."""
+    """Weight gradients of NCHW parameters that cuDNN returned channels last, copied contiguous in one
+    launch (targets/gpu/weights.py): autograd's AccumulateGrad keeps a gradient only in its parameter's
+    layout and otherwise copied each one by itself (U-Net: 17 launches, 50 µs a step)."""
     from .targets.gpu.weights import contiguous_copies
 
     return contiguous_copies(grads)

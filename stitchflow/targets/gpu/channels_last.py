@@ -94,7 +94,8 @@ def _reshape_groups(shape: tuple[int, ...], view: tuple[int, ...]) -> list[tuple
             else:
                 return None
         groups.append((axes, view_axes))
-    if not groups or any(shape[k] != 1 for k in range(i, len(shape))) or any(view[k] != 1 for k in range(j, len(view))):
+    rest = [shape[k] for k in range(i, len(shape))] + [view[k] for k in range(j, len(view))]
+    if not groups or any(e != 1 for e in rest):
         return None
     groups[-1][0].extend(range(i, len(shape)))
     groups[-1][1].extend(range(j, len(view)))

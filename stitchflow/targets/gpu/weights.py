@@ -78,7 +78,8 @@ def _copies(tensors, to_last: bool) -> tuple:
         have, want = (torch.contiguous_format, form) if to_last else (form, torch.contiguous_format)
         if w.is_contiguous(memory_format=want):
             continue  # already so (a 1x1 weight is both)
-        if w.is_contiguous(memory_format=have) and w.numel() > 0 and w[0, 0].numel() <= TILE and (w.is_cuda or interpreting()):
+        fits = w.numel() > 0 and w[0, 0].numel() <= TILE  # a program's tile holds an output channel's plane
+        if w.is_contiguous(memory_format=have) and fits and (w.is_cuda or interpreting()):
             batches.setdefault(w.device, []).append(k)
         elif to_last or w.is_contiguous(memory_format=have):  # through torch (a strided weight goes channels last)
             out[k] = w.contiguous(memory_format=want)
