@@ -273,8 +273,8 @@ def rebuild_outputs(captured: Captured, env: Mapping[str, torch.Tensor]):
         if isinstance(o, str):
             return env[o] if o not in layouts else env[o].permute(_inverse(layouts[o]))
         if isinstance(o, tuple):  # stored in an order that keeps the reshape a view (channels_last._view_last)
-            t = env[o[0]]
-            return (t if o[0] not in layouts else t.permute(_inverse(layouts[o[0]]))).view(o[1])
+            t = env[o[0]]  # (reshape: a copy, never an error, should no order make it a view)
+            return t.view(o[1]) if o[0] not in layouts else t.permute(_inverse(layouts[o[0]])).reshape(o[1])
         return o
 
     return tree_unflatten([leaf(o) for o in outputs], spec)

@@ -43,7 +43,9 @@ def channels_last_layouts(graph: Graph, free_outputs=(), input_orders=None, last
     weights = {call.weight for node in graph.nodes if (call := match_conv(graph, node)) is not None}
     input_orders = {k: tuple(v) for k, v in (input_orders or {}).items() if k in graph.inputs and k not in weights}
     wanted = {}
-    for out in last_outputs:  # a name, or (name, shape) where the output leaves as a view of that shape
+    # a name, or (name, shape) where the output leaves as a view of that shape: a node returned both ways
+    # takes the view's order (a plain leaf is a permuted view in any order)
+    for out in sorted(last_outputs, key=lambda o: not isinstance(o, str)):
         name, shape = (out, None) if isinstance(out, str) else out
         if name in graph.node_of:
             perm = _view_last(graph.type_of[name].shape, shape or graph.type_of[name].shape)

@@ -176,6 +176,30 @@ def test_the_order_that_keeps_a_view_channels_last(shape, view, expect):
 
 
 @runs_kernels
+def test_outputs_a_convolution_reads_leave_channels_last_as_views_where_they_are_reshapes():
+    """`last_outputs` (the backend names the free outputs that cuDNN reads): a node returned plainly and as
+    a reshape (group norm's gradient, computed per group) is stored in the order that keeps the reshape a
+    channels-last view; the plain leaf is the same storage, permuted; the values are eager's."""
+    def f(x):
+        z = x.view(2, 4, 2, 30) * 2 + 1
+        return z.reshape(2, 8, 5, 6), z
+
+    x = torch.randn(2, 8, 5, 6)
+    names = stitchflow.compile(f, (x,), target="gpu").captured.out_spec[1]
+    view, plain = names
+    assert isinstance(view, tuple) and plain == view[0]
+    options = {"free_outputs": (plain,), "last_outputs": (view, plain), "cuda_graphs": False}
+    prog = stitchflow.compile(f, (x.to(DEVICE),), target="gpu", options=options)
+    assert prog.captured.layouts[plain] == (0, 3, 1, 2)
+    got_view, got_plain = prog(x.to(DEVICE))
+    want_view, want_plain = f(x)
+    assert got_view.is_contiguous(memory_format=torch.channels_last) and not got_view.is_contiguous()
+    assert got_view.data_ptr() == got_plain.data_ptr()
+    assert_close(got_view.cpu(), want_view)
+    assert_close(got_plain.cpu(), want_plain)
+
+
+@runs_kernels
 def test_explain_lists_each_convolution_as_it_will_run():
     m, x = _block(torch.float32)
     text = stitchflow.compile(m, (x,), target="gpu", fusion="auto").explain()
