@@ -214,8 +214,7 @@ def _windows(x, kernel, stride, padding, dilation, like):
     xp = torch.nn.functional.pad(x, (pw, pw, ph, ph)) if ph or pw else x
     s = xp.stride()
     view = xp.as_strided((n, c, kh, kw, ho, wo), (s[0], s[1], dh * s[2], dw * s[3], sh * s[2], sw * s[3]))
-    if _channels_last_format(like) is not None and like.is_contiguous(memory_format=torch.channels_last) and \
-            not like.is_contiguous():
+    if _stored_last(like):
         return view.permute(0, 4, 5, 1, 2, 3).reshape(n, ho, wo, c * kh * kw).permute(0, 3, 1, 2)
     return view.reshape(n, c * kh * kw, ho, wo)
 
@@ -224,10 +223,14 @@ def _per_image(t) -> tuple:
     """(t as [N, positions, C] with True where stored channels last, else as [N, C, positions] with
     False): views of a dense tensor in either layout, a copy otherwise."""
     n, c = t.shape[:2]
-    last = t.movedim(1, -1)
-    if last.is_contiguous() and not t.is_contiguous():
-        return last.reshape(n, -1, c), True
+    if _stored_last(t):
+        return t.movedim(1, -1).reshape(n, -1, c), True
     return t.contiguous().reshape(n, c, -1), False
+
+
+def _stored_last(t) -> bool:
+    """Dense with the channels (axis 1) innermost, and not also NCHW contiguous."""
+    return t.movedim(1, -1).is_contiguous() and not t.is_contiguous()
 
 
 # their readers of the gradient only look at the layout
