@@ -92,14 +92,16 @@ def compile_forward_and_backward(gm: fx.GraphModule, example_inputs, options: di
 
 
 def _partition(partition_fn, joint_module, joint_inputs, **kwargs):
-    """AOTAutograd's partition, then constants the backward would take from the forward computed in it."""
+    """AOTAutograd's partition, then the backward's rewrites: constants it would take from the forward
+    computed in it, convolution bias gradients as sums, weight gradients as GEMMs where cuDNN is slow,
+    and the weight gradients it returns in their parameters' layout."""
     forward, backward = partition_fn(joint_module, joint_inputs, **kwargs)
     recomputed = recompute_constants(forward, backward)
     sums, gemms = bias_gradients_as_sums(backward), weight_gradients_as_gemms(backward)
     laid = gradients_like_parameters(backward, joint_inputs[0] if joint_inputs else ())
     if recomputed or sums or gemms or laid:
         log.info("backward graph: %d saved constants recomputed, %d convolution bias gradients as sums, %d weight "
-                 "gradients as GEMMs, %d gradients copied into their variables' layout in one launch",
+                 "gradients as GEMMs, %d weight gradients copied into their parameters' layout in one launch",
                  len(recomputed), sums, gemms, laid)
     return forward, backward
 

@@ -91,7 +91,7 @@ def _copies(tensors, to_last: bool) -> tuple:
     return tuple(out)
 
 
-def _arguments(weights, copies, starts, to_last: bool = True) -> tuple[dict, dict]:
+def _arguments(weights, copies, starts, to_last: bool) -> tuple[dict, dict]:
     """(the kernel's tensor and integer arguments, its constexpr ones) for one launch."""
     tiles = [_tile(w) for w in weights]
     values = dict(srcs=tuple(weights), dsts=tuple(copies), starts=tuple(starts),
