@@ -7,10 +7,17 @@ __version__ = "0.1.0"
 
 
 def _register_dynamo_backend() -> None:
-    """Make backend="stitchflow" work on import too, where the package is not pip-installed
-    (the torch_dynamo_backends entry point covers installed copies)."""
+    """Make backend="stitchflow" work on import too, where the package is not pip-installed.
+
+    An installed copy registers through its torch_dynamo_backends entry point, which torch loads on
+    the first lookup of the name, after importing this package: registering here as well would make
+    that lookup fail with torch's "duplicate name" assertion."""
+    from importlib.metadata import entry_points
+
     from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
 
+    if any(ep.name == "stitchflow" for ep in entry_points(group="torch_dynamo_backends")):
+        return
     if "stitchflow" not in _COMPILER_FNS:
 
         def stitchflow(gm, example_inputs, **kwargs):

@@ -1,6 +1,10 @@
 """torch.compile(model, backend="stitchflow"): equals eager, runs through our interpreter,
 falls back to eager (with a reason) for what it cannot capture."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn as nn
@@ -26,6 +30,23 @@ def test_backend_is_registered_by_name():
     installed = {ep.name: ep.value for ep in entry_points(group="torch_dynamo_backends")}
     if installed:  # a pip-installed copy also registers through the entry point
         assert installed.get("stitchflow") == "stitchflow.backend:stitchflow_backend"
+
+
+def test_backend_by_name_in_a_fresh_process():
+    """A user's first touch: backend="stitchflow" without importing stitchflow, which an installed
+    copy's entry point serves (the package registering the name itself as well made torch's lookup
+    fail with "duplicate name"), and then the same after importing it."""
+    code = ("import torch\n"
+            "f = torch.compile(lambda x: x.sin() + 1, backend='stitchflow')\n"
+            "x = torch.randn(5)\n"
+            "assert torch.allclose(f(x), x.sin() + 1)\n"
+            "import stitchflow\n"
+            "g = torch.compile(lambda x: x.cos() * 2, backend='stitchflow')\n"
+            "assert torch.allclose(g(x), x.cos() * 2)\n"
+            "print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).parent.parent)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("app", DENSE_APPS)
