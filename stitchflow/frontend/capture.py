@@ -104,6 +104,7 @@ def capture(
     b = GraphBuilder()
     env: dict[fx.Node, Any] = {}
     real: dict[fx.Node, Any] = {}
+    aliases: dict[fx.Node, list[fx.Node]] = {}  # the nodes naming one tensor through in-place ops' results
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(example_inputs):
         raise ShapeError(f"the model takes {len(placeholders)} inputs, {len(example_inputs)} were given")
@@ -137,7 +138,7 @@ def capture(
             else:
                 env[node] = value
             continue
-        env[node], real[node] = _lower_call(gm, node, b, env, real)
+        env[node], real[node] = _lower_call(gm, node, b, env, real, aliases)
     unused = set(param_formats) - used_params
     if unused:
         raise StitchflowError(f"param_formats names parameters the model does not use: {sorted(unused)}")
@@ -152,7 +153,7 @@ def _fetch_attr(gm: fx.GraphModule, target: str):
     return obj.detach() if isinstance(obj, torch.Tensor) else obj
 
 
-def _lower_call(gm, node: fx.Node, b: GraphBuilder, env, real):
+def _lower_call(gm, node: fx.Node, b: GraphBuilder, env, real, aliases):
     # map_arg also reaches nodes inside slices (x[..., n // 2:]), which pytree does not
     args = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
     real_args, real_kwargs = fx.node.map_arg((node.args, node.kwargs), real.__getitem__)
@@ -176,8 +177,11 @@ def _lower_call(gm, node: fx.Node, b: GraphBuilder, env, real):
     if isinstance(out, torch.Tensor) and out.numel() == 0:
         raise ShapeError(f"{describe_target(node)} ({node.name}) produces an empty tensor {tuple(out.shape)}; "
                          "zero-size tensors are not supported")
-    if inplace and isinstance(node.args[0], fx.Node):
-        real[node.args[0]] = out  # later uses of the mutated tensor see the new value
+    # An in-place op returns the tensor it wrote (y.mul_(2).add_(1) writes y twice), so its result, the
+    # tensor and every earlier such result name one value: later uses of any of them see the write.
+    written = aliases.setdefault(node.args[0], [node.args[0]]) if inplace and isinstance(node.args[0], fx.Node) else []
+    for name in written:
+        real[name] = out
     depends = _any_value(args)
     key = key_of(node) if node.op != "call_module" else None
     if not depends and key not in FACTORIES:  # no graph tensor flows in: fold to a constant
@@ -195,8 +199,11 @@ def _lower_call(gm, node: fx.Node, b: GraphBuilder, env, real):
     except (TypeError, ValueError, IndexError) as err:
         raise UnsupportedOpError(describe_target(node), f"these arguments are not supported ({err})", node.name) from err
     _check_shape(node, value, out)
-    if inplace and isinstance(node.args[0], fx.Node):
-        env[node.args[0]] = value
+    for name in written:
+        env[name] = value
+    if written:
+        written.append(node)
+        aliases[node] = written
     return value, out
 
 

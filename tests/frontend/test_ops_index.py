@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 import stitchflow
 from stitchflow import backend
-from conftest import assert_close_to_truth, skip_unless_kernels_run
+from conftest import assert_close, assert_close_to_truth, skip_unless_kernels_run
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -146,3 +146,31 @@ def test_a_write_into_a_view_is_refused_not_lost():
     torch._dynamo.reset()
     assert_close_to_truth(torch.compile(f, backend="stitchflow")(x), f, (x,))
     assert "shares memory" in backend.fallback_report()
+
+
+def _chained_writes(x):
+    y = x.clone()
+    y.mul_(2).add_(1)  # add_ writes the tensor mul_ returned, which is y
+    z = y.relu_()
+    z.sub_(0.5)
+    return y, z * 3
+
+
+def _write_through_a_result_after_a_read(x):
+    y = x.clone()
+    w = y.add_(1) * 2  # read before the next write through the result
+    y.add_(1).mul_(3)
+    return w, y
+
+
+@pytest.mark.parametrize("f", [_chained_writes, _write_through_a_result_after_a_read])
+def test_writes_through_an_in_place_result_reach_the_tensor(f):
+    """An in-place op returns the tensor it wrote, so y.mul_(2).add_(1) writes y twice; capture once
+    rebound only the result's name, and y came out without the + 1."""
+    x = torch.randn(4, 5)
+    backend.reset()
+    torch._dynamo.reset()
+    out = torch.compile(f, backend="stitchflow")(x)
+    for got, want in zip(out, f(x)):
+        assert_close(got, want)
+    assert backend.FALLBACKS == [], backend.fallback_report()
