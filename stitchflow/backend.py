@@ -93,6 +93,9 @@ class StitchflowModule(torch.nn.Module):
         self.gm, self.target, self.fusion, self.name = gm, target, fusion, name
         self.programs: dict[tuple, Program | None] = {}
         self.bound: dict[tuple, dict[int, torch.Tensor]] = {}  # per signature: position -> bound tensor
+        # per signature: position -> the bound tensor's address when bound (a parameter's `.data` may be
+        # swapped afterwards, the object staying: vector_to_parameters, weight loading)
+        self.addresses: dict[tuple, dict[int, tuple]] = {}
         self.moved: set[int] = set()  # positions whose storage changed between calls: inputs from now on
         self.last: _Call | None = None  # the previous call, checked first (host time matters per call)
         # outputs that an eager op (or, in AOTAutograd's graphs, the other half) reads, by position
@@ -136,9 +139,9 @@ class StitchflowModule(torch.nn.Module):
         hand one over channels last (a free output; a convolution weight the forward stored so), and an
         eager op may refuse that layout (CUDA's native_group_norm takes only contiguous inputs), a view
         may not fit it, or a convolution follow it into its output's layout."""
-        if self.traced_strides is None:
+        if self.traced_strides is None:  # (symbolic strides, of a graph traced for dynamic shapes: as they come)
             self.traced_strides = [tuple(v.stride()) if isinstance(v := n.meta.get("val"), torch.Tensor) and
-                                   v.layout == torch.strided else None
+                                   v.layout == torch.strided and all(type(s) is int for s in v.stride()) else None
                                    for n in self.gm.graph.nodes if n.op == "placeholder"]
         return [restrided(a, s) for a, s in zip(args, self.traced_strides)]
 
@@ -160,13 +163,13 @@ class StitchflowModule(torch.nn.Module):
 
     def _lookup(self, args) -> "_Call":
         key = tuple(_signature(a) for a in args)
-        bound = self.bound.get(key, {})
-        moved = [k for k, t in bound.items() if not _same_storage(args[k], t)]
+        moved = [k for k, address in self.addresses.get(key, {}).items() if _address(args[k]) != address]
         if moved:
             self.moved.update(moved)
             del self.programs[key]
         if key not in self.programs:
             self.programs[key], self.bound[key], self.strides[key] = self._compile(args)
+            self.addresses[key] = {k: _address(t) for k, t in self.bound[key].items()}
         return _Call(self.programs[key], self.bound[key], args, key)
 
     def _compile(self, args) -> tuple[Program | None, dict, list]:
@@ -300,9 +303,11 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
-def _same_storage(a, bound: torch.Tensor) -> bool:
-    return (isinstance(a, torch.Tensor) and a.data_ptr() == bound.data_ptr() and a.shape == bound.shape
-            and a.stride() == bound.stride() and a.dtype == bound.dtype)
+def _address(a) -> tuple | None:
+    """Where a bound tensor's values live, and how they are laid out there."""
+    if not isinstance(a, torch.Tensor):
+        return None
+    return a.data_ptr(), tuple(a.shape), a.stride(), a.dtype
 
 
 def bind_inputs(captured: Captured, args, bound: dict) -> Captured:
@@ -324,6 +329,39 @@ def bind_inputs(captured: Captured, args, bound: dict) -> Captured:
                                input_names=names)
 
 
+def _eager_write_through_an_alias(gm: fx.GraphModule) -> str | None:
+    """Why the graph must run eagerly as a whole, or None: an op that stays eager writes in place a tensor
+    that another value of the graph aliases (y[0].zero_(), x[0].fill_(5), z = y.t(); z.zero_()). A
+    partition hands over tensors of its own, not views of each other or of its inputs, so such a write
+    would reach only its copy (judged on the example values' storages; AOTAutograd's graphs have no
+    in-place ops)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    def storage(node: fx.Node):
+        value = node.meta.get("example_value", node.meta.get("val"))
+        if isinstance(value, torch.Tensor) and value.layout == torch.strided:
+            return StorageWeakRef(value.untyped_storage())
+        return None
+
+    storages = {n: storage(n) for n in gm.graph.nodes if n.op != "output"}
+    for node in gm.graph.nodes:
+        if not is_inplace(node) or _supported(node) or not isinstance(node.args[0], fx.Node):
+            continue
+        written = storages.get(node.args[0])
+        base = node.args[0]
+        while is_inplace(base) and isinstance(base.args[0], fx.Node):  # y.mul_(2).zero_() writes y
+            base = base.args[0]
+        chain, todo = set(), [base]  # the tensor and the results of the in-place ops on it
+        while todo:
+            n = todo.pop()
+            chain.add(n)
+            todo += [u for u in n.users if is_inplace(u) and u.args[0] is n and u not in chain]
+        if written is not None and any(ref == written for n, ref in storages.items() if n not in chain):
+            return (f"{describe_target(node)} ({node.name}) runs eagerly and writes in place a tensor that another "
+                    f"value of the graph aliases (a view): a partition's outputs are tensors of their own")
+    return None
+
+
 def stitchflow_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict | None = None, **kwargs):
     """Dynamo backend entry point (registered as "stitchflow" through torch_dynamo_backends).
     It never breaks the model: if partitioning itself fails, the whole graph runs eagerly."""
@@ -334,6 +372,10 @@ def stitchflow_backend(gm: fx.GraphModule, example_inputs: list[Any], options: d
             compiled = compile_forward_and_backward(gm, example_inputs, options)
             if compiled is not None:
                 return compiled
+        why = _eager_write_through_an_alias(gm)
+        if why is not None:
+            _record(f"whole graph ({len(gm.graph.nodes)} nodes): {why}")
+            return gm.forward
         return _partition_and_wrap(gm, options)
     except Exception as err:  # a bug or an FX corner case must cost speed, never the user's run
         _record(f"whole graph ({len(gm.graph.nodes)} nodes): {type(err).__name__}: {err}")

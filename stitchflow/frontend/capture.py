@@ -98,7 +98,17 @@ def capture(
     partial_depth: int = 1,
 ) -> Captured:
     """Lower `gm` to IR. `input_formats` maps input positions or names to format names
-    (e.g. {0: "dcsr"}); `param_formats` maps parameter paths (e.g. "layer1.weight") likewise."""
+    (e.g. {0: "dcsr"}); `param_formats` maps parameter paths (e.g. "layer1.weight") likewise.
+
+    Capture runs each node eagerly on the example inputs; the random number generators are put back
+    afterwards, so that a random op (dropout in training, refused later) draws nothing of the caller's
+    stream: a seeded run through the eager fallback gives eager's masks from the first call."""
+    devices = sorted({x.device.index or 0 for x in example_inputs if isinstance(x, torch.Tensor) and x.is_cuda})
+    with torch.random.fork_rng(devices=devices):
+        return _capture(gm, example_inputs, input_formats, param_formats, partial_depth)
+
+
+def _capture(gm, example_inputs, input_formats, param_formats, partial_depth: int) -> Captured:
     input_formats = dict(input_formats or {})
     param_formats = dict(param_formats or {})
     b = GraphBuilder()
@@ -166,7 +176,7 @@ def _lower_call(gm, node: fx.Node, b: GraphBuilder, env, real, aliases):
     if inplace and isinstance(node.args[0], fx.Node):
         if node.args[0].op in ("placeholder", "get_attr") and isinstance(args[0][0], TensorValue):
             raise UnsupportedOpError(describe_target(node), "it mutates an input of the graph in place", node.name)
-        if _shares_memory(real, node.args[0]):
+        if _shares_memory(real, node.args[0], aliases.get(node.args[0], ())):
             raise UnsupportedOpError(describe_target(node), "it writes a tensor that shares memory with another (a view, "
                                      "or a tensor viewed elsewhere): the IR's values are not aliased, so the write "
                                      "would not reach the other", node.name)
@@ -207,15 +217,17 @@ def _lower_call(gm, node: fx.Node, b: GraphBuilder, env, real, aliases):
     return value, out
 
 
-def _shares_memory(real: dict, written: fx.Node) -> bool:
+def _shares_memory(real: dict, written: fx.Node, same=()) -> bool:
     """Does the tensor an in-place op writes share storage with another value of the graph (z[0].add_(1)
-    changes z in eager)? Judged on the example run's real tensors."""
+    changes z in eager; so does x.contiguous().add_(1), whose operand is x itself)? Judged on the example
+    run's real tensors; `same` are the nodes naming the written tensor through earlier in-place results."""
     t = real.get(written)
     if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
         return False
     storage = t.untyped_storage().data_ptr()
-    return any(other is not t and isinstance(other, torch.Tensor) and other.layout == torch.strided
-               and other.untyped_storage().data_ptr() == storage for key, other in real.items() if key is not written)
+    return any(isinstance(other, torch.Tensor) and other.layout == torch.strided
+               and other.untyped_storage().data_ptr() == storage
+               for key, other in real.items() if key is not written and key not in same)
 
 
 def _any_value(args) -> bool:
@@ -256,12 +268,21 @@ def _finish(b: GraphBuilder, out_node: fx.Node, env, real, names) -> Captured:
         result = tree_unflatten(list(result), pytree_info.out_spec)
         example = tree_unflatten(list(example), pytree_info.out_spec)
     leaves, spec = tree_flatten(result)
+    example_leaves = tree_flatten(example)[0]
+    held = [t for k, t in real.items() if k.op in ("placeholder", "get_attr") and isinstance(t, torch.Tensor)
+            and t.layout == torch.strided]
     outputs = []
     b.origin, b.group = "output", ""
-    for leaf in leaves:
+    for leaf, seen in zip(leaves, example_leaves):
         if isinstance(leaf, TensorValue):
             node = b.reshaped_node(leaf)
-            outputs.append((node, leaf.shape) if node else b.materialize(leaf, hint="out").base)
+            out = (node, leaf.shape) if node else b.materialize(leaf, hint="out").base
+            if (out in b.inputs or out in b.params) and not _aliases(seen, held):
+                # an input or a parameter itself, where eager made a tensor of its own (x.clone() lowers
+                # as the identity): handing the caller's tensor back would let a write to the output
+                # reach the input
+                out = b.emit(leaf.shape, leaf.dtype, lambda o, r, rg, leaf=leaf: leaf.read(o, rg), hint="out").base
+            outputs.append(out)
         elif leaf is None or isinstance(leaf, (int, float, bool)):
             outputs.append(leaf)
         else:
@@ -269,6 +290,14 @@ def _finish(b: GraphBuilder, out_node: fx.Node, env, real, names) -> Captured:
     names_out = [o if isinstance(o, str) else o[0] for o in outputs if isinstance(o, (str, tuple))]
     graph = b.finish(list(dict.fromkeys(names_out)))
     return Captured(graph, dict(b.param_values), (spec, outputs), names, example)
+
+
+def _aliases(t, tensors) -> bool:
+    """Does eager's output `t` share storage with one of the graph's inputs or parameters?"""
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+        return False
+    storage = t.untyped_storage().data_ptr()
+    return any(o.untyped_storage().data_ptr() == storage for o in tensors)
 
 
 def rebuild_outputs(captured: Captured, env: Mapping[str, torch.Tensor]):

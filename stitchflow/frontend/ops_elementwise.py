@@ -315,7 +315,14 @@ _activation((F.hardsigmoid, torch._C._nn.hardsigmoid, "aten.hardsigmoid"), "hard
             lambda a: _hardtanh(call("add", call("div", a, _c(6.0)), _c(0.5)), min_val=0.0, max_val=1.0))
 _activation((F.hardswish, torch._C._nn.hardswish, "aten.hardswish"), "hardswish",
             lambda a: call("div", call("mul", a, _hardtanh(call("add", a, _c(3.0)), min_val=0.0, max_val=6.0)), _c(6.0)))
-_activation((F.elu, torch._C._nn.elu, "aten.elu"), "elu", _elu)
+def _aten_elu(a, *, alpha=1.0, scale=1.0, input_scale=1.0):
+    # aten.elu's own arguments: AOTAutograd's graphs write F.selu and F.celu through them
+    inner = call("mul", _c(alpha), call("sub", call("exp", call("mul", a, _c(input_scale))), _c(1.0)))
+    return call("mul", _c(scale), call("where", call("gt", a, _c(0.0)), a, inner))
+
+
+_activation((F.elu, torch._C._nn.elu), "elu", _elu)  # F.elu(x, alpha, inplace)
+_activation(("aten.elu",), "elu", _aten_elu)
 _activation((F.leaky_relu, torch._C._nn.leaky_relu, "aten.leaky_relu"), "leaky_relu",
             lambda a, *, negative_slope=0.01: call("where", call("gt", a, _c(0.0)), a, call("mul", a, _c(negative_slope))))
 _activation((F.mish, torch._C._nn.mish, "aten.mish"), "mish", lambda a: call("mul", a, call("tanh", _softplus(a))))
@@ -347,7 +354,13 @@ def lower_clamp_min(ctx, x, min):
     return elementwise(ctx, lambda a, m: call("max", a, m), x, min)
 
 
-@lowering(torch.where, "method:where", "aten.where")
+@lowering("method:where")
+def lower_where_method(ctx, x, condition, y):
+    """x.where(condition, y) is torch.where(condition, x, y): the tensor is the value, not the condition."""
+    return lower_where(ctx, condition, x, y)
+
+
+@lowering(torch.where, "aten.where")
 def lower_where(ctx, cond, a=None, b=None):
     if a is None:
         raise UnsupportedOpError("where", "the one-argument form has a data-dependent shape", ctx.hint)

@@ -232,7 +232,9 @@ def lower_index_put(ctx, x, indices, values, accumulate=False):
 
     def out_index(o, rg):
         reads = [i.access(o[first:first + rank], rg) for i in tensors]
-        return list(o[:first]) + [Gather(a.tensor, a.indices) for a in reads] + list(o[first + rank:])
+        # an index below 0 counts from the end, as in eager
+        wrapped = [mod(Gather(a.tensor, a.indices), x.shape[first + k], rg) for k, a in enumerate(reads)]
+        return list(o[:first]) + wrapped + list(o[first + rank:])
 
     return _scatter_add(ctx, x, out_index, values, loop_shape)
 

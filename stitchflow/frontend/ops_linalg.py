@@ -81,6 +81,8 @@ def lower_linear(ctx, x, weight, bias=None):
 def lower_addmm(ctx, bias, a, b, *, beta=1, alpha=1):
     tag = ctx.builder.new_tag("linear")
     y = contract(ctx, a, b, tag=tag)
+    if beta == 0:  # torch ignores the input then, NaN and inf included (torch.empty's garbage, say)
+        return y if alpha == 1 else elementwise(ctx, lambda p: call("mul", p, Const(alpha)), y, tag=tag)
 
     def body(p, q):
         p = call("mul", p, Const(alpha)) if alpha != 1 else p
@@ -148,6 +150,8 @@ lowering(torch.addmv, "aten.addmv", "method:addmv")(lower_addmm)
 def lower_addbmm(ctx, bias, a, b, *, beta=1, alpha=1):
     """beta * bias + alpha * the sum of a batch of products."""
     y = lower_einsum(ctx, "bij,bjk->ik", a, b)
+    if beta == 0:  # the input is ignored, NaN and inf included
+        return elementwise(ctx, lambda p: call("mul", p, Const(alpha)), y, hint=f"{ctx.hint}_bias")
     return elementwise(ctx, lambda p, q: call("add", call("mul", p, Const(alpha)), call("mul", q, Const(beta))), y, bias,
                        hint=f"{ctx.hint}_bias")
 

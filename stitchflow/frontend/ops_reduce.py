@@ -251,9 +251,19 @@ def softmax_parts(ctx: LowerCtx, x: TensorValue, dim: int, tag: Tag):
     return dim, m, e, z
 
 
+def _softmax_input(ctx, x: TensorValue, args, kwargs) -> TensorValue:
+    """x in softmax's `dtype=` where one is given (torch casts before it computes: an integer input's
+    softmax, a float64 one of float32 logits); aten._softmax's bool argument (half to float) is no dtype."""
+    dtype = kwargs.get("dtype") or next((a for a in args if isinstance(a, torch.dtype)), None)
+    if dtype is None or dtype == x.dtype:
+        return x
+    return ctx.builder.emit(x.shape, dtype, lambda o, r, rg: Cast(dtype, x.read(o, rg)), hint=f"{ctx.hint}_in")
+
+
 @lowering(torch.softmax, F.softmax, "method:softmax", "aten.softmax", "aten._softmax")
 def lower_softmax(ctx, x, dim=None, *args, **kwargs):
     tag = ctx.builder.new_tag("softmax")
+    x = _softmax_input(ctx, x, args, kwargs)
     dim, _, e, z = softmax_parts(ctx, x, dim, tag)
     return ctx.builder.emit(
         x.shape, ctx.dtype, lambda o, r, rg: call("div", e.read(o, rg), _reduced_read(z, o, dim)(rg)), tag=tag, hint=ctx.hint
@@ -263,6 +273,7 @@ def lower_softmax(ctx, x, dim=None, *args, **kwargs):
 @lowering(torch.log_softmax, F.log_softmax, "method:log_softmax", "aten.log_softmax", "aten._log_softmax")
 def lower_log_softmax(ctx, x, dim=None, *args, **kwargs):
     tag = ctx.builder.new_tag("log_softmax")
+    x = _softmax_input(ctx, x, args, kwargs)
     dim, m, _, z = softmax_parts(ctx, x, dim, tag)
 
     def body(o, r, rg):

@@ -33,7 +33,14 @@ def eval_node(node: Node, env: Mapping[str, torch.Tensor], out_type: TensorType)
     result = _try_contraction(node, env, out_type)
     if result is None:
         result = _eval_broadcast(node, env, out_type)
+    if isinstance(node.body, Read) and _shares_storage(result, env.get(node.body.access.tensor)):
+        result = result.clone()  # a plain read can come back as its operand (a view): a node's value is its own
     return result
+
+
+def _shares_storage(a, b) -> bool:
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.layout == b.layout == torch.strided
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
 
 
 # ---------------------------------------------------------------- contractions

@@ -174,3 +174,20 @@ def test_writes_through_an_in_place_result_reach_the_tensor(f):
     for got, want in zip(out, f(x)):
         assert_close(got, want)
     assert backend.FALLBACKS == [], backend.fallback_report()
+
+
+@pytest.mark.parametrize("target", ["reference", "gpu"])
+def test_index_put_wraps_negative_indices(target):
+    """x.index_put((i,), v, accumulate=True) with i below 0 counts from the end, as eager does (a later
+    call with a negative index raised IndexError out of a program compiled on non-negative ones)."""
+    skip_unless_kernels_run(target)
+
+    def f(x, i, v):
+        return x.index_put((i,), v, accumulate=True) * 2
+
+    compiled = torch.compile(f, backend="stitchflow", options={"target": target})
+    x, v = torch.zeros(5, 6), torch.randn(3, 6)
+    for i in (torch.tensor([0, 1, 1]), torch.tensor([-1, 2, -5]), torch.tensor([-2, -2, 4])):
+        if target == "gpu":
+            x, v, i = x.to(DEVICE), v.to(DEVICE), i.to(DEVICE)
+        assert_close(compiled(x, i, v), f(x, i, v))

@@ -34,7 +34,7 @@ import torch
 from ...ir.expr import Call, Cast, Const, IndexValue, Read, map_reads
 from ...ir.graph import Graph, Node
 from ...ir.interpret import eval_node
-from ...ir.index import Gather, Lit, Var, add, affine_terms, free_vars, scale
+from ...ir.index import Gather, Lit, Mod, Var, add, affine_terms, free_vars, scale
 from .analysis import is_contraction
 from .emit import inline_body, substitute_expr
 
@@ -124,6 +124,8 @@ def _constant_blocks(graph: Graph, node: Node, params: dict) -> dict[int, tuple[
     for k, idx in enumerate(node.index):
         if isinstance(idx, Var):
             continue
+        if isinstance(idx, Mod) and idx.modulus == shape[k]:
+            idx = idx.arg  # index_put's wrap of negative indices: none below, c's entries are in [0, shape[k])
         if not (isinstance(idx, Gather) and len(idx.indices) == 1 and isinstance(idx.indices[0], Var)):
             return None
         v, c = idx.indices[0].name, _constant(graph, idx.tensor, params)

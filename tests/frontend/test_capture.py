@@ -1,0 +1,124 @@
+"""Capture's semantics under torch.compile(backend="stitchflow"): what eager does with aliases, in-place
+writes, random streams, argument forms and symbolic shapes, the compiled model does too (each case was a
+wrong result or a crash found by fuzzing the backend against eager)."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from stitchflow import backend
+from conftest import assert_close
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    backend.reset()
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _zeroed_clone(x):
+    y = x.clone()
+    y.zero_()  # no lowering: eager, on what the partition before returned
+    return y
+
+
+def test_a_clone_is_a_tensor_of_its_own():
+    """clone (and cat of one tensor, repeat(1, 1), ...) lowers as the identity; the output was the input
+    itself, so writes to it reached the caller's tensor, or a parameter."""
+    x = torch.randn(3, 4)
+    kept = x.clone()
+    assert torch.equal(torch.compile(_zeroed_clone, backend="stitchflow")(x), torch.zeros(3, 4))
+    assert torch.equal(x, kept)
+    torch._dynamo.reset()
+    out, _ = torch.compile(lambda x: (torch.cat([x]), x.sum()), backend="stitchflow")(x)
+    out.add_(1)
+    assert torch.equal(x, kept)
+    torch._dynamo.reset()
+    lin = nn.Linear(4, 4)
+    weight = lin.weight.detach().clone()
+    with torch.no_grad():
+        w, _ = torch.compile(lambda x: (lin.weight.clone(), x + 1), backend="stitchflow")(torch.randn(2, 4))
+        w.zero_()
+    assert torch.equal(lin.weight, weight)
+
+
+def _write_through_contiguous(x):
+    x.contiguous().add_(1)  # contiguous() returns x itself: eager writes x
+    return x * 2
+
+
+def _write_through_float(x):
+    y = x * 2
+    y.float().add_(1)  # float() of a float32 tensor is the tensor
+    return y
+
+
+@pytest.mark.parametrize("f", [_write_through_contiguous, _write_through_float])
+def test_a_write_through_a_method_that_returns_its_tensor_reaches_it(f):
+    """Refused with the reason (the IR's values are not aliased), so that partition runs eagerly."""
+    x = torch.ones(2, 3)
+    assert_close(torch.compile(f, backend="stitchflow")(x.clone()), f(x.clone()))
+    assert "shares memory" in backend.fallback_report()
+
+
+def test_tensor_where_takes_the_tensor_as_the_value():
+    a, b = torch.randn(4, 5), torch.randn(4, 5)
+    assert_close(torch.compile(lambda a, b: a.where(a > b, b), backend="stitchflow")(a, b), torch.maximum(a, b))
+    assert backend.FALLBACKS == [], backend.fallback_report()
+
+
+@pytest.mark.parametrize("fn", [F.softmax, F.log_softmax])
+@pytest.mark.parametrize("x, dtype", [(torch.tensor([[1, 0, -3, -1, -2], [-3, 2, -2, -1, 1]]), torch.float32),
+                                      (torch.randn(3, 7) * 30, torch.float64)])
+def test_softmax_computes_in_its_dtype_argument(fn, x, dtype):
+    f = lambda x: fn(x, 1, dtype=dtype)  # noqa: E731
+    out = torch.compile(f, backend="stitchflow")(x)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, f(x), rtol=1e-12 if dtype == torch.float64 else 1e-6, atol=1e-12)
+
+
+def test_selu_in_training_keeps_its_scales():
+    """AOTAutograd writes F.selu as aten.elu(x, alpha, scale, input_scale); the scales were dropped."""
+    x = torch.linspace(-3, 3, 7, requires_grad=True)
+    out = torch.compile(lambda x: F.selu(x) * 2, backend="stitchflow", options={"training": "compiled"})(x)
+    assert_close(out, F.selu(x.detach()) * 2)
+    out.sum().backward()
+    y = x.detach().clone().requires_grad_()
+    (F.selu(y) * 2).sum().backward()
+    assert_close(x.grad, y.grad)
+
+
+@pytest.mark.parametrize("f", [lambda c, a, b: torch.addmm(c, a, b, beta=0, alpha=2),
+                               lambda c, a, b: torch.addmv(c[:, 0], a, b[:, 0], beta=0),
+                               lambda c, a, b: torch.addbmm(c, a[None], b[None], beta=0)])
+def test_beta_zero_ignores_the_input(f):
+    """torch.empty's garbage (NaN, inf) as the input of addmm with beta=0 stays out of the result."""
+    c, a, b = torch.full((3, 3), float("nan")), torch.randn(3, 4), torch.randn(4, 3)
+    out = torch.compile(f, backend="stitchflow")(c, a, b)
+    assert not out.isnan().any()
+    assert_close(out, f(c, a, b))
+
+
+def test_capture_draws_nothing_from_the_random_stream():
+    """Capture runs each node on the example; training-mode dropout (which then runs eagerly) drew a mask
+    there, so the first call's mask was not eager's under the same seed."""
+    f = lambda x: F.dropout(x * 2, 0.5, training=True) + 1  # noqa: E731
+    compiled, x = torch.compile(f, backend="stitchflow"), torch.randn(4, 8)
+    for _ in range(2):
+        torch.manual_seed(0)
+        want = f(x)
+        torch.manual_seed(0)
+        assert torch.equal(compiled(x), want)
+
+
+def test_training_with_a_second_shape_runs():
+    """Dynamo recompiles for the second shape with symbolic sizes; the eager fallback then restrided its
+    arguments to the traced (symbolic) strides and raised in the user's step."""
+    f = torch.compile(lambda a, b: torch.bmm(a, b) * 2, backend="stitchflow")
+    for n in (3, 5, 6):
+        a, b = torch.randn(2, n, 4, requires_grad=True), torch.randn(2, 4, 5, requires_grad=True)
+        f(a, b).sum().backward()
+        assert_close(a.grad, (torch.ones(2, n, 5) * 2) @ b.detach().transpose(1, 2))
