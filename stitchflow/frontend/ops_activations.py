@@ -33,8 +33,14 @@ def _logsigmoid(a):
 
 
 def _softshrink(a, *, lambd=0.5):
+    # the middle is a·0, as torch computes it: a NaN stays NaN
     return call("where", call("gt", a, _c(lambd)), call("sub", a, _c(lambd)),
-                call("where", call("lt", a, _c(-lambd)), call("add", a, _c(lambd)), _c(0.0)))
+                call("where", call("lt", a, _c(-lambd)), call("add", a, _c(lambd)), call("mul", a, _c(0.0))))
+
+
+def _hardshrink(a, *, lambd=0.5):
+    inside = call("and", call("ge", a, _c(-lambd)), call("le", a, _c(lambd)))  # false for a NaN, kept
+    return call("where", inside, _c(0.0), a)
 
 
 _activation((F.selu, torch.selu, "aten.selu"), "selu", _selu)
@@ -43,10 +49,10 @@ _activation((F.logsigmoid, torch._C._nn.log_sigmoid, "aten.log_sigmoid"), "logsi
 _activation((F.softsign, "aten.softsign"), "softsign", lambda a: call("div", a, call("add", _c(1.0), call("abs", a))))
 _activation((F.tanhshrink, "aten.tanhshrink"), "tanhshrink", lambda a: call("sub", a, call("tanh", a)))
 _activation((F.hardshrink, torch.hardshrink, "method:hardshrink", "aten.hardshrink"), "hardshrink",
-            lambda a, *, lambd=0.5: call("where", call("gt", call("abs", a), _c(lambd)), a, _c(0.0)))
+            _hardshrink)
 _activation((F.softshrink, torch._C._nn.softshrink, "aten.softshrink"), "softshrink", _softshrink)
 _activation((F.threshold, F._threshold, torch.threshold, "aten.threshold"), "threshold",
-            lambda a, *, threshold=0.0, value=0.0: call("where", call("gt", a, _c(threshold)), a, _c(value)))
+            lambda a, *, threshold=0.0, value=0.0: call("where", call("le", a, _c(threshold)), _c(value), a))
 _activation((torch.log2, "method:log2", "aten.log2"), "log2", lambda a: call("mul", call("log", a), _c(1 / math.log(2))))
 _activation((torch.log10, "method:log10", "aten.log10"), "log10",
             lambda a: call("mul", call("log", a), _c(1 / math.log(10))))

@@ -49,15 +49,21 @@ def reduce(ctx: LowerCtx, x: TensorValue, dims, kind: str, *, keepdim=False, sca
     return ctx.builder.emit(out_shape, dtype, body, reduce=kind, red_shape=red_shape, tag=tag, hint=hint or ctx.hint)
 
 
+def _widened(ctx, x):
+    """The reduction's operand cast to its result type first, as torch does for sum(x, dtype=float64) (and
+    for integers summed as int64): accumulating in x's type would round each partial sum to it."""
+    return None if x.dtype == ctx.dtype else (lambda e, o: Cast(ctx.dtype, e))
+
+
 @lowering(torch.sum, "method:sum", "aten.sum")
 def lower_sum(ctx, x, dim=None, keepdim=False, *, dtype=None):
-    return reduce(ctx, x, dim, "sum", keepdim=keepdim, dtype=ctx.dtype)
+    return reduce(ctx, x, dim, "sum", keepdim=keepdim, dtype=ctx.dtype, pre=_widened(ctx, x))
 
 
 @lowering(torch.mean, "method:mean", "aten.mean")
 def lower_mean(ctx, x, dim=None, keepdim=False, *, dtype=None):
     count = math.prod(x.shape[d] for d in _dims(dim, x.rank))
-    return reduce(ctx, x, dim, "sum", keepdim=keepdim, scale=1.0 / count, dtype=ctx.dtype)
+    return reduce(ctx, x, dim, "sum", keepdim=keepdim, scale=1.0 / count, dtype=ctx.dtype, pre=_widened(ctx, x))
 
 
 @lowering(torch.amax, "method:amax", "aten.amax")
@@ -588,5 +594,4 @@ def lower_scatter_reduce(ctx, base, dim, index, src, reduce, *, include_self=Tru
 @lowering(torch.prod, "method:prod", "aten.prod")
 def lower_prod(ctx, x, dim=None, keepdim=False, *, dtype=None):
     """Booleans and integers multiply as int64 (torch's result type), half precision in float32."""
-    widen = None if x.dtype == ctx.dtype or x.dtype.is_floating_point else (lambda e, o: Cast(ctx.dtype, e))
-    return reduce(ctx, x, dim, "prod", keepdim=keepdim, dtype=ctx.dtype, pre=widen)
+    return reduce(ctx, x, dim, "prod", keepdim=keepdim, dtype=ctx.dtype, pre=_widened(ctx, x))

@@ -113,12 +113,13 @@ def lower_logcumsumexp(ctx, x, dim, *, out=None):
         return x
     dim, n = _scanned(ctx, x, dim, "logcumsumexp")
     b, tag = ctx.builder, ctx.builder.new_tag("logcumsumexp")
+    acc = compute_dtype(x.dtype)  # float32 for half precision, float64 kept
 
     def running_max(o, r, rg):
         return call("where", _up_to(o, r, dim), upcast(x.read(_at(o, dim, r[0]), rg), x), Const(-math.inf))
 
-    peak = b.emit(x.shape, torch.float32, running_max, reduce="max", red_shape=[n], tag=tag, hint=f"{ctx.hint}_max")
-    shift = b.emit(x.shape, torch.float32, lambda o, r, rg: call("where", call("eq", call("abs", peak.read(o, rg)),
+    peak = b.emit(x.shape, acc, running_max, reduce="max", red_shape=[n], tag=tag, hint=f"{ctx.hint}_max")
+    shift = b.emit(x.shape, acc, lambda o, r, rg: call("where", call("eq", call("abs", peak.read(o, rg)),
                                                                               Const(math.inf)), Const(0.0), peak.read(o, rg)),
                    tag=tag, hint=f"{ctx.hint}_shift")
 
@@ -126,6 +127,6 @@ def lower_logcumsumexp(ctx, x, dim, *, out=None):
         e = call("exp", call("sub", upcast(x.read(_at(o, dim, r[0]), rg), x), shift.read(o, rg)))
         return call("where", _up_to(o, r, dim), e, Const(0.0))
 
-    total = b.emit(x.shape, torch.float32, terms, reduce="sum", red_shape=[n], tag=tag, hint=f"{ctx.hint}_sum")
+    total = b.emit(x.shape, acc, terms, reduce="sum", red_shape=[n], tag=tag, hint=f"{ctx.hint}_sum")
     return b.emit(x.shape, ctx.dtype, lambda o, r, rg: call("add", call("log", total.read(o, rg)), shift.read(o, rg)),
                   tag=tag, hint=ctx.hint)

@@ -122,3 +122,20 @@ def test_training_with_a_second_shape_runs():
         a, b = torch.randn(2, n, 4, requires_grad=True), torch.randn(2, 4, 5, requires_grad=True)
         f(a, b).sum().backward()
         assert_close(a.grad, (torch.ones(2, n, 5) * 2) @ b.detach().transpose(1, 2))
+
+
+@pytest.mark.parametrize("f", [lambda x: F.threshold(x, 0.1, 20.0), F.softshrink, F.hardshrink,
+                               lambda x: F.hardshrink(x, 0.25)])
+def test_activations_keep_a_nan(f):
+    x = torch.tensor([float("nan"), -1.0, -0.25, 0.0, 0.3, 2.0, float("inf"), -float("inf")])
+    torch.testing.assert_close(torch.compile(f, backend="stitchflow")(x), f(x), equal_nan=True)
+
+
+@pytest.mark.parametrize("f", [lambda x: x.sum(1, dtype=torch.float64), lambda x: x.mean(1, dtype=torch.float64),
+                               lambda x: (1 + x / 1e5).prod(1, dtype=torch.float64),
+                               lambda x: torch.logcumsumexp(x.double() / 100, 1)])
+def test_reductions_accumulate_in_their_result_type(f):
+    """sum(x, dtype=float64) of float32 x casts before it adds (the partial sums were float32), and a
+    float64 logcumsumexp stays float64."""
+    x = torch.randn(8, 4096, generator=torch.Generator().manual_seed(0)) * 1000
+    torch.testing.assert_close(torch.compile(f, backend="stitchflow")(x), f(x), rtol=1e-12, atol=1e-9)
