@@ -343,7 +343,7 @@ def lower_native_layer_norm(ctx, x, normalized_shape, weight, bias, eps):
     return out, kept_mean, ctx.builder.emit(tuple(ctx.out[2].shape), ctx.out[2].dtype, rstd, hint=f"{ctx.hint}_rstd")
 
 
-@lowering(getattr(F, "rms_norm", None), "aten.rms_norm")
+@lowering(getattr(F, "rms_norm", None), getattr(torch, "rms_norm", None), "aten.rms_norm")  # Dynamo writes F's as torch's
 def lower_rms_norm(ctx, x, normalized_shape, weight=None, eps=None):
     tag = ctx.builder.new_tag("rmsnorm")
     dims = _norm_dims(x, normalized_shape)

@@ -139,3 +139,11 @@ def test_reductions_accumulate_in_their_result_type(f):
     float64 logcumsumexp stays float64."""
     x = torch.randn(8, 4096, generator=torch.Generator().manual_seed(0)) * 1000
     torch.testing.assert_close(torch.compile(f, backend="stitchflow")(x), f(x), rtol=1e-12, atol=1e-9)
+
+
+def test_functional_rms_norm_is_lowered():
+    """Dynamo records F.rms_norm as torch.rms_norm, which had no lowering: the norm ran eagerly."""
+    x, w = torch.randn(4, 16), torch.randn(16)
+    f = lambda x: F.rms_norm(x, (16,), w, 1e-6) * 2  # noqa: E731
+    assert_close(torch.compile(f, backend="stitchflow")(x), f(x))
+    assert backend.FALLBACKS == [], backend.fallback_report()
