@@ -131,11 +131,16 @@ def convolution_inputs_like_gradients(gm: fx.GraphModule) -> None:
 
 
 def like_gradient(x, grad):
-    """`x` channels last (a copy) where `grad` is stored channels last and `x` is not; else `x`."""
+    """`x` channels last (a copy) where `grad` is stored channels last and `x` is not; else `x`. On a
+    GPU the copy is one transposing Triton launch (targets/gpu/planes.py), not torch's strided copy."""
     last = _channels_last_format(x)
     if last is None or x.is_contiguous(memory_format=last) or grad.is_contiguous() or \
             not grad.is_contiguous(memory_format=last):
         return x
+    if x.is_cuda:
+        from .targets.gpu.planes import to_channels_last
+
+        return to_channels_last(x)
     return x.contiguous(memory_format=last)
 
 
