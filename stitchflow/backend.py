@@ -421,13 +421,24 @@ def _fuse_by_dependence(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[str]] 
     `y = x.relu(); s = torch.i0(x); z = y.softmax(-1) + s` is one partition after the i0, not two
     around it. None where the graph writes in place or draws random numbers: there program order is
     kept (_partition_ids). Returns a copy of the graph with each partition a submodule, and their names."""
-    if any(_order_matters(n) for n in gm.graph.nodes):
+    if any(_order_matters(n) or _indexed_by_an_eager_tensor(n) for n in gm.graph.nodes):
         return None
     copy = fx.GraphModule(gm, _copied(gm.graph))  # the user's graph stays whole for the fallback
     partitioner = CapabilityBasedPartitioner(copy, _Lowerable(), allows_single_node_partition=True)
     fused = partitioner.fuse_partitions(partitioner.propose_partitions(), prefix="stitchflow_")
     names = [n.target for n in fused.graph.nodes if n.op == "call_module" and n.target.startswith("stitchflow_")]
     return fused, names
+
+
+def _indexed_by_an_eager_tensor(node: fx.Node) -> bool:
+    """y[torch.tensor([0, 2])]: torch.fx's partitioner takes an operator.getitem for a tuple's item and
+    moves it to its producer's partition, here both the indexed tensor's (ours) and the index's (eager,
+    no lowering), back and forth without end. Such a graph keeps program order."""
+    if node.target is not operator.getitem or not isinstance(node.args[0], fx.Node):
+        return False
+    index = []
+    fx.node.map_arg(node.args[1:], index.append)
+    return any(i.op in ("call_function", "call_method") and not _supported(i) for i in index)
 
 
 def _copied(graph: fx.Graph) -> fx.Graph:

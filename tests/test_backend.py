@@ -456,3 +456,11 @@ def test_an_eager_write_to_a_tensor_of_its_own_keeps_the_rest_compiled():
     x = torch.randn(2, 3)
     assert_close(torch.compile(f, backend="stitchflow")(x), f(x))
     assert "aliases" not in backend.fallback_report() and backend.regions_executed() >= 1
+
+
+def test_indexing_by_a_tensor_made_in_the_graph_compiles():
+    """x.flatten()[torch.tensor([...])]: torch.fx's partitioner moved the index's getitem between the
+    indexed tensor's partition and the eager torch.tensor's forever (the compile never returned)."""
+    f = lambda x: (x * 2).flatten()[torch.tensor([0, 44, -1])].sum()  # noqa: E731
+    x = torch.randn(5, 9)
+    assert_close(torch.compile(f, backend="stitchflow")(x), f(x))
