@@ -121,7 +121,7 @@ def extreme_and_index(ctx, x, dim, keepdim, kind):
                                  ctx.hint)
     tag = ctx.builder.new_tag(f"{kind}_index")
     acc = compute_dtype(x.dtype)
-    signed = (lambda e: e) if kind == "max" else (lambda e: call("neg", e))
+    signed = (lambda e: e) if kind == "max" else _flip(x.dtype)
     peak = reduce(ctx, x, [dim], "max", pre=lambda e, o: signed(e), dtype=acc, tag=tag, hint=f"{ctx.hint}_peak")
     shape = [1 if d == dim else size for d, size in enumerate(x.shape) if keepdim or d != dim]
     outer = (lambda o: [o[d] for d in range(len(o)) if d != dim]) if keepdim else (lambda o: list(o))
@@ -143,11 +143,20 @@ def extreme_and_index(ctx, x, dim, keepdim, kind):
 @lowering(torch.amin, "method:amin", "aten.amin")
 def lower_amin(ctx, x, dim=(), keepdim=False):
     """min = -max(-x): the IR reduces by sum and max only."""
-    tag = ctx.builder.new_tag("amin")
-    peak = reduce(ctx, x, dim, "max", keepdim=keepdim, dtype=ctx.dtype, pre=lambda e, o: call("neg", e), tag=tag,
+    tag, flip = ctx.builder.new_tag("amin"), _flip(x.dtype)
+    peak = reduce(ctx, x, dim, "max", keepdim=keepdim, dtype=ctx.dtype, pre=lambda e, o: flip(e), tag=tag,
                   hint=f"{ctx.hint}_negmax")
-    return ctx.builder.emit(peak.shape, ctx.dtype, lambda o, r, rg: call("neg", peak.read(o, rg)), tag=tag,
+    return ctx.builder.emit(peak.shape, ctx.dtype, lambda o, r, rg: flip(peak.read(o, rg)), tag=tag,
                             hint=ctx.hint)
+
+
+def _flip(dtype: torch.dtype):
+    """An order-reversing involution of `dtype`'s values, so that min is flip(max(flip(x))): negation, or
+    for unsigned integers (where -x wraps: uint8's min of [0, 5, 200] came out 5) largest - x."""
+    if dtype == torch.uint8:
+        top = Const(torch.iinfo(dtype).max)
+        return lambda e: call("sub", top, e)
+    return lambda e: call("neg", e)
 
 
 def _correction_args(args, kwargs) -> tuple:

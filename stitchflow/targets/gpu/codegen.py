@@ -407,7 +407,10 @@ class PartKernel(SplitStitching, TmaStitching, WelfordStitching):
         if max_name is None or max_name not in local:
             return scope
         sub = Scope(scope, chunk=True)
-        sub.values[("node", max_name)] = Val(local[max_name], "f", frozenset({"p"}))
+        # a piece (of a split row) that is all -inf sums exp(x - 0) = 0, not exp(-inf - -inf) = NaN, which the
+        # combine's rescaling by 0 would not take back; a whole row of -inf is NaN downstream either way, as in torch
+        shift = self.src.let(f"tl.where({local[max_name]} == NEG_INF, 0.0, {local[max_name]})", "m")
+        sub.values[("node", max_name)] = Val(shift, "f", frozenset({"p"}))
         return sub
 
     def _online_step(self, r, acc_m: str, acc_s: str, scope: Scope) -> None:
@@ -436,9 +439,11 @@ class PartKernel(SplitStitching, TmaStitching, WelfordStitching):
         return self.src.let(f"tl.sum({acc_s} * {scale}, axis=1, keep_dims=True)", "r")
 
     def _acc_dtype(self, r) -> str:
-        return "tl.float64" if self.graph.type_of[r.name].dtype == torch.float64 else "tl.float32"
+        return _accumulator(self.graph.type_of[r.name].dtype)
 
     def _neutral(self, r) -> str:
+        if _accumulator(self.graph.type_of[r.name].dtype) == "tl.int64":  # (int64's least but one: a literal)
+            return "-9223372036854775807" if r.reduce == "max" else "0"
         return "NEG_INF" if r.reduce == "max" else "0.0"
 
     def _acc_init(self, r) -> str:
@@ -466,8 +471,20 @@ class PartKernel(SplitStitching, TmaStitching, WelfordStitching):
 
     def _finish_reduction(self, r, value: str, root: Scope) -> None:
         dtype = self.graph.type_of[r.name].dtype
-        root.values[("node", r.name)] = Val(self.src.let(carried(value, dtype, self.interpret), "v"), "f", frozenset({"p"}))
+        kind = "f" if dtype == torch.bool else kind_of(dtype)  # (a boolean's any/all stays its float 0 or 1)
+        root.values[("node", r.name)] = Val(self.src.let(carried(value, dtype, self.interpret), "v"), kind, frozenset({"p"}))
 
+
+
+def _accumulator(dtype: torch.dtype) -> str:
+    """What a reduction into `dtype` accumulates in: float64 kept, integers in int64 (float32 rounded
+    int32 sums and maxima past 2**24, and an argmax then found no element equal to its rounded peak),
+    float32 otherwise."""
+    if dtype == torch.float64:
+        return "tl.float64"
+    if not dtype.is_floating_point and dtype != torch.bool:
+        return "tl.int64"
+    return "tl.float32"
 
 
 def build_kernel(graph: Graph, parts: list[tuple[PartPlan, Config]], strides: dict, interpret: bool,
@@ -490,7 +507,8 @@ def build_kernel(graph: Graph, parts: list[tuple[PartPlan, Config]], strides: di
             for r in plan.reductions:
                 if plan.stage[r.name] < plan.final_stage:
                     arg["buf:" + r.name] = f"buf{len(buffers)}"
-                    dt = torch.float64 if graph.type_of[r.name].dtype == torch.float64 else torch.float32
+                    dt = {"tl.float64": torch.float64, "tl.int64": torch.int64}.get(
+                        _accumulator(graph.type_of[r.name].dtype), torch.float32)
                     buffers.append((r.name, cfg.split * plan.P_total, dt))
         if cfg.coop:
             arg["cnt"] = arg["buf:rows_arrived"] = f"buf{len(buffers)}_rows_arrived"

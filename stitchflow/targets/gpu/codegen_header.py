@@ -32,14 +32,14 @@ def _round_even(x):
 def _log1p(x):
     """log(1 + x) to a few ulps near 0: log(u) * x / (u - 1) with u = 1 + x rounded (Goldberg)."""
     u = 1.0 + x
-    return tl.where(u == 1.0, x, tl.where(u == INF, u, tl.log(u) * x / (u - 1.0)))
+    return tl.where(u == 1.0, x, tl.where(u == INF, u, tl.log(u) * (x / (u - 1.0))))  # (x / (u - 1): no overflow)
 
 
 @triton.jit
 def _expm1(x):
     """exp(x) - 1 to a few ulps near 0: (u - 1) * x / log(u) with u = exp(x) rounded (Kahan)."""
     u = tl.exp(x)
-    return tl.where(u == 1.0, x, tl.where(u - 1.0 == -1.0, -1.0, tl.where(u == INF, u, (u - 1.0) * x / tl.log(u))))
+    return tl.where(u == 1.0, x, tl.where(u - 1.0 == -1.0, -1.0, tl.where(u == INF, u, (u - 1.0) * (x / tl.log(u)))))
 
 
 @triton.jit
