@@ -221,13 +221,7 @@ def _shares_memory(real: dict, written: fx.Node, same=()) -> bool:
     """Does the tensor an in-place op writes share storage with another value of the graph (z[0].add_(1)
     changes z in eager; so does x.contiguous().add_(1), whose operand is x itself)? Judged on the example
     run's real tensors; `same` are the nodes naming the written tensor through earlier in-place results."""
-    t = real.get(written)
-    if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
-        return False
-    storage = t.untyped_storage().data_ptr()
-    return any(isinstance(other, torch.Tensor) and other.layout == torch.strided
-               and other.untyped_storage().data_ptr() == storage
-               for key, other in real.items() if key is not written and key not in same)
+    return _aliases(real.get(written), [t for key, t in real.items() if key is not written and key not in same])
 
 
 def _any_value(args) -> bool:
@@ -269,8 +263,7 @@ def _finish(b: GraphBuilder, out_node: fx.Node, env, real, names) -> Captured:
         example = tree_unflatten(list(example), pytree_info.out_spec)
     leaves, spec = tree_flatten(result)
     example_leaves = tree_flatten(example)[0]
-    held = [t for k, t in real.items() if k.op in ("placeholder", "get_attr") and isinstance(t, torch.Tensor)
-            and t.layout == torch.strided]
+    held = [t for k, t in real.items() if k.op in ("placeholder", "get_attr")]  # the graph's inputs and parameters
     outputs = []
     b.origin, b.group = "output", ""
     for leaf, seen in zip(leaves, example_leaves):
@@ -293,11 +286,12 @@ def _finish(b: GraphBuilder, out_node: fx.Node, env, real, names) -> Captured:
 
 
 def _aliases(t, tensors) -> bool:
-    """Does eager's output `t` share storage with one of the graph's inputs or parameters?"""
+    """Does `t` share storage with one of `tensors` (strided ones; anything else shares nothing)?"""
     if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
         return False
     storage = t.untyped_storage().data_ptr()
-    return any(o.untyped_storage().data_ptr() == storage for o in tensors)
+    return any(isinstance(o, torch.Tensor) and o.layout == torch.strided and o.untyped_storage().data_ptr() == storage
+               for o in tensors)
 
 
 def rebuild_outputs(captured: Captured, env: Mapping[str, torch.Tensor]):

@@ -1,4 +1,4 @@
-"""An activation between NCHW and channels last in one transposing launch.
+"""An activation from NCHW to channels last in one transposing launch.
 
 A training step's backward hands cuDNN's weight gradient the activations its forward saved, in the
 gradient's layout (backend_layouts.like_gradient): U-Net's forward saves its group norms' SiLU outputs
@@ -25,43 +25,27 @@ TILE = (64, 64)  # [channels, positions] a program moves
 
 
 @triton.jit
-def _plane_copy(src, dst, C, K, BC: tl.constexpr, BK: tl.constexpr, TO_LAST: tl.constexpr):
+def _plane_copy(src, dst, C, K, BC: tl.constexpr, BK: tl.constexpr):
     n, cb, kb = tl.program_id(2), tl.program_id(1), tl.program_id(0)
     c = cb * BC + tl.arange(0, BC)[:, None]
     k = kb * BK + tl.arange(0, BK)[None, :]
     inside = (c < C) & (k < K)
     base = n.to(tl.int64) * C * K  # an image's slab is contiguous in both layouts
-    nchw, last = base + c * K + k, base + k * C + c
-    if TO_LAST:
-        tl.store(dst + last, tl.load(src + nchw, mask=inside), mask=inside)
-    else:
-        tl.store(dst + nchw, tl.load(src + last, mask=inside), mask=inside)
+    tl.store(dst + base + k * C + c, tl.load(src + base + c * K + k, mask=inside), mask=inside)
 
 
 def to_channels_last(x: torch.Tensor) -> torch.Tensor:
     """`x` [N, C, *spatial], NCHW contiguous, copied channels last (on a GPU or under Triton's
     interpreter; through torch otherwise, and for what is not NCHW contiguous)."""
-    return _copy(x, to_last=True)
-
-
-def to_contiguous(x: torch.Tensor) -> torch.Tensor:
-    """The other way: `x` stored channels last, copied NCHW contiguous."""
-    return _copy(x, to_last=False)
-
-
-def _copy(x: torch.Tensor, to_last: bool) -> torch.Tensor:
     form = channels_last_format(x)
-    if form is None:
+    if form is None or x.is_contiguous(memory_format=form):
         return x
-    have, want = (torch.contiguous_format, form) if to_last else (form, torch.contiguous_format)
-    if x.is_contiguous(memory_format=want):
-        return x
-    if not (x.is_contiguous(memory_format=have) and x.numel() > 0 and (x.is_cuda or interpreting())):
-        return x.contiguous(memory_format=want)
-    out = torch.empty_like(x, memory_format=want)
+    if not (x.is_contiguous() and x.numel() > 0 and (x.is_cuda or interpreting())):
+        return x.contiguous(memory_format=form)
+    out = torch.empty_like(x, memory_format=form)
     N, C, K = x.shape[0], x.shape[1], x[0, 0].numel()
     BC, BK = min(TILE[0], triton.next_power_of_2(C)), min(TILE[1], triton.next_power_of_2(K))
     grid = (triton.cdiv(K, BK), triton.cdiv(C, BC), N)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        _plane_copy[grid](x, out, C, K, BC=BC, BK=BK, TO_LAST=to_last, num_warps=4)
+        _plane_copy[grid](x, out, C, K, BC=BC, BK=BK, num_warps=4)
     return out

@@ -15,7 +15,8 @@ import torch  # noqa: E402
 import stitchflow  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="interpreter tests on CPU tensors")
+                                reason="interpreter tests on CPU tensors: a GPU session (TRITON_INTERPRET=0) "
+                                "runs the device checks (scripts/kernel_check_probe.py) instead")
 
 
 def _reductions(x):

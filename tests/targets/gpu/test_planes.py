@@ -1,4 +1,4 @@
-"""Activations between NCHW and channels last in one launch (targets/gpu/planes.py), against torch's
+"""Activations from NCHW to channels last in one launch (targets/gpu/planes.py), against torch's
 conversion, under TRITON_INTERPRET=1 on CPU tensors (on a GPU session, on CUDA tensors)."""
 
 import os
@@ -8,7 +8,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from stitchflow.targets.gpu.planes import to_channels_last, to_contiguous  # noqa: E402
+from stitchflow.targets.gpu.planes import to_channels_last  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 
@@ -16,14 +16,13 @@ DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRE
 @pytest.mark.parametrize("shape, dtype", [((2, 64, 16, 16), torch.bfloat16), ((3, 130, 9, 11), torch.float32),
                                           ((2, 5, 33, 35), torch.float16), ((1, 1, 7, 3), torch.float32),
                                           ((2, 8, 4, 20, 20), torch.float32)])
-def test_an_activation_goes_channels_last_and_back(shape, dtype):
+def test_an_activation_goes_channels_last(shape, dtype):
     """Tiles ragged at both edges (130 channels, 99 positions), one channel, 3-d windows."""
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(DEVICE, dtype)
     form = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
     last = to_channels_last(x)
     assert last.is_contiguous(memory_format=form) and last.dtype == dtype and torch.equal(last, x)
-    back = to_contiguous(last)
-    assert back.is_contiguous() and torch.equal(back, x)
+    assert torch.equal(last.contiguous().view(-1), x.view(-1))  # every element where torch puts it
 
 
 @pytest.mark.parametrize("case", ["already channels last", "3 dims", "strided"])
