@@ -13,6 +13,7 @@ from ..ir.expr import Cast, Const, IndexValue, call
 from ..ir.graph import Tag
 from ..ir.index import Gather
 from . import values as V
+from .ops_elementwise import cast
 from .registry import LowerCtx, compute_dtype, lowering, operand, refusal, upcast
 from .values import TensorValue
 
@@ -270,9 +271,7 @@ def _softmax_input(ctx, x: TensorValue, args, kwargs) -> TensorValue:
     """x in softmax's `dtype=` where one is given (torch casts before it computes: an integer input's
     softmax, a float64 one of float32 logits); aten._softmax's bool argument (half to float) is no dtype."""
     dtype = kwargs.get("dtype") or next((a for a in args if isinstance(a, torch.dtype)), None)
-    if dtype is None or dtype == x.dtype:
-        return x
-    return ctx.builder.emit(x.shape, dtype, lambda o, r, rg: Cast(dtype, x.read(o, rg)), hint=f"{ctx.hint}_in")
+    return x if dtype is None else cast(ctx, x, dtype)
 
 
 @lowering(torch.softmax, F.softmax, "method:softmax", "aten.softmax", "aten._softmax")
