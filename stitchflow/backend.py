@@ -77,6 +77,12 @@ def _supported(node: fx.Node) -> bool:
     return key_of(node) in LOWERINGS and early_refusal(node) is None
 
 
+def _fused_attention(node: fx.Node) -> bool:
+    """An ATen op of torch's fused attention (flash, memory-efficient, cuDNN, CPU flash; forward or backward):
+    what F.scaled_dot_product_attention becomes in an AOTAutograd graph, run by torch's kernels."""
+    return node.op == "call_function" and str(node.target).startswith(("aten._scaled_dot_product_", "aten._flash_attention",
+                                                                       "aten._efficient_attention"))
+
 
 class StitchflowModule(torch.nn.Module):
     """One partition: compiled on first call for each input signature, eager if capture fails.
@@ -488,6 +494,9 @@ def _partition_and_wrap(gm: fx.GraphModule, options: dict, label: str = ""):
         if node.target is operator.getitem or node.target in ours:  # the op's record says why; ours
             continue
         if node.op in ("call_function", "call_method") and not _supported(node):
+            if _fused_attention(node):  # torch's own attention kernels, by design (training's attention rewrite)
+                log.debug("%s%s (%s) runs torch's fused attention kernel", where, describe_target(node), node.name)
+                continue
             why = early_refusal(node) if key_of(node) in LOWERINGS else None
             _record(f"{where}{describe_target(node)} ({node.name}): {why or 'no lowering to the IR'}")
         elif node.op == "call_module":

@@ -26,6 +26,8 @@ import torch.fx as fx
 from . import backend
 from .backend_layouts import (like_parameters, pointwise_weight_gradient, saved_outputs_start,
                               unfolded_weight_gradient, written_back_inputs)
+from .frontend import attention_rewrite
+from .ir.errors import StitchflowError
 from .replay import AotGraphReplay
 
 aten = torch.ops.aten
@@ -72,7 +74,46 @@ def decompositions() -> dict:
 
 def compile_forward_and_backward(gm: fx.GraphModule, example_inputs, options: dict):
     """The Dynamo graph `gm` compiled through AOTAutograd with stitchflow compiling both halves;
-    None (after recording why) where AOTAutograd cannot trace it."""
+    None (after recording why) where AOTAutograd cannot trace it. Attention written as products and
+    a softmax goes to torch's fused attention first where it needs no mask or a causal one
+    (frontend/attention_rewrite.py; options {"attention": "masked"} rewrites any mask too, False none)."""
+    mode = options.get("attention", True)
+    if mode not in (True, False, "masked"):
+        raise StitchflowError(f"options['attention'] must be True (attention without a mask or with a causal one "
+                              f"runs as torch's fused attention), 'masked' (any mask too) or False, not {mode!r}")
+    if mode is False:
+        return _through_aot(gm, example_inputs, options)
+    try:
+        rewritten, found, refused = attention_rewrite.rewritten(gm, example_inputs, masked=mode == "masked")
+    except Exception as err:  # a matcher bug costs the rewrite, never the compile
+        log.warning("attention rewrite failed, the graph is compiled as written: %s: %s", type(err).__name__, err)
+        return _through_aot(gm, example_inputs, options)
+    for why in refused:
+        log.info("%s", why)
+    if not found:
+        return _through_aot(gm, example_inputs, options)
+    for att in found:
+        log.info("%s -> F.scaled_dot_product_attention", att)
+    compiled = _through_aot(rewritten, example_inputs, options, record=False)
+    if compiled is None:  # AOTAutograd failed on the rewrite: the graph as written
+        return _through_aot(gm, example_inputs, options)
+    causal = {a.causal_input: _example_size(a.q) for a in found if a.causal_input is not None}
+    if not causal or not all(isinstance(x, (torch.Tensor, int, float, bool)) for x in example_inputs):
+        return compiled
+
+    def general():
+        log.info("a causal mask input changed: the graph is compiled again with its masks as masks")
+        masked, _, _ = attention_rewrite.rewritten(gm, example_inputs, causal=False, masked=mode == "masked")
+        return _through_aot(masked, example_inputs, options) or _through_aot(gm, example_inputs, options) or gm.forward
+
+    return attention_rewrite.CausalGuard(compiled, causal, example_inputs, general)
+
+
+def _example_size(node: fx.Node) -> int:
+    return int(attention_rewrite.example_value(node).shape[-2])
+
+
+def _through_aot(gm: fx.GraphModule, example_inputs, options: dict, record: bool = True):
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
@@ -86,6 +127,10 @@ def compile_forward_and_backward(gm: fx.GraphModule, example_inputs, options: di
     try:
         return compile_with_aot(gm, example_inputs)
     except Exception as err:  # e.g. an op with no fake-tensor rule: training still works, recomputed
+        if not record:
+            log.info("AOTAutograd could not trace the graph with its attention rewritten: %s: %s",
+                     type(err).__name__, err)
+            return None
         backend._record(f"AOTAutograd could not trace the graph ({len(gm.graph.nodes)} nodes), so its backward "
                         f"differentiates an eager rerun: {type(err).__name__}: {err}")
         return None

@@ -111,14 +111,12 @@ def test_mlp_trains_like_eager_with_both_graphs_through_stitchflow():
 
 
 def test_transformer_block_trains_like_eager_with_attention_eager():
-    """Attention's ATen kernels stay eager (recorded); their inputs leave our partitions in eager's
-    strides, since the graph after them was traced on those strides."""
+    """Attention's ATen kernels run as torch's (by design: not recorded as fallbacks); their inputs leave
+    our partitions in eager's strides, since the graph after them was traced on those strides."""
     torch.manual_seed(0)
     _train_side_by_side(_Block(), lambda: (torch.randn(2, 9, 32),), exact=True)
     assert _compiled_graphs() == {"forward", "backward"}
-    report = backend.fallback_report()
-    assert "scaled_dot_product" in report
-    assert all("scaled_dot_product" in line for line in report.splitlines()[1:])
+    assert backend.fallback_report().endswith("everything captured ran through stitchflow")
 
 
 def test_loss_in_the_graph_with_integer_labels():

@@ -31,7 +31,8 @@ from .stitching import ROUNDS, _time_in_rounds
 from .stitching_patterns import as_tuple, tolerance
 
 SECTION = "## Training steps (forward + backward)"
-RUNNERS = ("eager", "torch.compile", "backend=stitchflow", "backend=stitchflow recompute")
+RUNNERS = ("eager", "torch.compile", "backend=stitchflow", "backend=stitchflow recompute",
+           "backend=stitchflow attention as written")
 
 
 def _runner(name: str, model, options: dict | None = None):
@@ -43,7 +44,10 @@ def _runner(name: str, model, options: dict | None = None):
     if name == "torch.compile":
         return torch.compile(model, dynamic=False)
     training = "recompute" if name.endswith("recompute") else "compiled"
-    return torch.compile(model, backend="stitchflow", dynamic=False, options={**(options or {}), "training": training})
+    options = {**(options or {}), "training": training}
+    if name.endswith("attention as written"):  # no rewrite of products and a softmax into torch's attention
+        options["attention"] = False
+    return torch.compile(model, backend="stitchflow", dynamic=False, options=options)
 
 
 def _step(fn, model, inputs, upstream):
@@ -173,19 +177,21 @@ def bench_training(app: str, dtype: torch.dtype, size: str = "default", device: 
 
 def markdown(rows: list[dict], info: dict) -> str:
     head = ("| model | input | eager µs | torch.compile µs | stitchflow µs | stitchflow (recomputed backward) µs | "
-            "stitchflow vs eager | stitchflow vs torch.compile | max rel. error | first step s (torch.compile / "
+            "stitchflow (attention as written) µs | stitchflow vs eager | stitchflow vs torch.compile | max rel. error | first step s (torch.compile / "
             "stitchflow) |")
     lines = [info.get("section", SECTION), "", *provenance_lines(info),
              f"{info['dtype']}, `APPS[app].build(size=\"{info['size']}\")` in training mode; a step = gradients "
              "cleared, forward, backward of a fixed random upstream gradient (no optimizer; dropout p = 0, so that "
              "every runner computes the same step). stitchflow = "
              "torch.compile(backend=\"stitchflow\"), forward and backward graphs compiled (AOTAutograd); "
-             "recomputed backward = options={\"training\": \"recompute\"}. The median of "
+             "recomputed backward = options={\"training\": \"recompute\"}; attention as written = "
+             "options={\"attention\": False} (products and a softmax not rewritten into torch's fused attention). "
+             "The median of "
              f"{ROUNDS} rounds (runners in turn) of medians over steps, L2 evicted clean before each; output, input "
              "and parameter gradients checked first, in half precision against the step in float64 (each tensor's "
              "relative error ≤ 2e-2 or at most twice eager's; 'max rel. error' is against eager). The first step's wall "
              "time includes compilation (stitchflow's autotuning too).", "",
-             head, "|" + "---|" * 10]
+             head, "|" + "---|" * 11]
     lines += app_table_rows(rows, RUNNERS, lambda r, worst: (
         f" | {speedup_cell(r.get('backend=stitchflow vs eager'))} | "
         f"{speedup_cell(r.get('backend=stitchflow vs compile'))} | {worst:.1e} | "

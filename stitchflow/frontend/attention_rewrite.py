@@ -1,0 +1,390 @@
+"""Attention written out as products and a softmax, found in a Dynamo graph and rewritten into
+`F.scaled_dot_product_attention` before AOTAutograd traces it (the training path, training.py).
+
+Models often spell attention as `softmax(q @ k.transpose(-2, -1) * scale + mask) @ v` (the Llama
+and BERT blocks of the app zoo do). In inference the IR finds that pattern itself (the gpu target's
+attention, planned per mask). In training AOTAutograd decomposes it first, and its backward then
+materialises the [heads, S, S] scores' gradient: for a Llama block at S = 2048 the forward and
+backward each write and read several 256 MB score tensors, where torch's flash attention (and its
+backward) keeps them on chip. Inductor does not rewrite this spelling either (its fuse_attention
+patterns miss a scale by multiplication, a broadcast GQA head axis and a buffer mask).
+
+Matched (`find`): a softmax over the last axis whose one reader, through a dropout of p = 0 at
+most, is a product with V; before it, optionally an additive mask (or `masked_fill` with -inf),
+optionally a scale by a number, and a product of Q with K's last two axes swapped. Refused, each
+with its reason (`Refusal`): any intermediate read elsewhere (the scores stay needed), dropout
+with p > 0 (torch's kernels would draw other random numbers than eager's), a mask of another dtype
+or one that varies over batch axes the 4-d call must merge, softmax with a dtype.
+
+A mask that is a graph input (a module buffer) holding exactly -inf (or the dtype's lowest value)
+above the diagonal and 0 elsewhere becomes `is_causal=True`, which lets torch run its flash
+kernels (an explicit mask takes the slower memory-efficient kernels). Its values are checked on
+the example inputs at compile time, and again on every call whose mask is another tensor or has
+been written since (`CausalGuard`, from the tensor's address and version counter).
+
+Numerics: torch's kernels keep the scores in float32 where eager rounds them to the inputs'
+dtype (bf16) after each op, so results differ from eager's by about eager's own rounding error.
+A row whose keys are all masked gives NaN eagerly and 0 here (as torch's SDPA)."""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+_SOFTMAX = ({torch.softmax, F.softmax, torch.special.softmax}, {"softmax"})
+_MATMUL = ({operator.matmul, torch.matmul}, {"matmul", "__matmul__"})
+_MUL = ({operator.mul, torch.mul}, {"mul", "__mul__"})
+_DIV = ({operator.truediv, torch.div, torch.true_divide}, {"div", "__truediv__", "true_divide"})
+_ADD = ({operator.add, torch.add}, {"add", "__add__"})
+_TRANSPOSE = ({torch.transpose, torch.swapaxes, torch.swapdims}, {"transpose", "swapaxes", "swapdims"})
+_MASKED_FILL = ({torch.masked_fill}, {"masked_fill"})
+_DROPOUT = ({F.dropout, torch.dropout}, set())
+
+
+@dataclass(frozen=True)
+class Attention:
+    """One matched attention: out = softmax(q @ k^T * scale + mask) @ v."""
+    out: fx.Node                  # the product with V, whose readers the rewrite takes over
+    q: fx.Node
+    k: fx.Node
+    v: fx.Node
+    scale: float
+    mask: fx.Node | None          # additive (float) or, from masked_fill, the positions filled (bool)
+    filled: bool                  # mask came from masked_fill: True where the key is left out
+    causal_input: int | None      # the graph input (its position) found to be a causal mask
+    chain: tuple[fx.Node, ...]    # the nodes the rewrite makes dead, last first
+
+    @property
+    def softmax(self) -> fx.Node:
+        return next(n for n in self.chain if _is(n, _SOFTMAX))
+
+    def __str__(self) -> str:
+        how = "causal" if self.causal_input is not None else ("masked" if self.mask is not None else "unmasked")
+        return f"attention {self.out.name} = softmax({self.q.name} @ {self.k.name}^T * {self.scale:.4g}) @ {self.v.name} ({how})"
+
+
+@dataclass(frozen=True)
+class Refusal:
+    node: fx.Node
+    reason: str
+
+    def __str__(self) -> str:
+        return f"softmax {self.node.name} stays as written: {self.reason}"
+
+
+class NoMatch(Exception):
+    """Raised inside the matcher with the reason a softmax is not an attention's."""
+
+
+def _is(node, table) -> bool:
+    fns, methods = table
+    return isinstance(node, fx.Node) and (
+        (node.op == "call_function" and node.target in fns) or (node.op == "call_method" and node.target in methods))
+
+
+def example_value(node):
+    """The example value Dynamo recorded for `node` (a fake tensor), or None."""
+    if not isinstance(node, fx.Node):
+        return None
+    val = node.meta.get("example_value", node.meta.get("val"))
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def _arg(node: fx.Node, index: int, name: str, default=None):
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _only_reader(node: fx.Node, what: str) -> fx.Node:
+    if len(node.users) != 1:
+        raise NoMatch(f"{what} {node.name} is read {len(node.users)} times (the scores would still be needed)")
+    return next(iter(node.users))
+
+
+def _softmax_axis_is_last(node: fx.Node) -> None:
+    x = example_value(node.args[0]) if node.args else None
+    dim = _arg(node, 1, "dim")
+    if x is None or not isinstance(dim, int):
+        raise NoMatch("the softmax's axis or input shape is unknown")
+    if dim not in (-1, x.dim() - 1):
+        raise NoMatch(f"softmax over axis {dim} of {x.dim()}, not the last")
+    if _arg(node, 3 if node.target is F.softmax else 2, "dtype") is not None:
+        raise NoMatch("softmax with a dtype")
+
+
+def _through_dropout(node: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
+    """The reader of the probabilities past a dropout that keeps them as they are."""
+    reader = _only_reader(node, "the softmax")
+    passed = []
+    if _is(reader, _DROPOUT):
+        p, training = _arg(reader, 1, "p", 0.5), _arg(reader, 2, "training" if reader.target is F.dropout else "train", True)
+        if not isinstance(p, (int, float)) or not isinstance(training, bool):
+            raise NoMatch("a dropout whose rate is not a constant")
+        if p != 0 and training:
+            raise NoMatch(f"dropout with p={p} in training (torch's attention would draw other random numbers)")
+        passed.append(reader)
+        reader = _only_reader(reader, "the dropout")
+    return reader, passed
+
+
+def _number(x) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def _split_mask(node: fx.Node) -> tuple[fx.Node, fx.Node | None, bool]:
+    """(scores, mask, filled): the softmax's input taken apart at an additive mask or a masked_fill."""
+    if _is(node, _ADD) and len(node.args) == 2 and not node.kwargs:
+        a, b = node.args
+        for scores, mask in ((a, b), (b, a)):
+            if _is(scores, _MATMUL) or _is(scores, _MUL) or _is(scores, _DIV):
+                if isinstance(mask, fx.Node):
+                    return scores, mask, False
+        raise NoMatch(f"{node.name} adds no tensor mask to a product")
+    if _is(node, _MASKED_FILL):
+        scores, mask, fill = _arg(node, 0, "input"), _arg(node, 1, "mask"), _arg(node, 2, "value")
+        if _number(fill) is None or not (fill == -math.inf or (example_value(scores) is not None and
+                                                               fill <= torch.finfo(example_value(scores).dtype).min)):
+            raise NoMatch(f"masked_fill with {fill!r}, not -inf")
+        return scores, mask, True
+    return node, None, False
+
+
+def _split_scale(node: fx.Node) -> tuple[fx.Node, float]:
+    if _is(node, _MUL) and len(node.args) == 2:
+        a, b = node.args
+        if _number(b) is not None:
+            return a, _number(b)
+        if _number(a) is not None:
+            return b, _number(a)
+    if _is(node, _DIV) and len(node.args) == 2 and not node.kwargs and _number(node.args[1]):
+        return node.args[0], 1.0 / _number(node.args[1])
+    return node, 1.0
+
+
+def _last_axes_swapped(node: fx.Node) -> fx.Node:
+    """K, from K with its last two axes swapped."""
+    val = example_value(node)
+    if _is(node, _TRANSPOSE) and val is not None:
+        d0, d1 = _arg(node, 1, "dim0"), _arg(node, 2, "dim1")
+        n = val.dim()
+        if isinstance(d0, int) and isinstance(d1, int) and {d0 % n, d1 % n} == {n - 2, n - 1}:
+            return node.args[0]
+    if node.op == "call_function" and node.target is getattr and node.args[1] == "mT":
+        return node.args[0]
+    raise NoMatch(f"{node.name} is not K with its last two axes swapped")
+
+
+def _chain_nodes(*nodes) -> tuple[fx.Node, ...]:
+    return tuple(n for n in nodes if isinstance(n, fx.Node))
+
+
+def match(softmax: fx.Node, example_inputs=None) -> Attention:
+    """The attention around `softmax`; raises NoMatch with the reason it is none."""
+    _softmax_axis_is_last(softmax)
+    out, passed = _through_dropout(softmax)
+    if not (_is(out, _MATMUL) and len(out.args) == 2 and out.args[0] is (passed[-1] if passed else softmax)):
+        raise NoMatch("the probabilities are not multiplied by V")
+    _only_reader(softmax.args[0], "the softmax's input")
+    scores, mask, filled = _split_mask(softmax.args[0])
+    if mask is not None:
+        _only_reader(scores, "the scores")
+    product, scale = _split_scale(scores)
+    if product is not scores:
+        _only_reader(product, "the product q @ k^T")
+    if not _is(product, _MATMUL) or len(product.args) != 2:
+        raise NoMatch("the scores are not a product q @ k^T")
+    q, kt = product.args
+    k = _last_axes_swapped(kt)
+    v = out.args[1]
+    _check_shapes(q, k, v, mask, filled)
+    chain = _chain_nodes(*passed[::-1], softmax, softmax.args[0] if mask is not None else None,
+                         scores if scores is not product else None, product)
+    causal = _causal_input(mask, filled, q, k, example_inputs)
+    return Attention(out, q, k, v, scale, mask, filled, causal, chain)
+
+
+def _check_shapes(q, k, v, mask, filled) -> None:
+    vq, vk, vv = example_value(q), example_value(k), example_value(v)
+    if vq is None or vk is None or vv is None:
+        raise NoMatch("q, k or v has no recorded shape")
+    if not (vq.dim() == vk.dim() == vv.dim() >= 3):
+        raise NoMatch(f"q, k and v of ranks {vq.dim()}, {vk.dim()}, {vv.dim()} (equal ranks of 3 or more are rewritten)")
+    if not (vq.dtype == vk.dtype == vv.dtype and vq.is_floating_point()):
+        raise NoMatch(f"q, k and v of dtypes {vq.dtype}, {vk.dtype}, {vv.dtype}")
+    if vq.shape[-1] != vk.shape[-1] or vk.shape[-2] != vv.shape[-2]:
+        raise NoMatch("q, k and v's last axes do not chain")
+    batch = torch.broadcast_shapes(vq.shape[:-2], vk.shape[:-2], vv.shape[:-2])
+    if tuple(batch) != tuple(vq.shape[:-2]):
+        raise NoMatch("q's batch axes are broadcast against k's or v's")
+    vm = example_value(mask)
+    if mask is not None:
+        if vm is None:
+            raise NoMatch("the mask has no recorded shape")
+        want = torch.bool if filled else vq.dtype
+        if vm.dtype != want:
+            raise NoMatch(f"a mask of dtype {vm.dtype} against scores of {vq.dtype}")
+        if vm.dim() > vq.dim():
+            raise NoMatch("the mask has more axes than the scores")
+        padded = (1,) * (vq.dim() - vm.dim()) + tuple(vm.shape)
+        if len(batch) > 2 and any(s != 1 for s in padded[1:len(batch)]):
+            raise NoMatch("the mask varies over batch axes that the 4-d call merges into its head axis")
+
+
+def _causal_input(mask, filled, q, k, example_inputs) -> int | None:
+    """The position of `mask` among the graph's inputs when it is one and holds a causal mask."""
+    if mask is None or filled or mask.op != "placeholder" or example_inputs is None:
+        return None
+    sq, sk = example_value(q).shape[-2], example_value(k).shape[-2]
+    position = [n for n in mask.graph.nodes if n.op == "placeholder"].index(mask)
+    tensor = example_inputs[position] if position < len(example_inputs) else None
+    if sq != sk or not isinstance(tensor, torch.Tensor) or not is_causal_additive(tensor, sq):
+        return None
+    return position
+
+
+def is_causal_additive(mask: torch.Tensor, size: int) -> bool:
+    """Does `mask` (any leading axes of 1) hold -inf, or its dtype's lowest value, above the diagonal of
+    a [size, size] square and 0 on and below it?"""
+    if mask.dim() < 2 or tuple(mask.shape[-2:]) != (size, size) or any(s != 1 for s in mask.shape[:-2]):
+        return False
+    if not mask.is_floating_point():
+        return False
+    square = mask.reshape(size, size)
+    above = torch.ones(size, size, dtype=torch.bool, device=mask.device).triu(1)
+    if bool((square[~above] != 0).any()):
+        return False
+    high = square[above]
+    return bool(((high == -math.inf) | (high == torch.finfo(mask.dtype).min)).all())
+
+
+def find(gm: fx.GraphModule, example_inputs=None) -> tuple[list[Attention], list[Refusal]]:
+    """Every attention of `gm`, and every softmax that is none with the reason."""
+    found, refused = [], []
+    for node in gm.graph.nodes:
+        if _is(node, _SOFTMAX):
+            try:
+                found.append(match(node, example_inputs))
+            except NoMatch as why:
+                refused.append(Refusal(node, str(why)))
+    return found, refused
+
+
+def _plain_sizes(*nodes) -> bool:
+    return all(isinstance(s, int) for n in nodes if n is not None for s in example_value(n).shape)
+
+
+def _to_4d(graph: fx.Graph, node: fx.Node, batch: tuple, expand: bool) -> fx.Node:
+    """`node` ([*b, S, D], b broadcastable to `batch`) as the 4-d [B, H, S, D] torch's attention takes."""
+    shape = tuple(example_value(node).shape)
+    rows = shape[-2:]
+    if expand and shape[:-2] != batch:
+        node = graph.call_method("expand", (node, *batch, *rows))
+    if len(batch) == 1:
+        return graph.call_method("unsqueeze", (node, 0))
+    if len(batch) == 2:
+        return node
+    return graph.call_method("reshape", (node, batch[0], math.prod(batch[1:]), *rows))
+
+
+def _mask_4d(graph: fx.Graph, mask: fx.Node, shape: tuple, batch: tuple) -> fx.Node:
+    padded = (1,) * (len(batch) + 2 - len(shape)) + shape
+    if len(batch) == 1:
+        return graph.call_method("reshape", (mask, 1, *padded))
+    if len(batch) == 2:
+        return graph.call_method("reshape", (mask, *padded))
+    return graph.call_method("reshape", (mask, padded[0], 1, *padded[-2:]))
+
+
+def rewrite(gm: fx.GraphModule, att: Attention, causal: bool = True) -> None:
+    """Replace `att` in `gm.graph` by one F.scaled_dot_product_attention (in place; recompile after).
+    `causal=False` passes a mask found causal as the mask it is."""
+    graph = gm.graph
+    vq, vv = example_value(att.q), example_value(att.v)
+    batch = tuple(vq.shape[:-2])
+    kwargs: dict = {"scale": att.scale}
+    with graph.inserting_before(att.out):
+        q, k, v = (_to_4d(graph, att.q, batch, False), _to_4d(graph, att.k, batch, True),
+                   _to_4d(graph, att.v, batch, True))
+        if att.causal_input is not None and causal:
+            kwargs["is_causal"] = True
+        elif att.mask is not None:
+            mask = graph.call_function(torch.logical_not, (att.mask,)) if att.filled else att.mask
+            kwargs["attn_mask"] = _mask_4d(graph, mask, tuple(example_value(att.mask).shape), batch)
+        out = graph.call_function(F.scaled_dot_product_attention, (q, k, v), kwargs)
+        if len(batch) != 2:
+            out = graph.call_method("reshape", (out, *batch, vq.shape[-2], vv.shape[-1]))
+    att.out.replace_all_uses_with(out)
+    kt = att.chain[-1].args[1]
+    for node in (att.out, *att.chain):
+        graph.erase_node(node)
+    if not kt.users:
+        graph.erase_node(kt)
+
+
+MASKED_SLOWER = ("an explicit mask takes torch's memory-efficient kernel, slower in training than the "
+                 "stitched scores on an H100 (BERT block 277 against 250 µs); options {'attention': 'masked'} "
+                 "rewrites it anyway")
+
+
+def rewritten(gm: fx.GraphModule, example_inputs=None, causal: bool = True, masked: bool = False
+              ) -> tuple[fx.GraphModule, list[Attention], list[Refusal]]:
+    """A copy of `gm` with its attentions rewritten (`gm` itself is left as it is): those without a mask
+    and those whose mask is causal (`causal`), and with `masked` those with any other mask too."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    copy = fx.GraphModule(gm, graph)
+    found, refused = find(copy, example_inputs)
+    done = []
+    for att in found:
+        if not _plain_sizes(att.q, att.k, att.v, att.mask):
+            refused.append(Refusal(att.softmax, "symbolic sizes (the 4-d call is built from plain ones)"))
+            continue
+        if att.mask is not None and not (causal and att.causal_input is not None) and not masked:
+            refused.append(Refusal(att.softmax, MASKED_SLOWER))
+            continue
+        rewrite(copy, att, causal)
+        done.append(att)
+    if done:
+        copy.graph.lint()
+        copy.recompile()
+    return copy, done, refused
+
+
+class CausalGuard:
+    """Calls `fast` (compiled with masks found causal as is_causal=True) while each such mask input is a
+    tensor seen to hold a causal mask: known by its address and version counter, which every in-place
+    write bumps, or checked again by value (a device sync, once per new tensor or write). Once a mask
+    is not causal, calls the graph compiled with the masks as masks (`build_general()`) from then on."""
+
+    def __init__(self, fast, sizes: dict[int, int], example_inputs, build_general):
+        self.fast, self.sizes, self.build_general = fast, sizes, build_general
+        self.general = None
+        self.seen = {_identity(p, example_inputs[p]) for p in sizes}
+
+    def __call__(self, *args):
+        if self.general is None and all(self._holds(p, size, args[p]) for p, size in self.sizes.items()):
+            return self.fast(*args)
+        if self.general is None:
+            self.general = self.build_general()
+        return self.general(*args)
+
+    def _holds(self, position: int, size: int, tensor) -> bool:
+        if not isinstance(tensor, torch.Tensor):
+            return False
+        key = _identity(position, tensor)
+        if key in self.seen:
+            return True
+        if is_causal_additive(tensor, size):
+            self.seen.add(key)
+            return True
+        return False
+
+
+def _identity(position: int, tensor: torch.Tensor) -> tuple:
+    return position, tensor.data_ptr(), tensor._version, tuple(tensor.shape), tensor.dtype

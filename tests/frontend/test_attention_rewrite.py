@@ -1,0 +1,227 @@
+"""Attention written as products and a softmax, found in Dynamo graphs and rewritten into
+F.scaled_dot_product_attention (frontend/attention_rewrite.py; the training path uses it)."""
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import stitchflow.backend as backend
+from stitchflow.frontend import attention_rewrite as ar
+from tests.conftest import assert_close
+
+
+def dynamo_graph(fn, *inputs):
+    """The graph Dynamo hands a backend for fn(*inputs), and the example inputs it passes."""
+    seen = {}
+
+    def grab(gm, example_inputs):
+        seen.setdefault("gm", gm)
+        seen.setdefault("inputs", list(example_inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=grab, dynamic=False)(*inputs)
+    return seen["gm"], seen["inputs"]
+
+
+def causal_mask(s, dtype=torch.float32, fill=-math.inf):
+    return torch.triu(torch.full((s, s), fill, dtype=dtype), diagonal=1)
+
+
+class Attn(torch.nn.Module):
+    """softmax(q @ k^T <scale> <mask>) @ v in the spelling `scale` / `mask` name."""
+
+    def __init__(self, s, scale="mul", mask="none", dropout=0.0):
+        super().__init__()
+        self.scale, self.mask, self.dropout = scale, mask, dropout
+        self.register_buffer("causal", causal_mask(s))
+
+    def forward(self, q, k, v, m=None):
+        scores = q @ k.transpose(-2, -1)
+        if self.scale == "mul":
+            scores = scores * 0.3
+        elif self.scale == "rmul":
+            scores = 0.3 * scores
+        elif self.scale == "div":
+            scores = scores / 4.0
+        if self.mask == "additive":
+            scores = scores + m
+        elif self.mask == "causal":
+            scores = scores + self.causal
+        elif self.mask == "filled":
+            scores = scores.masked_fill(m, float("-inf"))
+        p = torch.softmax(scores, dim=-1)
+        if self.dropout:
+            p = F.dropout(p, self.dropout, self.training)
+        return p @ v
+
+
+def qkv(batch, s=8, d=4, kv_batch=None, dtype=torch.float32):
+    kvb = batch if kv_batch is None else kv_batch
+    return (torch.randn(*batch, s, d, dtype=dtype), torch.randn(*kvb, s, d, dtype=dtype),
+            torch.randn(*kvb, s, d + 1, dtype=dtype))
+
+
+def rewrite_and_compare(model, *inputs, masked=True, causal=True, expect=1):
+    gm, example = dynamo_graph(model, *inputs)
+    new, done, refused = ar.rewritten(gm, example, causal=causal, masked=masked)
+    assert len(done) == expect, refused
+    assert sum(n.target is F.scaled_dot_product_attention for n in new.graph.nodes) == expect
+    assert not any(ar._is(n, ar._SOFTMAX) for n in new.graph.nodes) or expect == 0
+    assert_close(new(*example)[0] if isinstance(new(*example), tuple) else new(*example), model(*inputs))
+    return done
+
+
+@pytest.mark.parametrize("scale", ["mul", "rmul", "div", "none"])
+def test_unmasked_attention_of_every_scale_spelling_is_rewritten(scale):
+    q, k, v = qkv((2, 3))
+    done = rewrite_and_compare(Attn(8, scale), q, k, v)
+    assert done[0].mask is None and done[0].scale == pytest.approx({"mul": 0.3, "rmul": 0.3, "div": 0.25,
+                                                                     "none": 1.0}[scale])
+
+
+def test_a_causal_buffer_becomes_is_causal():
+    q, k, v = qkv((2, 3))
+    gm, example = dynamo_graph(Attn(8, mask="causal"), q, k, v)
+    new, done, _ = ar.rewritten(gm, example)
+    assert done[0].causal_input is not None
+    call = next(n for n in new.graph.nodes if n.target is F.scaled_dot_product_attention)
+    assert call.kwargs.get("is_causal") is True and "attn_mask" not in call.kwargs
+    assert_close(new(*example)[0], Attn(8, mask="causal")(q, k, v))
+
+
+def test_causal_off_passes_the_buffer_as_a_mask():
+    q, k, v = qkv((2, 3))
+    rewrite_and_compare(Attn(8, mask="causal"), q, k, v, causal=False)
+
+
+def test_grouped_heads_broadcast_against_their_kv_head():
+    """Llama's GQA spelling: q (B, KV, G, S, D) against k, v (B, KV, 1, S, D)."""
+    q, k, v = qkv((2, 2, 3), kv_batch=(2, 2, 1))
+    rewrite_and_compare(Attn(8, mask="causal"), q, k, v)
+    rewrite_and_compare(Attn(8), q, k, v)
+
+
+@pytest.mark.parametrize("batch", [(3,), (2, 3), (2, 2, 3)])
+def test_explicit_masks_are_rewritten_only_when_asked(batch):
+    q, k, v = qkv(batch)
+    m = torch.where(torch.rand(*batch[:1], *([1] * (len(batch) - 1)), 1, 8) < 0.3, -math.inf, 0.0)
+    rewrite_and_compare(Attn(8, mask="additive"), q, k, v, m)
+    rewrite_and_compare(Attn(8, mask="additive"), q, k, v, m, masked=False, expect=0)
+    filled = torch.rand(8, 8) < 0.3
+    filled.fill_diagonal_(False)
+    rewrite_and_compare(Attn(8, mask="filled"), q, k, v, filled)
+
+
+@pytest.mark.parametrize("model, reason", [
+    (lambda q, k, v: torch.softmax(q @ k.transpose(-2, -1), dim=-2) @ v, "not the last"),
+    (lambda q, k, v: (torch.softmax(q @ k.transpose(-2, -1), dim=-1) @ v, q @ k.transpose(-2, -1) * 2)[0], None),
+    (lambda q, k, v: torch.softmax(q @ k, dim=-1) @ v.transpose(-2, -1), "last two axes"),
+    (lambda q, k, v: torch.softmax(q @ k.transpose(-2, -1), dim=-1, dtype=torch.float64) @ v.double(), "dtype"),
+])
+def test_what_is_not_an_attention_stays_with_its_reason(model, reason):
+    q, k, v = qkv((2,), s=4, d=4)
+    v = v[..., :4]
+    gm, example = dynamo_graph(model, q, k, v)
+    _, done, refused = ar.rewritten(gm, example)
+    if reason is None:  # the second output's scores are its own product: the attention itself is rewritten
+        assert len(done) == 1
+        return
+    assert not done and reason in str(refused[0]), refused
+
+
+def test_scores_read_twice_are_kept():
+    def model(q, k, v):
+        s = q @ k.transpose(-2, -1)
+        return torch.softmax(s, dim=-1) @ v, s
+    gm, example = dynamo_graph(model, *qkv((2,)))
+    _, done, refused = ar.rewritten(gm, example)
+    assert not done and "read 2 times" in str(refused[0])
+
+
+def test_dropout_in_training_is_refused_and_p0_passes():
+    q, k, v = qkv((2, 3))
+    gm, example = dynamo_graph(Attn(8, dropout=0.1).train(), q, k, v)
+    _, done, refused = ar.rewritten(gm, example)
+    assert not done and "dropout with p=0.1" in str(refused[0])
+    rewrite_and_compare(Attn(8, dropout=0.1).eval(), q, k, v)
+
+
+def test_is_causal_additive():
+    assert ar.is_causal_additive(causal_mask(5), 5)
+    assert ar.is_causal_additive(causal_mask(5, torch.bfloat16, torch.finfo(torch.bfloat16).min)[None, None], 5)
+    assert not ar.is_causal_additive(causal_mask(5).T, 5)
+    assert not ar.is_causal_additive(torch.triu(torch.full((5, 5), -math.inf), diagonal=2), 5)
+    m = causal_mask(5)
+    m[3, 1] = 1.0
+    assert not ar.is_causal_additive(m, 5)
+    assert not ar.is_causal_additive(causal_mask(5).expand(2, 5, 5), 5)
+    assert not ar.is_causal_additive(causal_mask(5), 4)
+
+
+@settings(max_examples=25, deadline=None)
+@given(batch=st.sampled_from([(1,), (3,), (2, 3), (1, 4), (2, 2, 2)]), s=st.integers(2, 9), d=st.integers(1, 6),
+       scale=st.sampled_from(["mul", "rmul", "div", "none"]), mask=st.sampled_from(["none", "causal", "additive"]),
+       gqa=st.booleans(), seed=st.integers(0, 2**16))
+def test_rewrites_compute_what_the_graph_computed(batch, s, d, scale, mask, gqa, seed):
+    torch.manual_seed(seed)
+    kv_batch = (*batch[:-1], 1) if gqa and len(batch) > 1 else batch
+    q, k, v = qkv(batch, s, d, kv_batch)
+    m = torch.where(torch.rand(s, s) < 0.3, -math.inf, 0.0).fill_diagonal_(0.0)
+    inputs = (q, k, v, m) if mask == "additive" else (q, k, v)
+    rewrite_and_compare(Attn(s, scale, mask), *inputs)
+
+
+def _llama(seed=0):
+    from stitchflow.apps.transformer import llama_preset
+    return llama_preset("llama3-8b", width=32, heads=4, kv_heads=2, ffn=48, seq=8, seed=seed)
+
+
+def _train_step(fn, model, x, g):
+    model.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_()
+    y = fn(x)
+    y.backward(g)
+    return y.detach(), x.grad, [p.grad for p in model.parameters()]
+
+
+def _assert_same_step(a, b):
+    assert_close(a[0], b[0])
+    assert_close(a[1], b[1])
+    for ga, gb in zip(a[2], b[2]):
+        assert_close(ga, gb)
+
+
+def test_llama_trains_through_torch_attention_with_eagers_gradients():
+    backend.reset()
+    model, ref = _llama(), _llama()
+    fast = torch.compile(model, backend="stitchflow")
+    for _ in range(2):
+        x, g = torch.randn(2, 8, 32), torch.randn(2, 8, 32)
+        _assert_same_step(_train_step(fast, model, x, g), _train_step(ref, ref, x, g))
+    assert backend.FALLBACKS == []
+
+
+def test_a_causal_mask_written_in_place_sends_calls_to_the_masked_graph():
+    backend.reset()
+    model, ref = _llama(), _llama()
+    fast = torch.compile(model, backend="stitchflow")
+    x, g = torch.randn(2, 8, 32), torch.randn(2, 8, 32)
+    _assert_same_step(_train_step(fast, model, x, g), _train_step(ref, ref, x, g))
+    for m in (model, ref):  # attend to the future too: the guard must notice
+        m.attn.causal_mask.zero_()
+    _assert_same_step(_train_step(fast, model, x, g), _train_step(ref, ref, x, g))
+
+
+def test_attention_option_false_keeps_the_graph_as_written():
+    backend.reset()
+    model, ref = _llama(), _llama()
+    fast = torch.compile(model, backend="stitchflow", options={"attention": False})
+    x, g = torch.randn(2, 8, 32), torch.randn(2, 8, 32)
+    _assert_same_step(_train_step(fast, model, x, g), _train_step(ref, ref, x, g))
+    assert copy.copy(backend.FALLBACKS) == []
