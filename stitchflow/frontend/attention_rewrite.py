@@ -301,6 +301,15 @@ def _mask_4d(graph: fx.Graph, mask: fx.Node, shape: tuple, batch: tuple) -> fx.N
     return graph.call_method("reshape", (mask, padded[0], 1, *padded[-2:]))
 
 
+def _grouped(att: Attention) -> bool:
+    """Grouped query heads that torch's flash kernel reads in place (enable_gqa): q (B, KV, G, S, D)
+    against k and v (B, KV, 1, S, D), in 16 bits. Elsewhere (float32, explicit masks) torch would run its
+    math kernel for enable_gqa, so k and v are expanded to every head instead (a copy of each)."""
+    vq, vk, vv = (example_value(t) for t in (att.q, att.k, att.v))
+    return (vq.dim() == 5 and vq.dtype in (torch.float16, torch.bfloat16) and vq.shape[-1] <= 256
+            and tuple(vk.shape[:-2]) == tuple(vv.shape[:-2]) == (*vq.shape[:2], 1))
+
+
 def rewrite(gm: fx.GraphModule, att: Attention, causal: bool = True) -> None:
     """Replace `att` in `gm.graph` by one F.scaled_dot_product_attention (in place; recompile after).
     `causal=False` passes a mask found causal as the mask it is."""
@@ -308,10 +317,16 @@ def rewrite(gm: fx.GraphModule, att: Attention, causal: bool = True) -> None:
     vq, vv = example_value(att.q), example_value(att.v)
     batch = tuple(vq.shape[:-2])
     kwargs: dict = {"scale": att.scale}
+    is_causal = att.causal_input is not None and causal
     with graph.inserting_before(att.out):
-        q, k, v = (_to_4d(graph, att.q, batch, False), _to_4d(graph, att.k, batch, True),
-                   _to_4d(graph, att.v, batch, True))
-        if att.causal_input is not None and causal:
+        if (att.mask is None or is_causal) and _grouped(att):
+            q = graph.call_method("reshape", (att.q, batch[0], batch[1] * batch[2], *vq.shape[-2:]))
+            k, v = (graph.call_method("squeeze", (t, 2)) for t in (att.k, att.v))
+            kwargs["enable_gqa"] = True
+        else:
+            q, k, v = (_to_4d(graph, att.q, batch, False), _to_4d(graph, att.k, batch, True),
+                       _to_4d(graph, att.v, batch, True))
+        if is_causal:
             kwargs["is_causal"] = True
         elif att.mask is not None:
             mask = graph.call_function(torch.logical_not, (att.mask,)) if att.filled else att.mask

@@ -225,3 +225,18 @@ def test_attention_option_false_keeps_the_graph_as_written():
     x, g = torch.randn(2, 8, 32), torch.randn(2, 8, 32)
     _assert_same_step(_train_step(fast, model, x, g), _train_step(ref, ref, x, g))
     assert copy.copy(backend.FALLBACKS) == []
+
+
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_grouped_heads_in_16_bits_are_read_in_place(mask):
+    """k and v of one head per group go to torch's attention as they are (enable_gqa), not expanded."""
+    q, k, v = qkv((2, 2, 3), s=16, d=8, kv_batch=(2, 2, 1), dtype=torch.bfloat16)
+    model = Attn(16, mask=mask).to(torch.bfloat16)
+    gm, example = dynamo_graph(model, q, k, v)
+    new, done, _ = ar.rewritten(gm, example)
+    call = next(n for n in new.graph.nodes if n.target is F.scaled_dot_product_attention)
+    assert call.kwargs.get("enable_gqa") is True
+    assert not any(n.target == "expand" for n in new.graph.nodes)
+    truth = model.double()(q.double(), k.double(), v.double())
+    got, eager = new(*example)[0].double(), model.to(torch.bfloat16)(q, k, v).double()
+    assert (got - truth).norm() <= 2 * (eager - truth).norm() + 1e-3
