@@ -97,8 +97,8 @@ def compile_forward_and_backward(gm: fx.GraphModule, example_inputs, options: di
     compiled = _through_aot(rewritten, example_inputs, options, record=False)
     if compiled is None:  # AOTAutograd failed on the rewrite: the graph as written
         return _through_aot(gm, example_inputs, options)
-    causal = {a.causal_input: _example_size(a.q) for a in found if a.causal_input is not None}
-    if not causal or not all(isinstance(x, (torch.Tensor, int, float, bool)) for x in example_inputs):
+    guarded = [a.causal for a in found if a.causal is not None and a.causal.positions]
+    if not guarded or not all(isinstance(x, (torch.Tensor, int, float, bool)) for x in example_inputs):
         return compiled
 
     def general():
@@ -106,11 +106,7 @@ def compile_forward_and_backward(gm: fx.GraphModule, example_inputs, options: di
         masked, _, _ = attention_rewrite.rewritten(gm, example_inputs, causal=False, masked=mode == "masked")
         return _through_aot(masked, example_inputs, options) or _through_aot(gm, example_inputs, options) or gm.forward
 
-    return attention_rewrite.CausalGuard(compiled, causal, example_inputs, general)
-
-
-def _example_size(node: fx.Node) -> int:
-    return int(attention_rewrite.example_value(node).shape[-2])
+    return attention_rewrite.CausalGuard(compiled, guarded, example_inputs, general)
 
 
 def _through_aot(gm: fx.GraphModule, example_inputs, options: dict, record: bool = True):

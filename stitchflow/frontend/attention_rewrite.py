@@ -56,7 +56,7 @@ class Attention:
     scale: float
     mask: fx.Node | None          # additive (float) or, from masked_fill, the positions filled (bool)
     filled: bool                  # mask came from masked_fill: True where the key is left out
-    causal_input: int | None      # the graph input (its position) found to be a causal mask
+    causal: CausalMask | None     # the mask, where it is found causal
     chain: tuple[fx.Node, ...]    # the nodes the rewrite makes dead, last first
 
     @property
@@ -64,7 +64,7 @@ class Attention:
         return next(n for n in self.chain if _is(n, _SOFTMAX))
 
     def __str__(self) -> str:
-        how = "causal" if self.causal_input is not None else ("masked" if self.mask is not None else "unmasked")
+        how = "causal" if self.causal is not None else ("masked" if self.mask is not None else "unmasked")
         return f"attention {self.out.name} = softmax({self.q.name} @ {self.k.name}^T * {self.scale:.4g}) @ {self.v.name} ({how})"
 
 
@@ -205,7 +205,7 @@ def match(softmax: fx.Node, example_inputs=None) -> Attention:
     _check_shapes(q, k, v, mask, filled)
     chain = _chain_nodes(*passed[::-1], softmax, softmax.args[0] if mask is not None else None,
                          scores if scores is not product else None, product)
-    causal = _causal_input(mask, filled, q, k, example_inputs)
+    causal = _causal_mask(mask, filled, q, k, example_inputs)
     return Attention(out, q, k, v, scale, mask, filled, causal, chain)
 
 
@@ -236,28 +236,85 @@ def _check_shapes(q, k, v, mask, filled) -> None:
             raise NoMatch("the mask varies over batch axes that the 4-d call merges into its head axis")
 
 
-def _causal_input(mask, filled, q, k, example_inputs) -> int | None:
-    """The position of `mask` among the graph's inputs when it is one and holds a causal mask."""
-    if mask is None or filled or mask.op != "placeholder" or example_inputs is None:
-        return None
-    sq, sk = example_value(q).shape[-2], example_value(k).shape[-2]
-    position = [n for n in mask.graph.nodes if n.op == "placeholder"].index(mask)
-    tensor = example_inputs[position] if position < len(example_inputs) else None
-    if sq != sk or not isinstance(tensor, torch.Tensor) or not is_causal_additive(tensor, sq):
-        return None
-    return position
+@dataclass(frozen=True)
+class CausalMask:
+    """A mask found causal on the example inputs, and how to check it again: `evaluate` computes it from
+    the graph's inputs at `positions` (module buffers or parameters; none where it is made from constants)."""
+    positions: tuple[int, ...]
+    evaluate: fx.GraphModule
+    filled: bool                  # a masked_fill's positions (True above the diagonal), else additive
+    size: int
+
+    def holds(self, inputs) -> bool:
+        return is_causal(self.evaluate(*inputs), self.size, self.filled)
 
 
-def is_causal_additive(mask: torch.Tensor, size: int) -> bool:
-    """Does `mask` (any leading axes of 1) hold -inf, or its dtype's lowest value, above the diagonal of
-    a [size, size] square and 0 on and below it?"""
+MASK_NODES_MOST = 24  # a mask computed by more nodes than this is not evaluated at compile time
+_DRAWS = ("rand", "bernoulli", "dropout", "normal", "multinomial", "poisson")
+
+
+def _causal_mask(mask, filled, q, k, example_inputs) -> CausalMask | None:
+    """`mask` as a CausalMask where it is computed from module buffers and constants alone and is causal on
+    the example inputs; None otherwise."""
+    if mask is None or example_inputs is None:
+        return None
+    size = example_value(q).shape[-2]
+    nodes = _mask_nodes(mask)
+    if nodes is None or size != example_value(k).shape[-2]:
+        return None
+    placeholders = [n for n in mask.graph.nodes if n.op == "placeholder"]
+    sources = [n for n in nodes if n.op == "placeholder"]
+    positions = tuple(placeholders.index(n) for n in sources)
+    if any(p >= len(example_inputs) or not _static(example_inputs[p]) for p in positions):
+        return None
+    graph, env = fx.Graph(), {}
+    for node in nodes:
+        env[node] = graph.placeholder(node.name) if node.op == "placeholder" else graph.node_copy(node, env.__getitem__)
+    graph.output(env[mask])
+    found = CausalMask(positions, fx.GraphModule(mask.graph.owning_module, graph), filled, size)
+    try:
+        return found if found.holds([example_inputs[p] for p in positions]) else None
+    except Exception:  # whatever the mask's ops do on these inputs, it is then no causal mask we know
+        return None
+
+
+def _mask_nodes(mask: fx.Node) -> list[fx.Node] | None:
+    """The nodes `mask` is computed from, in graph order, when they are graph inputs, attributes and
+    deterministic ops without side effects (at most MASK_NODES_MOST); None otherwise."""
+    seen, todo = set(), [mask]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op not in ("placeholder", "get_attr", "call_function", "call_method") or len(seen) > MASK_NODES_MOST:
+            return None
+        name = str(getattr(node.target, "__name__", node.target))
+        if node.op.startswith("call") and (name.endswith("_") or any(word in name for word in _DRAWS)):
+            return None  # in place, or random
+        todo += node.all_input_nodes
+    order = {n: i for i, n in enumerate(mask.graph.nodes)}
+    return sorted(seen, key=order.__getitem__)
+
+
+def _static(tensor) -> bool:
+    """A module's parameter or buffer (Dynamo marks those it lifts to inputs), not an activation that changes
+    every call: checking it again by value would then cost a device sync each call."""
+    return isinstance(tensor, torch.Tensor) and (isinstance(tensor, torch.nn.Parameter) or
+                                                 getattr(tensor, "_dynamo_static_input_type", None) is not None)
+
+
+def is_causal(mask: torch.Tensor, size: int, filled: bool = False) -> bool:
+    """Does `mask` (any leading axes of 1) hide exactly the keys after each query of a [size, size] square?
+    Additive: -inf, or its dtype's lowest value, above the diagonal and 0 on and below it. `filled` (the
+    positions a masked_fill sets to -inf): True above the diagonal, False on and below it."""
     if mask.dim() < 2 or tuple(mask.shape[-2:]) != (size, size) or any(s != 1 for s in mask.shape[:-2]):
-        return False
-    if not mask.is_floating_point():
         return False
     square = mask.reshape(size, size)
     above = torch.ones(size, size, dtype=torch.bool, device=mask.device).triu(1)
-    if bool((square[~above] != 0).any()):
+    if filled:
+        return mask.dtype == torch.bool and torch.equal(square, above)
+    if not mask.is_floating_point() or bool((square[~above] != 0).any()):
         return False
     high = square[above]
     return bool(((high == -math.inf) | (high == torch.finfo(mask.dtype).min)).all())
@@ -317,7 +374,7 @@ def rewrite(gm: fx.GraphModule, att: Attention, causal: bool = True) -> None:
     vq, vv = example_value(att.q), example_value(att.v)
     batch = tuple(vq.shape[:-2])
     kwargs: dict = {"scale": att.scale}
-    is_causal = att.causal_input is not None and causal
+    is_causal = att.causal is not None and causal
     with graph.inserting_before(att.out):
         if (att.mask is None or is_causal) and _grouped(att):
             q = graph.call_method("reshape", (att.q, batch[0], batch[1] * batch[2], *vq.shape[-2:]))
@@ -360,7 +417,7 @@ def rewritten(gm: fx.GraphModule, example_inputs=None, causal: bool = True, mask
         if not _plain_sizes(att.q, att.k, att.v, att.mask):
             refused.append(Refusal(att.softmax, "symbolic sizes (the 4-d call is built from plain ones)"))
             continue
-        if att.mask is not None and not (causal and att.causal_input is not None) and not masked:
+        if att.mask is not None and not (causal and att.causal is not None) and not masked:
             refused.append(Refusal(att.softmax, MASKED_SLOWER))
             continue
         rewrite(copy, att, causal)
@@ -372,34 +429,39 @@ def rewritten(gm: fx.GraphModule, example_inputs=None, causal: bool = True, mask
 
 
 class CausalGuard:
-    """Calls `fast` (compiled with masks found causal as is_causal=True) while each such mask input is a
-    tensor seen to hold a causal mask: known by its address and version counter, which every in-place
-    write bumps, or checked again by value (a device sync, once per new tensor or write). Once a mask
-    is not causal, calls the graph compiled with the masks as masks (`build_general()`) from then on."""
+    """Calls `fast` (compiled with the masks found causal as is_causal=True) while each such mask is still
+    causal: the inputs it is computed from are known by their addresses and version counters (which every
+    in-place write bumps), or the mask is computed and checked again (a device sync, once per new tensor
+    or write). Once one is not causal, calls the graph compiled with its masks as masks (`build_general()`)
+    from then on."""
 
-    def __init__(self, fast, sizes: dict[int, int], example_inputs, build_general):
-        self.fast, self.sizes, self.build_general = fast, sizes, build_general
+    def __init__(self, fast, masks: list[CausalMask], example_inputs, build_general):
+        self.fast, self.masks, self.build_general = fast, [m for m in masks if m.positions], build_general
         self.general = None
-        self.seen = {_identity(p, example_inputs[p]) for p in sizes}
+        self.seen = {_identity(m, example_inputs) for m in self.masks}
 
     def __call__(self, *args):
-        if self.general is None and all(self._holds(p, size, args[p]) for p, size in self.sizes.items()):
+        if self.general is None and all(self._holds(m, args) for m in self.masks):
             return self.fast(*args)
         if self.general is None:
             self.general = self.build_general()
         return self.general(*args)
 
-    def _holds(self, position: int, size: int, tensor) -> bool:
-        if not isinstance(tensor, torch.Tensor):
-            return False
-        key = _identity(position, tensor)
+    def _holds(self, mask: CausalMask, args) -> bool:
+        key = _identity(mask, args)
         if key in self.seen:
             return True
-        if is_causal_additive(tensor, size):
+        try:
+            ok = key is not None and mask.holds([args[p] for p in mask.positions])
+        except Exception:
+            ok = False
+        if ok:
             self.seen.add(key)
-            return True
-        return False
+        return ok
 
 
-def _identity(position: int, tensor: torch.Tensor) -> tuple:
-    return position, tensor.data_ptr(), tensor._version, tuple(tensor.shape), tensor.dtype
+def _identity(mask: CausalMask, args) -> tuple | None:
+    tensors = [args[p] for p in mask.positions]
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        return None
+    return id(mask), *((t.data_ptr(), t._version, tuple(t.shape), t.dtype) for t in tensors)
