@@ -44,6 +44,7 @@ _ADD = ({operator.add, torch.add}, {"add", "__add__"})
 _TRANSPOSE = ({torch.transpose, torch.swapaxes, torch.swapdims}, {"transpose", "swapaxes", "swapdims"})
 _MASKED_FILL = ({torch.masked_fill}, {"masked_fill"})
 _DROPOUT = ({F.dropout, torch.dropout}, set())
+_CAST = (set(), {"to", "type", "type_as", "bfloat16", "half"})
 
 
 @dataclass(frozen=True)
@@ -114,14 +115,31 @@ def _softmax_axis_is_last(node: fx.Node) -> None:
         raise NoMatch("the softmax's axis or input shape is unknown")
     if dim not in (-1, x.dim() - 1):
         raise NoMatch(f"softmax over axis {dim} of {x.dim()}, not the last")
-    if _arg(node, 3 if node.target is F.softmax else 2, "dtype") is not None:
-        raise NoMatch("softmax with a dtype")
 
 
-def _through_dropout(node: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
-    """The reader of the probabilities past a dropout that keeps them as they are."""
+def _upcast(node: fx.Node) -> bool:
+    """Is `node` a softmax computed in float32 over 16-bit scores (`softmax(s, dim=-1, dtype=torch.float32)`,
+    as Hugging Face's eager attention writes it)? Raises NoMatch for any other dtype."""
+    dtype = _arg(node, 3 if node.target is F.softmax else 2, "dtype")
+    if dtype is None:
+        return False
+    x = example_value(node.args[0])
+    if dtype != torch.float32 or x.dtype not in (torch.float16, torch.bfloat16):
+        raise NoMatch(f"softmax of {x.dtype} scores computed in {dtype}")
+    return True
+
+
+def _through_dropout(node: fx.Node, upcast: bool) -> tuple[fx.Node, list[fx.Node]]:
+    """The reader of the probabilities past a cast back to the scores' dtype (`upcast`: the softmax ran in
+    float32) and a dropout that keeps them as they are, and the nodes passed."""
     reader = _only_reader(node, "the softmax")
     passed = []
+    if upcast:
+        back = example_value(reader)
+        if not (_is(reader, _CAST) and back is not None and back.dtype == example_value(node.args[0]).dtype):
+            raise NoMatch("the float32 probabilities are not cast back to the scores' dtype")
+        passed.append(reader)
+        reader = _only_reader(reader, "the cast")
     if _is(reader, _DROPOUT):
         p, training = _arg(reader, 1, "p", 0.5), _arg(reader, 2, "training" if reader.target is F.dropout else "train", True)
         if not isinstance(p, (int, float)) or not isinstance(training, bool):
@@ -187,7 +205,7 @@ def _chain_nodes(*nodes) -> tuple[fx.Node, ...]:
 def match(softmax: fx.Node, example_inputs=None) -> Attention:
     """The attention around `softmax`; raises NoMatch with the reason it is none."""
     _softmax_axis_is_last(softmax)
-    out, passed = _through_dropout(softmax)
+    out, passed = _through_dropout(softmax, _upcast(softmax))
     if not (_is(out, _MATMUL) and len(out.args) == 2 and out.args[0] is (passed[-1] if passed else softmax)):
         raise NoMatch("the probabilities are not multiplied by V")
     _only_reader(softmax.args[0], "the softmax's input")

@@ -122,7 +122,7 @@ def test_explicit_masks_are_rewritten_only_when_asked(batch):
     (lambda q, k, v: torch.softmax(q @ k.transpose(-2, -1), dim=-2) @ v, "not the last"),
     (lambda q, k, v: (torch.softmax(q @ k.transpose(-2, -1), dim=-1) @ v, q @ k.transpose(-2, -1) * 2)[0], None),
     (lambda q, k, v: torch.softmax(q @ k, dim=-1) @ v.transpose(-2, -1), "last two axes"),
-    (lambda q, k, v: torch.softmax(q @ k.transpose(-2, -1), dim=-1, dtype=torch.float64) @ v.double(), "dtype"),
+    (lambda q, k, v: torch.softmax(q @ k.transpose(-2, -1), dim=-1, dtype=torch.float64) @ v.double(), "computed in"),
 ])
 def test_what_is_not_an_attention_stays_with_its_reason(model, reason):
     q, k, v = qkv((2,), s=4, d=4)
@@ -318,3 +318,32 @@ def test_llama_trains_in_bf16_on_cuda_as_close_to_float64_as_eager():
     for a, e, t in zip([got[0], got[1], *got[2]], [eager[0], eager[1], *eager[2]], [truth[0], truth[1], *truth[2]]):
         err = (a.double() - t).norm() / t.norm()
         assert err <= max(2e-2, 2 * (e.double() - t).norm() / t.norm()), err
+
+
+class HFAttention(torch.nn.Module):
+    """Hugging Face's eager attention: the softmax in float32, cast back to the query's dtype."""
+
+    def forward(self, q, k, v):
+        w = torch.matmul(q, k.transpose(2, 3)) * 0.25
+        w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+        w = F.dropout(w, p=0.0, training=self.training)
+        return torch.matmul(w, v)
+
+
+def test_a_float32_softmax_cast_back_is_rewritten():
+    q, k, v = qkv((2, 3), s=16, d=8, dtype=torch.bfloat16)
+    model = HFAttention()
+    gm, example = dynamo_graph(model, q, k, v)
+    new, done, refused = ar.rewritten(gm, example)
+    assert len(done) == 1, refused
+    truth = model(q.double(), k.double(), v.double())
+    got, eager = new(*example)[0].double(), model(q, k, v).double()
+    assert (got - truth).norm() <= 2 * (eager - truth).norm() + 1e-3
+
+
+def test_a_float32_softmax_kept_in_float32_is_refused():
+    def model(q, k, v):
+        return F.softmax(q @ k.transpose(-2, -1), dim=-1, dtype=torch.float32) @ v.float()
+    gm, example = dynamo_graph(model, *qkv((2,), dtype=torch.bfloat16))
+    _, done, refused = ar.rewritten(gm, example)
+    assert not done and "cast back" in str(refused[0])
