@@ -19,9 +19,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..ir.errors import ShapeError, StitchflowError, UnsupportedOpError
 from ..ir.graph import Graph
 from ..ir.types import Format, TensorType, format_of_tensor, parse_format
-from . import ops_activations, ops_attention, ops_conv, ops_elementwise, ops_factory, ops_index, ops_linalg, ops_losses, ops_pool, ops_reduce, ops_resize, ops_scan, ops_shape, ops_sort, ops_trig, ops_views  # noqa: F401  (register lowerings)
+from . import ops_activations, ops_attention, ops_conv, ops_elementwise, ops_factory, ops_index, ops_linalg, ops_losses, ops_pool, ops_reduce, ops_resize, ops_scan, ops_shape, ops_sort, ops_stats, ops_trig, ops_views  # noqa: F401  (register lowerings)
 from .builder import GraphBuilder
-from .registry import FACTORIES, LOWERINGS, LowerCtx, describe_target, early_refusal, is_inplace, key_of
+from .registry import FACTORIES, LOWERINGS, LowerCtx, bind_arguments, describe_target, early_refusal, is_inplace, key_of
 
 # In-place methods lower like their functional forms; capture rebinds the mutated value.
 for _key, _fn in list(LOWERINGS.items()):
@@ -202,8 +202,9 @@ def _lower_call(gm, node: fx.Node, b: GraphBuilder, env, real, aliases):
     if fn is None:
         raise UnsupportedOpError(describe_target(node), "no lowering to the IR", node.name)
     ctx = LowerCtx(b, node, out)
+    call_args, call_kwargs = bind_arguments(node, fn, *args)  # torch.mul(x, other=2): `other` by position
     try:
-        value = fn(ctx, *args[0], **args[1])
+        value = fn(ctx, *call_args, **call_kwargs)
     except StitchflowError:
         raise
     except (TypeError, ValueError, IndexError) as err:

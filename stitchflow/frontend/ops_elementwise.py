@@ -354,6 +354,11 @@ def lower_clamp_min(ctx, x, min):
     return elementwise(ctx, lambda a, m: call("max", a, m), x, min)
 
 
+@lowering(torch.clamp_max, "method:clamp_max", "aten.clamp_max")
+def lower_clamp_max(ctx, x, max):
+    return elementwise(ctx, lambda a, m: call("min", a, m), x, max)
+
+
 @lowering("method:where")
 def lower_where_method(ctx, x, condition, y):
     """x.where(condition, y) is torch.where(condition, x, y): the tensor is the value, not the condition."""
@@ -386,6 +391,7 @@ def _identity(ctx, x, *args, **kwargs):
 lowering(
     "method:contiguous", "method:clone", "method:detach", "method:cpu", "method:cuda", torch.clone,
     "aten.clone", "aten.contiguous", "aten.alias", "aten.detach", "aten.lift_fresh_copy",
+    "aten.detach_",  # torch.export writes a torch.tensor(...) constant as lift_fresh_copy, then detach_
 )(_identity)
 
 

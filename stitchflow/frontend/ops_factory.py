@@ -1,4 +1,4 @@
-"""Tensors a model makes from nothing (torch.zeros, full, arange, eye, linspace...): computed where they are
+"""Tensors a model makes from nothing (torch.zeros, full, arange, eye, linspace, tensor...): computed where they are
 used, not stored. Shapes are static, so the eager result at capture says what each one holds; a lowering
 writes that as a formula of the coordinates (a constant, an affine iota, a diagonal) after checking the
 formula gives exactly those values, and otherwise captures the values as a constant input."""
@@ -6,10 +6,14 @@ formula gives exactly those values, and otherwise captures the values as a const
 from __future__ import annotations
 
 import torch
+import torch.fx as fx
 
+from ..ir.errors import UnsupportedOpError
 from ..ir.expr import Cast, Const, IndexValue, call
 from ..ir.index import add, scale
-from .registry import LowerCtx, factory
+from .ops_elementwise import cast
+from .registry import LowerCtx, describe_target, factory
+from .values import TensorValue
 
 # integers past 2^24 are not all floats: an iota cast to float32 beyond it would round where eager's does not
 EXACT_FLOAT_IOTA = 2 ** 24
@@ -80,3 +84,36 @@ def lower_eye(ctx: LowerCtx, *args, **kwargs):
 def lower_spaced(ctx: LowerCtx, *args, **kwargs):
     """Eager computes these from both ends (for symmetry), which a formula here would not match to the bit."""
     return _constant_input(ctx)
+
+
+MAX_ENTRIES = 256  # torch.tensor([a, b, ...]) of graph scalars: one select per entry at every point
+
+
+@factory(torch.tensor, torch.as_tensor, torch.asarray, torch._refs.tensor)  # Dynamo: torch.tensor([t, ...])
+def lower_tensor(ctx: LowerCtx, data, *args, **kwargs):
+    """A tensor the model writes out (x * torch.tensor(2.0), x + torch.tensor([1., 2., 3.])): one value
+    everywhere is a formula (`full`), others a captured constant. Given a tensor of the graph, a copy of it in
+    the result's dtype (torch.tensor(x) copies; as_tensor and asarray may share it, which a value of the IR
+    does as well); given (nested) lists holding 0-d tensors of the graph, each entry selected by its position."""
+    if isinstance(data, TensorValue):
+        return cast(ctx, data, ctx.dtype)
+    held = []
+    fx.node.map_aggregate(data, lambda a: held.append(a) if isinstance(a, TensorValue) else a)
+    if not held:
+        return lower_filled(ctx)
+    if any(t.rank for t in held) or ctx.out.numel() > MAX_ENTRIES:
+        raise UnsupportedOpError(describe_target(ctx.node), f"data holding tensors of the graph other than up to "
+                                 f"{MAX_ENTRIES} 0-d ones (torch.stack them instead)", ctx.hint)
+
+    def entry(d, o, rg, depth: int):
+        if isinstance(d, TensorValue):
+            return d.read([], rg) if d.dtype == ctx.dtype else Cast(ctx.dtype, d.read([], rg))
+        if not isinstance(d, (list, tuple)):
+            return _literal(d, ctx.dtype)
+        parts = [entry(e, o, rg, depth + 1) for e in d]
+        e = parts[-1]
+        for k in reversed(range(len(parts) - 1)):
+            e = call("where", call("eq", IndexValue(o[depth]), Const(k)), parts[k], e)
+        return e
+
+    return ctx.builder.emit(ctx.shape, ctx.dtype, lambda o, r, rg: entry(data, o, rg, 0), hint=ctx.hint)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import operator
-import re
 
 import torch
 import torch.nn.functional as F
@@ -92,27 +91,82 @@ def lower_addmm(ctx, bias, a, b, *, beta=1, alpha=1):
     return elementwise(ctx, body, y, bias, tag=tag, hint=f"{ctx.hint}_bias")
 
 
+SUBSCRIPTS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"  # torch's labels of sublist ints 0..51
+
+
+def _sublist_equation(args) -> tuple[str, tuple]:
+    """einsum(a, [0, 1], b, [1, 2], [0, 2]) as ("AB,BC->AC", (a, b)); Ellipsis in a sublist is "..."."""
+    def spec(sub) -> str:
+        if not isinstance(sub, (list, tuple)):
+            raise ShapeError(f"einsum's sublist form takes lists of subscripts, not {type(sub).__name__}")
+        out = []
+        for s in sub:
+            if s is Ellipsis:
+                out.append("...")
+            elif isinstance(s, int) and 0 <= s < len(SUBSCRIPTS):
+                out.append(SUBSCRIPTS[s])
+            else:
+                raise ShapeError(f"einsum subscript {s!r} (ints in [0, {len(SUBSCRIPTS)}) and Ellipsis)")
+        return "".join(out)
+
+    operands, specs = args[0::2], [spec(sub) for sub in args[1::2]]
+    if len(args) % 2:  # an output sublist after the last operand's
+        operands, out = operands[:-1], spec(args[-1])
+        return ",".join(specs) + "->" + out, tuple(operands)
+    return ",".join(specs), tuple(operands)
+
+
+def _expand_ellipsis(specs: list[str], rhs: str | None, operands) -> tuple[list[str], str | None]:
+    """Each operand's "..." as labels of its own for the dims it covers, aligned to the right across operands
+    (they broadcast); an explicit output's "..." as all of them, an implicit one's first (torch's order)."""
+    covered = []
+    for spec, t in zip(specs, operands):
+        if spec.count("...") > 1:
+            raise ShapeError(f"einsum operand {spec!r} holds more than one ellipsis")
+        n = t.rank - (len(spec) - 3) if "..." in spec else 0
+        if n < 0:
+            raise ShapeError(f"einsum operand {spec!r} has rank {t.rank}")
+        covered.append(n)
+    width = max(covered, default=0)
+    labels = "".join(chr(0x100 + k) for k in range(width))  # outside any equation's letters
+    specs = [spec.replace("...", labels[width - n:]) for spec, n in zip(specs, covered)]
+    if rhs is None:
+        return specs, None if width == 0 else labels + "".join(
+            sorted(ch for ch in set("".join(specs)) - set(labels) if "".join(specs).count(ch) == 1))
+    if rhs.count("...") > 1:
+        raise ShapeError(f"einsum output {rhs!r} holds more than one ellipsis")
+    return specs, rhs.replace("...", labels)
+
+
 @lowering(torch.einsum, "aten.einsum")
-def lower_einsum(ctx: LowerCtx, equation: str, *operands):
+def lower_einsum(ctx: LowerCtx, equation, *operands, path=None):
+    """The equation's products summed over the labels the output lacks, in one node; also the sublist form
+    (einsum(a, [0, 1], b, [1, 2], [0, 2])), an ellipsis (operands broadcast over the dims it covers) and size-1
+    dims broadcast against the others, as torch."""
+    if not isinstance(equation, str):
+        equation, operands = _sublist_equation((equation, *operands))
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
         operands = tuple(operands[0])
+    if not all(isinstance(t, TensorValue) for t in operands):
+        raise UnsupportedOpError("einsum", "operands that are not tensors of the graph", ctx.hint)
     eq = equation.replace(" ", "")
-    if "..." in eq:
-        raise UnsupportedOpError("einsum", "ellipsis in the equation", ctx.hint)
-    lhs, _, rhs = eq.partition("->")
+    lhs, arrow, rhs = eq.partition("->")
     specs = lhs.split(",")
     if len(specs) != len(operands):
         raise ShapeError(f"einsum {equation!r} names {len(specs)} operands, got {len(operands)}")
-    if not rhs and "->" not in eq:
-        rhs = "".join(sorted(ch for ch in set(lhs) - {","} if lhs.count(ch) == 1))
+    specs, rhs = _expand_ellipsis(specs, rhs if arrow else None, operands)
+    letters = "".join(specs)
+    if rhs is None:
+        rhs = "".join(sorted(ch for ch in set(letters) if letters.count(ch) == 1))
     extent = {}
     for spec, t in zip(specs, operands):
         if len(spec) != t.rank:
             raise ShapeError(f"einsum operand {spec!r} has rank {t.rank}")
         for ch, n in zip(spec, t.shape):
-            if extent.setdefault(ch, n) != n and n != 1:
+            if extent.get(ch, 1) not in (1, n) and n != 1:
                 raise ShapeError(f"einsum index {ch} has sizes {extent[ch]} and {n}")
-    reduced = [ch for ch in dict.fromkeys(re.sub(",", "", lhs)) if ch not in rhs]
+            extent[ch] = max(extent.get(ch, 1), n)
+    reduced = [ch for ch in dict.fromkeys(letters) if ch not in rhs]
 
     def body(o, r, rg):
         var = {ch: v for ch, v in zip(rhs, o)} | {ch: v for ch, v in zip(reduced, r)}

@@ -1,4 +1,4 @@
-"""Composite reductions: logsumexp, var_mean, all/any, count_nonzero, normalisation and similarity, outer
+"""Composite reductions: logsumexp, all/any, count_nonzero, normalisation and similarity, outer
 products, and torch.nn.functional's regression and classification losses, each built from the IR's
 reductions and elementwise nodes with the formula torch uses (so that infinities and NaN come out alike).
 Statistics of half-precision inputs are taken in float32."""
@@ -16,7 +16,7 @@ from ..ir.expr import Const, call
 from . import values as V
 from .ops_elementwise import elementwise
 from .ops_linalg import contract
-from .ops_reduce import _correction_args, _dims, lower_log_softmax, lower_norm, lower_softmax, reduce, variance
+from .ops_reduce import _dims, lower_log_softmax, lower_norm, lower_softmax, reduce
 from .registry import compute_dtype, lowering, sub_ctx
 from .values import TensorValue
 
@@ -47,22 +47,6 @@ def lower_logsumexp(ctx, x, dim, keepdim=False):
         return call("add", call("log", total.read(point, rg)), _finite_or_zero(peak.read(point, rg)))
 
     return ctx.builder.emit(ctx.shape, ctx.dtype, body, hint=ctx.hint)
-
-
-def _moments(ctx, x, args, kwargs, sqrt: bool):
-    dim, correction, keepdim = _correction_args(args, kwargs)
-    tag = ctx.builder.new_tag("std_mean" if sqrt else "var_mean")
-    mean, _, var = variance(ctx, x, dim, correction, keepdim, tag)
-    dims, shape = _dims(dim, x.rank), tuple(ctx.out[0].shape)
-    spread = ctx.builder.emit(shape, x.dtype, lambda o, r, rg: call("sqrt", var.read(o, rg)) if sqrt else
-                              var.read(o, rg), tag=tag, hint=f"{ctx.hint}_spread")
-    average = ctx.builder.emit(shape, x.dtype, lambda o, r, rg: mean.read(_drop(o, dims) if keepdim else o, rg),
-                               tag=tag, hint=f"{ctx.hint}_average")
-    return spread, average
-
-
-lowering(torch.var_mean, "aten.var_mean")(lambda ctx, x, *a, **k: _moments(ctx, x, a, k, sqrt=False))
-lowering(torch.std_mean, "aten.std_mean")(lambda ctx, x, *a, **k: _moments(ctx, x, a, k, sqrt=True))
 
 
 def _any_of(ctx, x, dim, keepdim, kept):

@@ -21,8 +21,8 @@ from .values import TensorValue
 def _dims(dim, rank) -> list[int]:
     if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
         return list(range(rank))
-    dims = [dim] if isinstance(dim, int) else list(dim)
-    return sorted({V.norm_dim(d, rank) for d in dims})
+    dims = sorted({V.norm_dim(d, rank) for d in ([dim] if isinstance(dim, int) else list(dim))})
+    return dims if rank else []  # a 0-d tensor's dim 0 (or -1) is the tensor itself
 
 
 def reduce(ctx: LowerCtx, x: TensorValue, dims, kind: str, *, keepdim=False, scale=None, dtype=None,
@@ -47,7 +47,9 @@ def reduce(ctx: LowerCtx, x: TensorValue, dims, kind: str, *, keepdim=False, sca
         e = pre(e, o) if pre else e
         return call("mul", e, Const(scale)) if scale is not None else e
 
-    return ctx.builder.emit(out_shape, dtype, body, reduce=kind, red_shape=red_shape, tag=tag, hint=hint or ctx.hint)
+    # nothing to reduce (a 0-d tensor's dim 0): each output point is its own element
+    return ctx.builder.emit(out_shape, dtype, body, reduce=kind if dims else None, red_shape=red_shape, tag=tag,
+                            hint=hint or ctx.hint)
 
 
 def _widened(ctx, x):
@@ -153,7 +155,9 @@ def lower_amin(ctx, x, dim=(), keepdim=False):
 
 def _flip(dtype: torch.dtype):
     """An order-reversing involution of `dtype`'s values, so that min is flip(max(flip(x))): negation, or
-    for unsigned integers (where -x wraps: uint8's min of [0, 5, 200] came out 5) largest - x."""
+    for unsigned integers (where -x wraps: uint8's min of [0, 5, 200] came out 5) largest - x, for bools not."""
+    if dtype == torch.bool:
+        return lambda e: call("not", e)
     if dtype == torch.uint8:
         top = Const(torch.iinfo(dtype).max)
         return lambda e: call("sub", top, e)
@@ -192,23 +196,6 @@ def variance(ctx, x, dim, correction, keepdim, tag: Tag):
     var = reduce(ctx, xc, dims, "sum", keepdim=keepdim, scale=1.0 / (count - correction),
                  pre=lambda e, o: call("mul", e, e), dtype=acc, tag=tag, hint=f"{ctx.hint}_var")
     return mean, xc, var
-
-
-@lowering(torch.var, "method:var", "aten.var")
-def lower_var(ctx, x, *args, **kwargs):
-    tag = ctx.builder.new_tag("var")
-    var = variance(ctx, x, *_correction_args(args, kwargs), tag)[2]
-    if var.dtype == ctx.dtype:
-        return var
-    return ctx.builder.emit(var.shape, ctx.dtype, lambda o, r, rg: var.read(o, rg), tag=tag, hint=ctx.hint)
-
-
-@lowering(torch.std, "method:std", "aten.std")
-def lower_std(ctx, x, *args, **kwargs):
-    tag = ctx.builder.new_tag("std")
-    var = variance(ctx, x, *_correction_args(args, kwargs), tag)[2]
-    return ctx.builder.emit(var.shape, ctx.dtype, lambda o, r, rg: call("sqrt", var.read(o, rg)), tag=tag,
-                            hint=ctx.hint)
 
 
 @lowering(torch.norm, "method:norm", torch.linalg.vector_norm, "aten.linalg_vector_norm", "aten.norm")

@@ -265,6 +265,9 @@ def lower_getattr(ctx, x, name):
         return V.transpose(x, -2, -1) if name == "mT" or x.rank == 2 else V.permute(x, list(reversed(range(x.rank))))
     if isinstance(x, tuple) and name in RETURN_FIELDS:  # torch.return_types: max(dim).values, .indices
         return x[RETURN_FIELDS[name]]
+    field = getattr(x, name, None) if isinstance(x, tuple) and type(x) is not tuple else None
+    if isinstance(field, TensorValue):  # a lowering's own torch.return_types: aminmax(x).min
+        return field
     if isinstance(ctx.out, torch.Tensor):
         raise UnsupportedOpError(f"attribute .{name}", "returns a tensor that is not a view", ctx.hint)
     return ctx.out

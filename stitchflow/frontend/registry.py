@@ -8,6 +8,8 @@ from Dynamo and from torch.export all lower through the same functions.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import operator
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -130,6 +132,83 @@ def key_of(node: fx.Node):
     if isinstance(target, torch._ops.OpOverloadPacket):
         return f"aten.{target.__name__}"
     return target
+
+
+@functools.lru_cache(maxsize=None)
+def _signature(fn: Lowering) -> inspect.Signature | None:
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+
+
+def _binds(fn: Lowering, args, kwargs) -> bool:
+    sig = _signature(fn)
+    if sig is None:
+        return True
+    try:
+        sig.bind(None, *args, **kwargs)  # None: the LowerCtx
+    except TypeError:
+        return False
+    return True
+
+
+def _leading(params) -> tuple[str, ...]:
+    """The names of a signature's parameters that may be passed by position, in order."""
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in params if p.kind in kinds)
+
+
+def _schema_names(schema) -> tuple[str, ...]:
+    return tuple(a.name for a in schema.arguments if not a.kwarg_only)
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_positional_names(op: str, target) -> tuple[tuple[str, ...], ...]:
+    """For each of torch's overloads of the call, the names of its parameters that may be passed by
+    position, in order (torch.sub: input, other). A method call's first name stands for the tensor
+    it is called on, whatever torch's function calls it (x.where(condition, y) is where(condition, x, y))."""
+    if op == "call_method":
+        name = target[:-1] if target.endswith("_") and not target.endswith("__") else target
+        fn = getattr(torch, name, None) or getattr(torch.ops.aten, name, None)  # Tensor.view has no torch.view
+        if fn is None:
+            return ()
+        return tuple(("self", *(n for n in names if n not in ("input", "self")))
+                     for names in _torch_positional_names("call_function", fn))
+    if isinstance(target, torch._ops.OpOverload):
+        return (_schema_names(target._schema),)
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return tuple(_schema_names(getattr(target, o)._schema) for o in target.overloads())
+    from torch.fx.operator_schemas import get_signature_for_torch_op
+
+    try:
+        sigs = get_signature_for_torch_op(target)
+    except Exception:  # noqa: BLE001 (torch's lookup raises what it meets)
+        sigs = None
+    if not sigs:
+        sig = _signature(target)
+        sigs = [sig] if sig is not None else []
+    return tuple(dict.fromkeys(_leading(s.parameters.values()) for s in sigs))
+
+
+def bind_arguments(node: fx.Node, fn: Lowering, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The call's arguments as `fn` takes them: torch lets every parameter before its `*` be passed by
+    name (torch.mul(x, other=2), torch.sub(input=x, other=y), F.relu(input=x)), where lowerings name
+    theirs after what they mean (a, b, x). Keywords `fn` cannot take are moved to their positions in
+    torch's signature, for the first overload that then binds; a call that already binds is unchanged."""
+    if not kwargs or node.op not in ("call_function", "call_method") or _binds(fn, args, kwargs):
+        return args, kwargs
+    try:
+        candidates = _torch_positional_names(node.op, node.target)
+    except TypeError:  # an unhashable target
+        candidates = ()
+    for names in candidates:
+        moved, rest = list(args), dict(kwargs)
+        while len(moved) < len(names) and names[len(moved)] in rest:
+            moved.append(rest.pop(names[len(moved)]))
+        if len(moved) > len(args) and _binds(fn, moved, rest):
+            return tuple(moved), rest
+    return args, kwargs
 
 
 def describe_target(node: fx.Node) -> str:

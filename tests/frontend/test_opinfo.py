@@ -47,6 +47,7 @@ OPS = [
     "copysign", "signbit", "dot", "vdot", "inner", "mv", "addmv", "addbmm", "tensordot", "trace", "linalg.multi_dot",
     "kron", "repeat_interleave", "tile", "take_along_dim", "unfold", "diff", "cross", "linalg.cross", "topk", "sort",
     "argsort", "msort", "kthvalue", "median", "prod", "cumprod", "cummax", "cummin", "logcumsumexp",
+    "nansum", "nanmean", "clamp_min", "clamp_max", "aminmax", "erfc",
 ]  # instance_norm's samples mostly update running statistics in place (refused by design; tests/frontend/test_ops)
 MIN_SUPPORTED = 0.5  # fraction of an op's samples that must compile
 # norms of order 1, 2 and inf are lowered; most samples ask for others (0, 3, -inf, "nuc"), refused with the reason
