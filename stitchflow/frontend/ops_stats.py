@@ -13,12 +13,17 @@ from .registry import compute_dtype, lowering, sub_ctx, upcast
 from .values import TensorValue
 
 # A float32 square overflows past 2^64 and leaves the normal numbers under 2^-63: eager's CPU kernels accumulate
-# var and std of float32 in double, so a std of values near 1e30 (or a var of values near 1e19) is finite there.
+# var and std of float32 in double (its CUDA kernels do not: there the variance is computed plainly, below), so a std of values near 1e30 (or a var of values near 1e19) is finite there.
 # Rows whose largest magnitude is past LARGE are scaled by DOWN before the variance and back after it, rows
 # under SMALL by UP: powers of two, so that the scaled statistics are exact and equal the unscaled ones wherever
 # those neither overflow nor underflow (centred values of a scaled row stay within 2^49, squares within 2^98).
 LARGE, DOWN = 2.0 ** 60, 2.0 ** -80
 SMALL, UP = 2.0 ** -30, 2.0 ** 64
+
+
+def _device(ctx) -> torch.device:
+    out = ctx.out[0] if isinstance(ctx.out, (tuple, list)) else ctx.out
+    return out.device if isinstance(out, torch.Tensor) else torch.device("cpu")
 
 
 def _scale(peak, inverse: bool = False):
@@ -36,7 +41,10 @@ def scaled_variance(ctx, x: TensorValue, dim, correction, tag):
     dims = _dims(dim, x.rank)
     acc = compute_dtype(x.dtype)
     b = ctx.builder
-    if acc != torch.float32:  # float64 squares overflow past 1e154, as eager's do
+    if acc != torch.float32 or _device(ctx).type != "cpu":
+        # float64 squares overflow past 1e154, as eager's do; on a GPU eager accumulates float32 in float32 (and
+        # overflows as plainly), and the peak's pass would cost every variance (batch norm's statistics in a
+        # training graph come as aten.var_mean) a reduction more, for nothing eager gives there
         mean, _, var = variance(ctx, x, dims, correction, False, tag)
         return (lambda o, rg: mean.read(o, rg)), (lambda o, rg: var.read(o, rg)), (
             lambda o, rg: call("sqrt", var.read(o, rg)))
