@@ -13,17 +13,12 @@ from .registry import compute_dtype, lowering, sub_ctx, upcast
 from .values import TensorValue
 
 # A float32 square overflows past 2^64 and leaves the normal numbers under 2^-63: eager's CPU kernels accumulate
-# var and std of float32 in double (its CUDA kernels do not: there the variance is computed plainly, below), so a std of values near 1e30 (or a var of values near 1e19) is finite there.
+# var and std of float32 in double (and its CUDA kernels give finite results there too), so a std of values near 1e30 (or a var of values near 1e19) is finite there.
 # Rows whose largest magnitude is past LARGE are scaled by DOWN before the variance and back after it, rows
 # under SMALL by UP: powers of two, so that the scaled statistics are exact and equal the unscaled ones wherever
 # those neither overflow nor underflow (centred values of a scaled row stay within 2^49, squares within 2^98).
 LARGE, DOWN = 2.0 ** 60, 2.0 ** -80
 SMALL, UP = 2.0 ** -30, 2.0 ** 64
-
-
-def _device(ctx) -> torch.device:
-    out = ctx.out[0] if isinstance(ctx.out, (tuple, list)) else ctx.out
-    return out.device if isinstance(out, torch.Tensor) else torch.device("cpu")
 
 
 def _scale(peak, inverse: bool = False):
@@ -33,7 +28,7 @@ def _scale(peak, inverse: bool = False):
                 call("where", call("lt", peak, Const(SMALL)), Const(up), Const(1.0)))
 
 
-def scaled_variance(ctx, x: TensorValue, dim, correction, tag):
+def scaled_variance(ctx, x: TensorValue, dim, correction, tag, scaled: bool = True):
     """The mean, variance and standard deviation over `dim` as ops_reduce.variance takes them, in x's compute
     type; for float32 (and half) inputs, of x scaled per row by a power of two (LARGE, SMALL above) and scaled
     back, so that a variance or standard deviation float32 can hold comes out finite. Each is a function
@@ -41,10 +36,7 @@ def scaled_variance(ctx, x: TensorValue, dim, correction, tag):
     dims = _dims(dim, x.rank)
     acc = compute_dtype(x.dtype)
     b = ctx.builder
-    if acc != torch.float32 or _device(ctx).type != "cpu":
-        # float64 squares overflow past 1e154, as eager's do; on a GPU eager accumulates float32 in float32 (and
-        # overflows as plainly), and the peak's pass would cost every variance (batch norm's statistics in a
-        # training graph come as aten.var_mean) a reduction more, for nothing eager gives there
+    if acc != torch.float32 or not scaled:  # float64 squares overflow past 1e154, as eager's do
         mean, _, var = variance(ctx, x, dims, correction, False, tag)
         return (lambda o, rg: mean.read(o, rg)), (lambda o, rg: var.read(o, rg)), (
             lambda o, rg: call("sqrt", var.read(o, rg)))
@@ -75,11 +67,11 @@ def _statistic(ctx, dims, keepdim, shape, dtype, of, tag, hint):
     return ctx.builder.emit(shape, dtype, body, tag=tag, hint=hint)
 
 
-def _spread(ctx, x, args, kwargs, what: str, with_mean: bool):
+def _spread(ctx, x, args, kwargs, what: str, with_mean: bool, scaled: bool = True):
     dim, correction, keepdim = _correction_args(args, kwargs)
     dims = _dims(dim, x.rank)
     tag = ctx.builder.new_tag(f"{what}_mean" if with_mean else what)
-    mean, var, std = scaled_variance(ctx, x, dims, correction, tag)
+    mean, var, std = scaled_variance(ctx, x, dims, correction, tag, scaled)
     shape, dtype = (tuple(ctx.out[0].shape), ctx.out[0].dtype) if with_mean else (ctx.shape, ctx.dtype)
     spread = _statistic(ctx, dims, keepdim, shape, dtype, std if what == "std" else var, tag,
                         f"{ctx.hint}_spread" if with_mean else ctx.hint)
@@ -90,7 +82,11 @@ def _spread(ctx, x, args, kwargs, what: str, with_mean: bool):
 
 lowering(torch.var, "method:var", "aten.var")(lambda ctx, x, *a, **k: _spread(ctx, x, a, k, "var", False))
 lowering(torch.std, "method:std", "aten.std")(lambda ctx, x, *a, **k: _spread(ctx, x, a, k, "std", False))
-lowering(torch.var_mean, "aten.var_mean")(lambda ctx, x, *a, **k: _spread(ctx, x, a, k, "var", True))
+lowering(torch.var_mean)(lambda ctx, x, *a, **k: _spread(ctx, x, a, k, "var", True))
+# ATen's var_mean is what AOTAutograd's decompositions of batch norm (and group norm) in training emit: the peak's
+# pass would cost every such statistic a reduction more, a pass and a barrier more where the channels' statistics
+# are split across programs, for inputs past 1e19 that those norms' own CUDA kernels do not take either.
+lowering("aten.var_mean")(lambda ctx, x, *a, **k: _spread(ctx, x, a, k, "var", True, scaled=False))
 lowering(torch.std_mean, "aten.std_mean")(lambda ctx, x, *a, **k: _spread(ctx, x, a, k, "std", True))
 
 
