@@ -308,7 +308,8 @@ def _mask_nodes(mask: fx.Node) -> list[fx.Node] | None:
         if node.op not in ("placeholder", "get_attr", "call_function", "call_method") or len(seen) > MASK_NODES_MOST:
             return None
         name = str(getattr(node.target, "__name__", node.target))
-        if node.op.startswith("call") and (name.endswith("_") or any(word in name for word in _DRAWS)):
+        in_place = name.endswith("_") and not name.startswith("__")  # masked_fill_, not __eq__
+        if node.op.startswith("call") and (in_place or any(word in name for word in _DRAWS)):
             return None  # in place, or random
         todo += node.all_input_nodes
     order = {n: i for i, n in enumerate(mask.graph.nodes)}

@@ -17,6 +17,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..ir.errors import ShapeError, StitchflowError, UnsupportedOpError
+from ..ir.expr import Const
 from ..ir.graph import Graph
 from ..ir.types import Format, TensorType, format_of_tensor, parse_format
 from . import ops_activations, ops_attention, ops_conv, ops_elementwise, ops_factory, ops_index, ops_linalg, ops_losses, ops_pool, ops_reduce, ops_resize, ops_scan, ops_shape, ops_sort, ops_stats, ops_trig, ops_views  # noqa: F401  (register lowerings)
@@ -141,7 +142,9 @@ def _capture(gm, example_inputs, input_formats, param_formats, partial_depth: in
         if node.op == "get_attr":
             value = _fetch_attr(gm, node.target)
             real[node] = value
-            if isinstance(value, torch.Tensor):
+            if _traced_scalar(node, value):  # x * torch.tensor(2.0) under symbolic tracing: a number, as eager
+                env[node] = b.emit((), value.dtype, lambda o, r, rg, v=value.item(): Const(v), hint=node.name)
+            elif isinstance(value, torch.Tensor):
                 spec = param_formats.get(node.target)
                 env[node] = b.add_param(node.target, value, _format_for(spec, value) if spec else None)
                 used_params.add(node.target)
@@ -154,6 +157,14 @@ def _capture(gm, example_inputs, input_formats, param_formats, partial_depth: in
         raise StitchflowError(f"param_formats names parameters the model does not use: {sorted(unused)}")
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     return _finish(b, out_node, env, real, tuple(names))
+
+
+def _traced_scalar(node: fx.Node, value) -> bool:
+    """A 0-d constant that symbolic tracing made of a `torch.tensor(...)` in the forward (`_tensor_constant0`):
+    not a parameter or buffer that could change, and, on the CPU, a number to eager wherever it meets CUDA
+    tensors, which a kernel argument would not be."""
+    return (isinstance(value, torch.Tensor) and value.dim() == 0 and not isinstance(value, torch.nn.Parameter)
+            and node.target.rsplit(".", 1)[-1].startswith("_tensor_constant") and not value.is_complex())
 
 
 def _fetch_attr(gm: fx.GraphModule, target: str):

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import stitchflow.backend as backend
 from stitchflow.frontend import attention_rewrite as ar
-from tests.conftest import assert_close
+from conftest import assert_close
 
 
 def dynamo_graph(fn, *inputs):
@@ -347,3 +347,19 @@ def test_a_float32_softmax_kept_in_float32_is_refused():
     gm, example = dynamo_graph(model, *qkv((2,), dtype=torch.bfloat16))
     _, done, refused = ar.rewritten(gm, example)
     assert not done and "cast back" in str(refused[0])
+
+
+def test_a_mask_compared_by_its_dunder_method_is_evaluated():
+    """torch 2.11's Dynamo records `t == 0` as the method __eq__, which is not an in-place op."""
+    q, k, v = qkv((2, 3))
+    model = NanoGPTAttention(8)
+    gm, example = dynamo_graph(model, q, k, v)
+    eq = next(n for n in gm.graph.nodes if n.target is __import__("operator").eq)
+    with gm.graph.inserting_before(eq):
+        dunder = gm.graph.call_method("__eq__", eq.args)
+    dunder.meta.update(eq.meta)
+    eq.replace_all_uses_with(dunder)
+    gm.graph.erase_node(eq)
+    gm.recompile()
+    _, done, refused = ar.rewritten(gm, example)
+    assert len(done) == 1 and done[0].causal is not None, refused
