@@ -9,18 +9,21 @@ backward each write and read several 256 MB score tensors, where torch's flash a
 backward) keeps them on chip. Inductor does not rewrite this spelling either (its fuse_attention
 patterns miss a scale by multiplication, a broadcast GQA head axis and a buffer mask).
 
-Matched (`find`): a softmax over the last axis whose one reader, through a dropout of p = 0 at
-most, is a product with V; before it, optionally an additive mask (or `masked_fill` with -inf),
+Matched (`find`): a softmax over the last axis (or one computed in float32 over 16-bit scores and
+cast back, as Hugging Face's eager attention writes it) whose one reader, through a dropout of p = 0
+at most, is a product with V; before it, optionally an additive mask (or `masked_fill` with -inf),
 optionally a scale by a number, and a product of Q with K's last two axes swapped. Refused, each
 with its reason (`Refusal`): any intermediate read elsewhere (the scores stay needed), dropout
 with p > 0 (torch's kernels would draw other random numbers than eager's), a mask of another dtype
-or one that varies over batch axes the 4-d call must merge, softmax with a dtype.
+or one that varies over batch axes the 4-d call must merge, a softmax in another dtype.
 
-A mask that is a graph input (a module buffer) holding exactly -inf (or the dtype's lowest value)
-above the diagonal and 0 elsewhere becomes `is_causal=True`, which lets torch run its flash
-kernels (an explicit mask takes the slower memory-efficient kernels). Its values are checked on
-the example inputs at compile time, and again on every call whose mask is another tensor or has
-been written since (`CausalGuard`, from the tensor's address and version counter).
+A mask computed from module buffers and constants alone (a buffer itself, as the app zoo's Llama
+holds it, or nanoGPT's `masked_fill(bias[..., :T, :T] == 0, -inf)`) that hides exactly the keys
+after each query becomes `is_causal=True`, which lets torch run its flash kernels (`rewritten`
+leaves any other mask as written by default: torch's masked kernel was slower than the stitched
+scores). It is computed and checked on the example inputs at compile time, and again on every call
+whose buffers are other tensors or have been written since (`CausalGuard`, from their addresses and
+version counters).
 
 Numerics: torch's kernels keep the scores in float32 where eager rounds them to the inputs'
 dtype (bf16) after each op, so results differ from eager's by about eager's own rounding error.
