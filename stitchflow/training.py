@@ -103,8 +103,9 @@ def compile_forward_and_backward(gm: fx.GraphModule, example_inputs, options: di
 
     def general():
         log.info("a causal mask input changed: the graph is compiled again with its masks as masks")
-        masked, _, _ = attention_rewrite.rewritten(gm, example_inputs, causal=False, masked=mode == "masked")
-        return _through_aot(masked, example_inputs, options) or _through_aot(gm, example_inputs, options) or gm.forward
+        masked, kept, _ = attention_rewrite.rewritten(gm, example_inputs, causal=False, masked=mode == "masked")
+        return ((kept and _through_aot(masked, example_inputs, options, record=False))
+                or _through_aot(gm, example_inputs, options) or gm.forward)
 
     return attention_rewrite.CausalGuard(compiled, guarded, example_inputs, general)
 
