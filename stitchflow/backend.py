@@ -32,15 +32,14 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
-from torch.fx.passes.operator_support import OperatorSupportBase
-from torch.fx.passes.split_module import split_module
 
 from .backend_layouts import (channels_last_order, convolution_inputs_like_gradients, convolution_positions,
                               free_positions, like_gradient, like_parameters,
                               pointwise_weight_gradient, restride_placeholders, restrided, saved_outputs_start,
                               saved_weights_channels_last, unfolded_weight_gradient, weight_like_gradient,
                               weights_channels_last)
+from .backend_partition import (REFUSED, copied_graph, fuse_by_dependence, inline_empty_constants, outputs_read_eagerly,
+                                split_in_program_order, supported)
 from .frontend.capture import Captured, capture
 from .frontend.registry import LOWERINGS, describe_target, early_refusal, is_inplace, key_of
 from .ir.errors import KernelMismatch, StitchflowError
@@ -53,6 +52,8 @@ if os.environ.get("STITCHFLOW_LOGS"):
     logging.getLogger("stitchflow").setLevel(logging.DEBUG if os.environ["STITCHFLOW_LOGS"] == "debug" else logging.INFO)
 
 FALLBACKS: list[str] = []  # every reason a piece of a model ran eagerly, in order
+# calls that run eagerly by design and are not worth a record (torch's own usage logging, which transformers calls)
+SILENT = frozenset({torch._C._log_api_usage_once})
 
 
 def _record(reason: str) -> None:
@@ -66,15 +67,29 @@ def fallback_report() -> str:
     return "stitchflow fell back to eager for:\n" + "\n".join(f"  - {r}" for r in FALLBACKS)
 
 
-def _supported(node: fx.Node) -> bool:
-    """Has a lowering (creation ops such as torch.ones stay eager and enter as inputs). An item of
-    an eager op's tuple of results stays with that op, so that partitions take tensors, not tuples."""
-    if node.op not in ("call_function", "call_method"):
-        return False
-    source = node.args[0] if node.target is operator.getitem and node.args else None
-    if isinstance(source, fx.Node) and source.op in ("call_function", "call_method") and not _supported(source):
-        return False
-    return key_of(node) in LOWERINGS and early_refusal(node) is None
+def _split_around(module: "StitchflowModule", refused: str, why: str) -> fx.GraphModule | None:
+    """`module`'s graph with node `refused` left to eager and the other supported nodes partitioned again, each
+    partition a StitchflowModule of its own (which may split further: every split leaves one node more to eager);
+    None where no node was named or nothing would be left to compile."""
+    gm = fx.GraphModule(module.gm, copied_graph(module.gm.graph))
+    node = next((n for n in gm.graph.nodes if n.name == refused and n.op in ("call_function", "call_method")), None)
+    if node is None:
+        return None
+    node.meta[REFUSED] = why
+    if not any(supported(n) for n in gm.graph.nodes):
+        return None
+    split, names = fuse_by_dependence(gm) or split_in_program_order(gm)
+    inline_empty_constants(split, names)
+    for name in names:
+        part = StitchflowModule(split.get_submodule(name), module.target, module.fusion, f"{module.name}.{name}")
+        part.program_options = module.program_options
+        setattr(split, name, part)
+        COMPILED.append(part)
+    for node in split.graph.nodes:
+        if node.op == "call_module" and node.target in names:  # the partition's outputs are read as the graph's
+            split.get_submodule(node.target).read_eagerly = outputs_read_eagerly(node, set(names), outputs_too=True)
+    split.recompile()
+    return split
 
 
 def _fused_attention(node: fx.Node) -> bool:
@@ -114,13 +129,16 @@ class StitchflowModule(torch.nn.Module):
         self.last_outputs: frozenset = frozenset()
         self.program_options: dict = {}  # the backend's options that programs take (cuda_graphs)
         self.strides: dict[tuple, list] = {}  # per signature: eager's output strides, None where not dense
+        # per signature: where capture refused one node, the graph split around it (that node eager, the rest
+        # partitions of their own), which runs instead of the whole graph eagerly
+        self.split: dict[tuple, fx.GraphModule] = {}
         self.traced_strides: list | None = None  # per input: the strides the FX graph was traced with
 
     def forward(self, *args):
         call = self.last if self.last is not None and self.last.matches(args) else self._lookup(args)
         self.last = call
         if call.program is None:
-            return self._eager(args)
+            return self._eager(args, self.split.get(call.key))
         if call.trusted:
             return self._run(call, args)
         try:  # the first run of a program: a failure here (a kernel that does not build) costs speed only
@@ -137,8 +155,8 @@ class StitchflowModule(torch.nn.Module):
         call.trusted = True
         return out
 
-    def _eager(self, args):
-        return self.gm(*self._as_traced(args))
+    def _eager(self, args, split: fx.GraphModule | None = None):
+        return (split or self.gm)(*self._as_traced(args))
 
     def _as_traced(self, args) -> list:
         """The arguments, each tensor in the strides the FX graph was traced with: another partition may
@@ -190,13 +208,16 @@ class StitchflowModule(torch.nn.Module):
             log.info("stitchflow: %s compiled for %s: %d nodes in %d regions, %d inputs bound in place", self.name,
                      target, len(captured.graph.nodes), len(prog.regions), len(bound))
             return prog, bound, _dense_strides(captured.example_outputs)
-        except StitchflowError as err:
-            _record(f"{self.name}: {err}")
-            return None, {}, []
         except Exception as err:  # a bug of ours must cost speed, never the user's run
-            _record(f"{self.name}: internal error, {type(err).__name__}: {err}")
-            log.warning("stitchflow: %s runs eagerly after an internal error (%s: %s)", self.name,
-                        type(err).__name__, err, exc_info=True)
+            known = isinstance(err, StitchflowError)
+            why = str(err) if known else f"internal error, {type(err).__name__}: {err}"
+            if not known:
+                log.warning("stitchflow: %s: internal error (%s: %s)", self.name, type(err).__name__, err, exc_info=True)
+            split = _split_around(self, getattr(err, "node", ""), why)
+            if split is not None:
+                self.split[tuple(_signature(a) for a in args)] = split
+                why += f"; {err.node} runs eagerly, the rest of the partition compiles around it"
+            _record(f"{self.name}: {why}")
             return None, {}, []
 
     def _layout_options(self, captured: Captured, args, bound: dict) -> dict:
@@ -351,7 +372,7 @@ def _eager_write_through_an_alias(gm: fx.GraphModule) -> str | None:
 
     storages = {n: storage(n) for n in gm.graph.nodes if n.op != "output"}
     for node in gm.graph.nodes:
-        if not is_inplace(node) or _supported(node) or not isinstance(node.args[0], fx.Node):
+        if not is_inplace(node) or supported(node) or not isinstance(node.args[0], fx.Node):
             continue
         written = storages.get(node.args[0])
         base = node.args[0]
@@ -388,81 +409,6 @@ def stitchflow_backend(gm: fx.GraphModule, example_inputs: list[Any], options: d
         return gm.forward
 
 
-def _partition_ids(gm: fx.GraphModule) -> dict[fx.Node, int]:
-    """Maximal runs of consecutive supported nodes share a partition; every unsupported node
-    is a partition of its own. Runs in program order can never depend on each other cyclically."""
-    ids, current, supported_run = {}, 0, False
-    for node in gm.graph.nodes:
-        if node.op in ("placeholder", "output"):
-            continue
-        ok = _supported(node) or node.op == "get_attr"
-        if not (ok and supported_run):
-            current += 1
-        ids[node] = current
-        supported_run = ok
-    return ids
-
-
-_RANDOM_WORDS = ("rand", "dropout", "bernoulli", "multinomial", "normal", "poisson", "exponential", "geometric")
-
-
-def _order_matters(node: fx.Node) -> bool:
-    """A node that writes a tensor in place or draws random numbers: moving another node across it
-    could change a value (a read before a write) or which random numbers a call gets."""
-    if node.op not in ("call_function", "call_method"):
-        return False
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    return is_inplace(node) or any(word in name.lower() for word in _RANDOM_WORDS) or node.is_impure()
-
-
-class _Lowerable(OperatorSupportBase):
-    def is_node_supported(self, submodules, node: fx.Node) -> bool:
-        return _supported(node)
-
-
-def _fuse_by_dependence(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[str]] | None:
-    """The supported nodes grouped by data dependence rather than program order (torch.fx's
-    CapabilityBasedPartitioner: a partition grows over any supported node it can take without a
-    cycle through an eager one), so an eager op splits only what depends on it, e.g.
-    `y = x.relu(); s = torch.i0(x); z = y.softmax(-1) + s` is one partition after the i0, not two
-    around it. None where the graph writes in place or draws random numbers: there program order is
-    kept (_partition_ids). Returns a copy of the graph with each partition a submodule, and their names."""
-    if any(_order_matters(n) or _indexed_by_an_eager_tensor(n) for n in gm.graph.nodes):
-        return None
-    copy = fx.GraphModule(gm, _copied(gm.graph))  # the user's graph stays whole for the fallback
-    partitioner = CapabilityBasedPartitioner(copy, _Lowerable(), allows_single_node_partition=True)
-    fused = partitioner.fuse_partitions(partitioner.propose_partitions(), prefix="stitchflow_")
-    names = [n.target for n in fused.graph.nodes if n.op == "call_module" and n.target.startswith("stitchflow_")]
-    return fused, names
-
-
-def _indexed_by_an_eager_tensor(node: fx.Node) -> bool:
-    """y[torch.tensor([0, 2])]: torch.fx's partitioner takes an operator.getitem for a tuple's item and
-    moves it to its producer's partition, here both the indexed tensor's (ours) and the index's (eager,
-    no lowering), back and forth without end. Such a graph keeps program order."""
-    if node.target is not operator.getitem or not isinstance(node.args[0], fx.Node):
-        return False
-    index = []
-    fx.node.map_arg(node.args[1:], index.append)
-    return any(i.op in ("call_function", "call_method") and not _supported(i) for i in index)
-
-
-def _copied(graph: fx.Graph) -> fx.Graph:
-    new = fx.Graph()
-    out = new.graph_copy(graph, {})
-    new.output(out)
-    return new
-
-
-def _split_in_program_order(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[str]]:
-    ids = _partition_ids(gm)
-    supported_ids = {ids[n] for n in ids if _supported(n)}
-    split = split_module(gm, gm, lambda node: ids[node], keep_original_order=True)
-    names = [n.target for n in split.graph.nodes
-             if n.op == "call_module" and int(n.target.removeprefix("submod_")) in supported_ids]
-    return split, names
-
-
 def records_gradients(example_inputs) -> bool:
     """Will autograd record through this graph: grad mode on, and an input (a parameter, say) requires grad."""
     return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs)
@@ -483,7 +429,7 @@ def _partition_and_wrap(gm: fx.GraphModule, options: dict, label: str = ""):
     where = f"{label} graph: " if label else ""
     if label == "backward":  # saved activations may come channels last
         restride_placeholders(gm, lambda u: u.op == "output" or (u.op in ("call_function", "call_method")
-                                                                 and not _supported(u)))
+                                                                 and not supported(u)))
         convolution_inputs_like_gradients(gm)
     saved_from = saved_outputs_start(label)
     if label == "forward" and _convolutions_channels_last(gm, target):
@@ -493,7 +439,9 @@ def _partition_and_wrap(gm: fx.GraphModule, options: dict, label: str = ""):
     for node in gm.graph.nodes:
         if node.target is operator.getitem or node.target in ours:  # the op's record says why; ours
             continue
-        if node.op in ("call_function", "call_method") and not _supported(node):
+        if node.op in ("call_function", "call_method") and not supported(node):
+            if node.target in SILENT:
+                continue
             if _fused_attention(node):  # torch's own attention kernels, by design (training's attention rewrite)
                 log.debug("%s%s (%s) runs torch's fused attention kernel", where, describe_target(node), node.name)
                 continue
@@ -501,7 +449,8 @@ def _partition_and_wrap(gm: fx.GraphModule, options: dict, label: str = ""):
             _record(f"{where}{describe_target(node)} ({node.name}): {why or 'no lowering to the IR'}")
         elif node.op == "call_module":
             _record(f"{where}module {node.target} ({node.name}): leaf modules are not captured")
-    split, names = _fuse_by_dependence(gm) or _split_in_program_order(gm)
+    split, names = fuse_by_dependence(gm) or split_in_program_order(gm)
+    inline_empty_constants(split, names)
     compiled = []
     for name in names:
         module = StitchflowModule(split.get_submodule(name), target, fusion, f"{label}.{name}" if label else name)
@@ -514,7 +463,7 @@ def _partition_and_wrap(gm: fx.GraphModule, options: dict, label: str = ""):
             module.free_outputs = free_positions(node, set(names), saved_from) if label else frozenset()
             module.last_outputs = convolution_positions(node) & module.free_outputs
             module.program_options = {k: options[k] for k in PROGRAM_OPTIONS if k in options}
-            module.read_eagerly = _read_eagerly(node, set(names), outputs_too=bool(label)) - module.free_outputs
+            module.read_eagerly = outputs_read_eagerly(node, set(names), outputs_too=bool(label)) - module.free_outputs
     split.recompile()
     split.stitchflow_modules = compiled
     COMPILED.extend(compiled)
@@ -528,24 +477,6 @@ def _convolutions_channels_last(gm: fx.GraphModule, target: str | None) -> bool:
         return target == "gpu"
     return any(isinstance(v := n.meta.get("val"), torch.Tensor) and v.is_cuda
                for n in gm.graph.nodes if n.op == "placeholder")
-
-
-def _read_eagerly(node: fx.Node, partitions: set, outputs_too: bool) -> frozenset:
-    """Which results of a partition's call an eager node reads: positions of a tuple (through its
-    getitems), None for the call's single value."""
-    def eager(user: fx.Node) -> bool:
-        if user.op == "output":
-            return outputs_too
-        return not (user.op == "call_module" and user.target in partitions)
-
-    positions = set()
-    for user in node.users:
-        if user.op == "call_function" and user.target is operator.getitem:
-            if any(eager(u) for u in user.users):
-                positions.add(user.args[1])
-        elif eager(user):
-            positions.add(None)
-    return frozenset(positions)
 
 
 PROGRAM_OPTIONS = ("cuda_graphs", "autotune", "check_kernels", "prefetch")  # backend options every partition's Program takes

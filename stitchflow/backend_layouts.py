@@ -300,11 +300,24 @@ def saved_weights_channels_last(gm: fx.GraphModule, saved_from: int | None) -> i
 
 
 def restrided(t, stride):
-    """`t` in `stride` (a copy), unless its layout already matches where it matters (dims of size > 1)."""
+    """`t` in `stride` (a copy), unless its layout already matches where it matters (dims of size > 1), or
+    `stride` is not a dense layout of t's shape: an expanded tensor's zero strides (a mask broadcast over heads)
+    hold one value for many elements, which t need not have; the graph's ops take t's layout as it is."""
     if stride is None or not isinstance(t, torch.Tensor) or all(
-            a == b for n, a, b in zip(t.shape, t.stride(), stride) if n > 1):
+            a == b for n, a, b in zip(t.shape, t.stride(), stride) if n > 1) or not _dense_layout(t.shape, stride):
         return t
     return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
+
+
+def _dense_layout(shape, stride) -> bool:
+    """Do `stride` place every element of `shape` at its own address, with no gaps (a permutation of a
+    contiguous layout)?"""
+    expected = 1
+    for size, step in sorted(((n, s) for n, s in zip(shape, stride) if n > 1), key=lambda d: d[1]):
+        if step != expected:
+            return False
+        expected *= size
+    return True
 
 
 def channels_last_order(t) -> tuple[int, ...] | None:

@@ -142,7 +142,9 @@ def _capture(gm, example_inputs, input_formats, param_formats, partial_depth: in
         if node.op == "get_attr":
             value = _fetch_attr(gm, node.target)
             real[node] = value
-            if _traced_scalar(node, value):  # x * torch.tensor(2.0) under symbolic tracing: a number, as eager
+            if isinstance(value, torch.Tensor) and value.numel() == 0:  # a constant with no elements: a value
+                env[node] = value
+            elif _traced_scalar(node, value):  # x * torch.tensor(2.0) under symbolic tracing: a number, as eager
                 env[node] = b.emit((), value.dtype, lambda o, r, rg, v=value.item(): Const(v), hint=node.name)
             elif isinstance(value, torch.Tensor):
                 spec = param_formats.get(node.target)
@@ -151,7 +153,12 @@ def _capture(gm, example_inputs, input_formats, param_formats, partial_depth: in
             else:
                 env[node] = value
             continue
-        env[node], real[node] = _lower_call(gm, node, b, env, real, aliases)
+        try:
+            env[node], real[node] = _lower_call(gm, node, b, env, real, aliases)
+        except Exception as err:  # the node that refused (or hit a bug): the backend splits the graph around it
+            if not getattr(err, "node", ""):
+                err.node = node.name
+            raise
     unused = set(param_formats) - used_params
     if unused:
         raise StitchflowError(f"param_formats names parameters the model does not use: {sorted(unused)}")
@@ -195,7 +202,10 @@ def _lower_call(gm, node: fx.Node, b: GraphBuilder, env, real, aliases):
     out = _run_eager(gm, node, real_args, real_kwargs)
     if node.target in (operator.setitem, "__setitem__") and inplace:
         out = real_args[0]  # x[key] = v returns nothing: the written tensor is the result
+    depends = _any_value(args)
     if isinstance(out, torch.Tensor) and out.numel() == 0:
+        if not depends and not inplace:  # a constant such as a cache's torch.tensor([]): torch.cat skips it
+            return out, out
         raise ShapeError(f"{describe_target(node)} ({node.name}) produces an empty tensor {tuple(out.shape)}; "
                          "zero-size tensors are not supported")
     # An in-place op returns the tensor it wrote (y.mul_(2).add_(1) writes y twice), so its result, the
@@ -203,7 +213,6 @@ def _lower_call(gm, node: fx.Node, b: GraphBuilder, env, real, aliases):
     written = aliases.setdefault(node.args[0], [node.args[0]]) if inplace and isinstance(node.args[0], fx.Node) else []
     for name in written:
         real[name] = out
-    depends = _any_value(args)
     key = key_of(node) if node.op != "call_module" else None
     if not depends and key not in FACTORIES:  # no graph tensor flows in: fold to a constant
         return (b.add_param("const", out) if isinstance(out, torch.Tensor) else out), out

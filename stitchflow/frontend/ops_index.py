@@ -152,10 +152,12 @@ def lower_setitem(ctx, x, key, value):
                 conds.append(call("eq", IndexValue(mod(shifted, step, rg)), Const(0)))
             place.append(mod(floordiv(shifted, step, rg), length, rg))
         new = _as(value.read(place, rg) if isinstance(value, TensorValue) else Const(value), value, ctx.dtype)
+        if not conds:  # every point written (x[:] = v; a slice scatter over the whole dim, clamped)
+            return new
         chosen = conds[0]
         for c in conds[1:]:
             chosen = call("and", chosen, c)
-        return call("where", chosen, new, x.read(o, rg)) if conds else new
+        return call("where", chosen, new, x.read(o, rg))
 
     return ctx.builder.emit(ctx.shape, ctx.dtype, body, hint=ctx.hint, tag=ctx.builder.new_tag("setitem"))
 

@@ -206,7 +206,9 @@ def lower_aten_index(ctx, x, indices):
 def lower_cat(ctx: LowerCtx, tensors, dim=0):
     """out[.., c, ..] = where(c < n0, t0[.., c, ..], where(c < n0+n1, t1[.., c-n0, ..], ...))."""
     dim = V.norm_dim(dim, len(ctx.shape))
-    parts = [t for t in tensors if t.rank == len(ctx.shape) and t.shape[dim] > 0]  # torch skips empty parts
+    # torch skips empty parts (a 1-d torch.tensor([]) constant, which capture leaves a plain tensor, among them)
+    parts = [t for t in tensors if not (isinstance(t, torch.Tensor) and t.numel() == 0)
+             and t.rank == len(ctx.shape) and t.shape[dim] > 0]
     shape, dtype = ctx.shape, ctx.dtype
 
     def body(o, r, rg):

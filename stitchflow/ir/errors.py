@@ -4,6 +4,8 @@
 class StitchflowError(Exception):
     """Base class of every error stitchflow raises on purpose."""
 
+    node: str = ""  # the FX node it concerns, where one does (capture names it, so the backend can split around it)
+
 
 class UnsupportedOpError(StitchflowError):
     """An operator (or an operator with these arguments) has no lowering to the IR."""

@@ -1,0 +1,158 @@
+"""How the backend cuts Dynamo's (or AOTAutograd's) graph into partitions: which nodes have a lowering, grouped by
+data dependence (torch.fx's CapabilityBasedPartitioner) or, where the graph writes in place or draws random
+numbers, in program order; and which of a partition's results eager ops read."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+from torch.fx.passes.operator_support import OperatorSupportBase
+from torch.fx.passes.split_module import split_module
+
+from .frontend.registry import LOWERINGS, early_refusal, is_inplace, key_of
+
+REFUSED = "stitchflow_refused"  # node.meta key: why capture refused the node (it runs eagerly, the rest is split again)
+
+
+def supported(node: fx.Node) -> bool:
+    """Has a lowering (creation ops such as torch.ones stay eager and enter as inputs). An item of
+    an eager op's tuple of results stays with that op, so that partitions take tensors, not tuples."""
+    if node.op not in ("call_function", "call_method") or REFUSED in node.meta:
+        return False
+    source = node.args[0] if node.target is operator.getitem and node.args else None
+    if isinstance(source, fx.Node) and source.op in ("call_function", "call_method") and not supported(source):
+        return False
+    return key_of(node) in LOWERINGS and early_refusal(node) is None
+
+
+def partition_ids(gm: fx.GraphModule) -> dict[fx.Node, int]:
+    """Maximal runs of consecutive supported nodes share a partition; every unsupported node
+    is a partition of its own. Runs in program order can never depend on each other cyclically."""
+    ids, current, supported_run = {}, 0, False
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        ok = supported(node) or node.op == "get_attr"
+        if not (ok and supported_run):
+            current += 1
+        ids[node] = current
+        supported_run = ok
+    return ids
+
+
+_RANDOM_WORDS = ("rand", "dropout", "bernoulli", "multinomial", "normal", "poisson", "exponential", "geometric")
+
+
+def _order_matters(node: fx.Node) -> bool:
+    """A node that writes a tensor in place or draws random numbers: moving another node across it
+    could change a value (a read before a write) or which random numbers a call gets."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return is_inplace(node) or any(word in name.lower() for word in _RANDOM_WORDS) or node.is_impure()
+
+
+class _Lowerable(OperatorSupportBase):
+    def is_node_supported(self, submodules, node: fx.Node) -> bool:
+        return supported(node)
+
+
+def fuse_by_dependence(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[str]] | None:
+    """The supported nodes grouped by data dependence rather than program order (torch.fx's
+    CapabilityBasedPartitioner: a partition grows over any supported node it can take without a
+    cycle through an eager one), so an eager op splits only what depends on it, e.g.
+    `y = x.relu(); s = torch.i0(x); z = y.softmax(-1) + s` is one partition after the i0, not two
+    around it. None where the graph writes in place or draws random numbers: there program order is
+    kept (partition_ids). Returns a copy of the graph with each partition a submodule, and their names."""
+    if any(_order_matters(n) or _indexed_by_an_eager_tensor(n) for n in gm.graph.nodes):
+        return None
+    copy = fx.GraphModule(gm, copied_graph(gm.graph))  # the user's graph stays whole for the fallback
+    partitioner = CapabilityBasedPartitioner(copy, _Lowerable(), allows_single_node_partition=True)
+    fused = partitioner.fuse_partitions(partitioner.propose_partitions(), prefix="stitchflow_")
+    names = [n.target for n in fused.graph.nodes if n.op == "call_module" and n.target.startswith("stitchflow_")]
+    return fused, names
+
+
+def _indexed_by_an_eager_tensor(node: fx.Node) -> bool:
+    """y[torch.tensor([0, 2])]: torch.fx's partitioner takes an operator.getitem for a tuple's item and
+    moves it to its producer's partition, here both the indexed tensor's (ours) and the index's (eager,
+    no lowering), back and forth without end. Such a graph keeps program order."""
+    if node.target is not operator.getitem or not isinstance(node.args[0], fx.Node):
+        return False
+    index = []
+    fx.node.map_arg(node.args[1:], index.append)
+    return any(i.op in ("call_function", "call_method") and not supported(i) for i in index)
+
+
+def copied_graph(graph: fx.Graph) -> fx.Graph:
+    new = fx.Graph()
+    out = new.graph_copy(graph, {})
+    new.output(out)
+    return new
+
+
+def split_in_program_order(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[str]]:
+    ids = partition_ids(gm)
+    supported_ids = {ids[n] for n in ids if supported(n)}
+    split = split_module(gm, gm, lambda node: ids[node], keep_original_order=True)
+    names = [n.target for n in split.graph.nodes
+             if n.op == "call_module" and int(n.target.removeprefix("submod_")) in supported_ids]
+    return split, names
+
+
+def outputs_read_eagerly(node: fx.Node, partitions: set, outputs_too: bool) -> frozenset:
+    """Which results of a partition's call an eager node reads: positions of a tuple (through its
+    getitems), None for the call's single value."""
+    def eager(user: fx.Node) -> bool:
+        if user.op == "output":
+            return outputs_too
+        return not (user.op == "call_module" and user.target in partitions)
+
+    positions = set()
+    for user in node.users:
+        if user.op == "call_function" and user.target is operator.getitem:
+            if any(eager(u) for u in user.users):
+                positions.add(user.args[1])
+        elif eager(user):
+            positions.add(None)
+    return frozenset(positions)
+
+
+def inline_empty_constants(split: fx.GraphModule, names) -> None:
+    """Each partition in `names` reads a constant with no elements (a cache's `torch.tensor([])`, which AOTAutograd
+    lifts to a get_attr of the outer graph and split_module hands to the partition as an input) from an attribute of
+    its own: capture keeps such a constant as a plain value (torch.cat skips it), where an input with no elements
+    could not be an argument of a program."""
+    for call in [n for n in split.graph.nodes if n.op == "call_module" and n.target in names]:
+        sub = split.get_submodule(call.target)
+        placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(call.args) or call.kwargs:
+            continue
+        keep = []
+        for arg, ph in zip(call.args, placeholders):
+            value = _attribute(split, arg)
+            if not isinstance(value, torch.Tensor) or value.numel():
+                keep.append(arg)
+                continue
+            sub.register_buffer(f"_empty_{ph.name}", value, persistent=False)
+            with sub.graph.inserting_before(ph):  # (a fused partition's placeholders come among its nodes)
+                constant = sub.graph.get_attr(f"_empty_{ph.name}")
+            constant.meta = dict(ph.meta)
+            ph.replace_all_uses_with(constant)
+            sub.graph.erase_node(ph)
+        if len(keep) != len(call.args):
+            call.args = tuple(keep)
+            sub.recompile()
+    split.recompile()
+
+
+def _attribute(gm: fx.GraphModule, arg):
+    if not isinstance(arg, fx.Node) or arg.op != "get_attr":
+        return None
+    value = gm
+    for part in arg.target.split("."):
+        value = getattr(value, part, None)
+    return value

@@ -1,0 +1,115 @@
+"""How the backend partitions a graph when capture refuses a node it could not judge ahead (a lowering's refusal
+on these arguments, a bug of ours at one node), and constants with no elements (a key/value cache's first
+`torch.tensor([])`), which once sent whole partitions, Hugging Face's causal LMs among them, to eager."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import stitchflow.backend as backend
+from conftest import assert_close
+from stitchflow.backend_layouts import _dense_layout, restrided
+
+
+@pytest.fixture(autouse=True)
+def fresh_backend():
+    torch._dynamo.reset()
+    backend.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _overwriting_scatter(x, idx, v):
+    a = x.exp() * 2
+    b = torch.index_put(a, (idx,), v)  # has a lowering, refused at capture: a scatter that overwrites
+    return (b + 1).softmax(-1) + a.sum(0)
+
+
+def test_a_node_refused_at_capture_runs_eagerly_and_the_rest_compiles_around_it():
+    x, idx, v = torch.randn(6, 5), torch.tensor([4, 0, 2]), torch.randn(3, 5)
+    compiled = torch.compile(_overwriting_scatter, backend="stitchflow")
+    for _ in range(2):
+        assert_close(compiled(x, idx, v), _overwriting_scatter(x, idx, v))
+    report = backend.fallback_report()
+    assert "accumulate=False" in report and "the rest of the partition compiles around it" in report
+    assert backend.regions_executed() >= 2  # the exp and scaling before it, the softmax after it
+    assert len(backend.COMPILED) >= 3  # the partition that refused, and the parts it was split into
+
+
+def test_an_internal_error_at_one_node_costs_only_that_node(monkeypatch):
+    """A bug in one lowering sends its node to eager; the nodes around it still compile."""
+    from stitchflow.frontend import ops_elementwise
+    from stitchflow.frontend.registry import LOWERINGS
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a lowering bug")
+
+    key = next(k for k, fn in LOWERINGS.items() if fn is LOWERINGS.get(torch.sigmoid))
+    monkeypatch.setitem(LOWERINGS, key, broken)
+    assert ops_elementwise  # (the registry is filled on import)
+    f = lambda x: (torch.sigmoid(x.exp() * 2) + 1).softmax(-1)  # noqa: E731
+    x = torch.randn(4, 6)
+    assert_close(torch.compile(f, backend="stitchflow")(x), f(x))
+    report = backend.fallback_report()
+    assert "internal error, RuntimeError: a lowering bug" in report and "compiles around it" in report
+    assert backend.regions_executed() >= 2
+
+
+def test_an_empty_constant_joins_a_concatenation_as_torch_skips_it():
+    """A DynamicCache starts each layer's keys as torch.tensor([]) and concatenates the new keys to it."""
+    def f(x):
+        keys = torch.cat([torch.tensor([], dtype=x.dtype), x.relu() * 2], dim=-2)
+        return keys.softmax(-1)
+
+    x = torch.randn(2, 3, 8, 4)
+    assert_close(torch.compile(f, backend="stitchflow")(x), f(x))
+    assert backend.FALLBACKS == []
+    assert backend.regions_executed() >= 1
+
+
+class CachedProjection(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        keys = torch.cat([torch.tensor([], dtype=x.dtype), self.proj(x)], dim=-2)
+        return (keys.softmax(-1) * x).sum()
+
+
+def test_an_empty_constant_lifted_by_autograd_stays_a_constant_of_its_partition():
+    """AOTAutograd lifts torch.tensor([]) to a constant of the forward graph, which splitting handed to the
+    partition as an input with no elements: the whole forward ran eagerly."""
+    torch.manual_seed(0)
+    model, x = CachedProjection(), torch.randn(2, 3, 5, 4)
+    expected = model(x)
+    expected.backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    got = torch.compile(model, backend="stitchflow")(x)
+    got.backward()
+    assert_close(got, expected)
+    for p, g in zip(model.parameters(), want):
+        assert_close(p.grad, g)
+    assert backend.FALLBACKS == []
+
+
+def test_restriding_to_an_expanded_layout_keeps_the_tensor():
+    """A partition traced on an expanded mask (stride 0 over heads) may be handed a dense one: no dense
+    tensor can take the expanded strides, and the graph's ops take the layout it comes in."""
+    t = torch.randn(2, 4, 3)
+    assert restrided(t, (3, 0, 1)) is t
+    assert not _dense_layout((2, 4, 3), (3, 0, 1)) and _dense_layout((2, 4, 3), (1, 6, 2))
+    moved = restrided(t, (1, 6, 2))
+    assert moved.stride() == (1, 6, 2) and torch.equal(moved, t)
+
+
+def test_a_slice_scatter_over_the_whole_dim_clamped():
+    """Mistral's sliding window slices keys from -4095 on; the gradient scatters into all of a shorter dim."""
+    def f(x, src):
+        full = torch.zeros_like(x)
+        return torch.ops.aten.slice_scatter.default(full, src * 2, 2, -4095, 9223372036854775807) + x
+
+    x, src = torch.randn(2, 2, 6, 4), torch.randn(2, 2, 6, 4)
+    assert_close(torch.compile(f, backend="stitchflow")(x, src), f(x, src))
+    assert backend.FALLBACKS == []
