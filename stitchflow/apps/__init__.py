@@ -18,6 +18,7 @@ from torch import nn
 from .bigbird import BlockMask, bigbird_block_mask, expected_density
 from .gnn import GCN, GCNLayer, GraphSAGE, SAGELayer
 from .gpt3 import GPT3, GPT3_PRESETS, BlockSparseAttention, GPT3Decoder, OutputAndFFN, QKVProjection
+from .hf import HF_MODELS, HFCall, build_hf
 from .graphs import DATASETS, GraphData, load_dataset, load_planetoid, synthetic_powerlaw
 from .resnet import RESNET_PRESETS, ResNet
 from .unet import UNET_PRESETS, UNet
@@ -166,6 +167,16 @@ APPS: dict[str, AppSpec] = {spec.name: spec for spec in (
             ("small", "default", *[k for k in UNET_PRESETS if k != "small"])),
 )}
 
+
+def build_model(name: str, size: str = "small", seed: int = 0, dtype: torch.dtype = torch.float32) -> Built:
+    """Any model the benchmarks take: an app of the zoo (APPS), or a Hugging Face model (HF_MODELS: whole models
+    written by others, which torch.fx's symbolic tracing does not take, so they are not apps of the zoo)."""
+    if name in HF_MODELS:
+        return build_hf(name, size, seed, dtype)
+    if name not in APPS:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(APPS) + sorted(HF_MODELS))}")
+    return APPS[name].build(size=size, seed=seed, dtype=dtype)
+
 __all__ = [
     "APPS", "AppSpec", "DATASETS", "GraphData", "load_dataset", "load_planetoid",
     "synthetic_powerlaw", "BlockMask", "bigbird_block_mask", "expected_density",
@@ -174,4 +185,5 @@ __all__ = [
     "GPT3_PRESETS", "QKVProjection", "BlockSparseAttention", "OutputAndFFN", "BertBlock",
     "LlamaBlock", "RMSNorm", "RotaryEmbedding", "rotate_half", "BERT_PRESETS",
     "LLAMA_PRESETS", "bert_preset", "llama_preset", "RESNET_PRESETS", "ResNet", "UNET_PRESETS", "UNet",
+    "HF_MODELS", "HFCall", "build_hf", "build_model",
 ]

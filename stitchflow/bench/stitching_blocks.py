@@ -26,10 +26,10 @@ RUNNERS = ("eager", "torch.compile", "torch.compile reduce-overhead", "backend=s
 
 def bench_block(app: str, dtype: torch.dtype, size: str = "default") -> dict:
     import stitchflow
-    from stitchflow.apps import APPS
+    from stitchflow.apps import build_model
 
     torch._dynamo.reset()
-    model, inputs = APPS[app].build(size=size, dtype=dtype)
+    model, inputs = build_model(app, size=size, dtype=dtype)
     model = model.cuda()
     inputs = tuple(x.cuda() if isinstance(x, torch.Tensor) else x for x in inputs)
     row = {"app": app, "size": size, "dtype": str(dtype).removeprefix("torch."),
@@ -80,7 +80,8 @@ def markdown(rows: list[dict], info: dict) -> str:
             "torch.compile(backend=\"stitchflow\") µs | stitchflow.compile µs | backend vs torch.compile | "
             "stitchflow.compile vs torch.compile | stitchflow.compile vs reduce-overhead | max rel. error |")
     lines = [info.get("section", SECTION), "", *provenance_lines(info),
-             f"{info['dtype']}, `APPS[app].build(size=\"{info['size']}\")`; stitchflow uses "
+             f"{info['dtype']}, `build_model(app, size=\"{info['size']}\")` (the zoo's apps, or Hugging Face "
+             "models: hf-*); stitchflow uses "
              "`fusion=\"auto\"`, its GEMM chains autotuned against cuBLAS, and each call of a gpu program replays "
              f"as one CUDA graph after warm-up. The median of {ROUNDS} rounds (the runners timed in turn) of "
              "medians over calls, L2 evicted clean before each (`targets/gpu/timing.py`), all runners in one "

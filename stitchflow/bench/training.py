@@ -99,10 +99,10 @@ def training_case(app: str, dtype: torch.dtype, size: str = "default", device: s
     every runner computes the same step), its inputs with the first floating one requiring grad (the
     activations' gradient of a block inside a deeper model; a mask's is not wanted), and a fixed random
     gradient for its output."""
-    from stitchflow.apps import APPS
+    from stitchflow.apps import build_model
 
     torch.manual_seed(seed)
-    model, inputs = APPS[app].build(size=size, dtype=dtype)
+    model, inputs = build_model(app, size=size, dtype=dtype)
     model = model.to(device).train()
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
@@ -180,7 +180,8 @@ def markdown(rows: list[dict], info: dict) -> str:
             "stitchflow (attention as written) µs | stitchflow vs eager | stitchflow vs torch.compile | max rel. error | first step s (torch.compile / "
             "stitchflow) |")
     lines = [info.get("section", SECTION), "", *provenance_lines(info),
-             f"{info['dtype']}, `APPS[app].build(size=\"{info['size']}\")` in training mode; a step = gradients "
+             f"{info['dtype']}, `build_model(app, size=\"{info['size']}\")` (the zoo's apps, or Hugging Face "
+             "models: hf-*) in training mode; a step = gradients "
              "cleared, forward, backward of a fixed random upstream gradient (no optimizer; dropout p = 0, so that "
              "every runner computes the same step). stitchflow = "
              "torch.compile(backend=\"stitchflow\"), forward and backward graphs compiled (AOTAutograd); "

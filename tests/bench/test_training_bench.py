@@ -65,3 +65,15 @@ def test_unknown_runners_are_named():
 
     with pytest.raises(SystemExit, match="unknown runners \\['inductor'\\]"):
         training.main(["--runners", "eager,inductor"])
+
+
+def test_a_hugging_face_model_trains_through_every_runner():
+    """hf-llama: transformers' LlamaForCausalLM (key/value cache, SDPA attention, tied embeddings), small."""
+    import pytest
+
+    pytest.importorskip("transformers")
+    row = training.bench_training("hf-llama", torch.float32, "small", device="cpu", timed=False,
+                                  runners=("backend=stitchflow",))
+    assert row["checked"] == ["backend=stitchflow", "eager"], row
+    assert row["backend=stitchflow eager parts"] == []
+    assert row["backend=stitchflow err"] < 1e-4

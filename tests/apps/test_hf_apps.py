@@ -1,0 +1,32 @@
+"""The Hugging Face models the benchmarks take (apps/hf.py): seeded, small sizes runnable on the CPU, and
+build_model's dispatch between them and the zoo."""
+
+import pytest
+import torch
+
+from stitchflow.apps import APPS, HF_MODELS, build_model
+
+pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("name", sorted(HF_MODELS))
+def test_small_models_are_seeded_and_dropout_free(name):
+    model, (ids,) = build_model(name, "small", seed=0)
+    again, (ids2,) = build_model(name, "small", seed=0)
+    other, _ = build_model(name, "small", seed=1)
+    assert torch.equal(ids, ids2) and ids.dtype == torch.long and not model.training
+    with torch.no_grad():
+        out = model(ids)
+        assert torch.equal(again(ids2), out) and not torch.equal(other(ids), out)
+    assert out.shape[:2] == ids.shape and torch.isfinite(out).all()
+    model.train()
+    assert all(m.p == 0.0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
+
+
+def test_build_model_takes_apps_of_the_zoo_and_names_the_unknown():
+    model, inputs = build_model("llama", "small")
+    assert isinstance(model, type(APPS["llama"].build("small")[0]))
+    with pytest.raises(ValueError, match="unknown model 'gpt5'.*hf-llama"):
+        build_model("gpt5")
+    with pytest.raises(ValueError, match="unknown size"):
+        build_model("hf-gpt2", "huge")
