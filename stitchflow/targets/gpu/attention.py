@@ -26,7 +26,7 @@ import torch
 
 from ...ir.expr import Access
 from ...ir.graph import Graph, Node
-from ...ir.index import Var, affine_terms, rename
+from ...ir.index import Div, Var, affine_terms, rename
 from ...ir.interpret import eval_node
 from .attention_kernel import MAX_BATCH_AXES, Operand, launch, scratch
 from .attention_fold import NotAttention, score_coefficients, transform_sources
@@ -50,6 +50,7 @@ class AttentionMatch:
     v: Access
     key_bias: Access | None = None  # a tensor of the call added to the scores per key (a padding mask),
                                     # its indices over the scores' variables
+    groups: tuple[int, ...] = ()  # per batch axis of the scores, G where K or V read it as h // G (grouped heads)
 
     def __str__(self) -> str:
         bias = f", key bias {self.key_bias}" if self.key_bias else ""
@@ -69,11 +70,48 @@ def _affine_vars(access: Access) -> frozenset[str] | None:
     return frozenset(names)
 
 
+def _read_vars(access: Access) -> frozenset[str] | None:
+    """The variables of an access whose every index is an integer combination of variables and of variables
+    divided by a constant (K and V of grouped heads, read at h // G)."""
+    names = set()
+    for index in access.indices:
+        for atom in affine_terms(index)[0]:
+            atom = atom.arg if isinstance(atom, Div) else atom
+            if not isinstance(atom, Var):
+                return None
+            names.add(atom.name)
+    return frozenset(names)
+
+
+def _divisors(access: Access) -> dict[str, int]:
+    return {atom.arg.name: atom.divisor for index in access.indices for atom in affine_terms(index)[0]
+            if isinstance(atom, Div)}
+
+
+def _groups(batch: list, out_batch: tuple, q: Access, k: Access, v: Access, extents: dict) -> tuple[int, ...]:
+    """G per batch axis: 1, or the divisor where K or V read the axis as h // G (torch's enable_gqa; the kernel
+    then walks the axis as (h // G, h % G), K and V with stride 0 along the second)."""
+    by_var = [_divisors(q), _divisors(k), {b: g for o, g in _divisors(v).items() for b, ob in zip(batch, out_batch)
+                                           if o == ob}]
+    stray = {name for d in by_var[:2] for name in d} - set(batch) | set(_divisors(v)) - set(out_batch)
+    if stray:
+        raise NotAttention(f"Q, K or V read {sorted(stray)} divided: only batch axes may be grouped")
+    groups = []
+    for b in batch:
+        found = {d[b] for d in by_var if b in d}
+        if len(found) > 1 or (found and extents[b] % next(iter(found))):
+            raise NotAttention(f"axis {b} of {extents[b]} is read in groups of {sorted(found)}")
+        groups.append(found.pop() if found else 1)
+    if len(batch) + sum(g > 1 for g in groups) > MAX_BATCH_AXES:
+        raise NotAttention(f"{len(batch)} batch axes, grouped {groups} (at most {MAX_BATCH_AXES} in all)")
+    return tuple(groups)
+
+
 def _contraction_reads(node: Node) -> tuple[Access, Access] | None:
     if node.reduce != "sum" or node.is_scatter or len(node.reduce_vars) != 1:
         return None
     accesses = node.accesses
-    if len(accesses) != 2 or any(_affine_vars(a) is None for a in accesses):
+    if len(accesses) != 2 or any(_read_vars(a) is None for a in accesses):
         return None
     return accesses
 
@@ -132,8 +170,9 @@ def _match_at(graph: Graph, out: Node, params: set) -> AttentionMatch:
     q, k = _order_qk(qk, set(batch), l_var, m_var, d)
     if len(batch) != len(out_batch) or len(batch) > MAX_BATCH_AXES:
         raise NotAttention(f"{len(batch)} batch axes (at most {MAX_BATCH_AXES})")
-    if not _affine_vars(v) <= set(out_batch) | {r, out.out_vars[-1]} or out.out_vars[-1] not in _affine_vars(v):
+    if not _read_vars(v) <= set(out_batch) | {r, out.out_vars[-1]} or out.out_vars[-1] not in _read_vars(v):
         raise NotAttention(f"{out.name} reads {v} over axes beyond batch, key and feature")
+    groups = _groups(batch, out_batch, q, k, v, scores.extents)
     inner = [scores.name, *(t[0].name for t in transform), *(n.name for n in soft.values())]
     for n in inner:
         users = set(consumers.get(n, ())) - set(inner) - {out.name}
@@ -141,7 +180,8 @@ def _match_at(graph: Graph, out: Node, params: set) -> AttentionMatch:
             raise NotAttention(f"{n} is also read outside the attention ({sorted(users) or 'a program output'})")
     nodes = tuple(n.name for n in graph.nodes if n.name in set(inner) | {out.name})
     return AttentionMatch(nodes, scores.name, tuple(t[0].name for t in reversed(transform)), probs.name,
-                          out.name, q, k, v, _on_scores_vars(key_bias, transform, scores))
+                          out.name, q, k, v, _on_scores_vars(key_bias, transform, scores),
+                          groups if any(g > 1 for g in groups) else ())
 
 
 def _on_scores_vars(key_bias: list, transform, scores: Node) -> Access | None:
@@ -178,7 +218,7 @@ def _transform_node(graph: Graph, node: Node, params: set) -> tuple[Node, str, l
 
 def _order_qk(accesses, batch: set, l_var: str, m_var: str, d: str) -> tuple[Access, Access]:
     for q, k in (accesses, accesses[::-1]):
-        qv, kv = _affine_vars(q), _affine_vars(k)
+        qv, kv = _read_vars(q), _read_vars(k)
         if {l_var, d} <= qv <= batch | {l_var, d} and {m_var, d} <= kv <= batch | {m_var, d}:
             return q, k
     raise NotAttention(f"the scores do not read Q over (query, d) and K over (key, d): {accesses[0]}, {accesses[1]}")
@@ -186,10 +226,11 @@ def _order_qk(accesses, batch: set, l_var: str, m_var: str, d: str) -> tuple[Acc
 
 def constants(graph: Graph, params) -> set[str]:
     """Parameters, and the nodes computed from parameters alone (a mask compared with 0 in the
-    graph, as torch.compile hands it over): values known when the program is compiled."""
+    graph, as torch.compile hands it over) or from positions alone (a causal mask built from aranges,
+    as transformers builds it): values known when the program is compiled."""
     known = set(params)
     for node in graph.nodes:
-        if node.inputs and set(node.inputs) <= known:
+        if set(node.inputs) <= known:
             known.add(node.name)
     return known
 
@@ -277,7 +318,10 @@ class AttentionStep:
         *self.out_batch_vars, _, self.e_var = out.out_vars
         self.r_var = out.reduce_vars[0]
         ext = scores.extents
-        self.batch = tuple(ext[v] for v in self.batch_vars)
+        self.groups = match.groups or (1,) * len(self.batch_vars)
+        # a grouped axis h walks as (h // G, h % G): the heads of one group read one K and V
+        self.batch = tuple(e for v, g in zip(self.batch_vars, self.groups) for e in ((ext[v] // g, g) if g > 1
+                                                                                      else (ext[v],)))
         self.s_q, self.s_k, self.d = ext[self.l_var], ext[self.m_var], ext[self.d_var]
         self.dv = out.extents[self.e_var]
         if max(self.d, self.dv) > MAX_FEATURES:
@@ -316,14 +360,36 @@ class AttentionStep:
 
     def _operand(self, access: Access, env, batch_vars, seq_var: str, feature_var: str) -> Operand:
         t = env[access.tensor]
-        coef, offset = {}, 0
+        coef, grouped, offset = {}, {}, 0
         for index, stride in zip(access.indices, t.stride()):
             terms, const = affine_terms(index)
             offset += const * stride
             for atom, c in terms.items():
-                coef[atom.name] = coef.get(atom.name, 0) + c * stride
-        return Operand(t, offset, tuple(coef.get(v, 0) for v in batch_vars), coef.get(seq_var, 0),
-                       coef.get(feature_var, 0))
+                into = grouped if isinstance(atom, Div) else coef
+                name = atom.arg.name if isinstance(atom, Div) else atom.name
+                into[name] = into.get(name, 0) + c * stride
+        batch = []  # h = G·o + i: c·h + c'·(h // G) = (G·c + c')·o + c·i
+        for v, g in zip(batch_vars, self.groups):
+            plain = coef.get(v, 0)
+            batch += [g * plain + grouped.get(v, 0), plain] if g > 1 else [plain]
+        return Operand(t, offset, tuple(batch), coef.get(seq_var, 0), coef.get(feature_var, 0))
+
+    def _library_view(self, op: Operand, length: int, width: int, shared: bool) -> torch.Tensor:
+        """The operand as torch's attention takes it: [batch..., length, width], a grouped last batch axis whole
+        for Q (its stride the inner one) and in groups for K and V (enable_gqa: H // G heads, the outer stride)."""
+        if self.groups[-1] == 1:
+            return _strided(op, self.batch, length, width)
+        *lead, outer, inner = op.batch_strides
+        heads = self.batch[-2] * (1 if shared else self.batch[-1])
+        return op.tensor.as_strided((*self.batch[:-2], heads, length, width),
+                                    (*lead, outer if shared else inner, op.seq_stride, op.feature_stride),
+                                    op.tensor.storage_offset() + op.offset)
+
+    def _grouped_view(self, t: torch.Tensor) -> torch.Tensor:
+        """An output [batch..., l, e] as the kernel walks it, each grouped axis split in two."""
+        for axis in reversed([k for k, g in enumerate(self.groups) if g > 1]):
+            t = t.unflatten(axis, (t.shape[axis] // self.groups[axis], self.groups[axis]))
+        return t
 
     def _plan(self, tiles: AttentionTiles, device) -> TilePlan:
         key = (tiles, str(device))
@@ -349,6 +415,8 @@ class AttentionStep:
     def _library_form(self) -> tuple[bool, torch.Tensor | None] | None:
         if self.match.key_bias is not None or self.out_type.dtype != self.q_dtype:
             return None
+        if any(g > 1 for g in self.groups[:-1]):  # torch groups the heads next to the query axis only
+            return None
         folded = self.coefficients[1]
         if self.s_q * self.s_k > MAX_LIBRARY_MASK:
             plain = folded.kept == self.s_q * self.s_k and not folded.mixed.shape[0] and not folded.value.any()
@@ -365,18 +433,20 @@ class AttentionStep:
     def _library_runner(self, env):
         causal, mask = self.library_form()
         m = self.match
-        views = [_strided(self._operand(a, env, batch, seq, feature), self.batch, length, width)
-                 for a, batch, seq, feature, length, width in (
-                     (m.q, self.batch_vars, self.l_var, self.d_var, self.s_q, self.d),
-                     (m.k, self.batch_vars, self.m_var, self.d_var, self.s_k, self.d),
-                     (m.v, self.out_batch_vars, self.r_var, self.e_var, self.s_k, self.dv))]
+        views = [self._library_view(self._operand(a, env, batch, seq, feature), length, width, grouped)
+                 for a, batch, seq, feature, length, width, grouped in (
+                     (m.q, self.batch_vars, self.l_var, self.d_var, self.s_q, self.d, False),
+                     (m.k, self.batch_vars, self.m_var, self.d_var, self.s_k, self.d, True),
+                     (m.v, self.out_batch_vars, self.r_var, self.e_var, self.s_k, self.dv, True))]
+        gqa = {"enable_gqa": True} if self.groups[-1] > 1 else {}
         device = views[0].device
         results = self._outputs(device) if self.store is not None else None
         mask = mask.to(device) if mask is not None else None
         scale = self.coefficients[0]
 
         def run():
-            out = torch.nn.functional.scaled_dot_product_attention(*views, attn_mask=mask, is_causal=causal, scale=scale)
+            out = torch.nn.functional.scaled_dot_product_attention(*views, attn_mask=mask, is_causal=causal, scale=scale,
+                                                                   **gqa)
             if results is None:  # the library's own output is the node's value: no copy
                 return {m.output: out}
             results[m.output].copy_(out)  # laid out through strides as the output's reader wants it
@@ -394,7 +464,7 @@ class AttentionStep:
         device = q.tensor.device
         plan = self._plan(tiles, device)
         results = self._outputs(device)
-        out = results[m.output]
+        out = self._grouped_view(results[m.output])
         parts = scratch(plan, math.prod(self.batch), self.dv, self.out_type.dtype, device)
         precision = self._precision(q.tensor.dtype)
 

@@ -117,24 +117,31 @@ def _varying(scores: str, what: str) -> str:
 
 def transform_sources(graph: Graph, match: AttentionMatch, params) -> dict[str, torch.Tensor]:
     """The parameters the score transform depends on (directly or through constant nodes)."""
-    wanted, names = [], [a.tensor for n in match.transform for a in graph.node_of[n].accesses]
+    return {name: params[name] for name in _ancestors(graph, match) if name in params}
+
+
+def _ancestors(graph: Graph, match: AttentionMatch) -> set[str]:
+    """The tensors the score transform reads, and theirs, back to parameters and nodes without inputs."""
+    seen, names = set(), [a.tensor for n in match.transform for a in graph.node_of[n].accesses]
     while names:
         name = names.pop()
-        if name in params:
-            wanted.append(name)
-        elif name in graph.node_of and name not in match.nodes:
+        if name in seen or name in match.nodes:
+            continue
+        seen.add(name)
+        if name in graph.node_of:
             names += graph.node_of[name].inputs
-    return {name: params[name] for name in wanted}
+    return seen
 
 
 def _constant_env(graph: Graph, match: AttentionMatch, params) -> dict[str, torch.Tensor]:
     """Parameters (dense, in their own dtype: the transform's float64 arithmetic promotes the band it reads)
-    and the constant nodes the transform reads, evaluated."""
+    and the constant nodes the transform reads, evaluated (those built from positions alone too: aranges)."""
     env = {}
     for name, t in transform_sources(graph, match, params).items():
         env[name] = (t.to_dense() if t.layout != torch.strided else t).cpu()
+    wanted = _ancestors(graph, match)
     for node in graph.nodes:
-        if node.name not in match.nodes and node.inputs and set(node.inputs) <= set(env):
+        if node.name in wanted and node.name not in env and set(node.inputs) <= set(env):
             if math.prod(graph.type_of[node.name].shape) > MAX_CONSTANT_ELEMENTS:
                 raise NotAttention(f"{node.name}, a constant the transform reads, is too large to fold")
             env[node.name] = eval_node(node, env, graph.type_of[node.name])
