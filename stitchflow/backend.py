@@ -76,7 +76,8 @@ def _split_around(module: "StitchflowModule", refused: str, why: str) -> fx.Grap
     if node is None:
         return None
     node.meta[REFUSED] = why
-    if not any(supported(n) for n in gm.graph.nodes):
+    # an eager write in place would reach only a partition's copy of what it writes (z[0].add_(1))
+    if is_inplace(node) or not any(supported(n) for n in gm.graph.nodes) or _eager_write_through_an_alias(gm):
         return None
     split, names = fuse_by_dependence(gm) or split_in_program_order(gm)
     inline_empty_constants(split, names)

@@ -19,4 +19,4 @@ def test_markdown_reports_medians_ratios_and_the_rounds_method():
     graphed = dict(row, **{"torch.compile reduce-overhead us": 120.0, "stitchflow.compile vs reduce-overhead": 120 / 99})
     assert "| 120 | 98 | 99 |" in stitching_blocks.markdown([graphed], info) and "**1.21x faster** | 4.0e-03" in \
         stitching_blocks.markdown([graphed], info)
-    assert text.startswith("## Transformer blocks end to end") and "build(size=\"default\")" in text
+    assert text.startswith("## Transformer blocks end to end") and "build_model(app, size=\"default\")" in text
