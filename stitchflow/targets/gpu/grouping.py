@@ -23,7 +23,7 @@ from ...ir.index import Div, Lit, Mod, Sum, Var, add, bounds, evaluate, substitu
 from ...ir.index import scale as scale_index
 from .analysis import (NotStitchable, PartPlan, components, factor_access, inlinable, is_contraction, node_refusal,
                        plan_part, product_factors, unify)
-from .batched_gemm import contiguous, plan_bmm, run_bmm
+from .batched_gemm import contiguous, plan_bmm, row_padded, run_bmm
 from .conv import match_conv
 from .emit import inline_body
 from .mapping import programs, unsplit_config
@@ -545,7 +545,8 @@ def contract(node: Node, env, out_dtype: torch.dtype, cache: dict | None = None)
     if len(plan.kept) != len(node.out_vars):  # broadcast output dims
         out = out.reshape([node.extents[v] if v in plan.kept else 1 for v in node.out_vars])
         out = out.expand([node.extents[v] for v in node.out_vars])
-    return contiguous(out.to(out_dtype)).reshape(plan.out_shape)
+    out = out.to(out_dtype)
+    return (out if row_padded(out) else contiguous(out)).reshape(plan.out_shape)
 
 
 def _einsum(spec: str, operands: list[torch.Tensor], cache: dict) -> torch.Tensor:

@@ -174,3 +174,48 @@ def _to_cuda_keeping_layout(t):
     n = t.untyped_storage().nbytes() // t.element_size()
     whole = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), 0, (n,), (1,))
     return whole.cuda().as_strided(t.shape, t.stride(), t.storage_offset())
+
+
+def test_odd_output_columns_are_computed_into_aligned_rows(monkeypatch):
+    """GPT-2's logits (50257 columns): the output's rows start every 16 bytes, the view keeps the padding."""
+    from stitchflow.targets.gpu import batched_gemm
+
+    monkeypatch.setattr(batched_gemm, "MIN_PADDED", 0)
+    a, w = torch.randn(6, 16).to(torch.bfloat16), torch.randn(50, 16).to(torch.bfloat16)
+    plan = _plan("ik,jk->ij", a, w)
+    out = run_bmm(plan, a, w)
+    assert out.stride() == (56, 1) and batched_gemm.row_padded(out)
+    assert_close(out, torch.einsum("ik,jk->ij", a, w))
+    assert not batched_gemm.row_padded(out.contiguous()) and not batched_gemm.row_padded(out.t())
+    assert batched_gemm.padded_output(a[None], w.t()[None][..., :48]) is None  # 48 columns are aligned
+
+
+def test_padded_logits_feed_the_programs_kernels(monkeypatch):
+    """The padded logits go on to the generated kernels (a log-softmax and a gather, as in cross entropy) and
+    out to the caller without a copy."""
+    import os
+
+    import stitchflow
+    from stitchflow.targets.gpu import batched_gemm
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the gpu target on CPU tensors needs the Triton interpreter")
+    monkeypatch.setattr(batched_gemm, "MIN_PADDED", 0)
+
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(16, 50, bias=False)
+
+        def forward(self, x, labels):
+            logits = self.proj(x)
+            return logits, torch.log_softmax(logits.float(), -1).gather(-1, labels[..., None]).mean()
+
+    torch.manual_seed(0)
+    model = Head().to(torch.bfloat16)
+    x, labels = torch.randn(3, 5, 16).to(torch.bfloat16), torch.randint(0, 50, (3, 5))
+    prog = stitchflow.compile(model, (x, labels), target="gpu", fusion="auto")
+    logits, loss = prog(x, labels)
+    want_logits, want_loss = model(x, labels)
+    assert_close(logits, want_logits)
+    assert_close(loss, want_loss)
