@@ -177,7 +177,8 @@ def _to_cuda_keeping_layout(t):
 
 
 def test_odd_output_columns_are_computed_into_aligned_rows(monkeypatch):
-    """GPT-2's logits (50257 columns): the output's rows start every 16 bytes, the view keeps the padding."""
+    """GPT-2's logits (50257 columns): the weight padded to 16 bytes of columns (in its own layout) for
+    cuBLAS, the product's padded rows kept."""
     from stitchflow.targets.gpu import batched_gemm
 
     monkeypatch.setattr(batched_gemm, "MIN_PADDED", 0)
@@ -187,7 +188,9 @@ def test_odd_output_columns_are_computed_into_aligned_rows(monkeypatch):
     assert out.stride() == (56, 1) and batched_gemm.row_padded(out)
     assert_close(out, torch.einsum("ik,jk->ij", a, w))
     assert not batched_gemm.row_padded(out.contiguous()) and not batched_gemm.row_padded(out.t())
-    assert batched_gemm.padded_output(a[None], w.t()[None][..., :48]) is None  # 48 columns are aligned
+    assert batched_gemm.padded_right(a[None], w.t()[None][..., :48]) is None  # 48 columns are aligned
+    wide = batched_gemm.padded_right(a[None], w.t()[None])
+    assert wide.shape == (1, 16, 56) and wide.stride()[1:] == (1, 16) and not wide[..., 50:].any()
 
 
 def test_padded_logits_feed_the_programs_kernels(monkeypatch):
