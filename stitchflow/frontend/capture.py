@@ -157,7 +157,10 @@ def _capture(gm, example_inputs, input_formats, param_formats, partial_depth: in
             env[node], real[node] = _lower_call(gm, node, b, env, real, aliases)
         except Exception as err:  # the node that refused (or hit a bug): the backend splits the graph around it
             if not getattr(err, "node", ""):
-                err.node = node.name
+                try:
+                    err.node = node.name
+                except AttributeError:  # an exception type that takes no attributes
+                    pass
             raise
     unused = set(param_formats) - used_params
     if unused:
