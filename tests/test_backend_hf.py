@@ -40,12 +40,7 @@ def _first(out) -> torch.Tensor:
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
 
-@pytest.fixture(autouse=True)
-def fresh_backend():
-    torch._dynamo.reset()
-    backend.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

@@ -11,12 +11,7 @@ from conftest import assert_close
 from stitchflow.backend_layouts import _dense_layout, restrided
 
 
-@pytest.fixture(autouse=True)
-def fresh_backend():
-    torch._dynamo.reset()
-    backend.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _overwriting_scatter(x, idx, v):

@@ -8,6 +8,8 @@ folded to constants. Anything without a lowering raises UnsupportedOpError namin
 
 from __future__ import annotations
 
+import contextlib
+
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -157,10 +159,8 @@ def _capture(gm, example_inputs, input_formats, param_formats, partial_depth: in
             env[node], real[node] = _lower_call(gm, node, b, env, real, aliases)
         except Exception as err:  # the node that refused (or hit a bug): the backend splits the graph around it
             if not getattr(err, "node", ""):
-                try:
+                with contextlib.suppress(AttributeError):  # an exception type that takes no attributes
                     err.node = node.name
-                except AttributeError:  # an exception type that takes no attributes
-                    pass
             raise
     unused = set(param_formats) - used_params
     if unused:
