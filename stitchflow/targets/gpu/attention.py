@@ -24,7 +24,7 @@ from dataclasses import astuple, dataclass
 
 import torch
 
-from ...ir.expr import Access
+from ...ir.expr import Access, Call, Const, Read
 from ...ir.graph import Graph, Node
 from ...ir.index import Div, Var, affine_terms, rename
 from ...ir.interpret import eval_node
@@ -51,9 +51,12 @@ class AttentionMatch:
     key_bias: Access | None = None  # a tensor of the call added to the scores per key (a padding mask),
                                     # its indices over the scores' variables
     groups: tuple[int, ...] = ()  # per batch axis of the scores, G where K or V read it as h // G (grouped heads)
+    # a boolean mask over (batch..., query, key) read when the call runs (transformers' masks with padding, a
+    # mask input): where(mask, scores, -inf); its indices over the scores' variables. Torch's attention takes it.
+    call_mask: Access | None = None
 
     def __str__(self) -> str:
-        bias = f", key bias {self.key_bias}" if self.key_bias else ""
+        bias = f", key bias {self.key_bias}" if self.key_bias else f", mask {self.call_mask}" if self.call_mask else ""
         return f"attention {self.scores} .. {self.output} ({len(self.transform)} score nodes{bias})"
 
 
@@ -151,14 +154,15 @@ def _match_at(graph: Graph, out: Node, params: set) -> AttentionMatch:
     (x_access,) = {a for a in soft["max"].accesses}
     if soft["max"].reduce_vars != (soft["max"].dims[-1][0],) or x_access.indices[-1] != Var(soft["max"].reduce_vars[0]):
         raise NotAttention(f"softmax {probs.name} does not run over the last axis")
-    transform, name, key_bias = [], x_access.tensor, []
+    transform, name, key_bias, masks = [], x_access.tensor, [], []
     while name in node_of and node_of[name].reduce is None:
         transform.append(_transform_node(graph, node_of[name], params))
         name = transform[-1][1]
         key_bias += transform[-1][2]
-    if len(key_bias) > 1:
-        raise NotAttention(f"the scores read {len(key_bias)} tensors of the call ({', '.join(map(str, key_bias))}); "
-                           f"one key bias at most")
+        masks += [(transform[-1][0], a) for a in transform[-1][3]]
+    if len(key_bias) + len(masks) > 1:
+        raise NotAttention(f"the scores read {len(key_bias) + len(masks)} tensors of the call "
+                           f"({', '.join(map(str, key_bias + [a for _, a in masks]))}); one key bias or mask at most")
     if name not in node_of:
         raise NotAttention(f"the scores before softmax {probs.name} come from {name}, not a contraction")
     scores = node_of[name]
@@ -179,31 +183,56 @@ def _match_at(graph: Graph, out: Node, params: set) -> AttentionMatch:
         if users or n in graph.outputs:
             raise NotAttention(f"{n} is also read outside the attention ({sorted(users) or 'a program output'})")
     nodes = tuple(n.name for n in graph.nodes if n.name in set(inner) | {out.name})
+    mask = None
+    if masks:
+        (node, read), = masks
+        mask = Access(read.tensor, tuple(rename(i, dict(zip(node.out_vars, scores.out_vars))) for i in read.indices))
     return AttentionMatch(nodes, scores.name, tuple(t[0].name for t in reversed(transform)), probs.name,
                           out.name, q, k, v, _on_scores_vars(key_bias, transform, scores),
-                          groups if any(g > 1 for g in groups) else ())
+                          groups if any(g > 1 for g in groups) else (), mask)
 
 
 def _on_scores_vars(key_bias: list, transform, scores: Node) -> Access | None:
     """The key bias's access with the reading node's variables renamed to the scores' (position by position)."""
     if not key_bias:
         return None
-    (node,) = [n for n, _, bias in transform if bias]
+    (node,) = [n for n, _, bias, _ in transform if bias]
     names = dict(zip(node.out_vars, scores.out_vars))
     return Access(key_bias[0].tensor, tuple(rename(i, names) for i in key_bias[0].indices))
 
 
-def _transform_node(graph: Graph, node: Node, params: set) -> tuple[Node, str, list[Access]]:
+def _call_mask(graph: Graph, node: Node, chain: Access, params: set) -> Access | None:
+    """The mask of `node` = where(mask[batch..., l, m], t(scores), -inf) with a boolean mask that varies over a
+    batch axis (a padding mask combined with a causal one, as transformers builds them) or is computed by the call,
+    read when the call runs; a constant mask over (query, key) alone folds into tiles instead."""
+    body = node.body
+    if not (isinstance(body, Call) and body.op == "where" and isinstance(body.args[0], Read)
+            and isinstance(body.args[2], Const) and body.args[2].value == -math.inf):
+        return None
+    read = body.args[0].access
+    *batch, l_var, m_var = node.out_vars
+    vars_ = _affine_vars(read)
+    if read.tensor == chain.tensor or vars_ is None or not {l_var, m_var} <= vars_ <= set(batch) | {l_var, m_var} \
+            or (read.tensor in params and vars_ <= {l_var, m_var}) or graph.type_of[read.tensor].dtype != torch.bool:
+        return None
+    return read
+
+
+def _transform_node(graph: Graph, node: Node, params: set) -> tuple[Node, str, list[Access], list[Access]]:
     """An elementwise node over the scores: (node, the node it transforms, reads of a per-key bias
-    that the call passes), or NotAttention."""
+    that the call passes, reads of a mask over the batch, query and key that the call computes), or
+    NotAttention."""
     if node.is_scatter:
         raise NotAttention(f"{node.name} scatters")
     *batch, l_var, m_var = node.out_vars
     chain = [a for a in node.accesses if a.tensor not in params and a.indices == node.index]
-    others = [a for a in node.accesses if a.tensor not in params and a.indices != node.index]
     if len(chain) != 1:
         raise NotAttention(f"{node.name} reads {[str(a) for a in chain]}: a score transform reads the "
                            f"scores as they are and otherwise only constants or a per-key bias")
+    mask = _call_mask(graph, node, chain[0], params)
+    if mask is not None:
+        return node, chain[0].tensor, [], [mask]
+    others = [a for a in node.accesses if a.tensor not in params and a.indices != node.index]
     for a in others:
         vars_ = _affine_vars(a)
         if vars_ is None or m_var not in vars_ or not vars_ <= set(batch) | {m_var} or a.tensor in graph.node_of:
@@ -213,7 +242,7 @@ def _transform_node(graph: Graph, node: Node, params: set) -> tuple[Node, str, l
         if a.tensor in params and not a.vars <= {l_var, m_var}:
             raise NotAttention(f"{node.name} reads {a}, which varies over the batch axes (a mask per head "
                                f"or per sequence is not folded yet)")
-    return node, chain[0].tensor, others
+    return node, chain[0].tensor, others, []
 
 
 def _order_qk(accesses, batch: set, l_var: str, m_var: str, d: str) -> tuple[Access, Access]:
@@ -339,6 +368,9 @@ class AttentionStep:
         log.info("%s: mask folded, %.1f%% of the score positions kept", match, 100 * kept)
         self.plans: dict = {}
         self._library: tuple | None = None  # (the coefficients it was worked out from, library_form())
+        if match.call_mask is not None and self.library_form() is None:
+            raise NotAttention(f"{match.output}'s mask of the call goes to torch's attention, which cannot take "
+                               "this match (an output dtype other than Q's, or offsets too large to hand over)")
         self.chosen: AttentionTiles | None = None
         self.tuned_us: float | None = None
 
@@ -374,7 +406,7 @@ class AttentionStep:
             batch += [g * plain + grouped.get(v, 0), plain] if g > 1 else [plain]
         return Operand(t, offset, tuple(batch), coef.get(seq_var, 0), coef.get(feature_var, 0))
 
-    def _library_view(self, op: Operand, length: int, width: int, shared: bool) -> torch.Tensor:
+    def _library_view(self, op: Operand, length: int, width: int, shared: bool = False) -> torch.Tensor:
         """The operand as torch's attention takes it: [batch..., length, width], a grouped last batch axis whole
         for Q (its stride the inner one) and in groups for K and V (enable_gqa: H // G heads, the outer stride)."""
         if self.groups[-1] == 1:
@@ -443,10 +475,21 @@ class AttentionStep:
         results = self._outputs(device) if self.store is not None else None
         mask = mask.to(device) if mask is not None else None
         scale = self.coefficients[0]
+        if m.call_mask is not None:  # the call's mask, with the folded constant part (a causal mask) on it
+            keep = self._library_view(self._operand(m.call_mask, env, self.batch_vars, self.l_var, self.m_var),
+                                      self.s_q, self.s_k, shared=False)
+            if causal:
+                mask, causal = torch.ones(self.s_q, self.s_k, dtype=torch.bool, device=device).tril(), False
+            extra = mask
+            mask = None
 
         def run():
-            out = torch.nn.functional.scaled_dot_product_attention(*views, attn_mask=mask, is_causal=causal, scale=scale,
-                                                                   **gqa)
+            attn_mask = mask
+            if m.call_mask is not None:
+                attn_mask = keep if extra is None else keep & extra if extra.dtype == torch.bool else \
+                    torch.where(keep, extra, float("-inf")).to(extra.dtype)
+            out = torch.nn.functional.scaled_dot_product_attention(*views, attn_mask=attn_mask, is_causal=causal,
+                                                                   scale=scale, **gqa)
             if results is None:  # the library's own output is the node's value: no copy
                 return {m.output: out}
             results[m.output].copy_(out)  # laid out through strides as the output's reader wants it
@@ -487,6 +530,8 @@ class AttentionStep:
     # -- tiles
 
     def _tiles(self, env) -> AttentionTiles:
+        if self.match.call_mask is not None:  # our kernel folds constant masks only
+            return LIBRARY
         pinned = self.options.get("attention_tiles")
         if pinned is not None:
             return pinned if isinstance(pinned, AttentionTiles) else AttentionTiles(*pinned)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...ir.expr import Access, Call, Cast, Read, map_reads
+from ...ir.expr import Access, Call, Cast, Const, Read, map_reads
 from ...ir.graph import Graph, Node
 from ...ir.index import Var, add, substitute
 from ...ir.interpret import eval_node
@@ -172,6 +172,8 @@ def _evaluate_transform(graph, match, constants: dict, s: float, r: float, r0: i
                 return Read(Access(previous, grid))
             if access.tensor == bias:
                 return Read(Access(KEY_BIAS, grid))
+            if match.call_mask is not None and access.tensor == match.call_mask.tensor:
+                return Const(True)  # the call's mask keeps the position: the constant part is what folds
             return Read(Access(access.tensor, tuple(substitute(i, shifted, extents) for i in access.indices)))
 
         small = Node(name, grid, _exact(map_reads(node.body, on_grid)), tuple(extents.items()))

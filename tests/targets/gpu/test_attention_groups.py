@@ -1,6 +1,6 @@
-"""Grouped key/value heads (torch's enable_gqa, as transformers' Llama calls it: K and V read at h // G) and
-causal masks built from positions (aranges, as transformers builds them) on the gpu target's attention kernel,
-on the CPU under the Triton interpreter."""
+"""Attention as transformers' models write it, on the gpu target, on the CPU under the Triton interpreter: grouped
+key/value heads (torch's enable_gqa: K and V read at h // G), causal masks built from positions (aranges), and
+masks the call computes over (batch, query, key) (padding combined with causality), which go to torch's attention."""
 
 import os
 
@@ -96,3 +96,48 @@ def test_grouped_heads_under_the_torch_compile_backend():
     assert rel_err(out, model(q, k, v)) < 1e-5
     steps = [s for m in backend.COMPILED for p in m.programs.values() if p for s in attention_steps(p)]
     assert [s.groups for s in steps] == [(1, 2)]
+
+
+class PaddedCausal(torch.nn.Module):
+    """transformers' mask for a padded batch: keep = padding[b, key] & (key <= query), computed in the forward."""
+
+    def forward(self, q, k, v, lengths):
+        rows, cols = torch.arange(q.shape[-2]), torch.arange(k.shape[-2])
+        padding = cols[None, :] >= (k.shape[-2] - lengths)[:, None]  # left padding, as generation pads
+        keep = padding[:, None, None, :] & (cols[None, :] <= rows[:, None])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True)
+
+
+def test_a_mask_the_call_computes_goes_to_torchs_attention():
+    q, k, v = torch.randn(3, 4, 12, 8), torch.randn(3, 2, 12, 8), torch.randn(3, 2, 12, 8)
+    lengths = torch.tensor([12, 7, 3])
+    graph = capture_model(PaddedCausal(), (q, k, v, lengths)).graph
+    (match,), _ = match_attention(graph, graph.params)
+    assert match.call_mask is not None and match.groups == (1, 2)
+    prog = stitchflow.compile(PaddedCausal(), (q, k, v, lengths), target="gpu", fusion="full")
+    for lengths in (torch.tensor([12, 7, 3]), torch.tensor([1, 12, 5])):  # the mask is read when the call runs
+        want = PaddedCausal()(q, k, v, lengths)
+        got = prog(q, k, v, lengths)
+        assert torch.equal(torch.isnan(got), torch.isnan(want))
+        assert rel_err(got.nan_to_num(), want.nan_to_num()) < 1e-5
+    (step,) = attention_steps(prog)
+    assert step.chosen == LIBRARY
+
+
+def test_a_padded_batch_of_a_hugging_face_llama():
+    T = pytest.importorskip("transformers")
+    import stitchflow.backend as backend
+
+    torch._dynamo.reset()
+    backend.reset()
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(T.LlamaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                             num_key_value_heads=2, intermediate_size=128, vocab_size=256)).eval()
+    ids, mask = torch.randint(0, 256, (2, 16)), torch.ones(2, 16, dtype=torch.long)
+    mask[1, :5] = 0
+    compiled = torch.compile(model, backend="stitchflow", options={"target": "gpu", "cuda_graphs": False})
+    with torch.no_grad():
+        got, want = compiled(input_ids=ids, attention_mask=mask).logits, model(input_ids=ids, attention_mask=mask).logits
+    assert rel_err(got, want) < 1e-5 and backend.FALLBACKS == []
+    steps = [s for m in backend.COMPILED for p in m.programs.values() if p for s in attention_steps(p)]
+    assert [s.match.call_mask is not None for s in steps] == [True]
