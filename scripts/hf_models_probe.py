@@ -3,7 +3,7 @@ apps/hf.py (default size, bf16, CUDA): the stitchflow backend's fallback report 
 kernels by total time (torch.profiler, a few calls after warm-up) for eager, torch.compile and the stitchflow backend.
 Not a test.
 
-    python scripts/hf_models_probe.py [hf-gpt2,hf-llama,hf-bert] [--train]
+    python scripts/hf_models_probe.py [hf-gpt2,hf-llama:padded,hf-bert] [--train] [--runners eager,stitchflow]
 """
 
 import sys
@@ -27,8 +27,6 @@ def kernels(fn, inputs, calls=3, top=14, train=False):
         for _ in range(calls):
             step()
         torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA or
-              getattr(e, "self_device_time_total", 0) > 0]
     rows = sorted(prof.key_averages(), key=lambda e: -getattr(e, "self_device_time_total", 0))
     total = sum(getattr(e, "self_device_time_total", 0) for e in rows) / calls
     print(f"    device time per call {total:.0f} us; launches {sum(e.count for e in rows if getattr(e, 'self_device_time_total', 0) > 0) // calls}")
@@ -41,12 +39,16 @@ def kernels(fn, inputs, calls=3, top=14, train=False):
 def main():
     names = (sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("-") else "hf-gpt2,hf-llama,hf-bert").split(",")
     train = "--train" in sys.argv
-    for name in names:
-        model, inputs = build_model(name, "default", dtype=torch.bfloat16)
+    runners = ("eager", "torch.compile", "stitchflow")
+    if "--runners" in sys.argv:
+        runners = sys.argv[sys.argv.index("--runners") + 1].split(",")
+    for spec in names:
+        name, _, size = spec.partition(":")
+        model, inputs = build_model(name, size or "default", dtype=torch.bfloat16)
         model = model.cuda().train(train)
         inputs = tuple(x.cuda() for x in inputs)
-        print(f"== {name} {'training' if train else 'inference'}", flush=True)
-        for runner in ("eager", "torch.compile", "stitchflow"):
+        print(f"== {spec} {'training' if train else 'inference'}", flush=True)
+        for runner in runners:
             torch._dynamo.reset()
             backend.reset()
             fn = (model if runner == "eager" else torch.compile(model, dynamic=False) if runner == "torch.compile"

@@ -34,17 +34,37 @@ DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout_prob"
                 "attention_dropout")
 
 
+# Padded batches: sizes whose calls carry an `attention_mask` of sequences of different lengths, with the
+# configuration of the size named here. Causal LMs are padded on the left, as batches for generation are; encoders
+# on the right. The mask then reaches the attention as a (batch, query, key) tensor the call computes.
+PADDED = {"small-padded": ("small", (3, 16)), "padded": ("default", (4, 512))}
+
+
 class HFCall(nn.Module):
-    """A transformers model called with `input_ids` alone, returning its first output as a tensor (a causal LM's
-    logits, an encoder's last hidden state): the form the zoo's benchmarks take."""
+    """A transformers model called with `input_ids` (and an `attention_mask` where the batch is padded), returning
+    its first output as a tensor (a causal LM's logits, an encoder's last hidden state): the form the zoo's
+    benchmarks take."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        out = self.model(input_ids=input_ids)
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask)
         return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def padding_mask(batch: int, tokens: int, left: bool) -> torch.Tensor:
+    """A (batch, tokens) mask of ones over each sequence: sequence i holds tokens - i·tokens // (2·batch) of them,
+    so the first is whole and the last a little over half."""
+    lengths = [tokens - i * tokens // (2 * batch) for i in range(batch)]
+    mask = torch.zeros(batch, tokens, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        if left:
+            mask[i, tokens - n:] = 1
+        else:
+            mask[i, :n] = 1
+    return mask
 
 
 def build_hf(name: str, size: str = "small", seed: int = 0, dtype: torch.dtype = torch.float32, dropout: bool = False):
@@ -55,16 +75,20 @@ def build_hf(name: str, size: str = "small", seed: int = 0, dtype: torch.dtype =
     except ImportError as err:
         raise ImportError(f"{name} needs the transformers package (pip install transformers)") from err
     architecture, configs, shapes = HF_MODELS[name]
-    if size not in configs:
-        raise ValueError(f"{name}: unknown size {size!r}; known: {', '.join(configs)}")
+    config_size, shape = PADDED.get(size, (size, shapes.get(size)))
+    if config_size not in configs:
+        raise ValueError(f"{name}: unknown size {size!r}; known: {', '.join([*configs, *PADDED])}")
     config_class = getattr(transformers, architecture).config_class
-    config = config_class(**configs[size])
+    config = config_class(**configs[config_size])
     if not dropout:
         for key in DROPOUT_KEYS:
             if isinstance(getattr(config, key, None), float):
                 setattr(config, key, 0.0)
     torch.manual_seed(seed)
     model = getattr(transformers, architecture)(config).to(dtype)
-    batch, tokens = shapes[size]
+    batch, tokens = shape
     ids = torch.randint(0, config.vocab_size, (batch, tokens), generator=torch.Generator().manual_seed(seed + 7919))
-    return HFCall(model).eval(), (ids,)
+    if size not in PADDED:
+        return HFCall(model).eval(), (ids,)
+    causal = architecture.endswith(("ForCausalLM", "LMHeadModel"))
+    return HFCall(model).eval(), (ids, padding_mask(batch, tokens, left=causal))

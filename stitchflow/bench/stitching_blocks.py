@@ -24,7 +24,7 @@ SECTION = "## Transformer blocks end to end"
 RUNNERS = ("eager", "torch.compile", "torch.compile reduce-overhead", "backend=stitchflow", "stitchflow.compile")
 
 
-def bench_block(app: str, dtype: torch.dtype, size: str = "default") -> dict:
+def bench_block(app: str, dtype: torch.dtype, size: str = "default", only: tuple[str, ...] = RUNNERS) -> dict:
     import stitchflow
     from stitchflow.apps import build_model
 
@@ -50,6 +50,8 @@ def bench_block(app: str, dtype: torch.dtype, size: str = "default") -> dict:
         }
         ready = {}
         for name, make in runners.items():
+            if name not in only:
+                continue
             row[f"{name} us"] = None
             try:  # one failing competitor must not hide the others
                 fn = make()
@@ -99,11 +101,18 @@ def main(argv=None) -> int:
     parser.add_argument("--apps", default="bert,llama", help="apps of the zoo, each APP or APP:SIZE")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--size", default="default")
+    parser.add_argument("--runners", default=",".join(RUNNERS),
+                        help=f"the runners to time, of {', '.join(RUNNERS)} (eager and torch.compile always run)")
     parser.add_argument("--out", default="")
     parser.add_argument("--markdown", default="", help="file whose section (--section) is rewritten")
     parser.add_argument("--section", default=SECTION, help="the markdown section's heading")
     args = parser.parse_args(argv)
-    return run_apps(args, argv, "stitchflow.bench.stitching_blocks", bench_block, markdown)
+    only = {"eager", "torch.compile", *args.runners.split(",")}
+    unknown = only - set(RUNNERS)
+    if unknown:
+        parser.error(f"unknown runners {sorted(unknown)}; known: {', '.join(RUNNERS)}")
+    return run_apps(args, argv, "stitchflow.bench.stitching_blocks",
+                    lambda app, dtype, size: bench_block(app, dtype, size, tuple(only)), markdown)
 
 
 if __name__ == "__main__":

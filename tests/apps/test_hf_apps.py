@@ -30,3 +30,16 @@ def test_build_model_takes_apps_of_the_zoo_and_names_the_unknown():
         build_model("gpt5")
     with pytest.raises(ValueError, match="unknown size"):
         build_model("hf-gpt2", "huge")
+
+
+@pytest.mark.parametrize("name", sorted(HF_MODELS))
+def test_padded_sizes_carry_a_mask_of_different_lengths(name):
+    model, (ids, mask) = build_model(name, "small-padded")
+    assert mask.shape == ids.shape and mask.dtype == torch.long
+    lengths = mask.sum(1).tolist()
+    assert lengths[0] == ids.shape[1] and lengths == sorted(lengths, reverse=True) and lengths[-1] < ids.shape[1]
+    causal = name != "hf-bert"  # causal LMs are padded on the left, encoders on the right
+    assert bool(mask[-1, -1 if causal else 0]) and not bool(mask[-1, 0 if causal else -1])
+    with torch.no_grad():
+        out = model(ids, mask)
+    assert out.shape[:2] == ids.shape and torch.isfinite(out).all()

@@ -83,11 +83,11 @@ class GpuTarget:
             graph = reassociate(graph, found)
         attention = region_attention(graph, region, params, options) if options.get("attention", True) else []
         if options.get("walked_reads", True):
-            graph = read_walked(graph, {a.match.output: a.store for a in attention if a.store})
+            graph = read_walked(graph, {a.match.result: a.store for a in attention if a.store})
         taken = {n for a in attention for n in a.nodes}
         chains = region_chains(graph, region, taken) if options.get("chains", True) else []
         fused_at = {c[-1]: (lambda c=c: compile_chain(graph, c, options)) for c in chains}
-        fused_at.update({a.match.output: (lambda a=a: a) for a in attention})
+        fused_at.update({a.match.result: (lambda a=a: a) for a in attention})
         taken |= {n for c in chains for n in c}
         convs = region_convolutions(graph, region, taken) if options.get("conv_padding", True) else []
         fused_at.update({c.call.node: (lambda c=c: c) for c in convs})
@@ -146,17 +146,19 @@ class GpuTarget:
         if reassociated:
             out += ["", "sparse products reassociated (the narrowing GEMM first):", *reassociated]
         found, refused = match_attention(graph, graph.params)
-        region_of = {m: next((r for r in regions if set(m.nodes) <= set(r.nodes)), None) for m in found}
-        inside = [m for m in found if region_of[m] is not None]
+        placed = {}  # match -> (its region, the match as that region runs it)
+        for m in found:
+            placed[m] = next(((r, w) for r in regions for w in [m.within(set(r.nodes))] if w is not None), None)
+        inside = [placed[m] for m in found if placed[m] is not None]
 
-        def merged(m) -> str:
-            store = output_store(graph, m.output, set(region_of[m].nodes))
+        def merged(region, m) -> str:
+            store = output_store(graph, m.result, set(region.nodes))
             return f"; its output {store}" if store else ""
 
         if found or refused:
             out += ["", "attention (one block-sparse kernel each; the mask is folded into tiles when compiled):",
-                    *(line for m in inside for line in (f"  {m}{merged(m)}", *_explain_tiles(graph, m, params))),
-                    *(f"  {m}: not inside one region" for m in found if m not in inside),
+                    *(line for r, m in inside for line in (f"  {m}{merged(r, m)}", *_explain_tiles(graph, m, params))),
+                    *(f"  {m}: not inside one region" for m in found if placed[m] is None),
                     *(f"  not attention: {why}" for why in refused)]
         convs = _explain_convolutions(graph, regions, options)
         if convs:
@@ -252,10 +254,11 @@ def region_attention(graph: Graph, region: Region, params: dict, options: dict) 
     matches, refusals = match_attention(graph, params)
     steps, inside, stores = [], set(region.nodes), options.get("attention_store", True)
     for match in matches:
-        if not set(match.nodes) <= inside:
+        match = match.within(inside)
+        if match is None:
             continue
         try:
-            store = output_store(graph, match.output, inside) if stores else None
+            store = output_store(graph, match.result, inside) if stores else None
             steps.append(AttentionStep(graph, match, params, options, store))
         except NotAttention as why:
             refusals.append(f"{match.output}: {why}")

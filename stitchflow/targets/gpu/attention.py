@@ -18,6 +18,7 @@ reason and runs as before: the contractions through torch, the rest as stitched 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import astuple, dataclass
@@ -54,6 +55,25 @@ class AttentionMatch:
     # a boolean mask over (batch..., query, key) read when the call runs (transformers' masks with padding, a
     # mask input): where(mask, scores, -inf); its indices over the scores' variables. Torch's attention takes it.
     call_mask: Access | None = None
+    # with a call mask: (kept, rows), the frontend's zeroing of queries whose every key is masked
+    # (ops_attention._zero_fully_masked_rows). Torch's attention, which runs a call mask, has its own answer there
+    # (zeros on the CPU; cuDNN's answer on a Hopper GPU is not zeros), so the step's result is the rows node's,
+    # as eager's is the library's on each device.
+    zeroed: tuple[str, str] = ()
+
+    @property
+    def result(self) -> str:
+        """The node whose value the step produces: the attention's output, or the rows zeroed after it."""
+        return self.zeroed[1] if self.zeroed else self.output
+
+    def within(self, nodes: set) -> AttentionMatch | None:
+        """The match as a region holding `nodes` can run it: whole, or without the zeroed rows where the planner put
+        them in another region (the rows then run there as stitched kernels); None where the attention is not inside."""
+        if set(self.nodes) <= nodes:
+            return self
+        if self.zeroed and set(self.nodes) - set(self.zeroed) <= nodes:
+            return dataclasses.replace(self, nodes=tuple(n for n in self.nodes if n not in self.zeroed), zeroed=())
+        return None
 
     def __str__(self) -> str:
         bias = f", key bias {self.key_bias}" if self.key_bias else f", mask {self.call_mask}" if self.call_mask else ""
@@ -182,14 +202,37 @@ def _match_at(graph: Graph, out: Node, params: set) -> AttentionMatch:
         users = set(consumers.get(n, ())) - set(inner) - {out.name}
         if users or n in graph.outputs:
             raise NotAttention(f"{n} is also read outside the attention ({sorted(users) or 'a program output'})")
-    nodes = tuple(n.name for n in graph.nodes if n.name in set(inner) | {out.name})
-    mask = None
+    mask, zeroed = None, ()
     if masks:
         (node, read), = masks
         mask = Access(read.tensor, tuple(rename(i, dict(zip(node.out_vars, scores.out_vars))) for i in read.indices))
+        zeroed = _zeroed_rows(graph, out, mask.tensor)
+    nodes = tuple(n.name for n in graph.nodes if n.name in set(inner) | {out.name, *zeroed})
     return AttentionMatch(nodes, scores.name, tuple(t[0].name for t in reversed(transform)), probs.name,
                           out.name, q, k, v, _on_scores_vars(key_bias, transform, scores),
-                          groups if any(g > 1 for g in groups) else (), mask)
+                          groups if any(g > 1 for g in groups) else (), mask, zeroed)
+
+
+def _zeroed_rows(graph: Graph, out: Node, mask: str) -> tuple[str, str] | tuple[()]:
+    """(kept, rows) where the attention's only reader is the zeroing that lowering F.scaled_dot_product_attention
+    put after it (kept = max over the keys of the mask, rows = where(kept > 0, out, 0): ops of their own, named
+    after the attention's op) and nothing else reads either; () otherwise."""
+    readers = graph.consumers.get(out.name, ())
+    if len(readers) != 1 or out.name in graph.outputs:
+        return ()
+    rows = graph.node_of[next(iter(readers))]
+    body = rows.body
+    if not (rows.origin == f"{out.origin}.rows" and isinstance(body, Call) and body.op == "where"
+            and isinstance(body.args[0], Call) and body.args[0].op == "gt" and isinstance(body.args[0].args[0], Read)
+            and isinstance(body.args[1], Read) and body.args[1].access.tensor == out.name
+            and body.args[1].access.indices == tuple(map(Var, rows.out_vars))
+            and isinstance(body.args[2], Const) and body.args[2].value == 0):
+        return ()
+    kept = graph.node_of.get(body.args[0].args[0].access.tensor)
+    if kept is None or kept.origin != f"{out.origin}.kept" or kept.reduce != "max" or set(kept.inputs) != {mask} \
+            or set(graph.consumers.get(kept.name, ())) != {rows.name} or kept.name in graph.outputs:
+        return ()
+    return kept.name, rows.name
 
 
 def _on_scores_vars(key_bias: list, transform, scores: Node) -> Access | None:
@@ -326,6 +369,15 @@ def _strided(op: Operand, batch: tuple, length: int, width: int) -> torch.Tensor
                                 op.tensor.storage_offset() + op.offset)
 
 
+def _broadcast(mask: torch.Tensor) -> torch.Tensor:
+    """The mask with its stride-0 axes (a mask shared by every head) at size 1: torch's attention broadcasts it, and
+    a mask of full size is converted to an additive bias of full size on every call."""
+    for axis, stride in enumerate(mask.stride()[:-2]):
+        if stride == 0:
+            mask = mask.narrow(axis, 0, 1)
+    return mask
+
+
 class AttentionStep:
     """One attention match as one kernel launch; tiles autotuned on the device at the first call."""
 
@@ -336,7 +388,7 @@ class AttentionStep:
         runs) or a buffer laid out as the output's reader walks it."""
         self.graph, self.match, self.options = graph, match, dict(options or {})
         self.store = store
-        self.nodes = match.nodes + ((store.into,) if store and store.into else ())
+        self.nodes = match.nodes + ((store.into,) if store and store.into else ())  # in graph order
         node_of, type_of = graph.node_of, graph.type_of
         scores, out = node_of[match.scores], node_of[match.output]
         dtypes = [type_of[a.tensor].dtype for a in (match.q, match.k, match.v)]
@@ -355,7 +407,7 @@ class AttentionStep:
         self.dv = out.extents[self.e_var]
         if max(self.d, self.dv) > MAX_FEATURES:
             raise NotAttention(f"head dims {self.d}, {self.dv} exceed {MAX_FEATURES}")
-        self.out_type = type_of[match.output]
+        self.out_type = type_of[match.result]
         self.q_dtype = dtypes[0]
         self.params = params
         self.sources = transform_sources(graph, match, params)
@@ -476,8 +528,8 @@ class AttentionStep:
         mask = mask.to(device) if mask is not None else None
         scale = self.coefficients[0]
         if m.call_mask is not None:  # the call's mask, with the folded constant part (a causal mask) on it
-            keep = self._library_view(self._operand(m.call_mask, env, self.batch_vars, self.l_var, self.m_var),
-                                      self.s_q, self.s_k, shared=False)
+            keep = _broadcast(self._library_view(self._operand(m.call_mask, env, self.batch_vars, self.l_var,
+                                                               self.m_var), self.s_q, self.s_k, shared=False))
             if causal:
                 mask, causal = torch.ones(self.s_q, self.s_k, dtype=torch.bool, device=device).tril(), False
             extra = mask
@@ -491,8 +543,8 @@ class AttentionStep:
             out = torch.nn.functional.scaled_dot_product_attention(*views, attn_mask=attn_mask, is_causal=causal,
                                                                    scale=scale, **gqa)
             if results is None:  # the library's own output is the node's value: no copy
-                return {m.output: out}
-            results[m.output].copy_(out)  # laid out through strides as the output's reader wants it
+                return {m.result: out}
+            results[m.result].copy_(out)  # laid out through strides as the output's reader wants it
             return results
         return run
 
@@ -507,7 +559,7 @@ class AttentionStep:
         device = q.tensor.device
         plan = self._plan(tiles, device)
         results = self._outputs(device)
-        out = self._grouped_view(results[m.output])
+        out = self._grouped_view(results[m.result])
         parts = scratch(plan, math.prod(self.batch), self.dv, self.out_type.dtype, device)
         precision = self._precision(q.tensor.dtype)
 
@@ -522,10 +574,10 @@ class AttentionStep:
         result, or `{output}_walked`, which the graph's reader reads instead, layout.read_walked)."""
         shape, dtype = self.out_type.shape, self.out_type.dtype
         if self.store is None:
-            return {self.match.output: torch.empty(shape, dtype=dtype, device=device)}
+            return {self.match.result: torch.empty(shape, dtype=dtype, device=device)}
         buffer = torch.empty(self.store.shape, dtype=dtype, device=device)
-        return {self.match.output: buffer.as_strided(shape, self.store.strides),
-                self.store.buffer_name(self.match.output): buffer}
+        return {self.match.result: buffer.as_strided(shape, self.store.strides),
+                self.store.buffer_name(self.match.result): buffer}
 
     # -- tiles
 

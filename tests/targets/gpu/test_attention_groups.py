@@ -131,3 +131,28 @@ def test_a_padded_batch_of_a_hugging_face_llama():
     assert rel_err(got, want) < 1e-5 and backend.FALLBACKS == []
     steps = [s for m in backend.COMPILED for p in m.programs.values() if p for s in attention_steps(p)]
     assert [s.match.call_mask is not None for s in steps] == [True]
+
+
+def test_queries_with_every_key_masked_are_left_to_torchs_attention():
+    """Lowering SDPA zeroes the rows of queries whose every key is masked (torch's math backend answers 0). With a
+    mask of the call, the attention runs on torch's own, which answers for those rows as eager does on the device
+    (not zeros under cuDNN on a Hopper GPU): the zeroing is the attention step's, and no kernel reduces the mask."""
+    from stitchflow.targets.gpu.runtime import GroupKernel
+
+    q, k, v = torch.randn(3, 4, 12, 8), torch.randn(3, 2, 12, 8), torch.randn(3, 2, 12, 8)
+    lengths = torch.tensor([12, 7, 3])
+    prog = stitchflow.compile(PaddedCausal(), (q, k, v, lengths), target="gpu", fusion="full")
+    (step,) = attention_steps(prog)
+    kept, rows = step.match.zeroed
+    assert step.match.result == rows and kept in step.nodes
+    kernels = [n.name for run in prog.compiled for s in run.steps if isinstance(s, GroupKernel)
+               for p in s.plans for n in p.nodes]
+    assert kept not in kernels and rows not in kernels
+    out = prog(q, k, v, lengths)
+    assert rel_err(out, PaddedCausal()(q, k, v, lengths)) < 1e-5
+    assert not out[2, :, :9].any() and out[2, :, 9:].abs().sum(-1).gt(0).all()  # 9 padded queries of the third
+
+    (match,), _ = match_attention(prog.graph, prog.graph.params)
+    alone = match.within(set(match.nodes) - {rows})  # the planner put the rows in another region
+    assert alone.zeroed == () and alone.result == match.output and kept not in alone.nodes
+    assert match.within(set(match.nodes) - {match.scores}) is None

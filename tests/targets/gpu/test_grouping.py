@@ -1,6 +1,7 @@
 """Kernel boundaries of the gpu target's grouping (targets/gpu/grouping.py): elementwise work that a
 kernel makes only for one later kernel moves into it (`defer_elementwise`)."""
 
+import math
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -157,3 +158,34 @@ def test_a_reduction_across_layouts_may_take_square_tiles(pins):
     assert any(c.BP == 64 and c.BL == 64 for c in candidates(plan)), candidates(plan)
     for out, ref in zip(prog(x), f(x)):
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+
+
+def _rotary(q, k, positions):
+    """Q over 4 heads and K over 2, turned by cos/sin tables computed in the graph over (position, feature), the
+    tables also returned (as transformers' Llama computes them once and every layer reads them)."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))
+    freqs = positions[:, None].float() * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+
+    def turn(x):
+        half = torch.cat((-x[..., 4:], x[..., :4]), dim=-1)
+        return x * cos + half * sin
+    return turn(q), turn(k), cos, sin
+
+
+def test_tables_read_by_q_and_k_heads_are_not_a_cross_product():
+    """Q's heads and K's heads are different axes: one loop nest over both evaluated (and stored) every node once
+    per head of the other. The tables run in a nest of their own and each of Q and K recomputes them."""
+    from stitchflow.targets.gpu.runtime import GroupKernel
+
+    q, k, positions = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8), torch.arange(6)
+    prog = stitchflow.compile(_rotary, (q, k, positions), target="gpu", fusion="full")
+    for got, want in zip(prog(q, k, positions), _rotary(q, k, positions)):
+        torch.testing.assert_close(got, want)
+    graph = prog.graph
+    plans = [p for run in prog.compiled for s in run.steps if isinstance(s, GroupKernel) for p in s.plans]
+    for plan in plans:  # every part's nest is no larger than the largest value it stores
+        if plan.outputs:
+            largest = max(math.prod(graph.type_of[o].shape) for o in plan.outputs)
+            assert plan.P_total * plan.L_total <= largest, [n.name for n in plan.nodes]
