@@ -52,9 +52,13 @@ class Program:
         if use_graphs not in (True, False, "always"):
             raise StitchflowError(f"options['cuda_graphs'] must be True (replay where a replay is faster), False or "
                                   f"'always' (replay even where it is slower), not {use_graphs!r}")
-        self._replay = GraphReplay(lambda inputs: self._run(self._bind(inputs)), self.graph.outputs,
+        # the target's trailing steps that a replay would only have to clone out of its buffers
+        split = getattr(self.target, "graph_tail", None) if use_graphs else None
+        head, tail = split(self.graph, self._compiled) if split is not None else (self._compiled, None)
+        self._replay = GraphReplay(lambda inputs: self._run(self._bind(inputs), head), self.graph.outputs,
                                    self.options.get("free_outputs", ()), self.graph.inputs,
-                                   keep_always=use_graphs == "always", on_replay=self._replayed) if use_graphs else None
+                                   keep_always=use_graphs == "always", on_replay=self._replayed,
+                                   tail=tail) if use_graphs else None
 
     @property
     def graph(self) -> Graph:
@@ -89,13 +93,14 @@ class Program:
     def _replayed(self) -> None:
         self.regions_executed += len(self._compiled)
 
-    def _run(self, env: dict) -> dict:
+    def _run(self, env: dict, runs: Sequence | None = None) -> dict:
+        """The regions' runs on `env` (or `runs`: the regions' runs up to a graph's tail)."""
         if not self._prefetched:
             self._prefetched = True
             prefetch = getattr(self.target, "prefetch", None)  # a target's compiles queued ahead, all at once
             if prefetch is not None and self.options.get("prefetch", True):
                 prefetch(self.graph, self._compiled, env)
-        for run in self._compiled:
+        for run in self._compiled if runs is None else runs:
             run(env)
             self.regions_executed += 1
         return env

@@ -113,7 +113,7 @@ class GraphReplay:
     MAX_SLOTS = 2
 
     def __init__(self, run, outputs, free=(), inputs=(), keep_always: bool = False, on_replay=None,
-                 defers_to_outer: bool = True, written_back=None):
+                 defers_to_outer: bool = True, written_back=None, tail=None):
         """`run(inputs)` makes the outputs' environment (name -> value) by a plain call; `outputs` names
         what a call returns, `free` the outputs that may be handed over, `inputs` the environment's
         names of the inputs (not kept after capture); `on_replay()` is told of every replay.
@@ -124,8 +124,13 @@ class GraphReplay:
         a third set of buffers. `written_back`: output name -> position among the call's arguments of
         the input the caller copies that output into (AOTAutograd's input mutations: batch norm's
         running statistics); where that input is borrowed, the graph copies it there itself and
-        returns the input, so the caller's copy does nothing (two copies and their launches saved)."""
+        returns the input, so the caller's copy does nothing (two copies and their launches saved).
+        `tail`: (names, fn) where `fn(env)` makes the outputs `names` from what `run` made, run after `run` on
+        every call and outside the graph after a replay: library calls that allocate large outputs (a language
+        model's logits) give them fresh, where a replay would clone them out of its buffers (a copy of the
+        logits, 6-7% of a Llama's forward)."""
         self.run, self.outputs, self.free, self.input_names = run, tuple(outputs), set(free), set(inputs)
+        self.tail_names, self.tail = (tuple(tail[0]), tail[1]) if tail else ((), None)
         self.written_back = dict(written_back or {})
         self.on_replay = on_replay
         self.keep_always = keep_always
@@ -162,18 +167,18 @@ class GraphReplay:
     def __call__(self, inputs) -> dict:
         """The environment of the outputs (names -> values) for `inputs`."""
         if (self.defers_to_outer and _UNDER_OUTER_REPLAY.get()) or torch.cuda.is_current_stream_capturing():
-            return self.run(inputs)  # an outer graph records (or will record) our kernels
+            return self._plain(inputs)  # an outer graph records (or will record) our kernels
         self.calls += 1
         if not self.slots and self.calls < self.WARMUP_CALLS:
-            return self.run(inputs)
+            return self._plain(inputs)
         if not self.slots and self.calls == self.WARMUP_CALLS:
-            self.plain_ms, env = best_of(lambda: self.run(inputs))
+            self.plain_ms, env = best_of(lambda: self._plain(inputs))
             return env
         tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
         if not self.slots:
             slot = self._capture(inputs)
             if slot is None:
-                return self.run(inputs)
+                return self._plain(inputs)
             restore = _restorer(slot, tensors)  # each timed replay updates the written-back inputs once
             self.replay_ms, outputs = best_of(lambda: self._replay(slot, tensors), before=restore)
             if not self.keep_always and not self._worth_it():
@@ -188,7 +193,13 @@ class GraphReplay:
             if slot is not None:
                 return self._replay(slot, tensors)
         self.plain_calls += 1
-        return self.run(inputs)
+        return self._plain(inputs)
+
+    def _plain(self, inputs) -> dict:
+        env = self.run(inputs)
+        if self.tail is not None:
+            self.tail(env)
+        return env
 
     def _worth_it(self) -> bool:
         """A replay must be faster both to the end of its device work and on the host: a call that
@@ -203,7 +214,11 @@ class GraphReplay:
         return False
 
     def _replay(self, slot: _Slot, tensors) -> dict:
-        out = slot.replay(tensors, self.outputs)
+        out = slot.replay(tensors, [n for n in self.outputs if n not in self.tail_names])
+        if self.tail is not None:  # on the graph's buffers, which the next replay overwrites only after it
+            env = dict(slot.static_env)
+            self.tail(env)
+            out.update((name, env[name]) for name in self.tail_names)
         if self.on_replay is not None:
             self.on_replay()
         return out

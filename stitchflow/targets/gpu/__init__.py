@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 import torch
 
@@ -113,6 +114,26 @@ class GpuTarget:
         run.chains = chains
         run.attention = attention
         return run
+
+    def graph_tail(self, graph: Graph, runs) -> tuple[list, tuple | None]:
+        """(the runs a CUDA graph replays, (names, fn) of the tail it leaves out, or None). The tail: GEMMs
+        through torch that make large outputs of the program (a language model's logits) and whose outputs no
+        later step reads. Run after the replay, they allocate their outputs; inside the graph, the replay would
+        clone them out of its buffers."""
+        if not runs or not all(hasattr(run, "steps") for run in runs):
+            return list(runs), None
+        deferred, read_later = set(), set()
+        for step in reversed([s for run in runs for s in run.steps]):
+            if read_later is not None and _detachable(graph, step) and step.node.name not in read_later:
+                deferred.add(id(step))
+            reads = _step_reads(graph, step)
+            read_later = None if reads is None or read_later is None else read_later | reads
+        if not deferred:
+            return list(runs), None
+        head = [_steps_run([s for s in run.steps if id(s) not in deferred]) if any(
+            id(s) in deferred for s in run.steps) else run for run in runs]
+        tail = [s for run in runs for s in run.steps if id(s) in deferred]
+        return head, (tuple(s.node.name for s in tail), _steps_run(tail))
 
     def prefetch(self, graph: Graph, runs, env: dict) -> int:
         """Before a program's first call on `env`: every generated kernel's compiles queued at once
@@ -246,6 +267,42 @@ def region_chains(graph: Graph, region: Region, taken: set = frozenset()) -> lis
     chains = [c for c in match_chains(graph) if set(c) <= inside]
     chains += [c for c in match_gemm_epilogues(graph, chains) if set(c) <= inside]
     return chains
+
+
+DETACHED_BYTES = 32 << 20  # an output this large costs a replay more to clone (tens of µs) than its launch
+
+
+def _detachable(graph: Graph, step) -> bool:
+    """A GEMM through torch that makes an output of the program of DETACHED_BYTES or more."""
+    if not (isinstance(step, TorchStep) and step.dense_gemm and step.conv is None) or \
+            step.node.name not in graph.outputs:
+        return False
+    out = graph.type_of[step.node.name]
+    return math.prod(out.shape) * out.dtype.itemsize >= DETACHED_BYTES
+
+
+def _steps_run(steps: list):
+    def run(env):
+        for step in steps:
+            step(env)
+
+    run.steps = steps
+    return run
+
+
+def _step_reads(graph: Graph, step) -> set[str] | None:
+    """What a step reads (its nodes' inputs), or None where the step is of a kind not known here."""
+    if isinstance(step, GroupKernel):
+        names = [n.name for plan in step.plans for n in plan.nodes]
+    elif isinstance(step, (TorchStep, SpmmStep)):
+        names = [step.node.name]
+    elif isinstance(step, AttentionStep):
+        names = list(step.nodes)
+    elif hasattr(step, "spec"):  # a chain's run (chains.compile_chain)
+        names = list(step.spec.nodes)
+    else:
+        return None
+    return {t for n in names if n in graph.node_of for t in graph.node_of[n].inputs}
 
 
 def region_attention(graph: Graph, region: Region, params: dict, options: dict) -> list[AttentionStep]:

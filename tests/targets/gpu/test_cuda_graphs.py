@@ -44,3 +44,36 @@ def test_gnn_replay_follows_a_new_adjacency(app):
             fresh = torch.randn_like(x)
             torch.testing.assert_close(prog(adjacency, fresh), model(adjacency, fresh), rtol=1e-4, atol=1e-5)
     assert prog._replay.graph is not None, prog._replay.failed
+
+
+class NormedHead(torch.nn.Module):
+    """A final norm and a wide head, as a language model ends: the head's output is 32 MiB in float32."""
+
+    def __init__(self, width=64, vocab=131072):
+        super().__init__()
+        self.norm, self.head = torch.nn.LayerNorm(width), torch.nn.Linear(width, vocab, bias=False)
+
+    def forward(self, x):
+        return self.head(self.norm(x)), self.norm(x).sum(-1)
+
+
+def test_a_large_output_of_a_final_gemm_leaves_fresh_not_cloned():
+    """The head runs after the replay, outside the graph: each call's logits are its own tensor (not a clone, and
+    not the graph's buffer), and a held result is not overwritten by the next call."""
+    model, x = NormedHead().cuda(), torch.randn(64, 64, device="cuda")
+    prog = stitchflow.compile(model, (x,), target="gpu", fusion="auto", options={"cuda_graphs": "always"})
+    names, _ = prog._replay.tail_names, prog._replay.tail
+    assert len(names) == 1
+    held = []
+    with torch.no_grad():
+        for _ in range(5):
+            fresh = torch.randn_like(x)
+            got = prog(fresh)
+            torch.testing.assert_close(got, model(fresh), rtol=1e-4, atol=1e-4)
+            held.append((fresh, got))
+        for fresh, got in held:
+            torch.testing.assert_close(got, model(fresh), rtol=1e-4, atol=1e-4)
+    assert prog._replay.graph is not None, prog._replay.failed
+    static = {t.untyped_storage().data_ptr() for t in prog._replay.slots[0].static_env.values()
+              if isinstance(t, torch.Tensor)}
+    assert held[-1][1][0].untyped_storage().data_ptr() not in static
