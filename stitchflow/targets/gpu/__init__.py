@@ -34,7 +34,8 @@ import torch
 
 from ...ir.graph import Graph, Region
 from . import chain_cost, chain_plans, cluster_planes
-from .attention import DEFAULT_TILES, AttentionStep, NotAttention, match_attention, score_coefficients
+from .attention import DEFAULT_TILES, AttentionStep, NotAttention, score_coefficients
+from .attention_match import match_attention
 from .attention_plan import tile_plan
 from .layout import output_store, read_walked
 from .emit import contiguous_strides

@@ -18,7 +18,7 @@ from ...ir.types import dense_type
 from .attention_plan import BLOCK, MAX_TILE, BlockMap, block_map
 
 if TYPE_CHECKING:
-    from .attention import AttentionMatch
+    from .attention_match import AttentionMatch
 
 MAX_CONSTANT_ELEMENTS = 1 << 28
 

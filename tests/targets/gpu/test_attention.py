@@ -19,7 +19,8 @@ from stitchflow.apps.gpt3 import GPT3, BlockSparseAttention, GPT3Decoder, _mask_
 from stitchflow.program import capture_model
 from stitchflow.targets.gpu.attention import (CANDIDATES, FP32_OFFSETS_ONLY, LIBRARY, SPILL_SPLIT_WITH_KEY_BIAS,
                                              SPILL_WITH_KEY_BIAS, AttentionStep, NotAttention, candidates,
-                                             match_attention, score_coefficients)
+                                             score_coefficients)
+from stitchflow.targets.gpu.attention_match import match_attention
 from stitchflow.targets.gpu.attention_kernel import Operand, launch
 from stitchflow.targets.gpu.attention_plan import LOG2E, AttentionTiles, dense_block_map, tile_plan, work_items
 

@@ -13,7 +13,8 @@ from hypothesis import given, settings, strategies as st
 
 import stitchflow
 from stitchflow.program import capture_model
-from stitchflow.targets.gpu.attention import LIBRARY, match_attention
+from stitchflow.targets.gpu.attention import LIBRARY
+from stitchflow.targets.gpu.attention_match import match_attention
 from test_attention import attention_steps, rel_err  # (the same directory: the kernel tests' helpers)
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
