@@ -255,14 +255,19 @@ def _flows(graph: Graph, nodes: list[Node], names: set, cut: frozenset = frozens
 
 
 def _uncrossed(graph: Graph, flow: list[Node], names: set, uf: VarClasses) -> list[list[Node]]:
-    """A data-flow component whose own loop nest is a cross product: a rotary embedding's cos and sin tables,
-    computed in the graph over (position, feature) and read by Q over 32 heads and by K over 8, put both heads
-    axes in one nest, so that every node ran (and stored) once per head of the other (Llama's first layer at 4 x
-    512 tokens: 420 µs on an H200). Such a component is cut at the nodes it evaluates at more than one point
-    that their consumers can recompute (elementwise over the group's inputs): each consumer then recomputes
-    them at its own indices, and the merge in _split_cross joins back what shares a nest without a cross."""
+    """A data-flow component whose own loop nest is a cross product, no node of it running over the whole nest: a
+    rotary embedding's cos and sin tables, computed in the graph over (position, feature) and read by Q over 32
+    heads and by K over 8, put both heads axes in one nest, so that every node ran (and stored) once per head of
+    the other (Llama's first layer at 4 x 512 tokens: 421 µs on an H200). Such a component is cut at the nodes it
+    evaluates at more than one point that their consumers can recompute (elementwise over the group's inputs):
+    each consumer then recomputes them at its own indices, and the merge in _split_cross joins back what shares a
+    nest without a cross. A component with a node over the whole nest is a broadcast (batch norm's per-channel
+    values beside its outputs), and one with reductions is left whole too: the cut would part a reduction from
+    its readers."""
+    if any(n.reduce for n in flow):
+        return [flow]
     spread = _spread(graph, flow, uf)
-    if spread is None:
+    if spread is None or min(spread.values()) <= 1:  # a node runs over the whole nest: a broadcast, not a cross
         return [flow]
     cut = frozenset(n.name for n in flow if spread[n.name] > 1 and inlinable(graph, n, names))
     return _flows(graph, flow, names, cut) if cut else [flow]
