@@ -274,9 +274,10 @@ DETACHED_BYTES = 32 << 20  # an output this large costs a replay more to clone (
 
 
 def _detachable(graph: Graph, step) -> bool:
-    """A GEMM through torch that makes an output of the program of DETACHED_BYTES or more."""
+    """A GEMM through torch that makes an output of the program of DETACHED_BYTES or more from values the program
+    makes or holds (a replay keeps those in its buffers; the call's inputs it copies into buffers of its own)."""
     if not (isinstance(step, TorchStep) and step.dense_gemm and step.conv is None) or \
-            step.node.name not in graph.outputs:
+            step.node.name not in graph.outputs or set(step.node.inputs) & set(graph.inputs):
         return False
     out = graph.type_of[step.node.name]
     return math.prod(out.shape) * out.dtype.itemsize >= DETACHED_BYTES

@@ -68,3 +68,10 @@ def test_small_outputs_stay_in_the_graph():
     prog = stitchflow.compile(Head(512).eval(), (x,), target="gpu", fusion="auto")
     head, tail = TARGET.graph_tail(prog.graph, prog.compiled)
     assert tail is None and head == list(prog.compiled)
+
+
+def test_a_gemm_on_an_input_of_the_call_stays_in_the_graph():
+    """A replay's environment holds what the graph made, not the call's inputs: a GEMM reading one stays inside."""
+    x = torch.randn(64, 32)
+    prog = stitchflow.compile(torch.nn.Linear(32, 131072, bias=False).eval(), (x,), target="gpu", fusion="auto")
+    assert TARGET.graph_tail(prog.graph, prog.compiled)[1] is None
