@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+from collections import ChainMap
 import time
 import weakref
 from dataclasses import dataclass
@@ -132,6 +133,7 @@ class GraphReplay:
         parameters, not the call's inputs (a replay's environment holds the inputs' copies only in its slot)."""
         self.run, self.outputs, self.free, self.input_names = run, tuple(outputs), set(free), set(inputs)
         self.tail_names, self.tail = (tuple(tail[0]), tail[1]) if tail else ((), None)
+        self.graphed_outputs = [name for name in self.outputs if name not in self.tail_names]
         self.written_back = dict(written_back or {})
         self.on_replay = on_replay
         self.keep_always = keep_always
@@ -215,9 +217,9 @@ class GraphReplay:
         return False
 
     def _replay(self, slot: _Slot, tensors) -> dict:
-        out = slot.replay(tensors, [n for n in self.outputs if n not in self.tail_names])
+        out = slot.replay(tensors, self.graphed_outputs)
         if self.tail is not None:  # on the graph's buffers, which the next replay overwrites only after it
-            env = dict(slot.static_env)
+            env = ChainMap({}, slot.static_env)  # the tail's outputs land in the new map, not the slot's
             self.tail(env)
             out.update((name, env[name]) for name in self.tail_names)
         if self.on_replay is not None:

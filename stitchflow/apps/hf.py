@@ -57,14 +57,9 @@ class HFCall(nn.Module):
 def padding_mask(batch: int, tokens: int, left: bool) -> torch.Tensor:
     """A (batch, tokens) mask of ones over each sequence: sequence i holds tokens - i·tokens // (2·batch) of them,
     so the first is whole and the last a little over half."""
-    lengths = [tokens - i * tokens // (2 * batch) for i in range(batch)]
-    mask = torch.zeros(batch, tokens, dtype=torch.long)
-    for i, n in enumerate(lengths):
-        if left:
-            mask[i, tokens - n:] = 1
-        else:
-            mask[i, :n] = 1
-    return mask
+    lengths = torch.tensor([tokens - i * tokens // (2 * batch) for i in range(batch)])[:, None]
+    positions = torch.arange(tokens)[None, :]
+    return (positions >= tokens - lengths if left else positions < lengths).long()
 
 
 def build_hf(name: str, size: str = "small", seed: int = 0, dtype: torch.dtype = torch.float32, dropout: bool = False):

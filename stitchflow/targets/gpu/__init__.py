@@ -105,12 +105,7 @@ class GpuTarget:
                 pending = []
                 steps.append(fused_at[name]())
         steps += self._stitched(graph, Region(region.name, tuple(pending)), options)
-
-        def run(env):
-            for step in steps:
-                step(env)
-
-        run.steps = steps
+        run = _steps_run(steps)
         run.kernels = [s for s in steps if isinstance(s, GroupKernel)]
         run.chains = chains
         run.attention = attention
@@ -168,9 +163,10 @@ class GpuTarget:
         if reassociated:
             out += ["", "sparse products reassociated (the narrowing GEMM first):", *reassociated]
         found, refused = match_attention(graph, graph.params)
-        placed = {}  # match -> (its region, the match as that region runs it)
-        for m in found:
-            placed[m] = next(((r, w) for r in regions for w in [m.within(set(r.nodes))] if w is not None), None)
+        def place(m):  # (its region, the match as that region runs it), or None
+            return next(((r, m.within(set(r.nodes))) for r in regions if m.within(set(r.nodes))), None)
+
+        placed = {m: place(m) for m in found}
         inside = [placed[m] for m in found if placed[m] is not None]
 
         def merged(region, m) -> str:
@@ -284,6 +280,7 @@ def _detachable(graph: Graph, step) -> bool:
 
 
 def _steps_run(steps: list):
+    """A region's runner: its steps in order on the call's environment (`run.steps` lists them)."""
     def run(env):
         for step in steps:
             step(env)

@@ -18,7 +18,8 @@ from stitchflow.targets.gpu.attention_match import match_attention
 from test_attention import attention_steps, rel_err  # (the same directory: the kernel tests' helpers)
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="interpreter tests on CPU tensors")
+                                reason="runs the gpu target's Triton kernels on CPU tensors, which needs "
+                                       "TRITON_INTERPRET=1 (conftest sets it; runs on a GPU export 0)")
 
 
 class Grouped(torch.nn.Module):
