@@ -100,6 +100,13 @@ def test_shifts_beyond_the_width_give_torchs_values():
         check(lambda a, s: (a << s) + (a >> s), a, s, target=target)
 
 
+def test_the_dunder_forms_of_bitwise_ops_lower_as_the_named_ones():
+    """torch.export may keep `a & b` as aten.__and__ (a mask combined inside a submodule's call)."""
+    a, b = torch.tensor([5, -6, 0, 7]), torch.tensor([3, 3, -1, 12])
+    for op in (torch.ops.aten.__and__.Tensor, torch.ops.aten.__or__.Tensor, torch.ops.aten.__xor__.Tensor):
+        check(lambda a, b, op=op: op(a, b) + op(a > 0, b > 0), a, b, target="reference")
+
+
 def test_bitwise_ops_on_floats_are_refused_with_the_reason():
     with pytest.raises(stitchflow.StitchflowError, match="bitwise_and"):  # eager has no float kernel either
         stitchflow.compile(lambda x: torch.bitwise_and(x, 3), (torch.randn(4),))

@@ -38,6 +38,7 @@ from .attention import DEFAULT_TILES, AttentionStep, NotAttention, score_coeffic
 from .attention_match import match_attention
 from .attention_plan import tile_plan
 from .layout import output_store, read_walked
+from .operand_layouts import permute_values, query_orders
 from .emit import contiguous_strides
 from .chains import chain_shape, compile_chain, match_chains, match_gemm_epilogues
 from .channels_last import channels_last, channels_last_layouts
@@ -84,6 +85,11 @@ class GpuTarget:
                 log.info("%s: %s", region.name, r)
             graph = reassociate(graph, found)
         attention = region_attention(graph, region, params, options) if options.get("attention", True) else []
+        if attention and options.get("query_layouts", True):
+            orders = query_orders(graph, attention, set(region.nodes))
+            if orders:
+                graph = permute_values(graph, orders)
+                attention = region_attention(graph, region, params, options)
         if options.get("walked_reads", True):
             graph = read_walked(graph, {a.match.result: a.store for a in attention if a.store})
         taken = {n for a in attention for n in a.nodes}

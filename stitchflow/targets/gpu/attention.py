@@ -32,6 +32,7 @@ from .attention_kernel import Operand, launch, scratch
 from .attention_fold import NotAttention, score_coefficients, transform_sources
 from .attention_match import AttentionMatch
 from .attention_plan import AttentionTiles, TilePlan, chunk_options, tile_plan
+from .emit import contiguous_strides
 from .layout import Store
 from .runtime import interpreting, load_choice, save_choice
 
@@ -81,6 +82,9 @@ def _strided(op: Operand, batch: tuple, length: int, width: int) -> torch.Tensor
     """The operand as a tensor [batch..., length, width] (a view: no copy)."""
     return op.tensor.as_strided((*batch, length, width), (*op.batch_strides, op.seq_stride, op.feature_stride),
                                 op.tensor.storage_offset() + op.offset)
+
+
+SHARED_MASK = "attention mask of the call "  # the environment's key prefix for a bias shared by the layers
 
 
 def _broadcast(mask: torch.Tensor) -> torch.Tensor:
@@ -238,29 +242,50 @@ class AttentionStep:
                      (m.v, self.out_batch_vars, self.r_var, self.e_var, self.s_k, self.dv, True))]
         gqa = {"enable_gqa": True} if self.groups[-1] > 1 else {}
         device = views[0].device
-        results = self._outputs(device) if self.store is not None else None
+        results = {}  # the store's buffers, made at the first call whose output is not laid out as they are
         mask = mask.to(device) if mask is not None else None
         scale = self.coefficients[0]
         if m.call_mask is not None:  # the call's mask, with the folded constant part (a causal mask) on it
             keep = _broadcast(self._library_view(self._operand(m.call_mask, env, self.batch_vars, self.l_var,
                                                                self.m_var), self.s_q, self.s_k, shared=False))
-            if causal:
-                mask, causal = torch.ones(self.s_q, self.s_k, dtype=torch.bool, device=device).tril(), False
-            extra = mask
-            mask = None
+            # every layer of a model reads the same mask of the call: made once a call, as the bias torch's
+            # attention would make of a boolean mask on every call (two fills and a select, 6 µs a layer)
+            shared = (f"{SHARED_MASK}{m.call_mask.tensor}:{tuple(keep.shape)}:{keep.stride()}:"
+                      f"{keep.storage_offset()}:{'causal' if causal else ''}:{self.q_dtype}")
+            if mask is not None:  # a constant part of this match's own
+                shared += f":{id(self)}"
+            extra, mask, was_causal, causal = mask, None, causal, False
 
         def run():
             attn_mask = mask
             if m.call_mask is not None:
-                attn_mask = keep if extra is None else keep & extra if extra.dtype == torch.bool else \
-                    torch.where(keep, extra, float("-inf")).to(extra.dtype)
+                attn_mask = env.get(shared)
+                if attn_mask is None:
+                    attn_mask = env[shared] = self._call_bias(keep, extra, was_causal)
             out = torch.nn.functional.scaled_dot_product_attention(*views, attn_mask=attn_mask, is_causal=causal,
                                                                    scale=scale, **gqa)
-            if results is None:  # the library's own output is the node's value: no copy
+            if self.store is None:  # the library's own output is the node's value: no copy
                 return {m.result: out}
+            if out.stride() == self.store.strides:  # already laid out as the reader wants it (flash attention's
+                # output is [batch, length, heads, width] in memory; cuDNN's follows Q's, see operand_layouts.py)
+                return {m.result: out, self.store.buffer_name(m.result): out.as_strided(
+                    self.store.shape, contiguous_strides(self.store.shape))}
+            if not results:
+                results.update(self._outputs(device))
             results[m.result].copy_(out)  # laid out through strides as the output's reader wants it
             return results
         return run
+
+    def _call_bias(self, keep: torch.Tensor, extra: torch.Tensor | None, causal: bool) -> torch.Tensor:
+        """The additive bias (0 where kept, -inf elsewhere, in Q's dtype) of the call's mask `keep` with the
+        match's constant part: causal, or `extra` (a boolean mask, or offsets added where `keep` holds)."""
+        if causal:
+            keep = keep & torch.ones(self.s_q, self.s_k, dtype=torch.bool, device=keep.device).tril()
+        elif extra is not None and extra.dtype == torch.bool:
+            keep = keep & extra
+        zero = torch.zeros((), dtype=self.q_dtype, device=keep.device)
+        offsets = extra if extra is not None and extra.dtype != torch.bool else zero
+        return torch.where(keep, offsets.to(self.q_dtype), float("-inf"))
 
     def _runner(self, env, tiles: AttentionTiles):
         if tiles == LIBRARY:

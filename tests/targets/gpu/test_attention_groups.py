@@ -158,3 +158,89 @@ def test_queries_with_every_key_masked_are_left_to_torchs_attention():
     alone = match.within(set(match.nodes) - {rows})  # the planner put the rows in another region
     assert alone.zeroed == () and alone.result == match.output and kept not in alone.nodes
     assert match.within(set(match.nodes) - {match.scores}) is None
+
+
+class RotaryPadded(torch.nn.Module):
+    """Q made fresh, heads-major, by an elementwise op (a rotary embedding's shape), a mask of the call, and the
+    heads merged after the attention, as transformers' Llama writes them."""
+
+    def forward(self, x, k, v, lengths, cos, sin):
+        b, s, _ = x.shape
+        q = x.view(b, s, 4, 8).transpose(1, 2)
+        q = q * cos + torch.cat((-q[..., 4:], q[..., :4]), dim=-1) * sin
+        cols = torch.arange(s)
+        keep = (cols[None, :] >= (s - lengths)[:, None])[:, None, None, :] & (cols[None, :] <= cols[:, None])
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True)
+        return o.transpose(1, 2).reshape(b, s, 32) * 2
+
+
+def test_a_query_made_in_the_region_is_laid_out_as_torchs_attention_writes_its_output(monkeypatch):
+    """Q is stored [batch, length, heads, width], the order of the merged heads' store, so that torch's attention
+    (whose output follows Q's layout) writes the store's layout itself: no copy of the output, equal to eager."""
+    from stitchflow.targets.gpu.attention import AttentionStep
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 12, 32, generator=g)
+    k, v = torch.randn(3, 2, 12, 8, generator=g), torch.randn(3, 2, 12, 8, generator=g)
+    cos, sin = torch.randn(12, 8, generator=g), torch.randn(12, 8, generator=g)
+    lengths = torch.tensor([12, 7, 3])
+    copies = []
+    monkeypatch.setattr(AttentionStep, "_outputs", lambda self, device: copies.append(device) or {})
+    prog = stitchflow.compile(RotaryPadded(), (x, k, v, lengths, cos, sin), target="gpu", fusion="full")
+    (step,) = attention_steps(prog)
+    assert step.store is not None and tuple(step.graph.type_of[step.match.q.tensor].shape) == (3, 12, 4, 8)
+    for lengths in (torch.tensor([12, 7, 3]), torch.tensor([2, 12, 5])):
+        want = RotaryPadded()(x, k, v, lengths, cos, sin)
+        assert rel_err(prog(x, k, v, lengths, cos, sin), want) < 1e-5
+    assert copies == []
+
+    unchanged = stitchflow.compile(RotaryPadded(), (x, k, v, lengths, cos, sin), target="gpu", fusion="full",
+                                   options={"query_layouts": False})
+    (step,) = attention_steps(unchanged)
+    assert tuple(step.graph.type_of[step.match.q.tensor].shape) == (3, 4, 12, 8)
+
+
+def test_a_query_keeps_its_layout_where_the_region_does_not_own_it():
+    from stitchflow.targets.gpu.operand_layouts import permute_values, why_fixed
+
+    x, k, v = torch.randn(2, 6, 32), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
+    cos, sin, lengths = torch.randn(6, 8), torch.randn(6, 8), torch.tensor([6, 4])
+    graph = capture_model(RotaryPadded(), (x, k, v, lengths, cos, sin)).graph
+    (match,), _ = match_attention(graph, graph.params)
+    q = match.q.tensor
+    everything = {n.name for n in graph.nodes}
+    assert why_fixed(graph, q, everything) is None
+    assert "outside the region" in why_fixed(graph, q, everything - {match.scores})
+    assert "not made by an elementwise node" in why_fixed(graph, q, everything - {q})
+    assert "input or output" in why_fixed(graph, graph.inputs[0], everything)
+    permuted = permute_values(graph, {q: (0, 2, 1, 3)})
+    assert tuple(permuted.type_of[q].shape) == (2, 6, 4, 8)
+    assert all(a.indices == tuple(b.indices[i] for i in (0, 2, 1, 3))
+               for a, b in zip((a for a in permuted.node_of[match.scores].accesses if a.tensor == q),
+                               (b for b in graph.node_of[match.scores].accesses if b.tensor == q)))
+
+
+class TwoLayers(torch.nn.Module):
+    """Two attentions under one mask of the call, as the layers of a padded language model."""
+
+    def forward(self, q, k, v, lengths):
+        rows, cols = torch.arange(q.shape[-2]), torch.arange(k.shape[-2])
+        padding = cols[None, :] >= (k.shape[-2] - lengths)[:, None]
+        keep = padding[:, None, None, :] & (cols[None, :] <= rows[:, None])
+        once = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True)
+        return F.scaled_dot_product_attention(once * 0.5 + q, k, v, attn_mask=keep, enable_gqa=True)
+
+
+def test_the_layers_of_one_call_share_the_bias_of_its_mask(monkeypatch):
+    from stitchflow.targets.gpu.attention import AttentionStep
+
+    made = []
+    bias = AttentionStep._call_bias
+    monkeypatch.setattr(AttentionStep, "_call_bias", lambda self, *a: made.append(1) or bias(self, *a))
+    q, k, v = torch.randn(3, 4, 12, 8), torch.randn(3, 2, 12, 8), torch.randn(3, 2, 12, 8)
+    prog = stitchflow.compile(TwoLayers(), (q, k, v, torch.tensor([12, 7, 3])), target="gpu", fusion="full")
+    assert len(attention_steps(prog)) == 2
+    for lengths in (torch.tensor([12, 7, 3]), torch.tensor([1, 12, 5])):
+        made.clear()
+        assert rel_err(prog(q, k, v, lengths), TwoLayers()(q, k, v, lengths)) < 1e-5
+        assert made == [1]
