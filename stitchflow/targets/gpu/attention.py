@@ -248,8 +248,7 @@ class AttentionStep:
         if m.call_mask is not None:  # the call's mask, with the folded constant part (a causal mask) on it
             keep = _broadcast(self._library_view(self._operand(m.call_mask, env, self.batch_vars, self.l_var,
                                                                self.m_var), self.s_q, self.s_k, shared=False))
-            # every layer of a model reads the same mask of the call: made once a call, as the bias torch's
-            # attention would make of a boolean mask on every call (two fills and a select, 6 µs a layer)
+            # every layer of a model reads the same mask of the call: combined with the causal part once a call
             shared = (f"{SHARED_MASK}{m.call_mask.tensor}:{tuple(keep.shape)}:{keep.stride()}:"
                       f"{keep.storage_offset()}:{'causal' if causal else ''}:{self.q_dtype}")
             if mask is not None:  # a constant part of this match's own
@@ -277,15 +276,17 @@ class AttentionStep:
         return run
 
     def _call_bias(self, keep: torch.Tensor, extra: torch.Tensor | None, causal: bool) -> torch.Tensor:
-        """The additive bias (0 where kept, -inf elsewhere, in Q's dtype) of the call's mask `keep` with the
-        match's constant part: causal, or `extra` (a boolean mask, or offsets added where `keep` holds)."""
+        """The mask torch's attention is given: the call's `keep` with the match's constant part (causal, or
+        `extra`: a boolean mask, or offsets added where `keep` holds). Boolean where it can be: torch turns a
+        boolean mask into its own bias, and for cuDNN that bias is not -inf (a query whose every key is masked
+        gets an answer other than a -inf bias's, and eager's answer is the boolean one's)."""
         if causal:
-            keep = keep & torch.ones(self.s_q, self.s_k, dtype=torch.bool, device=keep.device).tril()
-        elif extra is not None and extra.dtype == torch.bool:
-            keep = keep & extra
-        zero = torch.zeros((), dtype=self.q_dtype, device=keep.device)
-        offsets = extra if extra is not None and extra.dtype != torch.bool else zero
-        return torch.where(keep, offsets.to(self.q_dtype), float("-inf"))
+            return keep & torch.ones(self.s_q, self.s_k, dtype=torch.bool, device=keep.device).tril()
+        if extra is None:
+            return keep
+        if extra.dtype == torch.bool:
+            return keep & extra
+        return torch.where(keep, extra.to(self.q_dtype), float("-inf"))
 
     def _runner(self, env, tiles: AttentionTiles):
         if tiles == LIBRARY:
