@@ -177,7 +177,15 @@ class GpuTarget:
 
         def merged(region, m) -> str:
             store = output_store(graph, m.result, set(region.nodes))
-            return f"; its output {store}" if store else ""
+            if not store:
+                return ""
+            try:
+                orders = query_orders(graph, [AttentionStep(graph, m, params or {}, options, store)], set(region.nodes))
+            except NotAttention:
+                orders = {}
+            layout = f"; Q {m.q.tensor} stored with its axes in the order {orders[m.q.tensor]} (torch's attention" \
+                     " writes its output in Q's order)" if m.q.tensor in orders else ""
+            return f"; its output {store}{layout}"
 
         if found or refused:
             out += ["", "attention (one block-sparse kernel each; the mask is folded into tiles when compiled):",

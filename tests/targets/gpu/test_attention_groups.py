@@ -193,6 +193,7 @@ def test_a_query_made_in_the_region_is_laid_out_as_torchs_attention_writes_its_o
         want = RotaryPadded()(x, k, v, lengths, cos, sin)
         assert rel_err(prog(x, k, v, lengths, cos, sin), want) < 1e-5
     assert copies == []
+    assert f"Q {step.match.q.tensor} stored with its axes in the order (0, 2, 1, 3)" in prog.explain()
 
     unchanged = stitchflow.compile(RotaryPadded(), (x, k, v, lengths, cos, sin), target="gpu", fusion="full",
                                    options={"query_layouts": False})
