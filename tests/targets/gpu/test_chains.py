@@ -196,17 +196,26 @@ def test_epilogue_chains_never_share_a_node_nor_read_an_unstored_one(fn, shapes)
     assert rel_err(prog(*args), fn(*[a.double() for a in args])) < TOL[torch.float32]
 
 
+def gemm_residual(x, w, r):
+    return F.linear(x, w) + r
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gemm_epilogue_runs_fused_or_through_the_library_alike(dtype):
-    """The two ways a GEMM + epilogue can run (the GPU autotuner keeps the faster): both equal eager."""
+@pytest.mark.parametrize("fn", [gemm_bias_gelu_residual, gemm_residual])
+def test_gemm_epilogue_runs_fused_or_through_the_library_alike(dtype, fn):
+    """The ways a GEMM + epilogue can run (the GPU autotuner keeps the fastest): all equal eager; a residual
+    alone may also ride in the library GEMM's own epilogue."""
     from stitchflow.targets.gpu.chains import _epilogue_runners, operands_for, spec_for
 
-    args = [rand(M, K, dtype=dtype), rand(N, K, dtype=dtype), rand(N, dtype=dtype), rand(M, N, dtype=dtype)]
-    graph = stitchflow.compile(gemm_bias_gelu_residual, args).graph
+    args = [rand(M, K, dtype=dtype), rand(N, K, dtype=dtype)]
+    args += [rand(N, dtype=dtype), rand(M, N, dtype=dtype)] if fn is gemm_bias_gelu_residual else [rand(M, N, dtype=dtype)]
+    graph = stitchflow.compile(fn, args).graph
     (names,) = match_gemm_epilogues(graph)
     ops = operands_for(spec_for(graph, names), dict(zip(graph.inputs, args)))
-    ref = gemm_bias_gelu_residual(*[a.double() for a in args])
-    for name, run in _epilogue_runners(ops, dtype, exact=True).items():
+    ref = fn(*[a.double() for a in args])
+    runners = _epilogue_runners(ops, dtype, exact=True)
+    assert ("library_accumulate" in runners) == (fn is gemm_residual)
+    for name, run in runners.items():
         out = run()
         assert out.shape == ref.shape, name
         assert rel_err(out, ref) < TOL[dtype], name
