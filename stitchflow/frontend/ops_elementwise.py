@@ -225,9 +225,11 @@ def _bitwise(logical: str, bits: str):
 
 for _logical, _bits, _keys in (
     ("and", "bitand", (operator.and_, operator.iand, torch.bitwise_and, "method:bitwise_and", "aten.bitwise_and",
-             "aten.__and__")),
-    ("or", "bitor", (operator.or_, operator.ior, torch.bitwise_or, "method:bitwise_or", "aten.bitwise_or", "aten.__or__")),
-    ("ne", "bitxor", (operator.xor, operator.ixor, torch.bitwise_xor, "method:bitwise_xor", "aten.bitwise_xor", "aten.__xor__")),
+                       "aten.__and__")),
+    ("or", "bitor", (operator.or_, operator.ior, torch.bitwise_or, "method:bitwise_or", "aten.bitwise_or",
+                     "aten.__or__")),
+    ("ne", "bitxor", (operator.xor, operator.ixor, torch.bitwise_xor, "method:bitwise_xor", "aten.bitwise_xor",
+                      "aten.__xor__")),
 ):
     lowering(*_keys)(_bitwise(_logical, _bits))
 lowering(torch.logical_xor, "method:logical_xor", "aten.logical_xor")(

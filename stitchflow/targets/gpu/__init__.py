@@ -86,7 +86,7 @@ class GpuTarget:
             graph = reassociate(graph, found)
         attention = region_attention(graph, region, params, options) if options.get("attention", True) else []
         if attention and options.get("query_layouts", True):
-            orders = query_orders(graph, attention, set(region.nodes))
+            orders = query_orders(graph, [(a.match, a.store) for a in attention], set(region.nodes))
             if orders:
                 graph = permute_values(graph, orders)
                 attention = region_attention(graph, region, params, options)
@@ -179,10 +179,7 @@ class GpuTarget:
             store = output_store(graph, m.result, set(region.nodes))
             if not store:
                 return ""
-            try:
-                orders = query_orders(graph, [AttentionStep(graph, m, params or {}, options, store)], set(region.nodes))
-            except NotAttention:
-                orders = {}
+            orders = query_orders(graph, [(m, store)], set(region.nodes))
             layout = f"; Q {m.q.tensor} stored with its axes in the order {orders[m.q.tensor]} (torch's attention" \
                      " writes its output in Q's order)" if m.q.tensor in orders else ""
             return f"; its output {store}{layout}"

@@ -84,7 +84,7 @@ def _strided(op: Operand, batch: tuple, length: int, width: int) -> torch.Tensor
                                 op.tensor.storage_offset() + op.offset)
 
 
-SHARED_MASK = "attention mask of the call "  # the environment's key prefix for a bias shared by the layers
+SHARED_MASK = "attention mask of the call "  # the environment's key prefix for a mask shared by the layers
 
 
 def _broadcast(mask: torch.Tensor) -> torch.Tensor:
@@ -260,7 +260,7 @@ class AttentionStep:
             if m.call_mask is not None:
                 attn_mask = env.get(shared)
                 if attn_mask is None:
-                    attn_mask = env[shared] = self._call_bias(keep, extra, was_causal)
+                    attn_mask = env[shared] = self._combined_mask(keep, extra, was_causal)
             out = torch.nn.functional.scaled_dot_product_attention(*views, attn_mask=attn_mask, is_causal=causal,
                                                                    scale=scale, **gqa)
             if self.store is None:  # the library's own output is the node's value: no copy
@@ -275,7 +275,7 @@ class AttentionStep:
             return results
         return run
 
-    def _call_bias(self, keep: torch.Tensor, extra: torch.Tensor | None, causal: bool) -> torch.Tensor:
+    def _combined_mask(self, keep: torch.Tensor, extra: torch.Tensor | None, causal: bool) -> torch.Tensor:
         """The mask torch's attention is given: the call's `keep` with the match's constant part (causal, or
         `extra`: a boolean mask, or offsets added where `keep` holds). Boolean where it can be: torch turns a
         boolean mask into its own bias, and for cuDNN that bias is not -inf (a query whose every key is masked

@@ -26,15 +26,14 @@ from ...ir.types import dense_type
 log = logging.getLogger("stitchflow.gpu")
 
 
-def query_orders(graph: Graph, steps, inside: set) -> dict[str, tuple[int, ...]]:
-    """{Q's tensor: the order of its axes, outermost first} for each attention step that runs torch's attention
-    into a store and whose Q may be laid out anew; steps are attention.AttentionStep."""
+def query_orders(graph: Graph, attentions, inside: set) -> dict[str, tuple[int, ...]]:
+    """{Q's tensor: the order of its axes, outermost first} for each (AttentionMatch, layout.Store or None) of
+    `attentions` that runs torch's attention (a mask of the call) into a store and whose Q may be laid out anew."""
     orders: dict[str, tuple[int, ...]] = {}
-    for step in steps:
-        m = step.match
-        if m.call_mask is None or step.store is None:
+    for m, store in attentions:
+        if m.call_mask is None or store is None:
             continue
-        order = _store_order(step)
+        order = _store_order(graph, m, store.strides)
         if order is None or order == tuple(range(len(order))):
             continue
         why = why_fixed(graph, m.q.tensor, inside)
@@ -45,13 +44,14 @@ def query_orders(graph: Graph, steps, inside: set) -> dict[str, tuple[int, ...]]
     return orders
 
 
-def _store_order(step) -> tuple[int, ...] | None:
-    """Q's axes sorted by the store's stride of the output axis each one becomes (batch axes in turn, the
-    query axis, the feature axis becoming the output's width); None when Q's indices are not those variables."""
-    m, strides = step.match, step.store.strides
-    roles = {v: k for k, v in enumerate(step.batch_vars)}
-    roles[step.l_var] = len(step.batch_vars)
-    roles[step.d_var] = len(step.batch_vars) + 1
+def _store_order(graph: Graph, m, strides: tuple[int, ...]) -> tuple[int, ...] | None:
+    """Q's axes sorted by the store's stride of the output axis each one becomes (the scores' batch axes in turn,
+    the query axis, the feature axis becoming the output's width); None when Q's indices are not those variables."""
+    scores = graph.node_of[m.scores]
+    *batch, l_var, _ = scores.out_vars
+    roles = {v: k for k, v in enumerate(batch)}
+    roles[l_var] = len(batch)
+    roles[scores.reduce_vars[0]] = len(batch) + 1
     if len(strides) != len(roles) or len(m.q.indices) != len(roles):
         return None
     if not all(isinstance(i, Var) and i.name in roles for i in m.q.indices):

@@ -232,12 +232,12 @@ class TwoLayers(torch.nn.Module):
         return F.scaled_dot_product_attention(once * 0.5 + q, k, v, attn_mask=keep, enable_gqa=True)
 
 
-def test_the_layers_of_one_call_share_the_bias_of_its_mask(monkeypatch):
+def test_the_layers_of_one_call_share_its_combined_mask(monkeypatch):
     from stitchflow.targets.gpu.attention import AttentionStep
 
     made = []
-    bias = AttentionStep._call_bias
-    monkeypatch.setattr(AttentionStep, "_call_bias", lambda self, *a: made.append(1) or bias(self, *a))
+    bias = AttentionStep._combined_mask
+    monkeypatch.setattr(AttentionStep, "_combined_mask", lambda self, *a: made.append(1) or bias(self, *a))
     q, k, v = torch.randn(3, 4, 12, 8), torch.randn(3, 2, 12, 8), torch.randn(3, 2, 12, 8)
     prog = stitchflow.compile(TwoLayers(), (q, k, v, torch.tensor([12, 7, 3])), target="gpu", fusion="full")
     assert len(attention_steps(prog)) == 2
