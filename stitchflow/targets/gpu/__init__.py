@@ -38,6 +38,7 @@ from .attention import DEFAULT_TILES, AttentionStep, NotAttention, score_coeffic
 from .attention_match import match_attention
 from .attention_plan import tile_plan
 from .layout import output_store, read_walked
+from .mapping import MAX_ROW_IN_REGISTERS
 from .operand_layouts import permute_values, query_orders
 from .emit import contiguous_strides
 from .chains import chain_shape, compile_chain, match_chains, match_gemm_epilogues
@@ -248,7 +249,8 @@ def _explain_tiles(graph: Graph, match, params: dict | None) -> list[str]:
 
 def _explain_cluster_planes(graph: Graph, regions) -> list[str]:
     """Per stitched part with plane-shaped statistics (reduced axes around a channel, as batch
-    norm's): the cluster sizes cluster_planes takes, or why it takes none (contiguous inputs assumed)."""
+    norm's) or rows too long for one program: the cluster sizes cluster_planes takes, or why it takes none
+    (contiguous inputs assumed)."""
     strides = {t: contiguous_strides(ty.shape) for t, ty in graph.type_of.items()}
     lines = []
     for region in regions:
@@ -259,7 +261,8 @@ def _explain_cluster_planes(graph: Graph, regions) -> list[str]:
         except Exception:  # explain never fails on a region the kernels split differently
             continue
         for plan in parts:
-            if not plan.reductions or plan.p_contiguous or len(plan.L) < 2:
+            short_row = len(plan.L) == 1 and plan.L_total <= MAX_ROW_IN_REGISTERS  # one program holds it
+            if not plan.reductions or plan.p_contiguous or short_row:
                 continue
             found, why = cluster_planes.cluster_plans(graph, plan, strides)
             head = f"  {region.name}: {plan.nodes[0].name} .. {plan.nodes[-1].name}: "

@@ -1,20 +1,23 @@
-"""Plane statistics on Hopper thread-block clusters: batch norm's exchange through distributed shared memory.
+"""Plane and row statistics on Hopper thread-block clusters: the exchange through distributed shared memory.
 
 A part whose reductions are a mean over whole planes and the centred variance riding on it (batch norm's
 statistics over (N, H, W) around C in NCHW) runs as CUDA C++ here instead of Gluon, because Triton 3.6 has no
 distributed shared memory (docs/cluster_planes_plan.md). A persistent grid of clusters of `cluster` CTAs walks the
 channels; CTA r of a cluster holds planes r·planes .. (r+1)·planes - 1 of the channel in registers while the next
-channel's planes stream into its shared memory by 1-D bulk copies. Each CTA pushes its piece's mean and centred sum
-of squares into every peer's shared memory with `st.async`, completing bytes on the peer's mbarrier, so no release
-waits for stores in flight and no statistic goes through L2 (measured by hand, scripts/batchnorm_cluster_probe.py:
-153.8 µs against 165-167 through global memory). The statistics and the exchange are fixed; the epilogue (each
-output as an expression of x, the two statistics, per-channel parameters and other inputs at x's coordinates) is
-emitted from the IR, rounding every node to its dtype as eager does.
+channel's planes stream into its shared memory by 1-D bulk copies. Each CTA pushes its piece's two statistics into
+every peer's shared memory with `st.async`, completing bytes on the peer's mbarrier, so no release waits for stores
+in flight and no statistic goes through L2 (measured by hand, scripts/batchnorm_cluster_probe.py: 153.8 µs against
+165-167 through global memory). The epilogue (each output as an expression of x, the statistics, per-channel
+parameters and other inputs at x's coordinates) is emitted from the IR, rounding every node to its dtype as eager
+does (cluster_planes_emit).
+
+A row too long for one program (a softmax over 65536 elements) takes the same kernel: the row is the channel, cut
+into `cluster` contiguous pieces, and the pair exchanged is the piece's maximum and its sum of exp(a - max), which
+the peers rescale to the row's maximum, where the Triton split meets its pieces through global memory.
 
 `analyze` says why a part cannot take this path; `ClusterLaunch` compiles (torch's load_inline for sm_90a, cached
 under $STITCHFLOW_CACHE/gpu/cuda) and runs it with the same interface as runtime.Launch.
 """
-
 from __future__ import annotations
 
 import hashlib
@@ -28,35 +31,17 @@ from ...ir.graph import Graph
 from ...ir.index import Lit, Sum, Var, bounds
 from .analysis import PartPlan
 from .codegen_split import _bare, _scaled, centred_variances
-from .cluster_planes_cuda import GLUE, HEADER, KERNEL
+from .cluster_planes_emit import BINARY, C_TYPES, INFIX, THREADS, UNARY, _needed, emit_module
 from .emit import contiguous_strides
+from .mapping import MAX_ROW_IN_REGISTERS
 
-THREADS = 256
 MAX_PER_THREAD = 128  # elements of a piece one thread holds in registers (fp32)
 MAX_PIECE_BYTES = 200 * 1024  # the next piece's buffer in shared memory
 CLUSTERS = (8, 16, 4, 2)  # CTAs per channel, the portable size first; 16 needs the non-portable attribute
 # Pieces of about 16K elements (64 registers a thread) did best: batch norm 64x256x56x56 fp32 (H100) with clusters
 # of 16 x 12544 elements 152.3 µs, of 8 x 25088 153.6; group norm's 65536-element groups take 4 x 16384 and 8 x 8192
 PREFERRED_PIECE = 16384
-C_TYPES = {torch.float32: "float", torch.bfloat16: "__nv_bfloat16", torch.float16: "__half"}
-ROUND = {torch.bfloat16: "rnd_bf16", torch.float16: "rnd_f16"}
-INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/", "lt": "<", "le": "<=", "gt": ">", "ge": ">=",
-         "eq": "==", "ne": "!=", "and": "&&", "or": "||"}
-UNARY = {"neg": "(-{0})", "abs": "fabsf({0})", "exp": "expf({0})", "log": "logf({0})", "sqrt": "sqrtf({0})",
-         "rsqrt": "rsqrtf({0})", "recip": "(1.0f / {0})", "tanh": "tanhf({0})", "erf": "erff({0})",
-         "sigmoid": "(1.0f / (1.0f + expf(-{0})))", "not": "(!{0})", "sin": "sinf({0})", "cos": "cosf({0})",
-         "floor": "floorf({0})", "ceil": "ceilf({0})", "round": "rintf({0})", "log1p": "log1pf({0})",
-         "expm1": "expm1f({0})",
-         # torch keeps a NaN where fmaxf and fminf drop it
-         "relu": "({0} != {0} ? {0} : fmaxf({0}, 0.0f))"}
-BINARY = {"max": "({0} != {0} || {1} != {1} ? {0} + {1} : fmaxf({0}, {1}))",
-          "min": "({0} != {0} || {1} != {1} ? {0} + {1} : fminf({0}, {1}))", "pow": "powf({0}, {1})",
-          "atan2": "atan2f({0}, {1})"}
-# Nodes rounded to bfloat16 or float16 take the special-function unit's approximations (a few ulp of float32,
-# far below half a bf16 step), as the Triton path does: group norm's SiLU epilogue with expf and an IEEE division
-# issued ~30 instructions an element, as many cycles as its bytes take at copy bandwidth with 8-16 warps an SM.
-FAST = {"exp": "__expf({0})", "sigmoid": "__fdividef(1.0f, 1.0f + __expf(-{0}))", "recip": "__fdividef(1.0f, {0})",
-        "div": "__fdividef({0}, {1})"}
+
 
 
 class ClusterRefusal(Exception):
@@ -64,18 +49,39 @@ class ClusterRefusal(Exception):
 
 
 @dataclass(frozen=True)
+class Moments:
+    """A mean over the reduced axes and, optionally, the centred variance riding on it (batch norm's statistics)."""
+    mean: str
+    mean_factor: float  # turns the exact mean into the node's value (1 for a mean)
+    var: str | None = None
+    var_factor: float = 0.0  # on the centred sum of squares
+    kind = "moments"
+
+    def __str__(self) -> str:
+        return f"mean {self.mean}" + (f", variance {self.var}" if self.var else "")
+
+
+@dataclass(frozen=True)
+class MaxSumExp:
+    """A maximum and the sum of exp(a - max) taken in its pass (a softmax's statistics, analysis._online_pairs)."""
+    max: str
+    sum: str
+    kind = "softmax"
+
+    def __str__(self) -> str:
+        return f"max {self.max}, sum of exponentials {self.sum}"
+
+
+@dataclass(frozen=True)
 class ClusterPlan:
     """What the emitted kernel needs to know about the part."""
     x: str  # the planes' input, contiguous over (outer, channel, *plane) or (channel, outer, *plane)
-    n: int  # planes per channel (the outer reduced axis)
+    n: int  # planes per channel (the outer reduced axis; for a row, its pieces)
     channels: int
     plane: int  # elements of a plane
     planes: int  # planes per CTA
     cluster: int  # CTAs per channel
-    mean: str  # the mean reduction and the factor that turns the exact mean into its value (1 for a mean)
-    mean_factor: float
-    var: str | None  # the centred variance riding on it, and the factor on the centred sum of squares
-    var_factor: float
+    stats: Moments | MaxSumExp
     params: tuple[tuple[str, str], ...]  # (tensor, offset expression in c): per-channel inputs
     streamed: tuple[str, ...]  # other inputs read at x's coordinates, loaded in the epilogue
     outputs: tuple[str, ...]
@@ -83,11 +89,15 @@ class ClusterPlan:
     # every channel before plane n + 1 (batch norm's NCHW)
     view: str | None = None  # the part node that reads x as (channel, outer, *plane) (group norm's grouping)
     plane_params: tuple[tuple[str, str], ...] = ()  # (tensor, offset in c and n): inputs per plane
+    rows: bool = False  # one contiguous reduced axis (a long row) cut into `cluster` pieces
 
     def __str__(self) -> str:
-        order = "channel-major" if self.channel_major else "outer-major"
-        return (f"cluster of {self.cluster} x {self.planes} planes of {self.plane} over {self.channels} channels, "
-                f"{order} ({self.x}: {self.mean}{', ' + self.var if self.var else ''} -> {', '.join(self.outputs)})")
+        if self.rows:
+            where = f"cluster of {self.cluster} pieces of {self.plane} per row of {self.n * self.plane}, {self.channels} rows"
+        else:
+            order = "channel-major" if self.channel_major else "outer-major"
+            where = f"cluster of {self.cluster} x {self.planes} planes of {self.plane} over {self.channels} channels, {order}"
+        return f"{where} ({self.x}: {self.stats} -> {', '.join(self.outputs)})"
 
 
 def analyze(graph: Graph, plan: PartPlan, strides: dict, cluster: int) -> ClusterPlan:
@@ -95,24 +105,22 @@ def analyze(graph: Graph, plan: PartPlan, strides: dict, cluster: int) -> Cluste
 
     The channel is the part's parallel axes flattened; its planes are the outer reduced axis; a plane is the
     inner reduced axes, contiguous. Batch norm over NCHW reads x at (outer, channel, plane); group norm reads
-    it through a view node as (channel = (image, group), outer = channel in group, plane)."""
-    if plan.p_contiguous or len(plan.L) < 2:
-        raise ClusterRefusal("cluster planes need reduced axes (outer, *plane) around the channel, as in NCHW")
+    it through a view node as (channel = (image, group), outer = channel in group, plane). A part with one
+    reduced axis, contiguous and too long for one program (a softmax over 65536 elements), takes its rows as
+    channels, each cut into `cluster` contiguous pieces."""
+    if plan.p_contiguous or not plan.L:
+        raise ClusterRefusal("cluster planes need contiguous reduced axes around the channel, as in NCHW or a row")
     chans = tuple(c for c in plan.P if plan.extents[c] > 1)
     if not chans:
         raise ClusterRefusal("cluster planes need a parallel (channel) axis")
-    outer, run = plan.L[0], tuple(plan.L[1:])
-    n, channels = plan.extents[outer], math.prod(plan.extents[c] for c in chans)
-    plane = math.prod(plan.extents[c] for c in run)
-    mean, mean_factor, var, var_factor, src, full = _statistics(graph, plan)
-    if full == (outer, *chans, *run):
-        channel_major = False
-    elif full == (*chans, outer, *run):
-        channel_major = True
-    else:
-        raise ClusterRefusal(f"{src} is read as classes {full}, not (outer, channel, *plane) or (channel, outer, "
-                             "*plane)")
+    channels = math.prod(plan.extents[c] for c in chans)
+    stats, src, full = _statistics(graph, plan)
+    rows = len(plan.L) == 1
+    n, plane, channel_major = _row_geometry(plan, chans, full, src, cluster) if rows else \
+        _plane_geometry(plan, chans, full, src)
     x, view = _source(graph, plan, src)
+    if rows and view:
+        raise ClusterRefusal(f"the row is read through the view {view}")
     _check_layout(graph, plan, strides, x, view or src, full)
     if n % cluster:
         raise ClusterRefusal(f"{n} planes per channel do not split over clusters of {cluster}")
@@ -123,6 +131,11 @@ def analyze(graph: Graph, plan: PartPlan, strides: dict, cluster: int) -> Cluste
         raise ClusterRefusal(f"a piece of {planes} planes of {plane} over {THREADS} threads exceeds "
                              f"{MAX_PER_THREAD} registers or {MAX_PIECE_BYTES} bytes of shared memory per CTA")
     params, plane_params, streamed = _inputs(graph, plan, strides, src, x, view, full, chans)
+    if rows and plane_params:
+        raise ClusterRefusal(f"{', '.join(t for t, _ in plane_params)} vary along the row but are not read at "
+                             f"{src}'s coordinates")
+    if isinstance(stats, MaxSumExp):
+        _check_terms(plan, stats, src)
     outputs = tuple(plan.outputs)
     for o in outputs:
         if o in plan.row_level or _own_classes(plan, graph.node_of[o], graph.node_of[o].index) != full:
@@ -130,23 +143,56 @@ def analyze(graph: Graph, plan: PartPlan, strides: dict, cluster: int) -> Cluste
         if graph.type_of[o].dtype not in C_TYPES:
             raise ClusterRefusal(f"output {o} is {graph.type_of[o].dtype}, not a float type")
     for node in plan.nodes:
-        if node.reduce is None and node.name != view:
-            if node.name not in plan.row_level and _own_classes(plan, node, node.index) != full:
+        if node.name != view:
+            if node.reduce is None and node.name not in plan.row_level and _own_classes(plan, node, node.index) != full:
                 raise ClusterRefusal(f"{node.name} is not indexed by {src}'s coordinates")
-            _check_expr(graph, plan, node, node.body, full, chans, src)
-    return ClusterPlan(x, n, channels, plane, planes, cluster, mean, mean_factor, var, var_factor, params,
-                       streamed, outputs, channel_major, view, plane_params)
+            if node.reduce is None or isinstance(stats, MaxSumExp):  # a softmax prints its reductions' bodies
+                _check_expr(graph, plan, node, node.body, full, chans, src)
+    return ClusterPlan(x, n, channels, plane, planes, cluster, stats, params, streamed, outputs, channel_major, view,
+                       plane_params, rows)
+
+
+def _plane_geometry(plan: PartPlan, chans: tuple, full: tuple, src: str) -> tuple[int, int, bool]:
+    """(planes per channel, elements of a plane, channel-major) of reduced axes (outer, *plane)."""
+    outer, run = plan.L[0], tuple(plan.L[1:])
+    if full == (outer, *chans, *run):
+        channel_major = False
+    elif full == (*chans, outer, *run):
+        channel_major = True
+    else:
+        raise ClusterRefusal(f"{src} is read as classes {full}, not (outer, channel, *plane) or (channel, outer, "
+                             "*plane)")
+    return plan.extents[outer], math.prod(plan.extents[c] for c in run), channel_major
+
+
+def _row_geometry(plan: PartPlan, chans: tuple, full: tuple, src: str, cluster: int) -> tuple[int, int, bool]:
+    """A row as `cluster` adjacent pieces: (pieces, elements of a piece, channel-major)."""
+    (row,) = plan.L
+    length = plan.extents[row]
+    if full != (*chans, row):
+        raise ClusterRefusal(f"{src} is read as classes {full}, not (row, element)")
+    if length <= MAX_ROW_IN_REGISTERS:
+        raise ClusterRefusal(f"a row of {length} fits one program ({MAX_ROW_IN_REGISTERS} elements in registers)")
+    if length % cluster:
+        raise ClusterRefusal(f"a row of {length} does not split over clusters of {cluster}")
+    return cluster, length // cluster, True
 
 
 def _statistics(graph: Graph, plan: PartPlan):
-    """(mean, factor, variance or None, factor, the tensor summed, its classes): the part's reductions must be
-    one mean over whole planes of an input (or of a view of one) and, optionally, the centred variance on it
-    (codegen_split.centred_variances)."""
+    """(the statistics, the tensor they read, its classes): the part's reductions must be one mean over the reduced
+    axes of an input (or of a view of one) and, optionally, the centred variance on it
+    (codegen_split.centred_variances); or a maximum of an expression of one input and the sum of exp(a - max)
+    riding on it (a softmax)."""
+    online = plan.online or {}
+    if len(plan.reductions) == 2 and len(online) == 1:
+        (total, largest), = online.items()
+        return MaxSumExp(largest, total), *_source_of(graph, plan, graph.node_of[largest], largest)
     variances = centred_variances(graph, plan)
     means = [r for r in plan.reductions if r.name not in variances]
     if len(means) != 1 or len(variances) > 1 or any(r.reduce != "sum" for r in plan.reductions):
-        raise ClusterRefusal("cluster planes take one mean and at most the centred variance on it, not "
-                             + ", ".join(f"{r.reduce} {r.name}" for r in plan.reductions))
+        raise ClusterRefusal("cluster planes take one mean and at most the centred variance on it, or a softmax's "
+                             "max and sum of exponentials, not " + ", ".join(f"{r.reduce} {r.name}"
+                                                                             for r in plan.reductions))
     r = means[0]
     body = _bare(r.body)
     inner, scale = (body, 1.0) if isinstance(body, Read) else (_scaled(body) or (None, 0.0))
@@ -162,7 +208,31 @@ def _statistics(graph: Graph, plan: PartPlan):
         if of != r.name:
             raise ClusterRefusal(f"the variance {name} is not centred on {r.name}")
         var, var_factor = name, c
-    return r.name, scale * plan.L_total, var, var_factor, inner.access.tensor, full
+    return Moments(r.name, scale * plan.L_total, var, var_factor), inner.access.tensor, full
+
+
+def _source_of(graph: Graph, plan: PartPlan, node, name: str) -> tuple[str, tuple]:
+    """(the one input a maximum's body reads, directly or through the part's elementwise nodes; its classes)."""
+    readers = [(n, a) for n in (node, *_needed(plan, node.body)) for a in reads(n.body)
+               if a.tensor not in {m.name for m in plan.nodes}]
+    if len({a.tensor for _, a in readers}) != 1 or readers[0][1].tensor in graph.node_of:
+        raise ClusterRefusal(f"the maximum {name} is not taken over an expression of one input")
+    reader, access = readers[0]
+    full = _own_classes(plan, reader, access.indices)
+    if full is None or None in full or len(set(full)) != len(full):
+        raise ClusterRefusal(f"{name} reads {access} away from its own coordinates")
+    return access.tensor, full
+
+
+def _check_terms(plan: PartPlan, stats: MaxSumExp, src: str) -> None:
+    """A softmax's terms are summed before the exchange, so they may read only the input, the piece's maximum
+    and the part's elementwise nodes of those."""
+    part = {n.name: n for n in plan.nodes}
+    for node in [part[stats.sum], *_needed(plan, part[stats.sum].body)]:
+        for a in reads(node.body):
+            if a.tensor not in (src, stats.max) and (a.tensor not in part or a.tensor in plan.row_level):
+                raise ClusterRefusal(f"{node.name} reads {a.tensor}, which the sum of exponentials cannot "
+                                     "read before the exchange")
 
 
 def _source(graph: Graph, plan: PartPlan, src: str) -> tuple[str, str | None]:
@@ -291,7 +361,8 @@ def _check_expr(graph: Graph, plan: PartPlan, node, e, full, chans, x) -> None:
             _check_expr(graph, plan, node, a, full, chans, x)
     elif isinstance(e, Read):
         t, idx = e.access.tensor, e.access.indices
-        if t == x and (node.name in plan.row_level or _own_classes(plan, node, idx) != full):
+        per_row = node.name in plan.row_level and node.reduce is None  # a reduction reads at its own point
+        if t == x and (per_row or _own_classes(plan, node, idx) != full):
             raise ClusterRefusal(f"{node.name} reads {e.access} away from its own coordinates")
         if t not in graph.node_of:
             return  # other inputs: _inputs
@@ -300,154 +371,12 @@ def _check_expr(graph: Graph, plan: PartPlan, node, e, full, chans, x) -> None:
             if any(not isinstance(i, Lit) and (c is None or c not in chans and plan.extents[c] != 1)
                    for i, c in zip(idx, own)):
                 raise ClusterRefusal(f"{node.name} reads {e.access} away from its channel")
-        elif _own_classes(plan, node, idx) != full or node.name in plan.row_level:
+        elif _own_classes(plan, node, idx) != full or per_row:
             raise ClusterRefusal(f"{node.name} reads {e.access} at other coordinates")
     elif not isinstance(e, Const):
         raise ClusterRefusal(f"{node.name}: {type(e).__name__} has no CUDA lowering here")
     if graph.type_of[node.name].dtype not in (*C_TYPES, torch.bool):
         raise ClusterRefusal(f"{node.name} is {graph.type_of[node.name].dtype}, not a float type")
-
-
-# ---------------------------------------------------------------- the CUDA printer
-
-def _const(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    v = float(v)
-    if math.isnan(v):
-        return "NAN"
-    if math.isinf(v):
-        return "INFINITY" if v > 0 else "(-INFINITY)"
-    return f"{v!r}f"
-
-
-class _Printer:
-    """CUDA expressions over named values: `names` maps a tensor to the C name of its value at the point."""
-
-    def __init__(self, graph: Graph, names: dict):
-        self.graph, self.names = graph, names
-        self.fast = False  # printing a node rounded to a 16-bit float (FAST)
-
-    def expr(self, e) -> str:
-        if isinstance(e, Read):
-            return self.names[e.access.tensor]
-        if isinstance(e, Const):
-            return _const(e.value)
-        if isinstance(e, Cast):
-            inner = self.expr(e.arg)
-            if e.dtype == torch.bool:
-                return f"({inner} != 0)"
-            return f"{ROUND[e.dtype]}({inner})" if e.dtype in ROUND else f"((float){inner})"
-        args = [self.expr(a) for a in e.args]
-        if self.fast and e.op in FAST:
-            return FAST[e.op].format(*args)
-        if e.op in INFIX:
-            return f"({args[0]} {INFIX[e.op]} {args[1]})"
-        if e.op in UNARY:
-            return UNARY[e.op].format(*args)
-        if e.op == "pow" and isinstance(_bare(e.args[1]), Const) and _bare(e.args[1]).value == 2:
-            return f"({args[0]} * {args[0]})"
-        if e.op in BINARY:
-            return BINARY[e.op].format(*args)
-        return f"({args[0]} ? {args[1]} : {args[2]})"  # where
-
-    def define(self, name: str, body, c_name: str, code: str | None = None) -> str:
-        """`const T c_name = body;` (or `code`) rounded to the node's dtype, remembered for later reads."""
-        dtype = self.graph.type_of[name].dtype
-        self.fast = dtype in ROUND
-        try:
-            code = code or self.expr(body)
-        finally:
-            self.fast = False
-        if dtype in ROUND:
-            code = f"{ROUND[dtype]}({code})"
-        self.names[name] = c_name
-        return f"const {'bool' if dtype == torch.bool else 'float'} {c_name} = {code};"
-
-
-def _ident(prefix: str, name: str, taken: set) -> str:
-    base = prefix + "".join(ch if ch.isalnum() else "_" for ch in name)
-    out, k = base, 1
-    while out in taken:
-        out, k = f"{base}_{k}", k + 1
-    taken.add(out)
-    return out
-
-
-def emit_source(graph: Graph, plan: PartPlan, cp: ClusterPlan, name: str = "planes_kernel") -> str:
-    """The CUDA source of `cp`: the fixed statistics and exchange, the epilogue printed from the IR."""
-    taken: set = {"xv", "n"}
-    names = {cp.x: "xv", **({cp.view: "xv"} if cp.view else {})}
-    printer = _Printer(graph, names)
-    per_plane = dict(cp.plane_params)
-    ctype = {t: C_TYPES[graph.type_of[t].dtype] for t in (cp.x, *dict(cp.params), *per_plane, *cp.streamed,
-                                                          *cp.outputs)}
-    params, casts, param_loads, plane_loads = [], [f"(const {ctype[cp.x]}*)ptrs[0], "], [], []
-    for k, (t, offset) in enumerate((*cp.params, *cp.plane_params)):
-        arg = _ident("in_", t, taken)
-        params.append(f"const {ctype[t]}* __restrict__ {arg}, ")
-        casts.append(f"(const {ctype[t]}*)ptrs[{1 + k}], ")
-        names[t] = _ident("p_", t, taken)
-        (plane_loads if t in per_plane else param_loads).append(
-            f"{'        ' if t in per_plane else '    '}const float {names[t]} = to_f({arg}[{offset}]);")
-    if plane_loads:
-        plane_loads.insert(0, "        const int n = n0 + p;")
-    vec_loads, element, vec_stores = [], [], []
-    first_streamed = 1 + len(cp.params) + len(per_plane)
-    for k, t in enumerate(cp.streamed):
-        arg, vec = _ident("in_", t, taken), _ident("vec_", t, taken)
-        params.append(f"const {ctype[t]}* __restrict__ {arg}, ")
-        casts.append(f"(const {ctype[t]}*)ptrs[{first_streamed + k}], ")
-        vec_loads.append(f"        const Vec<{ctype[t]}, VEC> {vec} = reinterpret_cast<const Vec<{ctype[t]}, VEC>*>"
-                         f"({arg})[off];")
-        names[t] = _ident("e_", t, taken)
-        element.append(f"          const float {names[t]} = to_f({vec}.a[e]);")
-    first_out = first_streamed + len(cp.streamed)
-    out_vecs = {}
-    for k, t in enumerate(cp.outputs):
-        arg = _ident("out_", t, taken)
-        params.append(f"{ctype[t]}* __restrict__ {arg}, ")
-        casts.append(f"({ctype[t]}*)ptrs[{first_out + k}], ")
-        out_vecs[t] = _ident("o_", t, taken)
-        vec_loads.append(f"        Vec<{ctype[t]}, VEC> {out_vecs[t]};")
-        vec_stores.append(f"        reinterpret_cast<Vec<{ctype[t]}, VEC>*>({arg})[off] = {out_vecs[t]};")
-    mean = "mean" if abs(cp.mean_factor - 1) < 1e-12 else f"(mean * {_const(cp.mean_factor)})"
-    row = [f"    {printer.define(cp.mean, None, _ident('s_', cp.mean, taken), mean)}"]
-    if cp.var:
-        row.append(f"    {printer.define(cp.var, None, _ident('s_', cp.var, taken), f'(m2 * {_const(cp.var_factor)})')}")
-    for node in plan.nodes:
-        if node.reduce is not None or node.name == cp.view:
-            continue
-        if node.name in plan.row_level:
-            row.append(f"    {printer.define(node.name, node.body, _ident('s_', node.name, taken))}")
-        else:
-            element.append(f"          {printer.define(node.name, node.body, _ident('v_', node.name, taken))}")
-    for t in cp.outputs:
-        element.append(f"          {out_vecs[t]}.a[e] = from_f<{ctype[t]}>({names[t]});")
-    minb = 2 if cp.planes * cp.plane <= 64 * THREADS else 1  # pieces of at most 64 registers: two CTAs per SM
-    plane_at = "(size_t)c * NPL + n" if cp.channel_major else "(size_t)n * C + c"
-    subs = {"@CL@": cp.cluster, "@PLANES@": cp.planes, "@C@": cp.channels, "@NPL@": cp.n, "@HW@": cp.plane,
-            "@PLANE_AT@": plane_at, "@PLANE_PARAMS@": "\n".join(plane_loads),
-            "@VEC@": 16 // graph.type_of[cp.x].dtype.itemsize, "@XT@": ctype[cp.x], "@MINB@": minb, "@NAME@": name,
-            "@PARAMS@": "".join(params), "@CASTS@": "".join(casts), "@PARAM_LOADS@": "\n".join(param_loads),
-            "@ROW@": "\n".join(row), "@VEC_LOADS@": "\n".join(vec_loads), "@ELEMENT@": "\n".join(element),
-            "@VEC_STORES@": "\n".join(vec_stores)}
-    source = KERNEL
-    for key, value in subs.items():
-        source = source.replace(key, str(value))
-    return source
-
-
-def emit_module(graph: Graph, plan: PartPlan, plans: list[ClusterPlan]) -> tuple[str, str]:
-    """(CUDA source, C++ glue) of one extension holding a kernel per cluster plan: one nvcc run for them all.
-    The glue's `run(tensors, variant, nclusters, stream)` launches variant `variant` (or, for ~variant, returns
-    how many of its clusters fit at once)."""
-    names = [f"planes_{k}" for k in range(len(plans))]
-    cuda = HEADER + "".join(emit_source(graph, plan, cp, name) for cp, name in zip(plans, names))
-    decls = "\n".join(f"cudaError_t {n}_launch(const void* const*, int, cudaStream_t, int*);" for n in names)
-    cases = "\n".join(f"    case {k}: err = {n}_launch(ptrs.data(), (int)nclusters, stream, variant < 0 ? &fits : "
-                      f"nullptr); break;" for k, n in enumerate(names))
-    return cuda, GLUE.replace("@DECLS@", decls).replace("@CASES@", cases)
 
 
 # ---------------------------------------------------------------- compile and launch

@@ -1,5 +1,6 @@
-"""The CUDA text of cluster_planes' kernels: fixed statistics and exchange, with @NAME@-style holes that
-cluster_planes.emit_source fills (the epilogue printed from the IR, the constants of the plan)."""
+"""The CUDA text of cluster_planes' kernels: the fixed exchange, with @NAME@-style holes that
+cluster_planes_emit.emit_source fills (the statistics of the piece and their combine, the epilogue printed from the
+IR, the constants of the plan)."""
 
 from .cuda_cluster import CLUSTER_CONFIG, PTX_HELPERS
 
@@ -17,7 +18,7 @@ constexpr int HWV = HW / VEC, PIECEV = PLANES * HWV, PER_T = (PIECEV + THREADS -
 constexpr uint32_t PLANE_BYTES = HW * sizeof(@XT@);
 constexpr size_t PIECE_BYTES = (size_t)PLANES * PLANE_BYTES;
 constexpr size_t SMEM = PIECE_BYTES + 64 + 2 * CL * 16;  // the next piece, 3 mbarriers, 2 x CL statistics
-constexpr float NLOC = (float)PLANES * HW;
+[[maybe_unused]] constexpr float NLOC = (float)PLANES * HW;
 typedef @XT@ xt;
 // plane n of channel c: outer-major (batch norm's NCHW) or channel-major (group norm's groups)
 __device__ __forceinline__ size_t plane_at(int n, int c) { return @PLANE_AT@; }
@@ -38,7 +39,7 @@ __global__ void __launch_bounds__(THREADS, @MINB@) @NAME@(const xt* __restrict__
   extern __shared__ __align__(128) unsigned char smem[];
   Vec<xt, VEC>* piece = reinterpret_cast<Vec<xt, VEC>*>(smem);
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + PIECE_BYTES);  // [0] the piece, [1], [2] statistics
-  float4* recv = reinterpret_cast<float4*>(smem + PIECE_BYTES + 64);  // [2][CL] (mean, centred sum of squares)
+  float4* recv = reinterpret_cast<float4*>(smem + PIECE_BYTES + 64);  // [2][CL] every CTA's two statistics
   __shared__ float red[2][THREADS / 32];
   const int tid = threadIdx.x;
   const uint32_t rank = cluster_rank();
@@ -59,26 +60,16 @@ __global__ void __launch_bounds__(THREADS, @MINB@) @NAME@(const xt* __restrict__
   for (int c = cid; c < C; c += nclusters, ++it) {
     mbar_wait(&bars[0], it & 1);
     float v[PER_T][VEC];
-    float s = 0.f;
     #pragma unroll
     for (int k = 0; k < PER_T; ++k) {
       const int idx = k * THREADS + tid;
       const Vec<xt, VEC> raw = idx < PIECEV ? piece[idx] : Vec<xt, VEC>{};
       #pragma unroll
-      for (int e = 0; e < VEC; ++e) { v[k][e] = to_f(raw.a[e]); s += v[k][e]; }
+      for (int e = 0; e < VEC; ++e) v[k][e] = to_f(raw.a[e]);
     }
     __syncthreads();  // the piece left shared memory: it may refill
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    const float mloc = block_sum<THREADS>(s, red[0]) / NLOC;
-    float q = 0.f;
-    #pragma unroll
-    for (int k = 0; k < PER_T; ++k) {
-      if (k * THREADS + tid < PIECEV) {
-        #pragma unroll
-        for (int e = 0; e < VEC; ++e) { const float d = v[k][e] - mloc; q += d * d; }
-      }
-    }
-    q = block_sum<THREADS>(q, red[1]);
+@STATS@
 @PARAM_LOADS@
     // the exchange: this CTA's two numbers into every peer's slot, bytes completing on the peer's mbarrier
     // (armed here for this block first; a push that lands before its owner armed only makes the count
@@ -87,17 +78,14 @@ __global__ void __launch_bounds__(THREADS, @MINB@) @NAME@(const xt* __restrict__
     if (tid == 0) {
       mbar_expect(&bars[1 + slot], CL * 16);
       const uint32_t laddr = su32(&recv[slot * CL + rank]), lbar = su32(&bars[1 + slot]);
-      for (int r = 0; r < CL; ++r) push(mapa(laddr, r), mloc, q, mapa(lbar, r));
+      for (int r = 0; r < CL; ++r) push(mapa(laddr, r), sa, sb, mapa(lbar, r));
       if (c + nclusters < C) issue(c + nclusters);
     }
     mbar_wait(&bars[1 + slot], (it >> 1) & 1);
-    float ms[CL], qs[CL], sum_m = 0.f;
+    float as_[CL], bs_[CL];
     #pragma unroll
-    for (int r = 0; r < CL; ++r) { const float4 got = recv[slot * CL + r]; ms[r] = got.x; qs[r] = got.y; sum_m += ms[r]; }
-    const float mean = sum_m / CL;
-    float m2 = 0.f;  // Chan, Golub, LeVeque: the pieces' centred sums plus the spread of their means
-    #pragma unroll
-    for (int r = 0; r < CL; ++r) m2 += qs[r] + NLOC * (ms[r] - mean) * (ms[r] - mean);
+    for (int r = 0; r < CL; ++r) { const float4 got = recv[slot * CL + r]; as_[r] = got.x; bs_[r] = got.y; }
+@COMBINE@
 @ROW@
     #pragma unroll
     for (int k = 0; k < PER_T; ++k) {

@@ -48,6 +48,18 @@ __device__ __forceinline__ float block_sum(float s, float* red) {
   for (int k = 0; k < THREADS / 32; ++k) t += red[k];
   return t;
 }
+// the larger of two floats, a NaN kept (fmaxf drops it, torch's max keeps it)
+__device__ __forceinline__ float nanmax(float a, float b) { return (a != a || b != b) ? a + b : fmaxf(a, b); }
+template <int THREADS>
+__device__ __forceinline__ float block_max(float m, float* red) {
+  for (int o = 16; o; o >>= 1) m = nanmax(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
+  __syncthreads();
+  float t = -INFINITY;
+  #pragma unroll
+  for (int k = 0; k < THREADS / 32; ++k) t = nanmax(t, red[k]);
+  return t;
+}
 """
 
 # a grid of `grid` CTAs of `threads` in clusters of `cluster` along x (above 8 the kernel needs

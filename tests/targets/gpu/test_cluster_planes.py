@@ -45,6 +45,20 @@ class Center(nn.Module):
         return x - x.mean((0, 2, 3), keepdim=True)
 
 
+class ScaledSoftmax(nn.Module):
+    """A softmax whose maximum and terms read an elementwise node of x (the scaled scores), not x itself."""
+
+    def forward(self, x):
+        return torch.softmax(x * 0.125, dim=-1)
+
+
+class LongLayerNorm(nn.Module):
+    """A mean and centred variance over one long row: the moments on a row cut into pieces."""
+
+    def forward(self, x):
+        return F.layer_norm(x, (x.shape[-1],))
+
+
 class _Functional(nn.Module):
     def forward(self, x, w, b):
         return F.batch_norm(x, None, None, w, b, training=True)
@@ -56,7 +70,7 @@ def _args(module, shape, dtype, device="cpu", seed=0):
     if isinstance(module, ResidualRelu):
         w, b = (torch.randn(shape[1], generator=gen).to(dtype).to(device) for _ in range(2))
         return [x, w, b, torch.randn(shape, generator=gen).to(dtype).to(device)]
-    if isinstance(module, (AffineFree, Center, TransposedResidual)):
+    if isinstance(module, (AffineFree, Center, TransposedResidual, Softmax, ScaledSoftmax, LongLayerNorm)):
         return [x]
     return list(PATTERNS["batchnorm_train"].make(shape, dtype, device, gen))
 
@@ -69,17 +83,19 @@ def _kernel(module, shape, dtype=torch.float32):
 
 BN = PATTERNS["batchnorm_train"].module
 GN = PATTERNS["groupnorm_silu"].module  # F.group_norm (32 groups) then SiLU
+Softmax = PATTERNS["softmax_long_rows"].module  # torch.softmax over the last axis
 MODULES = [(BN, (64, 256, 56, 56), torch.float32), (BN, (6, 10, 4, 6), torch.bfloat16),
            (AffineFree, (16, 40, 28, 28), torch.float32), (ResidualRelu, (6, 10, 4, 6), torch.float32),
            (ResidualRelu, (16, 40, 28, 28), torch.bfloat16), (Center, (8, 24, 7, 16), torch.float16),
            (GN, (16, 512, 64, 64), torch.bfloat16), (GN, (3, 128, 6, 10), torch.float32),
-           (GN, (2, 64, 16, 8), torch.float16)]
+           (GN, (2, 64, 16, 8), torch.float16), (Softmax, (6, 65536), torch.float32),
+           (ScaledSoftmax, (3, 5, 40000), torch.bfloat16), (LongLayerNorm, (5, 40960), torch.float32)]
 
 
 def test_batch_norm_exchanges_through_peers_and_prints_its_epilogue_from_the_ir():
     k, strides = _kernel(BN(), (64, 256, 56, 56))
     cp = analyze(k.graph, k.plans[0], strides, 8)
-    assert (cp.x, cp.planes, cp.plane, cp.channels, cp.var) == ("x", 8, 3136, 256, "mean_1")
+    assert (cp.x, cp.planes, cp.plane, cp.channels, cp.stats.var) == ("x", 8, 3136, 256, "mean_1")
     assert [t for t, _ in cp.params] == ["w", "b"] and cp.streamed == () and cp.outputs == ("add_1",)
     assert str(cp).startswith("cluster of 8 x 8 planes of 3136 over 256 channels")
     cuda, glue = emit_module(k.graph, k.plans[0], [cp])
@@ -112,13 +128,65 @@ def test_group_norm_runs_its_groups_channel_major_with_parameters_per_plane():
                                                                                            strides)[0])[0]
 
 
+def test_a_long_softmax_row_is_cut_into_pieces_that_exchange_their_maximum_and_sum_of_exponentials():
+    k, strides = _kernel(Softmax(), (8, 65536))
+    plans, _ = cluster_plans(k.graph, k.plans[0], strides)
+    assert [(p.cluster, p.plane, p.n, p.planes, p.rows, p.channel_major) for p in plans[:2]] == \
+        [(4, 16384, 4, 1, True, True), (8, 8192, 8, 1, True, True)]  # pieces nearest 16K elements first
+    cp = plans[0]
+    assert (cp.stats.kind, cp.stats.max, cp.stats.sum, cp.channels) == ("softmax", "softmax_max", "softmax_sum", 8)
+    assert str(cp).startswith("cluster of 4 pieces of 16384 per row of 65536, 8 rows (x: max softmax_max")
+    cuda, _ = emit_module(k.graph, k.plans[0], [cp])
+    # the piece's own maximum, its terms against it (0 while it is -inf), then the row's from every CTA's pair
+    assert "block_max<THREADS>(mx, red[0])" in cuda and "const float t_softmax_exp = __expf((xv - mref));" in cuda
+    assert "bs_[r] * expf(as_[r] - mmax)" in cuda and "const float s_softmax_sum = ssum;" in cuda
+    assert "const float v_softmax = (v_softmax_exp / s_softmax_sum);" in cuda
+    assert cuda.index("mref") < cuda.index("push(mapa(laddr, r), sa, sb") < cuda.index("v_softmax_exp")
+    # the scaled scores: the node both statistics read is defined in each pass
+    k, strides = _kernel(ScaledSoftmax(), (3, 5, 40000), torch.bfloat16)
+    plans, why = cluster_plans(k.graph, k.plans[0], strides)
+    assert [p.cluster for p in plans] == [2, 4, 8] and "16-byte vectors" in why[0]  # 2500 bf16 a piece
+    cuda, _ = emit_module(k.graph, k.plans[0], plans[:1])
+    stats = cuda[cuda.index("float mx = -INFINITY;"):cuda.index("block_sum<THREADS>(s, red[1])")]
+    assert stats.count("const float t_mul") == 2 and "mx = nanmax(mx, ((float)t_mul));" in stats
+    assert "const float t_mul = rnd_bf16((xv * 0.125f));" in stats  # rounded as eager rounds the bf16 node
+
+
+def test_a_long_row_takes_the_moments_too():
+    k, strides = _kernel(LongLayerNorm(), (5, 40960))
+    (cp, *_), _ = cluster_plans(k.graph, k.plans[0], strides)
+    assert cp.rows and cp.stats.kind == "moments" and cp.stats.var is not None and cp.plane * cp.n == 40960
+
+
+class MaskedSoftmax(nn.Module):
+    def forward(self, x, m):
+        return torch.softmax(x + m, dim=-1)
+
+
+@pytest.mark.parametrize("module,shapes,size,why", [
+    (Softmax(), [(8, 4096)], 4, "a row of 4096 fits one program"),
+    (Softmax(), [(2, 40000 + 4 * 3)], 8, "does not split over clusters of 8"),
+    (MaskedSoftmax(), [(2, 65536), (2, 65536)], 4, "not taken over an expression of one input"),
+    (PATTERNS["cross_entropy_like"].module(), None, 4, "target is torch.int64, not a float type"),
+])
+def test_rows_the_cluster_path_cannot_take_are_refused_with_the_reason(module, shapes, size, why):
+    gen = torch.Generator().manual_seed(0)
+    args = ([torch.randn(s, generator=gen) for s in shapes] if shapes else
+            list(PATTERNS["cross_entropy_like"].make((4, 40000), torch.float32, "cpu", gen)))
+    prog = stitchflow.compile(module, args, target="gpu", fusion="full")
+    k = [k for run in prog._compiled for k in run.kernels][0]
+    strides = {t: contiguous_strides(k.graph.type_of[t].shape) for t in k.inputs}
+    with pytest.raises(ClusterRefusal, match=why):
+        analyze(k.graph, k.plans[0], strides, size)
+
+
 def test_functional_batch_norm_with_batch_statistics_lowers_to_the_cluster_path():
     args = _args(BN(), (16, 40, 28, 28), torch.bfloat16)
     prog = stitchflow.compile(_Functional(), args, target="gpu", fusion="full")
     (k,) = [k for run in prog._compiled for k in run.kernels]
     strides = {t: contiguous_strides(k.graph.type_of[t].shape) for t in k.inputs}
     plans, _ = cluster_plans(k.graph, k.plans[0], strides)
-    assert plans and plans[0].var is not None and len(plans[0].params) == 2
+    assert plans and plans[0].stats.var is not None and len(plans[0].params) == 2
 
 
 def test_low_precision_nodes_round_as_eager_does_and_streamed_inputs_load_in_the_epilogue():
@@ -238,6 +306,9 @@ def test_the_autotuner_times_clusters_against_the_generated_kernels_on_hopper():
         assert relative_error(o, r) <= tolerance(torch.float32)
     (k,) = [k for run in prog._compiled for k in run.kernels]
     assert k.cluster_plans and k.chosen is not None
+    rows = [torch.randn(12, 65536, device="cuda")]
+    pinned = stitchflow.compile(Softmax(), rows, target="gpu", fusion="full", options={"cluster": True})
+    assert relative_error(pinned(*rows), Softmax()(*rows)) <= tolerance(torch.float32)
     group_args = _args(GN(), (4, 64, 16, 16), torch.bfloat16, "cuda")
     pinned = stitchflow.compile(GN(), group_args, target="gpu", fusion="full", options={"cluster": True})
     assert relative_error(pinned(*group_args), GN()(*group_args)) <= tolerance(torch.bfloat16)
@@ -246,3 +317,26 @@ def test_the_autotuner_times_clusters_against_the_generated_kernels_on_hopper():
         assert relative_error(as_tuple(pinned(*args))[0], module(*args)) <= tolerance(torch.float32)
         (pk,) = [k for run in pinned._compiled for k in run.kernels]
         assert pk.chosen[0].cluster and str(pk.chosen[0]).endswith("_K")
+
+
+@pytest.mark.skipif(not _hopper_with_nvcc(), reason="needs a Hopper GPU and nvcc (clusters, distributed shared memory)")
+def test_softmax_rows_with_infinite_and_nan_pieces_equal_eager_on_hopper():
+    """A piece of only -inf sums its terms against 0 and is scaled by 0, not NaN; a NaN or +inf anywhere in a row
+    makes the whole row NaN, as in torch; a row of only -inf is NaN."""
+    x = torch.randn(6, 65536, device="cuda")
+    x[0, :16384] = float("-inf")  # the first piece of clusters of 4 (two of clusters of 8)
+    x[1, 5] = float("nan")
+    x[2, 40000] = float("inf")
+    x[3] = float("-inf")
+    x[4, ::2] = float("-inf")
+    x[5] *= 100  # most terms underflow against the row's maximum
+    module = Softmax()
+    k, strides = _kernel(module, tuple(x.shape))
+    plans, _ = cluster_plans(k.graph, k.plans[0], strides)
+    for variant in range(min(2, len(plans))):
+        launch = cluster_planes.ClusterLaunch(k.graph, k.plans[0], plans[:2], variant, "test",
+                                              tempfile.mkdtemp(prefix="stitchflow-cuda-"))
+        env = {k.inputs[0]: x}
+        launch(env)
+        torch.testing.assert_close(env[plans[variant].outputs[0]], module(x), equal_nan=True, rtol=1e-5, atol=1e-6)
+
