@@ -169,7 +169,7 @@ def _row_geometry(plan: PartPlan, chans: tuple, full: tuple, src: str, cluster: 
     """A row as `cluster` adjacent pieces: (pieces, elements of a piece, channel-major)."""
     (row,) = plan.L
     length = plan.extents[row]
-    if full != (*chans, row):
+    if tuple(c for c in full if plan.extents[c] > 1 or c == row) != (*chans, row):  # axes of 1 aside
         raise ClusterRefusal(f"{src} is read as classes {full}, not (row, element)")
     if length <= MAX_ROW_IN_REGISTERS:
         raise ClusterRefusal(f"a row of {length} fits one program ({MAX_ROW_IN_REGISTERS} elements in registers)")

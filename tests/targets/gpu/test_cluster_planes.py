@@ -52,6 +52,11 @@ class ScaledSoftmax(nn.Module):
         return torch.softmax(x * 0.125, dim=-1)
 
 
+class LogSoftmax(nn.Module):
+    def forward(self, x):
+        return torch.log_softmax(x, dim=-1)
+
+
 class LongLayerNorm(nn.Module):
     """A mean and centred variance over one long row: the moments on a row cut into pieces."""
 
@@ -70,7 +75,7 @@ def _args(module, shape, dtype, device="cpu", seed=0):
     if isinstance(module, ResidualRelu):
         w, b = (torch.randn(shape[1], generator=gen).to(dtype).to(device) for _ in range(2))
         return [x, w, b, torch.randn(shape, generator=gen).to(dtype).to(device)]
-    if isinstance(module, (AffineFree, Center, TransposedResidual, Softmax, ScaledSoftmax, LongLayerNorm)):
+    if isinstance(module, (AffineFree, Center, TransposedResidual, Softmax, ScaledSoftmax, LongLayerNorm, LogSoftmax)):
         return [x]
     return list(PATTERNS["batchnorm_train"].make(shape, dtype, device, gen))
 
@@ -89,7 +94,8 @@ MODULES = [(BN, (64, 256, 56, 56), torch.float32), (BN, (6, 10, 4, 6), torch.bfl
            (ResidualRelu, (16, 40, 28, 28), torch.bfloat16), (Center, (8, 24, 7, 16), torch.float16),
            (GN, (16, 512, 64, 64), torch.bfloat16), (GN, (3, 128, 6, 10), torch.float32),
            (GN, (2, 64, 16, 8), torch.float16), (Softmax, (6, 65536), torch.float32),
-           (ScaledSoftmax, (3, 5, 40000), torch.bfloat16), (LongLayerNorm, (5, 40960), torch.float32)]
+           (ScaledSoftmax, (3, 5, 40000), torch.bfloat16), (LongLayerNorm, (5, 40960), torch.float32),
+           (LogSoftmax, (1, 3, 40960), torch.float16)]
 
 
 def test_batch_norm_exchanges_through_peers_and_prints_its_epilogue_from_the_ir():
@@ -150,6 +156,14 @@ def test_a_long_softmax_row_is_cut_into_pieces_that_exchange_their_maximum_and_s
     stats = cuda[cuda.index("float mx = -INFINITY;"):cuda.index("block_sum<THREADS>(s, red[1])")]
     assert stats.count("const float t_mul") == 2 and "mx = nanmax(mx, ((float)t_mul));" in stats
     assert "const float t_mul = rnd_bf16((xv * 0.125f));" in stats  # rounded as eager rounds the bf16 node
+
+
+def test_a_long_row_of_a_tensor_with_axes_of_one_and_a_log_softmax_take_the_cluster_path():
+    k, strides = _kernel(LogSoftmax(), (1, 3, 40960))
+    (cp, *_), _ = cluster_plans(k.graph, k.plans[0], strides)
+    assert cp.rows and cp.channels == 3 and cp.stats.kind == "softmax"
+    cuda, _ = emit_module(k.graph, k.plans[0], [cp])
+    assert "logf(s_log_softmax_sum)" in cuda
 
 
 def test_a_long_row_takes_the_moments_too():
