@@ -61,7 +61,8 @@ def main():
     out = torch.empty_like(x)
     nbytes = 2 * x.numel() * 4
     copy_us = statistics.median(timed_median(lambda: out.copy_(x)) for _ in range(3)) * 1e6
-    print(f"{torch.cuda.get_device_name()}: copy of the same bytes {copy_us:.1f} us ({nbytes / copy_us / 1e6:.2f} TB/s)")
+    print(f"{torch.cuda.get_device_name()}: copy of the same bytes {copy_us:.1f} us "
+          f"({nbytes / copy_us / 1e6:.2f} TB/s)")
     cache = tempfile.mkdtemp(prefix="stitchflow-probe-")
     sizes = [int(s) for s in args.sizes.split(",")]
     for index, cp in enumerate(plans):

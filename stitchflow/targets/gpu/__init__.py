@@ -195,8 +195,8 @@ class GpuTarget:
             out += ["", "convolutions (torch's, i.e. cuDNN's, with the activations around them channels last):", *convs]
         clusters = _explain_cluster_planes(graph, regions)
         if clusters:
-            out += ["", "plane statistics on thread-block clusters (Hopper; timed against the generated kernels):",
-                    *clusters]
+            out += ["", "plane and row statistics on thread-block clusters (Hopper; timed against the generated "
+                    "kernels):", *clusters]
         return out
 
     @staticmethod

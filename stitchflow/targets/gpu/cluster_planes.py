@@ -93,10 +93,12 @@ class ClusterPlan:
 
     def __str__(self) -> str:
         if self.rows:
-            where = f"cluster of {self.cluster} pieces of {self.plane} per row of {self.n * self.plane}, {self.channels} rows"
+            where = (f"cluster of {self.cluster} pieces of {self.plane} per row of {self.n * self.plane}, "
+                     f"{self.channels} rows")
         else:
             order = "channel-major" if self.channel_major else "outer-major"
-            where = f"cluster of {self.cluster} x {self.planes} planes of {self.plane} over {self.channels} channels, {order}"
+            where = (f"cluster of {self.cluster} x {self.planes} planes of {self.plane} over {self.channels} channels, "
+                     f"{order}")
         return f"{where} ({self.x}: {self.stats} -> {', '.join(self.outputs)})"
 
 

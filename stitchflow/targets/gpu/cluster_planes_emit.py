@@ -201,7 +201,8 @@ def _element_loop(printer: _Printer, plan: PartPlan, body, taken: set, step: str
     for node in _needed(plan, body):
         lines.append(f"        {printer.define(node.name, node.body, _ident('t_', node.name, taken))}")
     lines.append(f"        {step.format(printer.expr(body))}")
-    return ["    #pragma unroll", "    for (int k = 0; k < PER_T; ++k) {", "      if (k * THREADS + tid >= PIECEV) continue;",
+    return ["    #pragma unroll", "    for (int k = 0; k < PER_T; ++k) {",
+            "      if (k * THREADS + tid >= PIECEV) continue;",
             "      #pragma unroll", "      for (int e = 0; e < VEC; ++e) {", "        const float xv = v[k][e];",
             *lines, "      }", "    }"]
 

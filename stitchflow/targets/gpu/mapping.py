@@ -30,7 +30,7 @@ class Config:
     coop: bool = False  # split rows meet at an in-kernel barrier, each piece held in registers (GPU only)
     tma: bool = False  # with coop and persistent: the next piece streams into shared memory by TMA (Hopper, Gluon)
     cp_async: bool = False  # the same by cp.async: any address pattern, 4-byte elements (Hopper, Gluon)
-    cluster: bool = False  # plane statistics on thread-block clusters of `split` CTAs (cluster_planes, CUDA C++)
+    cluster: bool = False  # plane or row statistics on thread-block clusters of `split` CTAs (cluster_planes, CUDA C++)
 
     def __str__(self) -> str:
         tail = f"_G{self.persistent}" if self.persistent else ""

@@ -1,7 +1,8 @@
-"""Plane statistics on thread-block clusters (cluster_planes): a CUDA C++ kernel whose CTAs exchange batch norm's
-(and group norm's) statistics through distributed shared memory, with the epilogue printed from the IR. On CPU: what it takes and
-refuses, the emitted source, and an nvcc compile for sm_90a (registers, no spills) where nvcc exists; on a Hopper
-GPU: equality with eager for every cluster size, through the autotuned path too."""
+"""Plane and row statistics on thread-block clusters (cluster_planes): a CUDA C++ kernel whose CTAs exchange batch
+norm's and group norm's statistics, or a long row's maximum and sum of exponentials, through distributed shared
+memory, with the epilogue printed from the IR. On CPU: what it takes and refuses, the emitted source, and an nvcc
+compile for sm_90a (registers, no spills) where nvcc exists; on a Hopper GPU: equality with eager for every cluster
+size, through the autotuned path too."""
 
 import os
 import shutil
@@ -254,7 +255,7 @@ def test_strided_inputs_and_other_reductions_are_refused():
 def test_explain_lists_the_cluster_plans_of_each_part_or_why_none():
     args = _args(BN(), (16, 40, 28, 28), torch.float32)
     text = stitchflow.compile(BN(), args, target="gpu", fusion="full").explain()
-    assert "plane statistics on thread-block clusters" in text and "cluster of 2 x 8 planes of 784" in text
+    assert "plane and row statistics on thread-block clusters" in text and "cluster of 2 x 8 planes of 784" in text
     args = _args(BN(), (6, 8, 5, 5), torch.float32)
     text = stitchflow.compile(BN(), args, target="gpu", fusion="full").explain()
     assert "none: cluster of 8: 6 planes per channel do not split" in text and "16-byte vectors" in text
