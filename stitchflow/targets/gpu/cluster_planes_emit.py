@@ -39,9 +39,10 @@ BINARY = {"max": "({0} != {0} || {1} != {1} ? {0} + {1} : fmaxf({0}, {1}))",
 FAST = {"exp": "__expf({0})", "sigmoid": "__fdividef(1.0f, 1.0f + __expf(-{0}))", "recip": "__fdividef(1.0f, {0})",
         "div": "__fdividef({0}, {1})"}
 # float32 exponentials as Triton's tl.exp lowers them in the generated kernels (ex2.approx of x·log2 e): with expf a
-# softmax over rows of 65536 floats ran 303 µs on clusters of 4 and 337 on clusters of 8 (30 clusters fit), with
-# __expf 295 and 290 (45 fit: fewer registers, three CTAs an SM), H200, copy of the bytes 255
-# (scripts/cluster_rows_probe.py); divisions stay IEEE
+# softmax over rows of 65536 floats ran 303 µs on clusters of 4 and 337 on clusters of 8 (91 registers: 30 clusters
+# fit), with __expf 295 and 290 (72 registers: three CTAs an SM, 45 clusters), H200, copy of the bytes 255
+# (scripts/cluster_rows_probe.py; the combine's eight rescaling expf alone held the 19 registers); divisions stay
+# IEEE
 FAST_F32 = {"exp"}
 
 
@@ -251,7 +252,7 @@ SOFTMAX_COMBINE = """    float mmax = -INFINITY;
     for (int r = 0; r < CL; ++r) mmax = nanmax(mmax, as_[r]);
     float ssum = 0.f;
     #pragma unroll
-    for (int r = 0; r < CL; ++r) ssum += as_[r] == -INFINITY ? 0.f : bs_[r] * expf(as_[r] - mmax);""".split("\n")
+    for (int r = 0; r < CL; ++r) ssum += as_[r] == -INFINITY ? 0.f : bs_[r] * __expf(as_[r] - mmax);""".split("\n")
 
 
 def emit_module(graph: Graph, plan: PartPlan, plans: list) -> tuple[str, str]:

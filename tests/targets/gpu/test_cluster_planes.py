@@ -146,7 +146,7 @@ def test_a_long_softmax_row_is_cut_into_pieces_that_exchange_their_maximum_and_s
     cuda, _ = emit_module(k.graph, k.plans[0], [cp])
     # the piece's own maximum, its terms against it (0 while it is -inf), then the row's from every CTA's pair
     assert "block_max<THREADS>(mx, red[0])" in cuda and "const float t_softmax_exp = __expf((xv - mref));" in cuda
-    assert "bs_[r] * expf(as_[r] - mmax)" in cuda and "const float s_softmax_sum = ssum;" in cuda
+    assert "bs_[r] * __expf(as_[r] - mmax)" in cuda and "const float s_softmax_sum = ssum;" in cuda
     assert "const float v_softmax = (v_softmax_exp / s_softmax_sum);" in cuda
     assert cuda.index("mref") < cuda.index("push(mapa(laddr, r), sa, sb") < cuda.index("v_softmax_exp")
     # the scaled scores: the node both statistics read is defined in each pass
