@@ -43,7 +43,6 @@ CLUSTERS = (8, 16, 4, 2)  # CTAs per channel, the portable size first; 16 needs 
 PREFERRED_PIECE = 16384
 
 
-
 class ClusterRefusal(Exception):
     """A part (or a cluster size) this path cannot take; the message says why."""
 
