@@ -31,7 +31,7 @@ from ...ir.graph import Graph
 from ...ir.index import Lit, Sum, Var, bounds
 from .analysis import PartPlan
 from .codegen_split import _bare, _scaled, centred_variances
-from .cluster_planes_emit import BINARY, C_TYPES, INFIX, THREADS, UNARY, _needed, emit_module
+from .cluster_planes_emit import BINARY, C_TYPES, INFIX, THREADS, UNARY, emit_module, needed_nodes
 from .emit import contiguous_strides
 from .mapping import MAX_ROW_IN_REGISTERS
 
@@ -214,7 +214,7 @@ def _statistics(graph: Graph, plan: PartPlan):
 
 def _source_of(graph: Graph, plan: PartPlan, node, name: str) -> tuple[str, tuple]:
     """(the one input a maximum's body reads, directly or through the part's elementwise nodes; its classes)."""
-    readers = [(n, a) for n in (node, *_needed(plan, node.body)) for a in reads(n.body)
+    readers = [(n, a) for n in (node, *needed_nodes(plan, node.body)) for a in reads(n.body)
                if a.tensor not in {m.name for m in plan.nodes}]
     if len({a.tensor for _, a in readers}) != 1 or readers[0][1].tensor in graph.node_of:
         raise ClusterRefusal(f"the maximum {name} is not taken over an expression of one input")
@@ -229,7 +229,7 @@ def _check_terms(plan: PartPlan, stats: MaxSumExp, src: str) -> None:
     """A softmax's terms are summed before the exchange, so they may read only the input, the piece's maximum
     and the part's elementwise nodes of those."""
     part = {n.name: n for n in plan.nodes}
-    for node in [part[stats.sum], *_needed(plan, part[stats.sum].body)]:
+    for node in [part[stats.sum], *needed_nodes(plan, part[stats.sum].body)]:
         for a in reads(node.body):
             if a.tensor not in (src, stats.max) and (a.tensor not in part or a.tensor in plan.row_level):
                 raise ClusterRefusal(f"{node.name} reads {a.tensor}, which the sum of exponentials cannot "

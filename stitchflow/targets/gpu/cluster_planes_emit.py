@@ -129,7 +129,7 @@ def emit_source(graph: Graph, plan: PartPlan, cp, name: str = "planes_kernel") -
             f"{'        ' if t in per_plane else '    '}const float {names[t]} = to_f({arg}[{offset}]);")
     if plane_loads:
         plane_loads.insert(0, "        const int n = n0 + p;")
-    stats, combine, row = _statistics(printer, plan, cp.stats, taken)
+    stats, combine, row = _statistics_code(printer, plan, cp.stats, taken)
     vec_loads, element, vec_stores = [], [], []
     first_streamed = 1 + len(cp.params) + len(per_plane)
     for k, t in enumerate(cp.streamed):
@@ -173,7 +173,7 @@ def emit_source(graph: Graph, plan: PartPlan, cp, name: str = "planes_kernel") -
     return source
 
 
-def _statistics(printer: _Printer, plan: PartPlan, stats, taken: set) -> tuple[list, list, list]:
+def _statistics_code(printer: _Printer, plan: PartPlan, stats, taken: set) -> tuple[list, list, list]:
     """(the piece's two numbers `sa`, `sb` from its registers v[k][e]; the row's statistics from every CTA's pair
     as_[r], bs_[r]; the reductions' nodes defined from them), per kind of statistics."""
     if stats.kind == "moments":
@@ -199,7 +199,7 @@ def _element_loop(printer: _Printer, plan: PartPlan, body, taken: set, step: str
     """A loop over the piece's elements (xv) that defines the part's elementwise nodes `body` reads, in the
     part's order, then folds `body` into an accumulator by `step`."""
     lines = []
-    for node in _needed(plan, body):
+    for node in needed_nodes(plan, body):
         lines.append(f"        {printer.define(node.name, node.body, _ident('t_', node.name, taken))}")
     lines.append(f"        {step.format(printer.expr(body))}")
     return ["    #pragma unroll", "    for (int k = 0; k < PER_T; ++k) {",
@@ -208,7 +208,7 @@ def _element_loop(printer: _Printer, plan: PartPlan, body, taken: set, step: str
             *lines, "      }", "    }"]
 
 
-def _needed(plan: PartPlan, body) -> list:
+def needed_nodes(plan: PartPlan, body) -> list:
     """The part's elementwise nodes (not per row) that `body` reads, directly or through each other, in order."""
     part = {n.name: n for n in plan.nodes if n.reduce is None and n.name not in plan.row_level}
     need, stack = set(), [a.tensor for a in reads(body)]
