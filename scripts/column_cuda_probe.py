@@ -30,12 +30,9 @@ M, N = 65536, 1024
 VARIANTS = [("regs", 32, 512, 256, 2), ("lag", 32, 512, 256, 3), ("lag", 32, 512, 512, 3), ("lag", 32, 512, 256, 2)]
 MODES = {"regs": 4, "lag": 5}
 
-CUDA = r"""
-#include <cuda_runtime.h>
-#include <cstdint>
-
-constexpr int M = @M@, N = @N@, N4 = N / 4;
-
+# shared-memory address, cp.async, float4 sums and the column totals of a W-column tile (also
+# scripts/column_l2_stage_probe.py)
+COLUMN_HELPERS = r"""
 __device__ __forceinline__ uint32_t su32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(su32(dst)), "l"(src) : "memory");
@@ -63,6 +60,15 @@ __device__ __forceinline__ float column_total(float4 s, float* red) {
   return t;
 }
 
+"""
+
+CUDA = r"""
+#include <cuda_runtime.h>
+#include <cstdint>
+
+constexpr int M = @M@, N = @N@, N4 = N / 4;
+
+""" + COLUMN_HELPERS + r"""
 // The group's partials of each column combined (Chan, about member 0's mean K): thread (set, c) sums partials set,
 // set + NS, ... of column c (`active` threads only), the sets meet in red / red2, and threads tid < W get (mean,
 // centred sum of squares) of their column. The caller frees red / red2 first; this ends past a block barrier.

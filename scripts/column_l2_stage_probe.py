@@ -23,6 +23,8 @@ copy), column_center 311-524 and column_standardize 331-563, against 162 and 174
 """
 import statistics
 
+from column_cuda_probe import COLUMN_HELPERS  # scripts/ is on the path when run as a script
+
 CUDA = r"""
 #include <torch/extension.h>
 #include <cuda_runtime.h>
@@ -30,34 +32,7 @@ CUDA = r"""
 
 constexpr int M = 65536, N = 1024, N4 = N / 4;
 
-__device__ __forceinline__ uint32_t su32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(su32(dst)), "l"(src) : "memory");
-}
-__device__ __forceinline__ float4 add4(float4 a, float4 b) { return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w); }
-__device__ __forceinline__ float4 shfl4(float4 a, int o) {
-  return make_float4(__shfl_xor_sync(~0u, a.x, o), __shfl_xor_sync(~0u, a.y, o), __shfl_xor_sync(~0u, a.z, o),
-                     __shfl_xor_sync(~0u, a.w, o));
-}
-
-// column totals of W columns: every thread holds a float4 of columns 4q..4q+3 (q = tid % Q); threads tid < W return
-// the total of column tid
-template <int W, int T>
-__device__ __forceinline__ float column_total(float4 s, float* red) {
-  constexpr int Q = W / 4;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  #pragma unroll
-  for (int o = Q; o < 32; o <<= 1) s = add4(s, shfl4(s, o));
-  if (lane < Q) reinterpret_cast<float4*>(red)[warp * Q + lane] = s;
-  __syncthreads();
-  float t = 0.f;
-  if (tid < W) {
-    #pragma unroll
-    for (int w = 0; w < T / 32; ++w) t += red[w * W + tid];
-  }
-  return t;
-}
-
+""" + COLUMN_HELPERS + r"""
 template <int W, int G, int T, int S, int MODE>
 __global__ void __launch_bounds__(T, G > 132 ? 2 : 1) staged(const float* __restrict__ x, float* __restrict__ y, float* part,
                                                unsigned int* cnt, unsigned int epoch) {
