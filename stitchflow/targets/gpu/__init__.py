@@ -4,12 +4,14 @@
                               options={"autotune": True})
 
 Each region is split into steps: compute chains inside it (GEMM -> act -> GEMM, gated FFN,
-GEMM + epilogue; chains.py) become fused chain kernels, autotuned against cuBLAS; attention
+GEMM + epilogue; chains.py) become fused chain kernels, autotuned against cuBLAS; GEMMs that read the
+same activations (attention's Q, K, V projections) run as one grouped launch (siblings.py); attention
 (softmax of masked, scaled Q·Kᵀ, times V; attention.py) becomes one block-sparse kernel that
 skips the tiles its constant mask drops; runs of
 elementwise, broadcast and reduction nodes become one generated kernel each (grouping.py,
 codegen.py); other GEMMs, scatters and other sparse nodes run through torch. With TRITON_INTERPRET=1
-the same kernels run on CPU tensors. options["chains"] = False leaves GEMMs to torch. A sparse
+the same kernels run on CPU tensors. options["chains"] = False leaves GEMMs to torch;
+options["sibling_gemms"] = False runs GEMMs that share A one by one. A sparse
 product followed by a narrowing GEMM, (S·X)·W, is computed as S·(X·W) (reassociate.py;
 options["reassociate"] = False keeps the program's order); a CSR × dense product runs as our
 Triton kernel or torch's, whichever times faster (spmm.py).
@@ -48,6 +50,7 @@ from .grouping import TorchStep, fold_iotas, split_region
 from .prefetch import prefetch as prefetch_compiles
 from .reassociate import find_reassociations, reassociate
 from .rewrites import gather_one_hots, sink_widening_casts, unroll_small_sums, window_scatters
+from .siblings import SiblingGemms, match_siblings
 from .spmm import SpmmStep, sparse_product
 from .runtime import LAUNCHES, GroupKernel, interpreting
 
@@ -101,6 +104,14 @@ class GpuTarget:
         convs = region_convolutions(graph, region, taken) if options.get("conv_padding", True) else []
         fused_at.update({c.call.node: (lambda c=c: c) for c in convs})
         taken |= {n for c in convs for n in c.nodes}
+        siblings = match_siblings(graph, region.nodes, chains, taken - {n for c in chains for n in c}) \
+            if options.get("chains", True) and options.get("sibling_gemms", True) else []
+        for group in siblings:  # the group runs where its first GEMM's output stands; A is ready there
+            log.info("%s: %s", region.name, group)
+            for member in group.members:
+                fused_at.pop(member.output, None)
+            fused_at[group.members[0].output] = lambda group=group: SiblingGemms(graph, group, options)
+            taken |= set(group.nodes)
         steps, pending = [], []
         # A chain or an attention runs where its last node stands: its inputs are ready there, and
         # the matchers guarantee no other node reads its intermediates.
@@ -115,6 +126,7 @@ class GpuTarget:
         run = _steps_run(steps)
         run.kernels = [s for s in steps if isinstance(s, GroupKernel)]
         run.chains = chains
+        run.siblings = siblings
         run.attention = attention
         return run
 
@@ -165,6 +177,10 @@ class GpuTarget:
             note = "" if name else " (no GPU here: --gpu-profile names another)"
             out += ["", f"chain plans on {profile.name}{note}, cheapest first (the autotuner times the shortlist):",
                     *lines]
+        siblings = [f"  {region.name}: {group}" for region in regions
+                    for group in match_siblings(graph, region.nodes, region_chains(graph, region))]
+        if siblings:
+            out += ["", "GEMMs of one input (one grouped launch, or one by one where that times faster):", *siblings]
         reassociated = [f"  {region.name}: {r}" for region in regions
                         for r in find_reassociations(graph, set(region.nodes))]
         if reassociated:
@@ -313,6 +329,8 @@ def _step_reads(graph: Graph, step) -> set[str] | None:
         names = list(step.nodes)
     elif hasattr(step, "spec"):  # a chain's run (chains.compile_chain)
         names = list(step.spec.nodes)
+    elif isinstance(step, SiblingGemms):
+        names = list(step.nodes)
     else:
         return None
     return {t for n in names if n in graph.node_of for t in graph.node_of[n].inputs}
