@@ -27,7 +27,7 @@ generated kernels. Re-reading blocks from L2 loses here as it did in sessions 9 
 import statistics
 
 from column_cuda_probe import COLUMN_HELPERS  # scripts/ is on the path when run as a script
-from column_ticket_probe import ASYNC_HELPERS, ENCODE_TILED
+from column_ticket_probe import ASYNC_HELPERS, HOST_HELPERS
 
 CUDA = r"""
 #include <torch/extension.h>
@@ -202,33 +202,12 @@ __global__ void __launch_bounds__(THREADS, 1) staged(const __grid_constant__ CUt
   }
 }
 
-""" + ENCODE_TILED + r"""
+""" + HOST_HELPERS + r"""
 template <int W, int R, int N1, int N2, int D, int MODE, bool HINT>
 int64_t launch(torch::Tensor x, torch::Tensor y, torch::Tensor acc, torch::Tensor ctr, int64_t epoch, int64_t grid,
                int64_t stream) {
-  const size_t smem = (size_t)(N1 + N2) * R * W * sizeof(float);
-  auto kernel = staged<W, R, N1, N2, D, MODE, HINT>;
-  TORCH_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) == cudaSuccess,
-              "smem attribute");
-  int per_sm = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, THREADS, smem);
-  if (epoch < 0) return per_sm;
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  float* ap = acc.data_ptr<float>();
-  unsigned long long* cp = reinterpret_cast<unsigned long long*>(ctr.data_ptr<int64_t>());
-  unsigned long long ep = (unsigned long long)epoch;
-  CUtensorMap xmap;
-  const cuuint64_t dims[2] = {(cuuint64_t)N, (cuuint64_t)M}, strides[1] = {(cuuint64_t)N * 4};
-  const cuuint32_t box[2] = {(cuuint32_t)W, (cuuint32_t)(R < 256 ? R : 256)}, estr[2] = {1, 1};
-  TORCH_CHECK(encode_tiled()(&xmap, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, (void*)xp, dims, strides, box, estr,
-                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS, "tensor map");
-  void* args[] = {(void*)&xmap, (void*)&xp, (void*)&yp, (void*)&ap, (void*)&cp, (void*)&ep};
-  cudaError_t err = cudaLaunchCooperativeKernel((void*)kernel, dim3((unsigned)grid), dim3(THREADS), args, smem,
-                                                reinterpret_cast<cudaStream_t>(stream));
-  TORCH_CHECK(err == cudaSuccess, "staged launch: ", cudaGetErrorString(err));
-  return per_sm;
+  return launch_over_x(staged<W, R, N1, N2, D, MODE, HINT>, THREADS, (size_t)(N1 + N2) * R * W * sizeof(float), W,
+                       R < 256 ? R : 256, x, y, acc, ctr, epoch, grid, stream);
 }
 
 int64_t run(torch::Tensor x, torch::Tensor y, torch::Tensor acc, torch::Tensor ctr, int64_t epoch, int64_t variant,

@@ -74,8 +74,10 @@ __device__ __forceinline__ float4 mul4(float4 a, float4 b) { return make_float4(
 
 """
 
-# the driver's cuTensorMapEncodeTiled, found once through the runtime (no -lcuda)
-ENCODE_TILED = r"""
+# the host side: the driver's cuTensorMapEncodeTiled, found once through the runtime (no -lcuda), and a cooperative
+# launch of a kernel(xmap, x, y, acc, ctr, epoch) over the [M, N] fp32 input in [box_rows, box_cols] boxes (also
+# scripts/column_l2_tma_probe.py; M and N come from the source it is pasted into)
+HOST_HELPERS = r"""
 static PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
   static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
   if (!fn) {
@@ -86,6 +88,32 @@ static PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
   return fn;
 }
 
+// epoch < 0 only asks how many CTAs of `kernel` fit an SM
+template <class Kernel>
+int64_t launch_over_x(Kernel kernel, int threads, size_t smem, int box_cols, int box_rows, torch::Tensor x,
+                      torch::Tensor y, torch::Tensor acc, torch::Tensor ctr, int64_t epoch, int64_t grid, int64_t stream) {
+  TORCH_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) == cudaSuccess,
+              "smem attribute");
+  int per_sm = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem);
+  if (epoch < 0) return per_sm;
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  float* ap = acc.data_ptr<float>();
+  unsigned long long* cp = reinterpret_cast<unsigned long long*>(ctr.data_ptr<int64_t>());
+  unsigned long long ep = (unsigned long long)epoch;
+  CUtensorMap xmap;
+  const cuuint64_t dims[2] = {(cuuint64_t)N, (cuuint64_t)M}, strides[1] = {(cuuint64_t)N * 4};
+  const cuuint32_t box[2] = {(cuuint32_t)box_cols, (cuuint32_t)box_rows}, estr[2] = {1, 1};
+  TORCH_CHECK(encode_tiled()(&xmap, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, (void*)xp, dims, strides, box, estr,
+                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS, "tensor map");
+  void* args[] = {(void*)&xmap, (void*)&xp, (void*)&yp, (void*)&ap, (void*)&cp, (void*)&ep};
+  cudaError_t err = cudaLaunchCooperativeKernel((void*)kernel, dim3((unsigned)grid), dim3(threads), args, smem,
+                                                reinterpret_cast<cudaStream_t>(stream));
+  TORCH_CHECK(err == cudaSuccess, "launch: ", cudaGetErrorString(err));
+  return per_sm;
+}
 """
 
 CUDA = r"""
@@ -269,33 +297,12 @@ __global__ void __launch_bounds__(THREADS, 1) ticket_kernel(const __grid_constan
   }
 }
 
-""" + ENCODE_TILED + r"""
+""" + HOST_HELPERS + r"""
 template <int R, int NBUF, int MODE, bool STATIC, bool TENSOR>
-int64_t launch(torch::Tensor x, torch::Tensor y, torch::Tensor acc, torch::Tensor ctr,
-               int64_t epoch, int64_t grid, int64_t stream) {
-  const size_t smem = (size_t)NBUF * R * W * sizeof(float);
-  auto kernel = ticket_kernel<R, NBUF, MODE, STATIC, TENSOR>;
-  TORCH_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) == cudaSuccess,
-              "smem attribute");
-  int per_sm = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, THREADS, smem);
-  if (epoch < 0) return per_sm;
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  float* ap = acc.data_ptr<float>();
-  unsigned long long* cp = reinterpret_cast<unsigned long long*>(ctr.data_ptr<int64_t>());
-  unsigned long long ep = (unsigned long long)epoch;
-  CUtensorMap xmap;
-  const cuuint64_t dims[2] = {(cuuint64_t)N, (cuuint64_t)M}, strides[1] = {(cuuint64_t)N * 4};
-  const cuuint32_t box[2] = {(cuuint32_t)W, (cuuint32_t)(R < 256 ? R : 256)}, estr[2] = {1, 1};
-  TORCH_CHECK(encode_tiled()(&xmap, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, (void*)xp, dims, strides, box, estr,
-                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS, "tensor map");
-  void* args[] = {(void*)&xmap, (void*)&xp, (void*)&yp, (void*)&ap, (void*)&cp, (void*)&ep};
-  cudaError_t err = cudaLaunchCooperativeKernel((void*)kernel, dim3((unsigned)grid), dim3(THREADS), args, smem,
-                                                reinterpret_cast<cudaStream_t>(stream));
-  TORCH_CHECK(err == cudaSuccess, "ticket launch: ", cudaGetErrorString(err));
-  return per_sm;
+int64_t launch(torch::Tensor x, torch::Tensor y, torch::Tensor acc, torch::Tensor ctr, int64_t epoch, int64_t grid,
+               int64_t stream) {
+  return launch_over_x(ticket_kernel<R, NBUF, MODE, STATIC, TENSOR>, THREADS, (size_t)NBUF * R * W * sizeof(float), W,
+                       R < 256 ? R : 256, x, y, acc, ctr, epoch, grid, stream);
 }
 
 int64_t run(torch::Tensor x, torch::Tensor y, torch::Tensor acc, torch::Tensor ctr, int64_t epoch,
