@@ -104,7 +104,7 @@ class GpuTarget:
         convs = region_convolutions(graph, region, taken) if options.get("conv_padding", True) else []
         fused_at.update({c.call.node: (lambda c=c: c) for c in convs})
         taken |= {n for c in convs for n in c.nodes}
-        siblings = match_siblings(graph, region.nodes, chains, taken - {n for c in chains for n in c}) \
+        siblings = match_siblings(graph, region.nodes, chains, taken) \
             if options.get("chains", True) and options.get("sibling_gemms", True) else []
         for group in siblings:  # the group runs where its first GEMM's output stands; A is ready there
             log.info("%s: %s", region.name, group)

@@ -148,7 +148,7 @@ def _group_key(graph: Graph, s: Sibling) -> tuple | None:
 def match_siblings(graph: Graph, region_nodes, chains, taken=frozenset()) -> list[SiblingGroup]:
     """Groups of two or more GEMMs reading the same A, in the order of `region_nodes`: among `chains`
     (the region's chains and GEMM epilogues) those that are a GEMM and its bias add, and the region's
-    other dense GEMMs outside `taken` (another fused step's nodes)."""
+    other dense GEMMs, outside the chains and `taken` (other fused steps' nodes)."""
     fused = {n for c in chains for n in c} | set(taken)
     candidates = list(chains) + [(n,) for n in region_nodes if n not in fused and n in graph.node_of]
     groups: dict = defaultdict(list)
