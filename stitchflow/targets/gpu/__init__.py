@@ -43,7 +43,8 @@ from .layout import output_store, read_walked
 from .mapping import MAX_ROW_IN_REGISTERS
 from .operand_layouts import permute_values, query_orders
 from .emit import contiguous_strides
-from .chains import chain_shape, compile_chain, match_chains, match_gemm_epilogues
+from .chain_match import chain_shape, match_chains, match_gemm_epilogues
+from .chains import compile_chain
 from .channels_last import channels_last, channels_last_layouts
 from .conv import match_conv, region_convolutions
 from .grouping import TorchStep, fold_iotas, split_region

@@ -23,6 +23,9 @@ Plan kinds:
 - cublas_pro: cuBLAS GEMM1 (bias in its epilogue; cuDNN for a conv), then our Triton GEMM2 that
   applies the activation to h as it loads it (no pass of its own; worth it when L is one or two
   tiles, since every column tile of E re-applies it). Not for gated chains.
+- cublas_lt: cuBLASLt GEMM1 with bias and activation in its own epilogue (ReLU, or GELU in its tanh form,
+  the two it has; torch._addmm_activation), cuBLAS GEMM2: no pass over h at all. Not for gated chains or
+  convolutions.
 - library: cuBLAS GEMMs and separate elementwise passes (what eager does), for reference.
 - wgmma: the Gluon Hopper kernel of chain_wgmma.py; weights resident in (or streamed through)
   shared memory, h in registers.
@@ -187,6 +190,8 @@ class Plan:
             tiles = f"cuBLAS + g2[{g2.bm}x{g2.bn}x{g2.bk} w{g2.num_warps} s{g2.num_stages}, act on load]"
         elif self.kind == "cublas_epi":
             tiles = "cuBLAS + one act pass + cuBLAS"
+        elif self.kind == "cublas_lt":
+            tiles = "cuBLASLt with the act in its epilogue + cuBLAS"
         else:
             tiles = "cuBLAS"
         est = f" ~{self.estimate.seconds * 1e6:.1f}us ({self.estimate.bound})" if self.estimate else ""
@@ -428,6 +433,28 @@ def estimate_cublas_epi(shape: ChainShape, profile: DeviceProfile) -> Estimate:
     t2 = _library_gemm2(shape, profile)
     return Estimate(t1 + act + t2, (("hbm", shape.io_bytes + 2 * g * mn * e),),
                     (("gemm1", t1), ("act", act), ("gemm2", t2)), 0, 1)
+
+
+# the activations cuBLASLt applies in a GEMM's epilogue -> torch._addmm_activation's use_gelu (its GELU is the tanh form)
+LT_ACTS = {"relu": False, "gelu_tanh": True}
+
+
+def lt_refusal(shape: ChainShape) -> str | None:
+    """Why GEMM1 cannot take its activation in cuBLASLt's epilogue, or None."""
+    if shape.act not in LT_ACTS:
+        return f"cuBLASLt's epilogue has ReLU and tanh-GELU, not {shape.act}"
+    if shape.gated:
+        return "not for gated chains: the gate product needs a pass of its own"
+    if shape.conv_in:
+        return "GEMM1 is a convolution (cuDNN)"
+    return None
+
+
+def estimate_cublas_lt(shape: ChainShape, profile: DeviceProfile) -> Estimate:
+    """Library GEMM1 with bias and activation in its epilogue, library GEMM2: h is written once and read once."""
+    e, mn = shape.elt, shape.M * shape.N
+    t1, t2 = _library_gemm1(shape, profile, conv=False), _library_gemm2(shape, profile)
+    return Estimate(t1 + t2, (("hbm", shape.io_bytes + 2 * mn * e),), (("gemm1", t1), ("gemm2", t2)), 0, 1)
 
 
 def _dtype_of(elt: int):

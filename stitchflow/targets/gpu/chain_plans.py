@@ -14,15 +14,16 @@ import math
 
 from . import cluster_dsm
 from .chain_cost import (ACT_INSTR, ChainShape, DeviceProfile, Estimate, Plan, _library_gemm1, _pow2_ceil,
-                         estimate_cluster, estimate_cublas_epi, estimate_fused, estimate_gemm, estimate_library,
-                         estimate_resident, estimate_stream_gemm, estimate_wgmma)
+                         estimate_cluster, estimate_cublas_epi, estimate_cublas_lt, estimate_fused, estimate_gemm,
+                         estimate_library, estimate_resident, estimate_stream_gemm, estimate_wgmma, lt_refusal)
 from .chain_kernels import ChainTiles, GemmTiles
 from .chain_resident import ResidentTiles, resident_refusal
 from .chain_wgmma import GLUON_ACTS, WgmmaTiles, gluon_refusal, is_resident
 from .stream_gemm import StreamTiles
 from .stream_gemm import shape_refusal as stream_shape_refusal
 
-ALL_KINDS = ("fused", "resident", "wgmma", "stream", "two_pass", "cluster", "cublas_epi", "cublas_pro", "library")
+ALL_KINDS = ("fused", "resident", "wgmma", "stream", "two_pass", "cluster", "cublas_epi", "cublas_lt", "cublas_pro",
+             "library")
 STREAM_MAX_ROWS = 256   # longer A is compute-bound: the library's persistent GEMMs own it
 
 
@@ -250,6 +251,10 @@ def rank_plans(shape: ChainShape, profile: DeviceProfile, kinds=ALL_KINDS) -> li
         levels = (("A", "hbm"), ("B", "library"), ("h", "hbm"), ("D", "library"), ("E", "hbm"))
         plans.append(Plan("cublas_epi", "G1[library] act G2[library]", levels,
                           estimate=estimate_cublas_epi(shape, profile)))
+    if "cublas_lt" in kinds and lt_refusal(shape) is None:
+        levels = (("A", "hbm"), ("B", "library"), ("h", "hbm"), ("D", "library"), ("E", "hbm"))
+        plans.append(Plan("cublas_lt", "G1[library, act] G2[library]", levels,
+                          estimate=estimate_cublas_lt(shape, profile)))
     if "cublas_pro" in kinds:
         plans += cublas_pro_plans(shape, profile)
     plans.sort(key=_rank_key)
@@ -259,7 +264,7 @@ def rank_plans(shape: ChainShape, profile: DeviceProfile, kinds=ALL_KINDS) -> li
 # The vendor library plans (cuBLAS/cuDNN with at most our elementwise pass) are the reference. Our
 # kernels rank above them only when estimated faster by the model's error: on the H100 the Triton
 # weight-streaming plans estimated 2-3% faster than cuBLAS for decode shapes ran 10-30% slower.
-LIBRARY_KINDS = ("library", "cublas_epi")
+LIBRARY_KINDS = ("library", "cublas_epi", "cublas_lt")
 LIBRARY_MARGIN = 1.10
 
 
@@ -302,6 +307,8 @@ def _why_no_plan(kind: str, shape: ChainShape, profile: DeviceProfile) -> str:
         return resident_refusal(shape.K, shape.N, shape.L, None, shape.gated) or "no tiling fits"
     if kind == "cluster":
         return "no cluster size fits (cluster_dsm.supports)"
+    if kind == "cublas_lt":
+        return lt_refusal(shape)
     if kind == "cublas_pro" and shape.gated:
         return "not for gated chains: the gate needs both GEMM1 outputs whole"
     return "no tiling fits shared memory and registers"

@@ -4,11 +4,7 @@
         run = compile_chain(graph, names, options)
         run(env)                                  # writes the last node's output into env
 
-A chain is a contraction C1 (out[rows..., j] = sum_k A[rows..., k] * B[k, j], B 2-D in either
-orientation), elementwise nodes over C1's output (a bias add, one activation, and for the gated
-FFN a product with a second contraction C1' that shares A), then a contraction C2 whose reduce
-variable runs over the intermediate's last index: E = act(A·B + b)·D. `match_gemm_epilogues`
-finds single GEMMs followed by bias / activation / residual nodes. Plans come from chain_cost; on
+What a chain is and how one is found: chain_match.py. Plans come from chain_cost; on
 a GPU `autotune` times the shortlist as CUDA-graph replays (`graph_bench`: launch gaps and Python
 stay out of the comparison) and caches the winner per shape bucket on disk. `conv_operands`
 describes a chain whose GEMM1 is a stride-1 convolution: matrix plans build im2col inside each
@@ -27,11 +23,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ...ir.expr import Call, Read, reads
-from ...ir.graph import Graph, Node
-from ...ir.index import Var
+from ...ir.graph import Graph
 from ...ir.paths import cache_root
 from . import chain_cost, chain_kernels, chain_plans
+from .chain_match import ChainSpec, Contraction, spec_for
 from .chain_kernels import ChainTiles, Epilogue, GemmTiles, interpreting
 from .chain_resident import ResidentTiles, resident_chain
 from .chain_wgmma import WgmmaTiles, chain_wgmma
@@ -39,250 +34,7 @@ from .stream_gemm import StreamTiles, stream_gemm
 from .timing import graph_bench
 
 log = logging.getLogger("stitchflow.gpu.chains")
-ACT_TAGS = {"gelu", "silu", "relu", "sigmoid"}
-LIBRARY_GEMM1_KINDS = ("cublas_epi", "cublas_pro")
-
-
-# ---------------------------------------------------------------- matching
-
-@dataclass(frozen=True)
-class Contraction:
-    node: str
-    a: str
-    w: str
-    w_transposed: bool  # weight accessed as w[j, k] (a linear layer's weight)
-
-
-@dataclass(frozen=True)
-class ChainSpec:
-    nodes: tuple[str, ...]
-    first: Contraction
-    second: Contraction | None       # None: a single GEMM with an epilogue
-    up: Contraction | None = None    # the gated FFN's second GEMM1
-    bias1: str | None = None
-    biasu: str | None = None
-    act: str = "none"
-    residual: str | None = None      # single GEMM only: + R[rows..., j]
-
-
-def _dense_contraction(graph: Graph, node: Node) -> Contraction | None:
-    """A contraction whose activations are stored dense: a sparse A (a graph's adjacency, after
-    reassociate.py put it first) is a sparse product, not a GEMM."""
-    c = _contraction(node)
-    if c is None or not graph.type_of[c.a].format.is_dense:
-        return None
-    return c if all(reads_whole(graph, node, a) for a in reads(node.body)) else None
-
-
-def reads_whole(graph: Graph, node: Node, access) -> bool:
-    """The access covers its tensor: the kernels take whole tensors, and x[:, :4] @ w reads part of x."""
-    return graph.type_of[access.tensor].shape == tuple(node.extents[i.name] for i in access.indices)
-
-
-def _contraction(node: Node) -> Contraction | None:
-    """out[r..., j] = sum_k A[r..., k] * W[k, j] or W[j, k], plain accesses, one reduce variable."""
-    if node.reduce != "sum" or node.is_scatter or len(node.reduce_vars) != 1:
-        return None
-    body = node.body
-    if not (isinstance(body, Call) and body.op == "mul" and all(isinstance(x, Read) for x in body.args)):
-        return None
-    k = node.reduce_vars[0]
-    out = node.out_vars
-    if len(out) != len(node.index) or len(out) < 2:
-        return None
-    (x, y) = (arg.access for arg in body.args)
-    for a, w in ((x, y), (y, x)):
-        if not (a.is_plain and w.is_plain and len(w.indices) == 2):
-            continue
-        if tuple(i.name for i in a.indices) != out[:-1] + (k,):
-            continue
-        w_names = tuple(i.name for i in w.indices)
-        if w_names in ((k, out[-1]), (out[-1], k)):
-            return Contraction(node.name, a.tensor, w.tensor, w_names == (out[-1], k))
-    return None
-
-
-def _only_consumer(graph: Graph, tensor: str) -> str | None:
-    users = graph.consumers.get(tensor, ())
-    return users[0] if len(set(users)) == 1 and tensor not in graph.outputs else None
-
-
-def _same_point(node: Node, access) -> bool:
-    return access.is_plain and tuple(i.name for i in access.indices) == node.out_vars
-
-
-def _classify(graph: Graph, node: Node, value: str):
-    """What an elementwise node does to `value` (the chain so far): ('bias', vec), ('act', name),
-    ('mul', other tensor), ('add', matrix); None when it is something else."""
-    if node.reduce is not None or node.is_scatter:
-        return None
-    if not all(isinstance(i, Var) for i in node.index):
-        return None
-    if node.tag is not None and node.tag.kind in ACT_TAGS and node.inputs == (value,):
-        text = str(node.body)
-        if node.tag.kind == "gelu":
-            return ("act", "gelu_tanh" if "tanh" in text else "gelu") if ("erf" in text or "tanh" in text) else None
-        return "act", node.tag.kind
-    body = node.body
-    if isinstance(body, Call) and body.op in ("relu", "sigmoid") and isinstance(body.args[0], Read):
-        if body.args[0].access.tensor == value and _same_point(node, body.args[0].access):
-            return "act", body.op
-    if isinstance(body, Call) and body.op in ("add", "mul") and all(isinstance(x, Read) for x in body.args):
-        accs = [x.access for x in body.args]
-        mine = [a for a in accs if a.tensor == value and _same_point(node, a)]
-        other = [a for a in accs if a.tensor != value]
-        if len(mine) != 1 or len(other) != 1 or not other[0].is_plain or not reads_whole(graph, node, other[0]):
-            return None
-        names = tuple(i.name for i in other[0].indices)
-        if body.op == "add" and names == node.out_vars[-1:]:
-            return "bias", other[0].tensor
-        if names == node.out_vars:
-            return ("add" if body.op == "add" else "mul"), other[0].tensor
-    return None
-
-
-def _walk_elementwise(graph: Graph, start: str):
-    """Follow single-consumer elementwise nodes from `start`; yields (node, classification)."""
-    value = start
-    while True:
-        user = _only_consumer(graph, value)
-        if user is None:
-            return
-        node = graph.node_of[user]
-        kind = _classify(graph, node, value)
-        if kind is None:
-            return
-        yield node, kind
-        value = node.name
-
-
-def _up_branch(graph: Graph, tensor: str, a: str):
-    """The gated FFN's up projection: C1'(A) optionally followed by a bias add."""
-    nodes, bias = [], None
-    node = graph.node_of.get(tensor)
-    if node is not None and node.reduce is None:
-        kind = _classify(graph, node, node.inputs[0]) if node.inputs else None
-        if kind is None or kind[0] != "bias":
-            return None
-        bias, nodes = kind[1], [node.name]
-        node = graph.node_of.get(node.inputs[0])
-    c = _dense_contraction(graph, node) if node is not None else None
-    if c is None or c.a != a or any(_only_consumer(graph, n) is None for n in [c.node] + nodes):
-        return None
-    return c, bias, [c.node] + nodes
-
-
-def _match_from(graph: Graph, c1: Contraction) -> ChainSpec | None:
-    spec = dict(bias1=None, biasu=None, act="none", up=None)
-    nodes, value, up_nodes = [c1.node], c1.node, []
-    for node, (kind, arg) in _walk_elementwise(graph, c1.node):
-        if kind == "bias" and spec["act"] == "none" and spec["bias1"] is None:
-            spec["bias1"] = arg
-        elif kind == "act" and spec["act"] == "none":
-            spec["act"] = arg
-        elif kind == "mul" and spec["up"] is None and spec["act"] != "none":
-            branch = _up_branch(graph, arg, c1.a)
-            if branch is None:
-                break
-            spec["up"], spec["biasu"], up_nodes = branch
-        else:
-            break
-        nodes.append(node.name)
-        value = node.name
-    user = _only_consumer(graph, value)
-    c2 = _dense_contraction(graph, graph.node_of[user]) if user is not None else None
-    if c2 is None or c2.a != value or len(nodes) == 1:
-        return None
-    ordered = tuple(n.name for n in graph.nodes if n.name in set(nodes + up_nodes + [c2.node]))
-    return ChainSpec(ordered, c1, c2, **spec)
-
-
-def match_chains(graph: Graph) -> list[tuple[str, ...]]:
-    """Node-name tuples (graph order) of every GEMM → elementwise → GEMM chain, gated ones included."""
-    found, taken = [], set()
-    for node in graph.nodes:
-        c1 = _dense_contraction(graph, node)
-        if c1 is None or node.name in taken:
-            continue
-        spec = _match_from(graph, c1)
-        if spec is not None and not taken & set(spec.nodes):
-            found.append(spec.nodes)
-            taken |= set(spec.nodes)
-    return found
-
-
-def match_gemm_epilogues(graph: Graph, chains=()) -> list[tuple[str, ...]]:
-    """GEMM followed by any of: bias add, one activation, residual add (in that order), beside the
-    `chains` already matched. Only a chain's last node is stored, so no two chains share a node, no
-    residual is a node inside another chain, and a value one chain reads as its residual is no
-    chain's inner node: GraphSAGE's x·Ws + (A·x)·Wn once matched both GEMMs with the same add,
-    and one of them was never computed."""
-    found, taken = [], {n for c in chains for n in c}
-    unstored, read = {n for c in chains for n in c[:-1]}, set()
-    for node in graph.nodes:
-        c = _dense_contraction(graph, node)
-        if c is None or node.name in taken or node.name in read:
-            continue
-        spec = _epilogue_spec(graph, c, stop=taken, unstored=unstored)
-        inner = [i for i, name in enumerate(spec.nodes[:-1]) if name in read]
-        if inner:
-            spec = _epilogue_spec(graph, c, limit=inner[0] + 1)
-        if len(spec.nodes) > 1:
-            found.append(spec.nodes)
-            taken |= set(spec.nodes)
-            unstored |= set(spec.nodes[:-1])
-            read |= {spec.residual} - {None}
-    return found
-
-
-def _epilogue_spec(graph: Graph, c: Contraction, limit: int | None = None, stop=frozenset(),
-                   unstored=frozenset()) -> ChainSpec:
-    """The longest epilogue after GEMM `c` (at most `limit` nodes with the GEMM), ending before a
-    node in `stop` or an add whose other operand is in `unstored` (computed inside another chain)."""
-    spec = dict(bias1=None, act="none", residual=None)
-    nodes = [c.node]
-    for node, (kind, arg) in _walk_elementwise(graph, c.node):
-        if node.name in stop or (limit is not None and len(nodes) >= limit):
-            break
-        if kind == "bias" and spec["bias1"] is None and spec["act"] == "none" and spec["residual"] is None:
-            spec["bias1"] = arg
-        elif kind == "act" and spec["act"] == "none" and spec["residual"] is None:
-            spec["act"] = arg
-        elif kind == "add" and spec["residual"] is None and arg not in unstored:
-            spec["residual"] = arg
-        else:
-            break
-        nodes.append(node.name)
-    return ChainSpec(tuple(nodes), c, None, **spec)
-
-
-def chain_shape(graph: Graph, names) -> chain_cost.ChainShape | None:
-    """The chain's shape from the graph's types (None for a single GEMM with an epilogue)."""
-    spec = spec_for(graph, names)
-    if spec.second is None:
-        return None
-    a = graph.type_of[spec.first.a]
-    w1, w2 = graph.type_of[spec.first.w].shape, graph.type_of[spec.second.w].shape
-    K, N = (w1[1], w1[0]) if spec.first.w_transposed else w1
-    L = w2[0] if spec.second.w_transposed else w2[1]
-    M = 1
-    for d in a.shape[:-1]:
-        M *= d
-    return chain_cost.ChainShape(M, K, N, L, torch.empty((), dtype=a.dtype).element_size(), spec.up is not None,
-                                 spec.act)
-
-
-def spec_for(graph: Graph, names) -> ChainSpec:
-    names = tuple(names)
-    c1 = _contraction(graph.node_of[names[0]])
-    if c1 is None:
-        raise ValueError(f"{names[0]} is not a contraction over a 2-D weight")
-    spec = _match_from(graph, c1)
-    if spec is None or set(spec.nodes) != set(names):
-        spec = _epilogue_spec(graph, c1, limit=len(names))
-    if set(spec.nodes) != set(names):
-        raise ValueError(f"nodes {names} are not a chain this target fuses (matched {spec.nodes})")
-    return spec
+LIBRARY_GEMM1_KINDS = ("cublas_epi", "cublas_lt", "cublas_pro")
 
 
 # ---------------------------------------------------------------- running a plan
@@ -378,9 +130,24 @@ def _library_gemm1(ops: Operands, fold_bias: bool, exact_fp32: bool):
     return ops.a @ ops.b, ops.bias1
 
 
+def _lt_gemm1(ops: Operands) -> torch.Tensor:
+    """act(A·B + bias) as one cuBLASLt GEMM with bias and activation (ReLU or tanh-GELU) in its epilogue
+    (torch._addmm_activation; a zero bias where there is none). Off CUDA, torch's addmm and the activation:
+    the CPU kernel of _addmm_activation applies erf's GELU where cuBLASLt's is the tanh form
+    (scripts/lt_epilogue_check.py, H200: 1.9e-6 from tanh-GELU, 1.8e-4 from erf's in fp32)."""
+    bias = ops.bias1 if ops.bias1 is not None else torch.zeros(ops.b.shape[1], dtype=ops.a.dtype, device=ops.a.device)
+    bias = bias.to(ops.a.dtype)
+    if ops.a.is_cuda:
+        return torch._addmm_activation(bias, ops.a, ops.b, use_gelu=chain_cost.LT_ACTS[ops.act])
+    return _torch_act(torch.addmm(bias, ops.a, ops.b), ops.act)
+
+
 def _run_library_plan(plan: chain_cost.Plan, ops: Operands, exact_fp32: bool) -> torch.Tensor:
-    """cublas_epi: library GEMM(s), one fused act(+gate) pass, library GEMM2. cublas_pro: library
-    GEMM1 (bias in its epilogue), then our GEMM2 applying the activation to A as it loads it."""
+    """cublas_epi: library GEMM(s), one fused act(+gate) pass, library GEMM2. cublas_lt: cuBLASLt's
+    GEMM1 with bias and activation in its epilogue, library GEMM2. cublas_pro: library GEMM1 (bias in
+    its epilogue), then our GEMM2 applying the activation to A as it loads it."""
+    if plan.kind == "cublas_lt":
+        return _lt_gemm1(ops) @ ops.d
     if plan.kind == "cublas_pro":
         g, _ = _library_gemm1(ops, True, exact_fp32)
         out, _ = chain_kernels.gemm(g, ops.d, epi=Epilogue(pro_act=ops.act), tiles=plan.gemm2,
@@ -601,6 +368,10 @@ def _epilogue_runners(ops: Operands, out_dtype: torch.dtype, exact: bool) -> dic
         return h if ops.residual is None else h + ops.residual
 
     runners = {"fused": fused, "library": library}
+    if ops.act in chain_cost.LT_ACTS and ops.residual is None:
+        # ReLU or tanh-GELU in cuBLASLt's epilogue, bias or not: one kernel where torch's ops take two (H200,
+        # bf16, 512-8192 x 768-1024 x 3072-4096: 1.16-1.30x faster than addmm and the activation; fp32 1.0x)
+        runners["library_act"] = lambda: _lt_gemm1(ops)
     if ops.residual is not None and ops.bias1 is None and ops.act == "none" and ops.residual.dtype == ops.a.dtype:
         # a residual alone rides in cuBLAS's own epilogue (beta = 1: C read as the GEMM stores), where the
         # add as a torch op reads and writes the output again (6 µs a layer of a 2048-wide Llama at 4x512

@@ -28,7 +28,8 @@ import triton.language as tl
 
 from ...ir.graph import Graph
 from .chain_kernels import GemmTiles, _finish_tile, _grouped_tile, _mma, dot_precision, interpreting
-from .chains import Contraction, _dense_contraction, compile_chain, spec_for
+from .chain_match import Contraction, _dense_contraction, spec_for
+from .chains import compile_chain
 from .grouping import TorchStep
 from .timing import graph_bench
 

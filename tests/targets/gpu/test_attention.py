@@ -483,7 +483,7 @@ def test_the_projection_of_a_walked_output_is_a_plain_gemm_with_its_epilogue():
     """Two GPT-3 decoders: the second's output projection shares a region with its bias and residual add;
     reading the walked buffer at [i, k], it is matched as one GEMM with that epilogue (a chain step), not a
     contraction through torch followed by a stitched add."""
-    from stitchflow.targets.gpu.chains import match_gemm_epilogues
+    from stitchflow.targets.gpu.chain_match import match_gemm_epilogues
     from stitchflow.targets.gpu.layout import read_walked
 
     model = GPT3(num_layers=2, width=48, heads=2, ffn=96, seq=64, block=16)

@@ -166,3 +166,32 @@ def test_bench_acceptance_lines_follow_the_rows():
     assert "M=128 within 1.25× of its floor and faster than eager: does not hold (1.41×" in text
     assert "5% slower than the best of eager and torch.compile: does not hold (swiglu prefill M=4096 0.93×)" in text
     assert "≥80% of shapes: does not hold over this run's shapes (2/3)" in text
+
+
+# ---------------------------------------------------------------- cuBLASLt's activation epilogue
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act,bias", [("relu", True), ("gelu_tanh", True), ("relu", False)])
+def test_lt_plan_takes_the_activation_in_the_gemm(dtype, act, bias):
+    a, b, d = rand(37, 45, dtype=dtype), rand(45, 70, dtype=dtype, scale=45 ** -0.5), rand(70, 19, dtype=dtype,
+                                                                                            scale=70 ** -0.5)
+    b1 = rand(70, dtype=dtype) if bias else None
+    ops = Operands(a=a, b=b, d=d, bias1=b1, act=act)
+    fn = {"relu": torch.relu, "gelu_tanh": lambda v: F.gelu(v, approximate="tanh")}[act]
+    h = a.double() @ b.double() + (b1.double() if bias else 0)
+    ref = fn(h).to(dtype).double() @ d.double()
+    assert rel_err(run_plan(plan("cublas_lt"), ops, exact_fp32=True), ref) < TOL[dtype]
+
+
+def test_lt_plans_only_for_the_epilogue_activations():
+    """cuBLASLt has ReLU and tanh-GELU; for those the plan skips the pass over h, so it is priced under cublas_epi."""
+    for act in ("relu", "gelu_tanh"):
+        shape = chain_cost.ChainShape(8192, 1024, 4096, 1024, 2, False, act)
+        ranked = {p.kind: p for p in chain_plans.rank_plans(shape, H200)}
+        assert ranked["cublas_lt"].estimate.seconds < ranked["cublas_epi"].estimate.seconds
+    for shape, why in ((chain_cost.ChainShape(8192, 1024, 4096, 1024, 2, False, "gelu"), "not gelu"),
+                       (chain_cost.ChainShape(8192, 1024, 4096, 1024, 2, True, "relu"), "gated"),
+                       (chain_cost.ChainShape(8 * 56 * 56, 576, 256, 64, 2, False, "relu", 8 * 64 * 56 * 56),
+                        "convolution")):
+        assert all(p.kind != "cublas_lt" for p in chain_plans.rank_plans(shape, H200))
+        assert any(f"no cublas_lt plan: " in line and why in line for line in chain_plans.explain_shape(shape, H200))

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 import stitchflow
 from stitchflow.targets.gpu import chain_cost, chain_plans, chain_kernels as ck
-from stitchflow.targets.gpu.chains import (Operands, compile_chain, default_plan, match_chains,
-                                           match_gemm_epilogues, plan_from_json, plan_to_json, run_plan)
+from stitchflow.targets.gpu.chain_match import match_chains, match_gemm_epilogues
+from stitchflow.targets.gpu.chains import Operands, compile_chain, default_plan, plan_from_json, plan_to_json, run_plan
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="interpreter tests on CPU tensors (forcing the interpreter here would switch "
@@ -200,21 +200,32 @@ def gemm_residual(x, w, r):
     return F.linear(x, w) + r
 
 
+def gemm_bias_relu(x, w, b):
+    return torch.relu(F.linear(x, w, b))
+
+
+def gemm_tanh_gelu(x, w):
+    return F.gelu(F.linear(x, w), approximate="tanh")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("fn", [gemm_bias_gelu_residual, gemm_residual])
+@pytest.mark.parametrize("fn", [gemm_bias_gelu_residual, gemm_residual, gemm_bias_relu, gemm_tanh_gelu])
 def test_gemm_epilogue_runs_fused_or_through_the_library_alike(dtype, fn):
     """The ways a GEMM + epilogue can run (the GPU autotuner keeps the fastest): all equal eager; a residual
-    alone may also ride in the library GEMM's own epilogue."""
-    from stitchflow.targets.gpu.chains import _epilogue_runners, operands_for, spec_for
+    alone, or a ReLU or tanh-GELU, may also ride in the library GEMM's own epilogue."""
+    from stitchflow.targets.gpu.chain_match import spec_for
+    from stitchflow.targets.gpu.chains import _epilogue_runners, operands_for
 
     args = [rand(M, K, dtype=dtype), rand(N, K, dtype=dtype)]
-    args += [rand(N, dtype=dtype), rand(M, N, dtype=dtype)] if fn is gemm_bias_gelu_residual else [rand(M, N, dtype=dtype)]
+    args += {gemm_bias_gelu_residual: [rand(N, dtype=dtype), rand(M, N, dtype=dtype)],
+             gemm_residual: [rand(M, N, dtype=dtype)], gemm_bias_relu: [rand(N, dtype=dtype)], gemm_tanh_gelu: []}[fn]
     graph = stitchflow.compile(fn, args).graph
     (names,) = match_gemm_epilogues(graph)
     ops = operands_for(spec_for(graph, names), dict(zip(graph.inputs, args)))
     ref = fn(*[a.double() for a in args])
     runners = _epilogue_runners(ops, dtype, exact=True)
     assert ("library_accumulate" in runners) == (fn is gemm_residual)
+    assert ("library_act" in runners) == (fn in (gemm_bias_relu, gemm_tanh_gelu))  # cuBLASLt's epilogue
     for name, run in runners.items():
         out = run()
         assert out.shape == ref.shape, name

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import stitchflow
-from stitchflow.targets.gpu.chains import match_gemm_epilogues
+from stitchflow.targets.gpu.chain_match import match_gemm_epilogues
 from stitchflow.targets.gpu.siblings import SiblingGemms, grouped_gemm, match_siblings
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
