@@ -132,3 +132,22 @@ def test_explain_lists_the_groups():
     text = stitchflow.compile(qkv, args, target="gpu", fusion="full").explain()
     lines = text[text.index("GEMMs of one input"):].splitlines()
     assert "siblings of x: linear_bias, linear_1_bias, linear_2_bias" in lines[1]
+
+
+def test_bert_block_through_the_backend_groups_its_projections_and_sees_weights_change():
+    """Through torch.compile the weights are parameters bound in place: the projections of the block's one input
+    still group (query, key, value), and a weight written in place between calls is read as it is then."""
+    from stitchflow import backend
+    from stitchflow.apps import APPS
+
+    model, inputs = APPS["bert"].build(size="small")
+    model.eval()
+    backend.COMPILED.clear()
+    compiled = torch.compile(model, backend="stitchflow", dynamic=False, options={"target": "gpu"})
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-4, atol=1e-4)
+        progs = [p for m in backend.COMPILED for p in m.programs.values() if p]
+        groups = [s for p in progs for s in compiled_steps(p) if isinstance(s, SiblingGemms)]
+        assert [len(g.group.members) for g in groups] == [3]
+        model.attn.key.weight.mul_(-0.5)
+        torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-4, atol=1e-4)
