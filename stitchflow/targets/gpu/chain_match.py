@@ -40,7 +40,7 @@ class ChainSpec:
     residual: str | None = None      # single GEMM only: + R[rows..., j]
 
 
-def _dense_contraction(graph: Graph, node: Node) -> Contraction | None:
+def dense_contraction(graph: Graph, node: Node) -> Contraction | None:
     """A contraction whose activations are stored dense: a sparse A (a graph's adjacency, after
     reassociate.py put it first) is a sparse product, not a GEMM."""
     c = _contraction(node)
@@ -141,7 +141,7 @@ def _up_branch(graph: Graph, tensor: str, a: str):
             return None
         bias, nodes = kind[1], [node.name]
         node = graph.node_of.get(node.inputs[0])
-    c = _dense_contraction(graph, node) if node is not None else None
+    c = dense_contraction(graph, node) if node is not None else None
     if c is None or c.a != a or any(_only_consumer(graph, n) is None for n in [c.node] + nodes):
         return None
     return c, bias, [c.node] + nodes
@@ -165,7 +165,7 @@ def _match_from(graph: Graph, c1: Contraction) -> ChainSpec | None:
         nodes.append(node.name)
         value = node.name
     user = _only_consumer(graph, value)
-    c2 = _dense_contraction(graph, graph.node_of[user]) if user is not None else None
+    c2 = dense_contraction(graph, graph.node_of[user]) if user is not None else None
     if c2 is None or c2.a != value or len(nodes) == 1:
         return None
     ordered = tuple(n.name for n in graph.nodes if n.name in set(nodes + up_nodes + [c2.node]))
@@ -176,7 +176,7 @@ def match_chains(graph: Graph) -> list[tuple[str, ...]]:
     """Node-name tuples (graph order) of every GEMM → elementwise → GEMM chain, gated ones included."""
     found, taken = [], set()
     for node in graph.nodes:
-        c1 = _dense_contraction(graph, node)
+        c1 = dense_contraction(graph, node)
         if c1 is None or node.name in taken:
             continue
         spec = _match_from(graph, c1)
@@ -195,7 +195,7 @@ def match_gemm_epilogues(graph: Graph, chains=()) -> list[tuple[str, ...]]:
     found, taken = [], {n for c in chains for n in c}
     unstored, read = {n for c in chains for n in c[:-1]}, set()
     for node in graph.nodes:
-        c = _dense_contraction(graph, node)
+        c = dense_contraction(graph, node)
         if c is None or node.name in taken or node.name in read:
             continue
         spec = _epilogue_spec(graph, c, stop=taken, unstored=unstored)

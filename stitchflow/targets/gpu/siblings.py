@@ -28,7 +28,7 @@ import triton.language as tl
 
 from ...ir.graph import Graph
 from .chain_kernels import GemmTiles, _finish_tile, _grouped_tile, _mma, dot_precision, interpreting
-from .chain_match import Contraction, _dense_contraction, spec_for
+from .chain_match import Contraction, dense_contraction, spec_for
 from .chains import compile_chain
 from .grouping import TorchStep
 from .timing import graph_bench
@@ -127,7 +127,7 @@ def _sibling(graph: Graph, names: tuple[str, ...]) -> Sibling | None:
     """A GEMM alone, or with a bias add, whose weight and bias are inputs or parameters of the program."""
     ready = set(graph.inputs) | set(graph.params)
     if len(names) == 1:
-        gemm, bias = _dense_contraction(graph, graph.node_of[names[0]]), None
+        gemm, bias = dense_contraction(graph, graph.node_of[names[0]]), None
     else:
         spec = spec_for(graph, names)
         if spec.second is not None or spec.act != "none" or spec.residual is not None or spec.bias1 is None:
