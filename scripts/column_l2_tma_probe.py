@@ -24,10 +24,8 @@ Session 38, H200 (torch's copy of the same 512 MB 126.9 µs): no gain. The three
 copy (189-234 µs) and the patterns at 48-57% (center 223.0, standardize 223.6 at best), against 77% and 72% for the
 generated kernels. Re-reading blocks from L2 loses here as it did in sessions 9 and 37 (BENCHMARKS.md).
 """
-import statistics
-
 from column_cuda_probe import COLUMN_HELPERS  # scripts/ is on the path when run as a script
-from column_ticket_probe import ASYNC_HELPERS, HOST_HELPERS
+from column_ticket_probe import ASYNC_HELPERS, HOST_HELPERS, Bench
 
 CUDA = r"""
 #include <torch/extension.h>
@@ -233,46 +231,10 @@ def source() -> str:
 
 
 def main():
-    import torch
-    from torch.utils.cpp_extension import load_inline
-
-    from stitchflow.targets.gpu.timing import timed_median
-
-    ext = load_inline(name="column_l2_tma_probe", cpp_sources=[
-        "int64_t run(torch::Tensor x, torch::Tensor y, torch::Tensor acc, torch::Tensor ctr, int64_t epoch, "
-        "int64_t variant, int64_t mode, int64_t grid, int64_t stream);"], cuda_sources=[source()], functions=["run"],
-        extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17"], verbose=False)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(65536, 1024, device="cuda", generator=gen) * 3 + 100
-    y = torch.empty_like(x)
-    acc = torch.zeros(2 * 2 * 1024, device="cuda")
-    ctr = torch.zeros(128, dtype=torch.int64, device="cuda")
-    stream = torch.cuda.current_stream().cuda_stream
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    refs = {1: x - x.mean(0), 2: (x - x.mean(0)) * torch.rsqrt(x.var(0, unbiased=False) + 1e-5)}
-    copy = statistics.median(timed_median(lambda: y.copy_(x)) for _ in range(3))
-    print(f"{torch.cuda.get_device_name()}: torch copy of the same bytes {copy * 1e6:.1f} us "
-          f"({2 * x.numel() * 4 / copy / 1e12:.2f} TB/s)", flush=True)
+    bench = Bench("column_l2_tma_probe", source())
     for v, (w, r, n1, n2, d, hint) in enumerate(VARIANTS):
         for mode in range(3):
-            ctr.zero_()
-            acc.zero_()
-            epoch = [0]
-
-            def call():
-                ext.run(x, y, acc, ctr, epoch[0], v, mode, sms, stream)
-                epoch[0] += 1
-            y.zero_()
-            call()
-            torch.cuda.synchronize()
-            err = (y - refs[mode]).abs().max().item() if mode in refs else float("nan")
-            rounds = [timed_median(call) for _ in range(3)]
-            torch.cuda.synchronize()
-            again = (y - refs[mode]).abs().max().item() if mode in refs else float("nan")
-            us = statistics.median(rounds) * 1e6
-            print(f"W={w} R={r} rings {n1}+{n2} D={d} hints={hint} mode {mode}: {us:.1f} us "
-                  f"({' / '.join(f'{t * 1e6:.1f}' for t in rounds)}), {copy * 1e6 / us:.0%} of copy, "
-                  f"max error {err:.1e} first call, {again:.1e} after {epoch[0]} calls", flush=True)
+            bench.time(f"W={w} R={r} rings {n1}+{n2} D={d} hints={hint}", v, mode, bench.sms)
 
 
 if __name__ == "__main__":

@@ -334,51 +334,72 @@ def source() -> str:
     return CUDA.replace("@CASES@", "\n".join(cases))
 
 
+class Bench:
+    """What both column probes share (also scripts/column_l2_tma_probe.py): the extension compiled from `source`
+    (one `run(x, y, acc, ctr, epoch, variant, mode, grid, stream)`), the input 100 + 3·randn, the references of
+    modes 1 (center) and 2 (standardize), torch's copy of the same bytes, and `time` of one variant and mode."""
+
+    def __init__(self, name: str, source: str):
+        import torch
+        from torch.utils.cpp_extension import load_inline
+
+        self.ext = load_inline(name=name, cpp_sources=[
+            "int64_t run(torch::Tensor x, torch::Tensor y, torch::Tensor acc, torch::Tensor ctr, "
+            "int64_t epoch, int64_t variant, int64_t mode, int64_t grid, int64_t stream);"],
+            cuda_sources=[source], functions=["run"],
+            extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17"], verbose=False)
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        x = self.x = torch.randn(65536, 1024, device="cuda", generator=gen) * 3 + 100
+        self.y = torch.empty_like(x)
+        self.acc = torch.zeros(2 * 2 * 1024, device="cuda")
+        self.ctr = torch.zeros(128, dtype=torch.int64, device="cuda")
+        self.stream = torch.cuda.current_stream().cuda_stream
+        self.sms = torch.cuda.get_device_properties(0).multi_processor_count
+        self.refs = {1: x - x.mean(0), 2: (x - x.mean(0)) * torch.rsqrt(x.var(0, unbiased=False) + 1e-5)}
+        self.copy = statistics.median(self._timed(lambda: self.y.copy_(x)) for _ in range(3))
+        print(f"{torch.cuda.get_device_name()}: torch copy of the same bytes {self.copy * 1e6:.1f} us "
+              f"({2 * x.numel() * 4 / self.copy / 1e12:.2f} TB/s)", flush=True)
+
+    @staticmethod
+    def _timed(fn) -> float:
+        from stitchflow.targets.gpu.timing import timed_median
+
+        return timed_median(fn)
+
+    def _error(self, mode: int) -> float:
+        return (self.y - self.refs[mode]).abs().max().item() if mode in self.refs else float("nan")
+
+    def time(self, label: str, variant: int, mode: int, grid: int, share: float = 1.0) -> None:
+        """Median of three rounds, checked against eager on the first call and after all of them; `share`: the
+        fraction of the copy's bytes the mode moves."""
+        import torch
+
+        self.ctr.zero_()
+        self.acc.zero_()
+        epoch = [0]
+
+        def call():
+            self.ext.run(self.x, self.y, self.acc, self.ctr, epoch[0], variant, mode, grid, self.stream)
+            epoch[0] += 1
+        self.y.zero_()
+        call()
+        torch.cuda.synchronize()
+        err = self._error(mode)
+        rounds = [self._timed(call) for _ in range(3)]
+        torch.cuda.synchronize()
+        us = statistics.median(rounds) * 1e6
+        print(f"{label} mode {mode}: {us:.1f} us ({' / '.join(f'{t * 1e6:.1f}' for t in rounds)}), "
+              f"{share * self.copy * 1e6 / us:.0%} of copy, max error {err:.1e} first call, "
+              f"{self._error(mode):.1e} after {epoch[0]} calls", flush=True)
+
+
 def main():
-    import torch
-    from torch.utils.cpp_extension import load_inline
-
-    from stitchflow.targets.gpu.timing import timed_median
-
-    ext = load_inline(name="column_ticket_probe", cpp_sources=[
-        "int64_t run(torch::Tensor x, torch::Tensor y, torch::Tensor acc, torch::Tensor ctr, "
-        "int64_t epoch, int64_t variant, int64_t mode, int64_t grid, int64_t stream);"],
-        cuda_sources=[source()], functions=["run"],
-        extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17"], verbose=False)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(65536, 1024, device="cuda", generator=gen) * 3 + 100
-    y = torch.empty_like(x)
-    acc = torch.zeros(2 * 2 * 1024, device="cuda")
-    ctr = torch.zeros(128, dtype=torch.int64, device="cuda")
-    stream = torch.cuda.current_stream().cuda_stream
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    refs = {1: x - x.mean(0), 2: (x - x.mean(0)) * torch.rsqrt(x.var(0, unbiased=False) + 1e-5)}
-    copy = statistics.median(timed_median(lambda: y.copy_(x)) for _ in range(3))
-    print(f"{torch.cuda.get_device_name()}: torch copy of the same bytes {copy * 1e6:.1f} us "
-          f"({2 * x.numel() * 4 / copy / 1e12:.2f} TB/s)", flush=True)
+    bench = Bench("column_ticket_probe", source())
     for v, (r, nbuf, static, tensor) in enumerate(VARIANTS):
-        for grid in (sms, 128) if static else (sms,):
-            for mode in (3, 0, 1, 2):
-                ctr.zero_()
-                acc.zero_()
-                epoch = [0]
-
-                def call():
-                    ext.run(x, y, acc, ctr, epoch[0], v, mode, grid, stream)
-                    epoch[0] += 1
-                y.zero_()
-                call()
-                torch.cuda.synchronize()
-                err = (y - refs[mode]).abs().max().item() if mode in refs else float("nan")
-                rounds = [timed_median(call) for _ in range(3)]
-                share = copy / 2 if mode == 3 else copy  # loads alone move half the bytes
-                torch.cuda.synchronize()
-                again = (y - refs[mode]).abs().max().item() if mode in refs else float("nan")
-                us = statistics.median(rounds) * 1e6
-                print(f"R={r} NBUF={nbuf} {'static' if static else 'tickets'} {'TMA' if tensor else 'bulk'} "
-                      f"grid={grid} mode {mode}: "
-                      f"{us:.1f} us ({' / '.join(f'{t * 1e6:.1f}' for t in rounds)}), {share * 1e6 / us:.0%} of copy, "
-                      f"max error {err:.1e} first call, {again:.1e} after {epoch[0]} calls", flush=True)
+        for grid in (bench.sms, 128) if static else (bench.sms,):
+            for mode in (3, 0, 1, 2):  # mode 3, loads alone, moves half the bytes
+                bench.time(f"R={r} NBUF={nbuf} {'static' if static else 'tickets'} {'TMA' if tensor else 'bulk'} "
+                           f"grid={grid}", v, mode, grid, 0.5 if mode == 3 else 1.0)
 
 
 if __name__ == "__main__":
