@@ -480,7 +480,8 @@ def _convolutions_channels_last(gm: fx.GraphModule, target: str | None) -> bool:
                for n in gm.graph.nodes if n.op == "placeholder")
 
 
-PROGRAM_OPTIONS = ("cuda_graphs", "autotune", "check_kernels", "prefetch")  # backend options every partition's Program takes
+PROGRAM_OPTIONS = ("cuda_graphs", "autotune", "check_kernels", "prefetch",  # backend options every partition's Program takes
+                   "chains", "sibling_gemms", "unflatten_rows", "recognise_activations")
 COMPILED: list[StitchflowModule] = []  # every partition compiled since the last reset()
 
 

@@ -24,6 +24,13 @@ HF_MODELS = {
                         intermediate_size=8192, vocab_size=128256, max_position_embeddings=2048,
                         rope_theta=500000.0, tie_word_embeddings=True),
     }, {"small": (2, 16), "default": (1, 1024)}),
+    "hf-opt": ("OPTForCausalLM", {
+        "small": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128, vocab_size=256,
+                      max_position_embeddings=128, word_embed_proj_dim=64),
+        # OPT-125m: a ReLU MLP over rows flattened by the model itself
+        "default": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, ffn_dim=3072, vocab_size=50272,
+                        max_position_embeddings=2048, word_embed_proj_dim=768),
+    }, {"small": (2, 16), "default": (4, 1024)}),
     "hf-bert": ("BertModel", {
         "small": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
                       vocab_size=256, max_position_embeddings=128),

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import math
 import operator
 
 import torch
 import torch.nn.functional as F
 
+from ..ir.activations import BODIES
 from ..ir.errors import UnsupportedOpError
 from ..ir.expr import Cast, Const, call
 from .registry import LOW_PRECISION, LowerCtx, lowering, operand, upcast
@@ -265,18 +265,13 @@ def lower_relu(ctx, x, inplace=False):
 
 @lowering(F.gelu, "method:gelu", "aten.gelu")
 def lower_gelu(ctx, x, approximate="none"):
-    def gelu(a):
-        if approximate == "tanh":
-            inner = call("mul", Const(math.sqrt(2 / math.pi)), call("add", a, call("mul", Const(0.044715), call("pow", a, Const(3)))))
-            return call("mul", call("mul", Const(0.5), a), call("add", Const(1.0), call("tanh", inner)))
-        return call("mul", call("mul", Const(0.5), a), call("add", Const(1.0), call("erf", call("mul", a, Const(1 / math.sqrt(2))))))
-
-    return elementwise(ctx, gelu, x, tag="gelu", upcast_reads=True)
+    body = BODIES["gelu_tanh" if approximate == "tanh" else "gelu"][1]
+    return elementwise(ctx, body, x, tag="gelu", upcast_reads=True)
 
 
 @lowering(F.silu, "method:silu", "aten.silu")
 def lower_silu(ctx, x, inplace=False):
-    return elementwise(ctx, lambda a: call("mul", a, call("sigmoid", a)), x, tag="silu", upcast_reads=True)
+    return elementwise(ctx, BODIES["silu"][1], x, tag="silu", upcast_reads=True)
 
 
 def _activation(keys, tag: str, formula):

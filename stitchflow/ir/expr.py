@@ -13,7 +13,7 @@ from typing import Callable, Union
 
 import torch
 
-from .index import IndexExpr, Var, free_vars, gathered_tensors
+from .index import IndexExpr, Var, free_vars, gathered_tensors, substitute
 
 
 @dataclass(frozen=True)
@@ -242,3 +242,17 @@ def map_reads(e: Expr, fn: Callable[[Access], Expr]) -> Expr:
 
 def call(op: str, *args: Expr) -> Expr:
     return Call(op, tuple(args))
+
+
+def substitute_expr(e, mapping: dict, ranges):
+    """e with the index expressions in `mapping` put in for their variables (every access)."""
+    if isinstance(e, Read):
+        a = e.access
+        return Read(Access(a.tensor, tuple(substitute(i, mapping, ranges) for i in a.indices)))
+    if isinstance(e, IndexValue):
+        return IndexValue(substitute(e.index, mapping, ranges))
+    if isinstance(e, Call):
+        return Call(e.op, tuple(substitute_expr(x, mapping, ranges) for x in e.args))
+    if isinstance(e, Cast):
+        return Cast(e.dtype, substitute_expr(e.arg, mapping, ranges))
+    return e

@@ -35,6 +35,8 @@ import math
 import torch
 
 from ...ir.graph import Graph, Region
+from ...ir.activations import recognise_activations
+from ...ir.reshapes import unflatten_rows
 from . import chain_cost, chain_plans, cluster_planes
 from .attention import DEFAULT_TILES, AttentionStep, NotAttention, score_coefficients
 from .attention_match import match_attention
@@ -67,11 +69,20 @@ class GpuTarget:
         return None
 
     def prepare(self, captured, regions, options=None):
-        """Activations around convolutions channels last (channels_last.py), once for every region.
+        """GEMMs over flattened rows computed in their input's shape (ir/reshapes.py), and activations
+        around convolutions channels last (channels_last.py), once for every region.
+        options["unflatten_rows"]: False keeps the views; options["recognise_activations"]: False keeps
+        activations written out by hand as they are (ir/activations.py); options["channels_last"]: False keeps layouts;
         options["free_outputs"]: outputs that may leave permuted; options["input_orders"]: inputs
         that arrive permuted ({name: the permutation that makes them contiguous});
         options["last_outputs"]: free outputs that convolutions outside read, stored channels last."""
         options = options or {}
+        graph = unflatten_rows(captured.graph) if options.get("unflatten_rows", True) else captured.graph
+        graph = recognise_activations(graph) if options.get("recognise_activations", True) else graph
+        if graph is not captured.graph:  # a recognised activation drops the nodes it was written with
+            captured = dataclasses.replace(captured, graph=graph)
+            regions = [dataclasses.replace(r, nodes=kept) for r in regions
+                       if (kept := tuple(n for n in r.nodes if n in graph.node_of))]
         if not options.get("channels_last", True):
             return captured, regions
         graph, layouts = channels_last_layouts(captured.graph, options.get("free_outputs", ()),

@@ -10,11 +10,14 @@ finds single GEMMs followed by bias / activation / residual nodes. chains.py run
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+import torch
 
 from ...ir.expr import Call, Read, reads
 from ...ir.graph import Graph, Node
-from ...ir.index import Var
+from ...ir.index import Lit, Var, evaluate, free_vars, gathered_tensors
 from . import chain_cost
 
 ACT_TAGS = {"gelu", "silu", "relu", "sigmoid"}
@@ -43,19 +46,59 @@ class ChainSpec:
 def dense_contraction(graph: Graph, node: Node) -> Contraction | None:
     """A contraction whose activations are stored dense: a sparse A (a graph's adjacency, after
     reassociate.py put it first) is a sparse product, not a GEMM."""
-    c = _contraction(node)
+    c = _contraction(graph, node)
     if c is None or not graph.type_of[c.a].format.is_dense:
         return None
-    return c if all(reads_whole(graph, node, a) for a in reads(node.body)) else None
+    return c if all(reads_whole(graph, node, a) for a in reads(node.body) if a.tensor == c.w) else None
 
 
 def reads_whole(graph: Graph, node: Node, access) -> bool:
     """The access covers its tensor: the kernels take whole tensors, and x[:, :4] @ w reads part of x."""
-    return graph.type_of[access.tensor].shape == tuple(node.extents[i.name] for i in access.indices)
+    names = plain_names(graph, access)
+    shape = [n for i, n in zip(access.indices, graph.type_of[access.tensor].shape) if not _unit_zero(i, n)]
+    return names is not None and tuple(shape) == tuple(node.extents[n] for n in names)
 
 
-def _contraction(node: Node) -> Contraction | None:
-    """out[r..., j] = sum_k A[r..., k] * W[k, j] or W[j, k], plain accesses, one reduce variable."""
+def reads_rows(graph: Graph, node: Node, access, names: tuple[str, ...]) -> bool:
+    """Whether `access` reads its whole tensor, row-major, as a tensor of `names`' extents read at `names` would be,
+    with the last axis its own: the kernels' reshape(-1, K) of it is free. `x.view(-1, d)` reads x[i // t, i % t, k],
+    a batch of one x[0, i, k]. Each index depends on one variable at most, so the address is a sum of one function
+    per variable, each checked over its extent."""
+    shape = graph.type_of[access.tensor].shape
+    extents = [node.extents[n] for n in names]
+    if shape[-1] != extents[-1] or math.prod(shape) != math.prod(extents) or access.vars != set(names):
+        return False
+    if any(len(free_vars(i)) > 1 or gathered_tensors(i) for i in access.indices):
+        return False
+    strides = [math.prod(shape[c + 1:]) for c in range(len(shape))]
+    if sum(i.value * s for i, s in zip(access.indices, strides) if isinstance(i, Lit)):
+        return False
+    for d, name in enumerate(names):
+        at = torch.arange(extents[d])
+        address = sum(evaluate(i, {name: at}, {}) * s for i, s in zip(access.indices, strides) if name in free_vars(i))
+        if not torch.equal(address, at * math.prod(extents[d + 1:])):
+            return False
+    return True
+
+
+def plain_names(graph: Graph, access) -> tuple[str, ...] | None:
+    """The variables of an access that is plain once the zeros it reads size-1 dimensions at are dropped (a batch
+    of one, which a flattening view turns into x[0, i, k]); None where it is not. The kernels reshape their
+    operands to matrices, so the dropped axes cost nothing."""
+    shape = graph.type_of[access.tensor].shape
+    kept = [i for i, n in zip(access.indices, shape) if not _unit_zero(i, n)]
+    if not all(isinstance(i, Var) for i in kept) or len({i.name for i in kept}) != len(kept):
+        return None
+    return tuple(i.name for i in kept)
+
+
+def _unit_zero(index, size: int) -> bool:
+    return index == Lit(0) and size == 1
+
+
+def _contraction(graph: Graph, node: Node) -> Contraction | None:
+    """out[r..., j] = sum_k A[r..., k] * W[k, j] or W[j, k], one reduce variable; W read plainly, A read whole
+    in row-major order (`reads_rows`)."""
     if node.reduce != "sum" or node.is_scatter or len(node.reduce_vars) != 1:
         return None
     body = node.body
@@ -67,9 +110,7 @@ def _contraction(node: Node) -> Contraction | None:
         return None
     (x, y) = (arg.access for arg in body.args)
     for a, w in ((x, y), (y, x)):
-        if not (a.is_plain and w.is_plain and len(w.indices) == 2):
-            continue
-        if tuple(i.name for i in a.indices) != out[:-1] + (k,):
+        if not (w.is_plain and len(w.indices) == 2) or not reads_rows(graph, node, a, out[:-1] + (k,)):
             continue
         w_names = tuple(i.name for i in w.indices)
         if w_names in ((k, out[-1]), (out[-1], k)):
@@ -106,9 +147,9 @@ def _classify(graph: Graph, node: Node, value: str):
         accs = [x.access for x in body.args]
         mine = [a for a in accs if a.tensor == value and _same_point(node, a)]
         other = [a for a in accs if a.tensor != value]
-        if len(mine) != 1 or len(other) != 1 or not other[0].is_plain or not reads_whole(graph, node, other[0]):
+        if len(mine) != 1 or len(other) != 1 or not reads_whole(graph, node, other[0]):
             return None
-        names = tuple(i.name for i in other[0].indices)
+        names = plain_names(graph, other[0])
         if body.op == "add" and names == node.out_vars[-1:]:
             return "bias", other[0].tensor
         if names == node.out_vars:
@@ -248,7 +289,7 @@ def chain_shape(graph: Graph, names) -> chain_cost.ChainShape | None:
 
 def spec_for(graph: Graph, names) -> ChainSpec:
     names = tuple(names)
-    c1 = _contraction(graph.node_of[names[0]])
+    c1 = _contraction(graph, graph.node_of[names[0]])
     if c1 is None:
         raise ValueError(f"{names[0]} is not a contraction over a 2-D weight")
     spec = _match_from(graph, c1)

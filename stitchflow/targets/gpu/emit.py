@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ...ir.expr import OPS, Access, Call, Cast, Const, IndexValue, Read
-from ...ir.index import Div, Gather, Lit, Mod, Sum, Var, bounds, gathered_tensors, rename, substitute
+from ...ir.expr import OPS, Call, Cast, Const, IndexValue, Read, substitute_expr
+from ...ir.index import Div, Gather, Lit, Mod, Sum, Var, bounds, gathered_tensors, rename
 from .analysis import register_read
 
 
@@ -484,20 +484,6 @@ class BodyEmitter:
 
     def _let(self, code: str, kind: str, deps) -> Val:
         return Val(self.k.src.let(code), kind, frozenset(deps))
-
-
-def substitute_expr(e, mapping: dict, ranges):
-    """e with the index expressions in `mapping` put in for their variables (every access)."""
-    if isinstance(e, Read):
-        a = e.access
-        return Read(Access(a.tensor, tuple(substitute(i, mapping, ranges) for i in a.indices)))
-    if isinstance(e, IndexValue):
-        return IndexValue(substitute(e.index, mapping, ranges))
-    if isinstance(e, Call):
-        return Call(e.op, tuple(substitute_expr(x, mapping, ranges) for x in e.args))
-    if isinstance(e, Cast):
-        return Cast(e.dtype, substitute_expr(e.arg, mapping, ranges))
-    return e
 
 
 def _divides(e) -> bool:

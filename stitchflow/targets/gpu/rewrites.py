@@ -31,12 +31,12 @@ import math
 
 import torch
 
-from ...ir.expr import Call, Cast, Const, IndexValue, Read, map_reads
+from ...ir.expr import Call, Cast, Const, IndexValue, Read, map_reads, substitute_expr
 from ...ir.graph import Graph, Node
 from ...ir.interpret import eval_node
 from ...ir.index import Gather, Lit, Mod, Var, add, affine_terms, free_vars, scale
 from .analysis import is_contraction
-from .emit import inline_body, substitute_expr
+from .emit import inline_body
 
 INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
