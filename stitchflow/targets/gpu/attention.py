@@ -34,6 +34,7 @@ from .attention_match import AttentionMatch
 from .attention_plan import AttentionTiles, TilePlan, chunk_options, tile_plan
 from .emit import contiguous_strides
 from .layout import Store
+from .library_mask import conversion_for
 from .runtime import interpreting, load_choice, save_choice
 
 log = logging.getLogger("stitchflow.gpu.attention")
@@ -85,6 +86,17 @@ def _strided(op: Operand, batch: tuple, length: int, width: int) -> torch.Tensor
 
 
 SHARED_MASK = "attention mask of the call "  # the environment's key prefix for a mask shared by the layers
+
+
+def _as_library_bias(env: dict, shared: str, mask: torch.Tensor, views, **kwargs) -> torch.Tensor:
+    """The call's boolean mask as the bias torch's attention would make of it for these operands, made once a call
+    and shared by the layers of the same operands (library_mask.py); the mask itself where torch makes none."""
+    key = f"{shared}:bias:{[(tuple(v.shape), tuple(v.stride()), v.dtype) for v in views]}:{sorted(kwargs.items())}"
+    bias = env.get(key)
+    if bias is None:
+        conversion = conversion_for(*views, mask, **kwargs) if mask.dtype == torch.bool else None
+        bias = env[key] = conversion(mask) if conversion is not None else mask
+    return bias
 
 
 def _broadcast(mask: torch.Tensor) -> torch.Tensor:
@@ -261,6 +273,7 @@ class AttentionStep:
                 attn_mask = env.get(shared)
                 if attn_mask is None:
                     attn_mask = env[shared] = self._combined_mask(keep, extra, was_causal)
+                attn_mask = _as_library_bias(env, shared, attn_mask, views, is_causal=causal, scale=scale, **gqa)
             out = torch.nn.functional.scaled_dot_product_attention(*views, attn_mask=attn_mask, is_causal=causal,
                                                                    scale=scale, **gqa)
             if self.store is None:  # the library's own output is the node's value: no copy
