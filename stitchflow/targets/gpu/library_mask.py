@@ -52,19 +52,34 @@ def _traced_conversion(query, key, value, mask, kwargs) -> fx.GraphModule | None
     try:
         with torch.no_grad():
             traced = make_fx(attend)(query, key, value, mask)
-            conversion = _mask_part(traced)
-            if conversion is None:
+            if not _converts(traced):
                 return None
+            conversion = _mask_part(traced)
             bias = conversion(mask)
             kernels = _kernels(traced)
             with_bias = make_fx(attend)(query, key, value, bias)
     except Exception as err:  # a torch that traces differently: the mask as it is, as before
         log.debug("attention mask: torch's conversion not traced (%s: %s)", type(err).__name__, err)
         return None
-    if _mask_part(with_bias) is not None or _kernels(with_bias) != kernels:
+    if _converts(with_bias) or _kernels(with_bias) != kernels:
         log.debug("attention mask: a bias would change torch's kernel (%s -> %s)", kernels, _kernels(with_bias))
         return None
     return conversion
+
+
+VIEWS = {"expand", "view", "_unsafe_view", "slice", "unsqueeze", "squeeze", "as_strided", "alias", "permute", "t",
+         "select", "detach", "reshape"}
+
+
+def _converts(gm: fx.GraphModule) -> bool:
+    """Whether torch computes something from the mask before its kernel (views of it, such as memory-efficient
+    attention's bias expanded over the heads, cost nothing and are not a conversion)."""
+    part = _mask_part(gm)
+    return part is not None and any(n.op == "call_function" and _op_name(n) not in VIEWS for n in part.graph.nodes)
+
+
+def _op_name(n: fx.Node) -> str:
+    return getattr(n.target, "__name__", str(n.target)).split(".")[0]
 
 
 def _kernels(gm: fx.GraphModule) -> list[str]:
