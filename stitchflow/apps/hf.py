@@ -37,7 +37,7 @@ HF_MODELS = {
         "default": dict(),  # BERT-base
     }, {"small": (2, 16), "default": (8, 512)}),
 }
-DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout_prob", "attention_probs_dropout_prob",
+DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout_prob", "attention_probs_dropout_prob", "dropout",
                 "attention_dropout")
 
 

@@ -79,6 +79,14 @@ Ranges = Mapping[str, int]  # variable name -> extent (values 0 .. extent-1)
 UNBOUNDED = 1 << 62
 
 
+def fresh_name(name: str, taken: set) -> str:
+    """`name`, with underscores added until it is not in `taken`; added to `taken`."""
+    while name in taken:
+        name += "_"
+    taken.add(name)
+    return name
+
+
 def as_index(e: "IndexExpr | int | str") -> IndexExpr:
     if isinstance(e, int):
         return Lit(e)

@@ -21,7 +21,7 @@ import math
 
 from .expr import Access, Read, map_reads, substitute_expr
 from .graph import Graph, Node
-from .index import Lit, Var, add, floordiv, free_vars, gathered_tensors, mod, scale
+from .index import Lit, Var, add, floordiv, free_vars, fresh_name, gathered_tensors, mod, scale
 from .types import dense
 
 Splits = dict[str, dict[str, tuple[int, ...]]]  # node -> {variable: the sizes it splits into}
@@ -45,8 +45,9 @@ def unflatten_rows(graph: Graph) -> Graph:
 
 
 def _seeds(graph: Graph, node: Node):
-    """(variable, sizes) such that splitting the variable into `sizes` turns a read of `node` into a
-    plain one: consecutive indices of one variable (or size-1 zeros) over dimensions whose product is its extent."""
+    """(variable, sizes) such that splitting the variable into `sizes` may make a read of `node` plain: the
+    indices that one variable alone makes (in order, apart where heads are merged between them, with size-1
+    zeros beside them), over dimensions whose product is its extent. `_grow` keeps a split only if it gains."""
     if node.is_scatter:
         return
     for access in node.accesses:
@@ -145,7 +146,7 @@ def _rewrite_node(node: Node, var_splits: dict, tensors: dict) -> Node:
         return dataclasses.replace(node, body=body)
     ((var, sizes),) = var_splits.items()
     taken = set(ranges)
-    names = tuple(_fresh(f"{var}{d}", taken) for d in range(len(sizes)))
+    names = tuple(fresh_name(f"{var}{d}", taken) for d in range(len(sizes)))
     value = add(*(scale(Var(n), math.prod(sizes[d + 1:])) for d, n in enumerate(names)))
     dims = tuple(p for v, e in node.dims for p in (tuple(zip(names, sizes)) if v == var else ((v, e),)))
     new_ranges = dict(dims)
@@ -194,10 +195,3 @@ def _applied(graph: Graph, splits: Splits, rewritten: dict[str, Node]) -> Graph:
         types[name] = dataclasses.replace(t, shape=shape, format=dense(len(shape)))
     nodes = tuple(rewritten.get(n.name, n) for n in graph.nodes)
     return dataclasses.replace(graph, nodes=nodes, types=tuple(types.items())).validate()
-
-
-def _fresh(name: str, taken: set) -> str:
-    while name in taken:
-        name += "_"
-    taken.add(name)
-    return name

@@ -34,7 +34,7 @@ import torch
 from ...ir.expr import Call, Cast, Const, IndexValue, Read, map_reads, substitute_expr
 from ...ir.graph import Graph, Node
 from ...ir.interpret import eval_node
-from ...ir.index import Gather, Lit, Mod, Var, add, affine_terms, free_vars, scale
+from ...ir.index import Gather, Lit, Mod, Var, add, affine_terms, free_vars, fresh_name, scale
 from .analysis import is_contraction
 from .emit import inline_body
 
@@ -165,20 +165,13 @@ def _windowed(graph: Graph, node: Node, blocks: dict[int, tuple[str, int]]) -> N
     index, dims, mapping = list(node.index), [(v, n) for v, n in node.dims if v not in
                                               {u for u, _ in blocks.values()}], {}
     for k, (v, s) in blocks.items():
-        p, r = _fresh(f"{v}_at", taken), _fresh(f"{v}_in", taken)
+        p, r = fresh_name(f"{v}_at", taken), fresh_name(f"{v}_in", taken)
         index[k] = Var(p)
         dims += [(p, shape[k]), (r, s)]
         mapping[v] = add(scale(Var(p), s), Var(r))
     extents = dict(dims)
     return dataclasses.replace(node, index=tuple(index), dims=tuple(dims),
                                body=substitute_expr(node.body, mapping, extents))
-
-
-def _fresh(name: str, taken: set) -> str:
-    while name in taken:
-        name += "_"
-    taken.add(name)
-    return name
 
 
 def sink_widening_casts(graph: Graph) -> Graph:
