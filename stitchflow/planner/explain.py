@@ -141,6 +141,9 @@ def explain_program(prog) -> str:
     # the values the plan was made with (inputs too) when the program keeps them, else parameters
     values = getattr(prog, "plan_values", None) or getattr(prog.captured, "param_values", None)
     text = explain_regions(prog.graph, prog.regions, prog.fusion, prog.target_name, values)
+    notes = getattr(prog.captured, "notes", None)  # what capture and the target's rewrites of the graph did
+    if notes:
+        text = "\n".join([text, "", "graph rewrites:", *(f"  {note}" for note in notes)])
     target_lines = getattr(prog.target, "explain", None)  # what the target itself decides (gpu: chain plans)
     if target_lines is not None:
         params = getattr(prog.captured, "param_values", None)

@@ -80,8 +80,10 @@ class GpuTarget:
         graph = unflatten_rows(captured.graph) if options.get("unflatten_rows", True) else captured.graph
         graph = recognise_activations(graph) if options.get("recognise_activations", True) else graph
         if graph is not captured.graph:  # a recognised activation drops the nodes it was written with
-            _log_rewrites(captured.graph, graph)
-            captured = dataclasses.replace(captured, graph=graph)
+            notes = _rewrite_notes(captured.graph, graph)
+            for note in notes:
+                log.info("%s", note)
+            captured = dataclasses.replace(captured, graph=graph, notes=[*captured.notes, *notes])
             regions = [dataclasses.replace(r, nodes=kept) for r in regions
                        if (kept := tuple(n for n in r.nodes if n in graph.node_of))]
         if not options.get("channels_last", True):
@@ -246,16 +248,18 @@ class GpuTarget:
         return steps
 
 
-def _log_rewrites(before: Graph, after: Graph) -> None:
-    """What unflatten_rows and recognise_activations changed, for the `stitchflow.gpu` logger."""
+def _rewrite_notes(before: Graph, after: Graph) -> list[str]:
+    """What unflatten_rows and recognise_activations changed, for the `stitchflow.gpu` logger and `explain`."""
+    notes = []
     split = [n.name for n in after.nodes if n.name in before.node_of and len(n.index) != len(before.node_of[n.name].index)]
     if split:
-        log.info("rows unflattened (computed in their input's shape): %s", ", ".join(split))
+        notes.append(f"rows unflattened (computed in their input's shape): {', '.join(split)}")
     recognised = [f"{n.name} ({n.tag.kind})" for n in after.nodes if n.tag is not None
                   and (before.node_of[n.name].tag is None or before.node_of[n.name].tag.kind != n.tag.kind)]
     if recognised:
-        log.info("activations written out by hand recognised: %s (%d nodes fewer)", ", ".join(recognised),
-                 len(before.nodes) - len(after.nodes))
+        notes.append(f"activations written out by hand recognised: {', '.join(recognised)} "
+                     f"({len(before.nodes) - len(after.nodes)} nodes fewer)")
+    return notes
 
 
 def _explain_convolutions(graph: Graph, regions, options: dict) -> list[str]:

@@ -150,5 +150,7 @@ def test_the_rewrites_say_what_they_did(caplog):
     model = Gpt2Mlp(16, 24, torch.float32)
     x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(4))
     with caplog.at_level("INFO", logger="stitchflow.gpu"):
-        stitchflow.compile(model, [x], target="gpu", fusion="auto")
+        prog = stitchflow.compile(model, [x], target="gpu", fusion="auto")
     assert "rows unflattened" in caplog.text and "recognised: mul_3 (gelu)" in caplog.text
+    explained = prog.explain()
+    assert "graph rewrites:" in explained and "recognised: mul_3 (gelu)" in explained
