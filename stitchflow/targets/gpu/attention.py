@@ -92,11 +92,14 @@ def _as_library_bias(env: dict, shared: str, mask: torch.Tensor, views, **kwargs
     """The call's boolean mask as the bias torch's attention would make of it for these operands, made once a call
     and shared by the layers of the same operands (library_mask.py); the mask itself where torch makes none."""
     key = f"{shared}:bias:{[(tuple(v.shape), tuple(v.stride()), v.dtype) for v in views]}:{sorted(kwargs.items())}"
-    bias = env.get(key)
-    if bias is None:
-        conversion = conversion_for(*views, mask, **kwargs) if mask.dtype == torch.bool else None
-        bias = env[key] = conversion(mask) if conversion is not None else mask
-    return bias
+    if key not in env:
+        env[key] = _library_bias(mask, views, **kwargs)
+    return env[key]
+
+
+def _library_bias(mask: torch.Tensor, views, **kwargs) -> torch.Tensor:
+    conversion = conversion_for(*views, mask, **kwargs) if mask.dtype == torch.bool else None
+    return conversion(mask) if conversion is not None else mask
 
 
 def _broadcast(mask: torch.Tensor) -> torch.Tensor:
@@ -150,6 +153,8 @@ class AttentionStep:
         log.info("%s: mask folded, %.1f%% of the score positions kept", match, 100 * kept)
         self.plans: dict = {}
         self._library: tuple | None = None  # (the coefficients it was worked out from, library_form())
+        # (those coefficients, {key: the constant mask on a device, or torch's bias of it for given operands})
+        self._library_masks: tuple = (None, {})
         if match.call_mask is not None and self.library_form() is None:
             raise NotAttention(f"{match.output}'s mask of the call goes to torch's attention, which cannot take "
                                "this match (an output dtype other than Q's, or offsets too large to hand over)")
@@ -255,7 +260,7 @@ class AttentionStep:
         gqa = {"enable_gqa": True} if self.groups[-1] > 1 else {}
         device = views[0].device
         results = {}  # the store's buffers, made at the first call whose output is not laid out as they are
-        mask = mask.to(device) if mask is not None else None
+        mask = self._library_mask(mask, str(device), lambda: mask.to(device)) if mask is not None else None
         scale = self.coefficients[0]
         if m.call_mask is not None:  # the call's mask, with the folded constant part (a causal mask) on it
             keep = _broadcast(self._library_view(self._operand(m.call_mask, env, self.batch_vars, self.l_var,
@@ -266,6 +271,12 @@ class AttentionStep:
             if mask is not None:  # a constant part of this match's own
                 shared += f":{id(self)}"
             extra, mask, was_causal, causal = mask, None, causal, False
+
+        if mask is not None and mask.dtype == torch.bool:  # a constant mask: torch's bias of it made once
+            kwargs = dict(is_causal=causal, scale=scale, **gqa)
+            signature = [(tuple(v.shape), tuple(v.stride()), v.dtype, str(v.device)) for v in views], sorted(kwargs.items())
+            boolean = mask
+            mask = self._library_mask(boolean, str(signature), lambda: _library_bias(boolean, views, **kwargs))
 
         def run():
             attn_mask = mask
@@ -287,6 +298,16 @@ class AttentionStep:
             results[m.result].copy_(out)  # laid out through strides as the output's reader wants it
             return results
         return run
+
+    def _library_mask(self, mask: torch.Tensor, key: str, make) -> torch.Tensor:
+        """make(): the constant mask on a device, or torch's bias of it, kept until the mask is folded again
+        (a copy to the device, or torch's conversion, once instead of at every call)."""
+        if self._library_masks[0] is not self.coefficients:
+            self._library_masks = (self.coefficients, {})
+        made = self._library_masks[1]
+        if (key, mask.dtype) not in made:
+            made[key, mask.dtype] = make()
+        return made[key, mask.dtype]
 
     def _combined_mask(self, keep: torch.Tensor, extra: torch.Tensor | None, causal: bool) -> torch.Tensor:
         """The mask torch's attention is given: the call's `keep` with the match's constant part (causal, or

@@ -76,3 +76,29 @@ def test_two_layers_of_a_call_share_one_conversion(monkeypatch):
     for call in range(2):
         torch.testing.assert_close(prog(x, mask), two_layers(x, mask), rtol=tol, atol=tol, equal_nan=True)
         assert len(made) == call + 1
+
+
+@pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the gpu target runs on CPU tensors only under TRITON_INTERPRET=1")
+def test_a_constant_mask_is_converted_once(monkeypatch):
+    """A mask folded at compile time (here a band of keys) reaches torch's attention as its bias, made at the first
+    call and kept for the next ones."""
+    made = []
+
+    def counting(*args, **kwargs):
+        made.append(1)
+        return conversion_for(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "conversion_for", counting)
+    positions = torch.arange(12, device=DEVICE)
+    band = (positions[:, None] - positions[None, :]).abs() <= 3  # a sliding window
+
+    def banded(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=band)
+
+    q, k, v = operands(torch.float32, seed=7)
+    prog = stitchflow.compile(banded, (q, k, v), target="gpu", fusion="auto",
+                              options={"attention_tiles": tuple(vars(LIBRARY).values()), "cuda_graphs": False})
+    for _ in range(3):
+        torch.testing.assert_close(prog(q, k, v), banded(q, k, v), rtol=1e-5, atol=1e-5)
+    assert len(made) == 1
