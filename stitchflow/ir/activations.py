@@ -35,7 +35,8 @@ def _gelu(a: Expr) -> Expr:
 
 
 def _gelu_tanh(a: Expr) -> Expr:
-    inner = call("mul", Const(math.sqrt(2 / math.pi)), call("add", a, call("mul", Const(0.044715), call("pow", a, Const(3)))))
+    cubic = call("add", a, call("mul", Const(0.044715), call("pow", a, Const(3))))
+    inner = call("mul", Const(math.sqrt(2 / math.pi)), cubic)
     return call("mul", call("mul", Const(0.5), a), call("add", Const(1.0), call("tanh", inner)))
 
 

@@ -30,7 +30,7 @@ Splits = dict[str, dict[str, tuple[int, ...]]]  # node -> {variable: the sizes i
 def unflatten_rows(graph: Graph) -> Graph:
     """The graph with every flattened-rows view that can be split back split (the graph itself if none)."""
     tried: set = set()
-    k = 0
+    k, changed = 0, False
     while k < len(graph.nodes):  # a split keeps the nodes and their order: the scan goes on where it was
         node = graph.nodes[k]
         seed = next(((v, s) for v, s in _seeds(graph, node) if (node.name, v, s) not in tried), None)
@@ -41,7 +41,8 @@ def unflatten_rows(graph: Graph) -> Graph:
         grown = _grow(graph, {node.name: {seed[0]: seed[1]}})
         if grown is not None:
             graph = _applied(graph, *grown)
-    return graph
+            changed = True
+    return graph.validate() if changed else graph
 
 
 def _seeds(graph: Graph, node: Node):
@@ -89,9 +90,9 @@ def _grow(graph: Graph, splits: Splits) -> tuple[Splits, dict[str, Node]] | None
             gained = sum(new.is_plain for node in rewritten.values() for new in node.accesses)
             had = sum(old.is_plain for name in rewritten for old in graph.node_of[name].accesses)
             return (splits, rewritten) if gained > had else None
-        added = False
+        added, tensors = False, _tensor_splits(graph, splits)
         for name, old, new in lost:
-            wanted = _requests(graph, splits, graph.node_of[name], old)
+            wanted = _requests(graph, splits, tensors, graph.node_of[name], old)
             if wanted is None:
                 return None
             for target, var, sizes in wanted:
@@ -168,11 +169,11 @@ def _reindexed(access: Access, tensors: dict, ranges) -> Access:
     return Access(access.tensor, access.indices[:dim] + tuple(parts) + access.indices[dim + 1:])
 
 
-def _requests(graph: Graph, splits: Splits, node: Node, old: Access) -> list[tuple[str, str, tuple]] | None:
+def _requests(graph: Graph, splits: Splits, tensors: dict, node: Node,
+              old: Access) -> list[tuple[str, str, tuple]] | None:
     """The splits that would keep the plain access `old` of `node` plain: its variable at the split
     dimension of a split tensor split alike, or the read tensor split where a split variable reads it;
-    None where that tensor is no node's (an input or a parameter) or a scatter's."""
-    tensors = _tensor_splits(graph, splits)
+    None where that tensor is no node's (an input or a parameter) or a scatter's. `tensors`: `_tensor_splits`."""
     mine = splits.get(node.name, {})
     wanted = []
     for c, index in enumerate(old.indices):
@@ -194,4 +195,4 @@ def _applied(graph: Graph, splits: Splits, rewritten: dict[str, Node]) -> Graph:
         shape = t.shape[:dim] + sizes + t.shape[dim + 1:]
         types[name] = dataclasses.replace(t, shape=shape, format=dense(len(shape)))
     nodes = tuple(rewritten.get(n.name, n) for n in graph.nodes)
-    return dataclasses.replace(graph, nodes=nodes, types=tuple(types.items())).validate()
+    return dataclasses.replace(graph, nodes=nodes, types=tuple(types.items()))  # validated once, at the end

@@ -251,7 +251,8 @@ class GpuTarget:
 def _rewrite_notes(before: Graph, after: Graph) -> list[str]:
     """What unflatten_rows and recognise_activations changed, for the `stitchflow.gpu` logger and `explain`."""
     notes = []
-    split = [n.name for n in after.nodes if n.name in before.node_of and len(n.index) != len(before.node_of[n.name].index)]
+    split = [n.name for n in after.nodes
+             if n.name in before.node_of and len(n.index) != len(before.node_of[n.name].index)]
     if split:
         notes.append(f"rows unflattened (computed in their input's shape): {', '.join(split)}")
     recognised = [f"{n.name} ({n.tag.kind})" for n in after.nodes if n.tag is not None

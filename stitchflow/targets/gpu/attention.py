@@ -274,7 +274,8 @@ class AttentionStep:
 
         if mask is not None and mask.dtype == torch.bool:  # a constant mask: torch's bias of it made once
             kwargs = dict(is_causal=causal, scale=scale, **gqa)
-            signature = [(tuple(v.shape), tuple(v.stride()), v.dtype, str(v.device)) for v in views], sorted(kwargs.items())
+            signature = ([(tuple(v.shape), tuple(v.stride()), v.dtype, str(v.device)) for v in views],
+                         sorted(kwargs.items()))
             boolean = mask
             mask = self._library_mask(boolean, str(signature), lambda: _library_bias(boolean, views, **kwargs))
 
