@@ -66,6 +66,8 @@ def reads_rows(graph: Graph, node: Node, access, names: tuple[str, ...]) -> bool
     per variable, each checked over its extent."""
     shape = graph.type_of[access.tensor].shape
     extents = [node.extents[n] for n in names]
+    if access.is_plain:  # the common case, without evaluating anything
+        return tuple(i.name for i in access.indices) == names and tuple(shape) == tuple(extents)
     if shape[-1] != extents[-1] or math.prod(shape) != math.prod(extents) or access.vars != set(names):
         return False
     if any(len(free_vars(i)) > 1 or gathered_tensors(i) for i in access.indices):
