@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from ..ir.expr import Cast, Const, Expr
+from ..ir.types import LOW_PRECISION
 from .builder import GraphBuilder
 from .values import TensorValue
 
@@ -262,7 +263,6 @@ def sub_ctx(ctx: LowerCtx, shape, dtype: torch.dtype, step: str) -> LowerCtx:
     return LowerCtx(ctx.builder, ctx.node, torch.empty(tuple(shape), dtype=dtype, device="meta"), step)
 
 
-LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

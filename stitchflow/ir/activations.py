@@ -26,7 +26,7 @@ from .expr import Access, Call, Cast, Const, Expr, IndexValue, Read, call, index
 from .graph import Graph, Node, Tag
 from .index import Var
 from .interpret import eval_node
-from .types import dense_type
+from .types import LOW_PRECISION, dense_type
 
 
 def _gelu(a: Expr) -> Expr:
@@ -50,7 +50,6 @@ BODIES = {
     "gelu_tanh": ("gelu", _gelu_tanh, lambda x: F.gelu(x, approximate="tanh")),
     "silu": ("silu", _silu, F.silu),
 }
-LOW_PRECISION = (torch.float16, torch.bfloat16)
 SAMPLES = torch.cat([torch.linspace(-20.0, 20.0, 4001, dtype=torch.float64), torch.tensor([-1e-3, 1e-3, 0.5, -0.5])])
 TOLERANCE = 1e-9
 TRANSCENDENTAL = {"tanh", "erf", "sigmoid", "exp"}  # one of which each activation here applies

@@ -137,6 +137,9 @@ class TensorType:
         return f"{dt}[{','.join(map(str, self.shape))}]{fmt}"
 
 
+LOW_PRECISION = (torch.float16, torch.bfloat16)  # float dtypes computed in float32 and rounded on store
+
+
 def dense_type(shape, dtype: torch.dtype) -> TensorType:
     shape = tuple(int(s) for s in shape)
     return TensorType(shape, dtype, dense(len(shape)))

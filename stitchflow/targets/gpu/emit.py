@@ -19,6 +19,7 @@ import torch
 
 from ...ir.expr import OPS, Call, Cast, Const, IndexValue, Read, substitute_expr
 from ...ir.index import Div, Gather, Lit, Mod, Sum, Var, bounds, gathered_tensors, rename
+from ...ir.types import LOW_PRECISION
 from .analysis import register_read
 
 
@@ -36,7 +37,6 @@ TL_DTYPE = {
     torch.float64: "tl.float64", torch.int64: "tl.int64", torch.int32: "tl.int32", torch.int16: "tl.int16",
     torch.int8: "tl.int8", torch.uint8: "tl.uint8", torch.bool: "tl.int1",
 }
-LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 UNARY_FLOAT = {"exp": "tl.exp", "log": "tl.log", "sqrt": "tl.sqrt_rn", "rsqrt": "tl.rsqrt",
                "sigmoid": "tl.sigmoid", "erf": "tl.erf", "sin": "tl.sin", "cos": "tl.cos", "floor": "tl.floor",
