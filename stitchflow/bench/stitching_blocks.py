@@ -17,7 +17,7 @@ import statistics
 import torch
 
 from .report import app_table_rows, provenance_lines, run_apps, speedup_cell
-from .stitching import ROUNDS, _time_in_rounds
+from .stitching import COOLDOWN_S, ROUNDS, _time_in_rounds
 from .stitching_patterns import as_tuple, relative_error
 
 SECTION = "## Transformer blocks end to end"
@@ -86,8 +86,9 @@ def markdown(rows: list[dict], info: dict) -> str:
              "models: hf-*); stitchflow uses "
              "`fusion=\"auto\"`, its GEMM chains autotuned against cuBLAS, and each call of a gpu program replays "
              f"as one CUDA graph after warm-up. The median of {ROUNDS} rounds (the runners timed in turn) of "
-             "medians over calls, L2 evicted clean before each (`targets/gpu/timing.py`), all runners in one "
-             "process, "
+             "medians over calls, L2 evicted clean before each (`targets/gpu/timing.py`), the GPU idle "
+             f"{COOLDOWN_S} s before each runner's timed calls (its clock drops at the power cap), all runners in "
+             "one process, "
              "same inputs; every runner is checked against eager first (relative error ≤ 2e-2).", "",
              head, "|" + "---|" * 11]
     lines += app_table_rows(rows, RUNNERS, lambda r, worst: (

@@ -27,7 +27,7 @@ import time
 import torch
 
 from .report import app_table_rows, provenance_lines, run_apps, speedup_cell
-from .stitching import ROUNDS, _time_in_rounds
+from .stitching import COOLDOWN_S, ROUNDS, _time_in_rounds
 from .stitching_patterns import as_tuple, tolerance
 
 SECTION = "## Training steps (forward + backward)"
@@ -188,7 +188,8 @@ def markdown(rows: list[dict], info: dict) -> str:
              "recomputed backward = options={\"training\": \"recompute\"}; attention as written = "
              "options={\"attention\": False} (products and a softmax not rewritten into torch's fused attention). "
              "The median of "
-             f"{ROUNDS} rounds (runners in turn) of medians over steps, L2 evicted clean before each; output, input "
+             f"{ROUNDS} rounds (runners in turn) of medians over steps, L2 evicted clean before each, the GPU idle "
+             f"{COOLDOWN_S} s before each runner's timed steps (at the power cap its clock drops); output, input "
              "and parameter gradients checked first, in half precision against the step in float64 (each tensor's "
              "relative error ≤ 2e-2 or at most twice eager's; 'max rel. error' is against eager). The first step's wall "
              "time includes compilation (stitchflow's autotuning too).", "",

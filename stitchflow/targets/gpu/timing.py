@@ -26,9 +26,9 @@ def _clean_l2_flush():
     _FLUSH_BUFFERS[device].sum()
 
 
-def timed_median(fn, budget_s: float = 0.1) -> float:
+def timed_median(fn, budget_s: float = 0.1, cooldown_s: float = 0.0) -> float:
     """Median seconds of `fn` over repetitions, each after a clean L2 flush (as do_bench, whose
-    timing loop this follows, but with `_clean_l2_flush`)."""
+    timing loop this follows, but with `_clean_l2_flush`). cooldown_s: see `flushed_times`."""
     fn()
     torch.cuda.synchronize()
     probe = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
@@ -41,7 +41,7 @@ def timed_median(fn, budget_s: float = 0.1) -> float:
     reps = max(20, min(1000, int(budget_s / per_call)))
     for _ in range(min(25, reps)):
         fn()
-    return statistics.median(flushed_times(fn, reps))
+    return statistics.median(flushed_times(fn, reps, cooldown_s))
 
 
 HOLD_ATTEMPTS = 4
@@ -49,7 +49,7 @@ MAX_HOLD_S = 10.0
 _HOLD_S = [200e-6]  # how long the GPU waits before the first call of a timing (see flushed_times)
 
 
-def flushed_times(fn, reps: int) -> list[float]:
+def flushed_times(fn, reps: int, cooldown_s: float = 0.0) -> list[float]:
     """Seconds of calls of `fn` (CUDA events around each), each after a clean L2 flush: about `reps` of them,
     leaving out any whose events may take in the host's time to launch it.
 
@@ -59,9 +59,18 @@ def flushed_times(fn, reps: int) -> list[float]:
     host, and a launch may then take milliseconds (ResNet-18's tuner medians summed to 8.8 ms against a
     5.3 ms step; scripts/timing_contention_probe.py: a 58 µs kernel timed at 10-15 ms beside two Python
     threads). The GPU first sleeps a moment, so that the host gets ahead; until half the calls came out
-    clean, more are timed with the GPU held for twice as long as the host took to queue the last ones."""
+    clean, more are timed with the GPU held for twice as long as the host took to queue the last ones.
+
+    cooldown_s: the GPU idles this long before the timed calls. Benches comparing runners give every runner the
+    same pause, because an H200 running GEMMs back to back reaches its 700 W cap and lowers its clock (1980 MHz
+    to 1500-1700, scripts/bench_order_probe.py): without the pause a runner timed right after its own back-to-back
+    warm-up is timed on a slower chip than one whose warm-up the host paced.
+    """
     clean: list[float] = []
     for attempt in range(HOLD_ATTEMPTS):
+        if cooldown_s:
+            torch.cuda.synchronize()
+            time.sleep(cooldown_s)
         torch.cuda._sleep(int(min(_HOLD_S[0], MAX_HOLD_S) * 2e9))  # cycles at up to 2 GHz: at least that long
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
