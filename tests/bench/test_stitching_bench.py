@@ -6,7 +6,8 @@ from stitchflow.bench import stitching
 def test_competitors_are_timed_in_turn_and_each_keeps_every_round(monkeypatch):
     calls = []
 
-    def fake_time(fn, sets):
+    def fake_time(fn, sets, cooldown_s):
+        assert cooldown_s == stitching.COOLDOWN_S > 0  # every competitor starts from an idle GPU's clock
         calls.append(fn)
         return {"a": 10.0, "b": 20.0}[fn] + len(calls)
 

@@ -47,3 +47,17 @@ def test_a_host_slow_to_launch_is_not_timed():
     assert seconds < 0.5e-3
     times = timing.flushed_times(late_launch, 20)
     assert len(times) >= 10 and max(times) < 0.5e-3
+
+
+def test_a_cooldown_idles_the_gpu_before_the_timed_calls(monkeypatch):
+    """Benches give every runner the same pause before its timed calls (an H200 at its power cap lowers its clock):
+    the GPU has finished the warm-up when the pause starts, and no timed call is queued during it."""
+    import time
+
+    x = torch.zeros(1 << 10, device="cuda")
+    events = []
+    real_sleep = time.sleep
+    monkeypatch.setattr(timing.time, "sleep", lambda s: (events.append(("sleep", s)), real_sleep(s)))
+    times = timing.flushed_times(lambda: events.append(("call", x.add_(1))), 20, cooldown_s=0.05)
+    assert events[0] == ("sleep", 0.05) and all(kind == "call" for kind, _ in events[1:21])
+    assert len(times) >= 10
