@@ -7,7 +7,7 @@
     stitchflow explain gcn --fusion auto    why each pair of neighbouring ops is or is not fused
     stitchflow explore gcn --dataset cora   sweep fusion configurations, prune, evaluate, plot
     stitchflow simulate gcn --fusion partial  cycles and counters on the dataflow simulator
-    stitchflow bench stitching|chains|gnn|attention|training   GPU benchmarks (on a machine with a GPU)
+    stitchflow bench stitching|blocks|chains|gnn|attention|training   GPU benchmarks (on a machine with a GPU)
     stitchflow bench simulator              the dataflow simulator's speed (CPU)
     stitchflow cache [--clear plans]        what stitchflow keeps on disk between processes, and clearing it
 """
@@ -182,7 +182,8 @@ def cmd_explain(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    suites = {"stitching": "stitchflow.bench.stitching", "chains": "stitchflow.bench.chains",
+    suites = {"stitching": "stitchflow.bench.stitching", "blocks": "stitchflow.bench.stitching_blocks",
+              "chains": "stitchflow.bench.chains",
               "gnn": "stitchflow.bench.gnn", "attention": "stitchflow.bench.attention",
               "simulator": "stitchflow.bench.simulator", "training": "stitchflow.bench.training"}
     if args.suite not in suites:
@@ -275,8 +276,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = verbs.add_parser("simulate", help="cycle-level simulation of an app on the dataflow target")
     _simulate.build_parser(p)
     p.set_defaults(fn=_simulate.run_args)
-    p = verbs.add_parser("bench", help="run a benchmark suite: stitching | chains | gnn | attention | training (GPU), simulator (CPU)")
-    p.add_argument("suite", help="stitching (memory-intensive patterns) | chains (GEMM -> act -> GEMM) | simulator")
+    p = verbs.add_parser("bench", help="run a benchmark suite: stitching | blocks | chains | gnn | attention | training (GPU), "
+                                       "simulator (CPU)")
+    p.add_argument("suite", help="stitching (memory-intensive patterns) | blocks (transformer blocks and Hugging Face "
+                                 "models end to end) | chains (GEMM -> act -> GEMM) | gnn | attention | training | "
+                                 "simulator")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the suite (see `stitchflow bench SUITE --help`)")
     p.set_defaults(fn=cmd_bench)
     p = verbs.add_parser("cache", help="list what stitchflow keeps on disk between processes (plans, kernels, "

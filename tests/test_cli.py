@@ -87,3 +87,11 @@ def test_cache_lists_and_clears_what_stitchflow_keeps(tmp_path, monkeypatch, cap
     assert not (tmp_path / "plans").exists() and (tmp_path / "gpu" / "kernels" / "k_0.py").exists()
     assert main(["cache", "--clear", "all"]) == 0
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("suite", ["stitching", "blocks", "chains", "training"])
+def test_bench_suites_take_their_own_help(suite, capsys):
+    """`stitchflow bench SUITE --help` reaches the suite's own parser (the GPU benches parse on any machine)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", suite, "--help"])
+    assert exit_.value.code == 0 and "usage:" in capsys.readouterr().out

@@ -77,6 +77,25 @@ ROUNDS = 3  # each competitor timed this many times, in turn
 COOLDOWN_S = 0.5
 
 
+class _SetCooldown(argparse.Action):
+    """--cooldown sets COOLDOWN_S for every bench that times through `_time_in_rounds`."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        global COOLDOWN_S
+        if value < 0:
+            parser.error("--cooldown must be at least 0 seconds")
+        COOLDOWN_S = value
+        setattr(namespace, self.dest, value)
+
+
+def add_cooldown_argument(parser) -> None:
+    """A bench's --cooldown (0: each runner timed on whatever clock the runner before it left, as under sustained
+    load, every runner near the power cap)."""
+    parser.add_argument("--cooldown", type=float, default=COOLDOWN_S, action=_SetCooldown,
+                        help=f"seconds the GPU idles before each runner's timed calls (default {COOLDOWN_S}; "
+                             "0 times them on the clock the runner before left)")
+
+
 def _time_in_rounds(fns: dict, sets, rounds: int = ROUNDS) -> dict[str, list[float]]:
     """Each callable's median (`_time`), `rounds` times over, the competitors in turn: a stall on the host that
     idles the GPU through one round (end to end 216.6 µs for a 137.5 µs kernel, once, on the H100) then shows as
@@ -272,6 +291,7 @@ def main(argv=None) -> int:
     parser.add_argument("--markdown", default="BENCHMARKS.md", help="file whose stitching section is rewritten ('' skips)")
     parser.add_argument("--fusion", default="full", help="fusion configuration for stitchflow (full or auto)")
     parser.add_argument("--check-small", action="store_true", help="first check every pattern at small odd shapes")
+    add_cooldown_argument(parser)
     args = parser.parse_args(argv)
     if args.check_small:
         failures = check_small(torch.device("cuda"))

@@ -17,7 +17,8 @@ import statistics
 import torch
 
 from .report import app_table_rows, provenance_lines, run_apps, speedup_cell
-from .stitching import COOLDOWN_S, ROUNDS, _time_in_rounds
+from . import stitching
+from .stitching import ROUNDS, _time_in_rounds, add_cooldown_argument
 from .stitching_patterns import as_tuple, relative_error
 
 SECTION = "## Transformer blocks end to end"
@@ -87,7 +88,7 @@ def markdown(rows: list[dict], info: dict) -> str:
              "`fusion=\"auto\"`, its GEMM chains autotuned against cuBLAS, and each call of a gpu program replays "
              f"as one CUDA graph after warm-up. The median of {ROUNDS} rounds (the runners timed in turn) of "
              "medians over calls, L2 evicted clean before each (`targets/gpu/timing.py`), the GPU idle "
-             f"{COOLDOWN_S} s before each runner's timed calls (its clock drops at the power cap), all runners in "
+             f"{stitching.COOLDOWN_S} s before each runner's timed calls (its clock drops at the power cap), all runners in "
              "one process, "
              "same inputs; every runner is checked against eager first (relative error ≤ 2e-2).", "",
              head, "|" + "---|" * 11]
@@ -107,6 +108,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="")
     parser.add_argument("--markdown", default="", help="file whose section (--section) is rewritten")
     parser.add_argument("--section", default=SECTION, help="the markdown section's heading")
+    add_cooldown_argument(parser)
     args = parser.parse_args(argv)
     only = {"eager", "torch.compile", *args.runners.split(",")}
     unknown = only - set(RUNNERS)

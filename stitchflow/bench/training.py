@@ -27,7 +27,8 @@ import time
 import torch
 
 from .report import app_table_rows, provenance_lines, run_apps, speedup_cell
-from .stitching import COOLDOWN_S, ROUNDS, _time_in_rounds
+from . import stitching
+from .stitching import ROUNDS, _time_in_rounds, add_cooldown_argument
 from .stitching_patterns import as_tuple, tolerance
 
 SECTION = "## Training steps (forward + backward)"
@@ -189,7 +190,7 @@ def markdown(rows: list[dict], info: dict) -> str:
              "options={\"attention\": False} (products and a softmax not rewritten into torch's fused attention). "
              "The median of "
              f"{ROUNDS} rounds (runners in turn) of medians over steps, L2 evicted clean before each, the GPU idle "
-             f"{COOLDOWN_S} s before each runner's timed steps (at the power cap its clock drops); output, input "
+             f"{stitching.COOLDOWN_S} s before each runner's timed steps (at the power cap its clock drops); output, input "
              "and parameter gradients checked first, in half precision against the step in float64 (each tensor's "
              "relative error ≤ 2e-2 or at most twice eager's; 'max rel. error' is against eager). The first step's wall "
              "time includes compilation (stitchflow's autotuning too).", "",
@@ -218,6 +219,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="", help="JSON file for the rows")
     parser.add_argument("--markdown", default="", help="file whose section (--section) is rewritten")
     parser.add_argument("--section", default=SECTION, help="the markdown section's heading")
+    add_cooldown_argument(parser)
     args = parser.parse_args(argv)
     runners = tuple(r.strip() for r in args.runners.split(","))
     unknown = [r for r in runners if r not in RUNNERS]
