@@ -24,7 +24,8 @@ from ..ir.graph import Graph
 from ..ir.types import Format, TensorType, format_of_tensor, parse_format
 from . import ops_activations, ops_attention, ops_conv, ops_elementwise, ops_factory, ops_index, ops_linalg, ops_losses, ops_pool, ops_reduce, ops_resize, ops_scan, ops_shape, ops_sort, ops_stats, ops_trig, ops_views  # noqa: F401  (register lowerings)
 from .builder import GraphBuilder
-from .registry import FACTORIES, LOWERINGS, LowerCtx, bind_arguments, describe_target, early_refusal, is_inplace, key_of
+from .registry import (FACTORIES, LOWERINGS, VALUES_UNCHANGED, LowerCtx, bind_arguments, describe_target, early_refusal,
+                       is_inplace, key_of)
 
 # In-place methods lower like their functional forms; capture rebinds the mutated value.
 for _key, _fn in list(LOWERINGS.items()):
@@ -202,6 +203,8 @@ def _lower_call(gm, node: fx.Node, b: GraphBuilder, env, real, aliases):
                                      "or a tensor viewed elsewhere): the IR's values are not aliased, so the write "
                                      "would not reach the other", node.name)
         real_args = (real_args[0].clone(), *real_args[1:])  # keep the value other nodes saw intact
+    elif key_of(node) in VALUES_UNCHANGED and isinstance(real_args[0], torch.Tensor):
+        real_args = (real_args[0].detach(), *real_args[1:])  # the same memory, but the caller's tensor keeps its grad
     out = _run_eager(gm, node, real_args, real_kwargs)
     if node.target in (operator.setitem, "__setitem__") and inplace:
         out = real_args[0]  # x[key] = v returns nothing: the written tensor is the result
@@ -310,8 +313,10 @@ def _finish(b: GraphBuilder, out_node: fx.Node, env, real, names) -> Captured:
 
 
 def _aliases(t, tensors) -> bool:
-    """Does `t` share storage with one of `tensors` (strided ones; anything else shares nothing)?"""
-    if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+    """Does `t` share storage with one of `tensors` (strided ones; anything else shares nothing)? An empty
+    storage holds no memory to share: every one has address 0 (torch.export's lifted `torch.tensor([])` of a
+    KV cache, detached in place, would otherwise alias every other empty tensor)."""
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.untyped_storage().nbytes() == 0:
         return False
     storage = t.untyped_storage().data_ptr()
     return any(isinstance(o, torch.Tensor) and o.layout == torch.strided and o.untyped_storage().data_ptr() == storage

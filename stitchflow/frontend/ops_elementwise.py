@@ -390,6 +390,7 @@ lowering(
     "method:contiguous", "method:clone", "method:detach", "method:cpu", "method:cuda", torch.clone,
     "aten.clone", "aten.contiguous", "aten.alias", "aten.detach", "aten.lift_fresh_copy",
     "aten.detach_",  # torch.export writes a torch.tensor(...) constant as lift_fresh_copy, then detach_
+    "method:detach_", "method:requires_grad_",  # registry.VALUES_UNCHANGED: no value is written
 )(_identity)
 
 

@@ -73,9 +73,16 @@ IN_PLACE_OPERATORS = frozenset({
     operator.imatmul})
 
 
+# In-place by name and schema, but they change only autograd's view of the tensor, never its values:
+# torch.export writes a torch.tensor(...) made in the forward as lift_fresh_copy, then detach_.
+VALUES_UNCHANGED = frozenset({"aten.detach_", "method:detach_", "method:requires_grad_"})
+
+
 def is_inplace(node: fx.Node) -> bool:
     """Does the node write its first argument (x.add_(y), x += y, torch.relu_(x), aten.add_)? The
-    operator module's and_, or_ and not_ are pure despite their names."""
+    operator module's and_, or_ and not_ are pure despite their names, and x.detach_() writes no value."""
+    if node.op in ("call_method", "call_function") and key_of(node) in VALUES_UNCHANGED:
+        return False
     if node.op == "call_method":
         name = node.target if isinstance(node.target, str) else ""
         return name == "__setitem__" or (name.endswith("_") and not name.endswith("__"))

@@ -147,3 +147,41 @@ def test_functional_rms_norm_is_lowered():
     f = lambda x: F.rms_norm(x, (16,), w, 1e-6) * 2  # noqa: E731
     assert_close(torch.compile(f, backend="stitchflow")(x), f(x))
     assert backend.FALLBACKS == [], backend.fallback_report()
+
+
+class _EmptyCacheStart(nn.Module):
+    def forward(self, x):
+        return torch.cat([torch.tensor([]), x.flatten()]) * 2  # a key/value cache's empty start, as in transformers
+
+
+def test_an_exported_empty_constant_detached_in_place_is_a_constant():
+    """torch.export writes a torch.tensor(...) of the forward as lift_fresh_copy, then detach_: detach_ writes
+    no value, and an empty tensor shares memory with nothing (every empty storage has address 0, so it
+    'aliased' every other empty tensor, and GPT-2, Llama and OPT could not go through stitchflow.compile)."""
+    import stitchflow
+
+    x = torch.randn(3, 4)
+    gm = torch.export.export(_EmptyCacheStart(), (x,)).module()
+    assert any(n.target is torch.ops.aten.detach_.default for n in gm.graph.nodes)
+    prog = stitchflow.compile(gm, (x,))
+    y = torch.randn(3, 4)
+    assert_close(prog(y), _EmptyCacheStart()(y))
+
+
+def _detached_in_place(x):
+    x.detach_()  # eager would detach the caller's tensor; capture must not do it to the example value
+    y = x * 2
+    y.detach_()
+    return y + 1
+
+
+def test_detach_in_place_is_the_identity_and_leaves_the_caller_tensor_alone():
+    import stitchflow
+
+    x = torch.randn(2, 5, requires_grad=True)
+    prog = stitchflow.compile(_detached_in_place, (x,))
+    assert x.requires_grad  # capture ran detach_ on its own alias of the example value
+    with torch.no_grad():
+        assert_close(prog(x), x * 2 + 1)
+    assert_close(torch.compile(_detached_in_place, backend="stitchflow")(x.detach()), x.detach() * 2 + 1)
+    assert "detach_" not in backend.fallback_report()

@@ -124,6 +124,22 @@ def test_hugging_face_mlps_run_as_chains_through_the_backend(name, act, fresh_dy
             assert any(act in str(n.body) or (n.tag is not None and n.tag.kind == act) for n in nodes)
 
 
+@pytest.mark.parametrize("name,size", [("hf-gpt2", "small"), ("hf-llama", "small-padded")])
+def test_hugging_face_models_through_stitchflow_compile(name, size):
+    """stitchflow.compile exports the models (their key/value-cache constant detached in place) and the gpu target
+    runs them: GPT-2's MLPs as chains here too, equal to eager on fresh inputs."""
+    pytest.importorskip("transformers")
+    from stitchflow.apps import build_model
+
+    model, inputs = build_model(name, size)
+    prog = stitchflow.compile(model, inputs, target="gpu", fusion="auto")
+    _, fresh = build_model(name, size, seed=3)
+    with torch.no_grad():
+        assert rel_err(prog(*fresh), model(*fresh)) < TOL[torch.float32]
+    if name == "hf-gpt2":
+        assert len(chains_of(prog)) == 2
+
+
 @pytest.mark.parametrize("name", ["hf-gpt2", "hf-opt"])
 def test_hugging_face_training_steps_get_eagers_gradients(name, fresh_dynamo):
     """The rewrites run on AOTAutograd's forward and backward graphs too (every linear layer there is a GEMM over
