@@ -37,10 +37,15 @@ def _app_args(p: argparse.ArgumentParser) -> None:
 
 
 def _build(args):
-    from .apps import APPS
+    from .apps import APPS, HF_MODELS, build_hf
 
+    if args.app in HF_MODELS:  # whole transformers models: stitchflow.compile exports them
+        try:
+            return build_hf(args.app, args.size or "small", seed=args.seed)
+        except (ImportError, ValueError) as err:
+            raise SystemExit(f"stitchflow: {err}") from err
     if args.app not in APPS:
-        raise SystemExit(f"stitchflow: unknown app {args.app!r}; known: {', '.join(sorted(APPS))}")
+        raise SystemExit(f"stitchflow: unknown app {args.app!r}; known: {', '.join(sorted(APPS) + sorted(HF_MODELS))}")
     size = args.size or ("default" if args.dataset in (None, "cora") and args.app in ("gcn", "graphsage") else "small")
     return APPS[args.app].build(size=size, dataset=args.dataset, block=args.block, seed=args.seed)
 
@@ -67,14 +72,18 @@ def cmd_apps(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from .apps import APPS
+    from .apps import APPS, HF_MODELS
     from .apps.graphs import DATASETS
+    from .apps.hf import PADDED
 
     table = Table(title="stitchflow apps")
     for col in ("app", "sizes", "description"):
         table.add_column(col)
     for name, spec in sorted(APPS.items()):
         table.add_row(name, ", ".join(spec.sizes), spec.description)
+    for name, (architecture, configs, _) in sorted(HF_MODELS.items()):
+        table.add_row(name, ", ".join([*configs, *PADDED]), f"Hugging Face transformers' {architecture}, randomly "
+                      "initialised (needs transformers; padded sizes pass an attention_mask)")
     console = Console()
     console.print(table)
     console.print("datasets: " + ", ".join(sorted(DATASETS)))

@@ -95,3 +95,11 @@ def test_bench_suites_take_their_own_help(suite, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["bench", suite, "--help"])
     assert exit_.value.code == 0 and "usage:" in capsys.readouterr().out
+
+
+def test_app_verbs_take_the_hugging_face_models(capsys):
+    pytest.importorskip("transformers")
+    assert main(["run", "hf-llama", "--size", "small-padded", "--json"]) == 0
+    assert "hf-gpt2" in (main(["apps"]), capsys.readouterr().out)[1]
+    with pytest.raises(SystemExit, match="unknown size 'huge'"):
+        main(["show", "hf-opt", "--size", "huge"])
