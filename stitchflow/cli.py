@@ -285,8 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = verbs.add_parser("simulate", help="cycle-level simulation of an app on the dataflow target")
     _simulate.build_parser(p)
     p.set_defaults(fn=_simulate.run_args)
-    p = verbs.add_parser("bench", help="run a benchmark suite: stitching | blocks | chains | gnn | attention | training (GPU), "
-                                       "simulator (CPU)")
+    p = verbs.add_parser("bench", help="run a benchmark suite: stitching | blocks | chains | gnn | attention | "
+                                       "training (GPU), simulator (CPU)")
     p.add_argument("suite", help="stitching (memory-intensive patterns) | blocks (transformer blocks and Hugging Face "
                                  "models end to end) | chains (GEMM -> act -> GEMM) | gnn | attention | training | "
                                  "simulator")

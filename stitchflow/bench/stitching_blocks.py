@@ -88,8 +88,8 @@ def markdown(rows: list[dict], info: dict) -> str:
              "`fusion=\"auto\"`, its GEMM chains autotuned against cuBLAS, and each call of a gpu program replays "
              f"as one CUDA graph after warm-up. The median of {ROUNDS} rounds (the runners timed in turn) of "
              "medians over calls, L2 evicted clean before each (`targets/gpu/timing.py`), the GPU idle "
-             f"{stitching.COOLDOWN_S} s before each runner's timed calls (its clock drops at the power cap), all runners in "
-             "one process, "
+             f"{stitching.COOLDOWN_S} s before each runner's timed calls (its clock drops at the power cap), "
+             "all runners in one process, "
              "same inputs; every runner is checked against eager first (relative error ≤ 2e-2).", "",
              head, "|" + "---|" * 11]
     lines += app_table_rows(rows, RUNNERS, lambda r, worst: (

@@ -190,9 +190,9 @@ def markdown(rows: list[dict], info: dict) -> str:
              "options={\"attention\": False} (products and a softmax not rewritten into torch's fused attention). "
              "The median of "
              f"{ROUNDS} rounds (runners in turn) of medians over steps, L2 evicted clean before each, the GPU idle "
-             f"{stitching.COOLDOWN_S} s before each runner's timed steps (at the power cap its clock drops); output, input "
-             "and parameter gradients checked first, in half precision against the step in float64 (each tensor's "
-             "relative error ≤ 2e-2 or at most twice eager's; 'max rel. error' is against eager). The first step's wall "
+             f"{stitching.COOLDOWN_S} s before each runner's timed steps (at the power cap its clock drops); "
+             "output, input and parameter gradients checked first, in half precision against the step in float64 "
+             "(each tensor's relative error ≤ 2e-2 or at most twice eager's; 'max rel. error' is against eager). The first step's wall "
              "time includes compilation (stitchflow's autotuning too).", "",
              head, "|" + "---|" * 11]
     lines += app_table_rows(rows, RUNNERS, lambda r, worst: (
