@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..frontend.capture import LAYER_ELEMENTS
+
 # name: (architecture, {size: configuration}, {size: (batch, tokens)})
 HF_MODELS = {
     "hf-gpt2": ("GPT2LMHeadModel", {
@@ -51,6 +53,10 @@ class HFCall(nn.Module):
     """A transformers model called with `input_ids` (and an `attention_mask` where the batch is padded), returning
     its first output as a tensor (a causal LM's logits, an encoder's last hidden state): the form the zoo's
     benchmarks take."""
+
+    # per-layer ("partial") fusion: a layer is an element of the model's layer list (GPT-2's transformer.h.0,
+    # OPT's model.decoder.layers.0), whatever the wrappers around it
+    partial_depth = LAYER_ELEMENTS
 
     def __init__(self, model: nn.Module):
         super().__init__()

@@ -73,12 +73,20 @@ def _module_path(path) -> str:
     return path.replace("_modules['", "").replace("']", "").replace("['", ".")
 
 
-def layer_group(node: fx.Node, depth: int = 1) -> str:
+# partial_depth of a model whose layers are the elements of a container (transformers' `h.0`, `layers.3`) found at
+# different depths: the layer is the outermost module on the stack whose name ends in its index.
+LAYER_ELEMENTS = "elements"
+
+
+def layer_group(node: fx.Node, depth: int | str = 1) -> str:
     """The submodule call at `depth` on the node's module stack ("" for top-level code): the
     unit of per-layer ("partial") fusion. Containers (ModuleList) are never called, so
-    `decoders.0` is a layer; a model may set `partial_depth = 2` to split its layers further."""
+    `decoders.0` is a layer; a model may set `partial_depth = 2` to split its layers further, or
+    LAYER_ELEMENTS where its layers sit under wrappers (outside any, a node is top-level code)."""
     stack = [_module_path(path) for path, *_ in (node.meta.get("nn_module_stack") or {}).values()]
     stack = [p for p in stack if p]
+    if depth == LAYER_ELEMENTS:
+        return next((p for p in stack if p.rsplit(".", 1)[-1].isdigit()), "")
     if not stack:
         return ""
     return stack[min(depth, len(stack)) - 1]
@@ -99,7 +107,7 @@ def capture(
     *,
     input_formats: Mapping[Any, str | Format] | None = None,
     param_formats: Mapping[str, str | Format] | None = None,
-    partial_depth: int = 1,
+    partial_depth: int | str = 1,
 ) -> Captured:
     """Lower `gm` to IR. `input_formats` maps input positions or names to format names
     (e.g. {0: "dcsr"}); `param_formats` maps parameter paths (e.g. "layer1.weight") likewise.
@@ -112,7 +120,7 @@ def capture(
         return _capture(gm, example_inputs, input_formats, param_formats, partial_depth)
 
 
-def _capture(gm, example_inputs, input_formats, param_formats, partial_depth: int) -> Captured:
+def _capture(gm, example_inputs, input_formats, param_formats, partial_depth: int | str) -> Captured:
     input_formats = dict(input_formats or {})
     param_formats = dict(param_formats or {})
     b = GraphBuilder()

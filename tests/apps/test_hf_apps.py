@@ -59,3 +59,20 @@ def test_stitchflow_compile_takes_the_models_and_equals_eager(name, size):
         out, ref = prog(*fresh), model(*fresh)
     assert out.shape == ref.shape
     assert torch.allclose(out, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name,layers", [("hf-gpt2", "model.transformer.h"), ("hf-opt", "model.model.decoder.layers")])
+def test_partial_fusion_takes_one_region_per_transformer_layer(name, layers):
+    """Per-layer fusion finds the layers under transformers' wrappers (GPT-2's transformer.h.0 sits three calls deep,
+    OPT's decoder.layers.0 four): the code outside them (embeddings, final norm, head) is top-level code, which
+    joins the layer it finishes (regions.by_layer)."""
+    import stitchflow
+
+    model, inputs = build_model(name, "small")
+    prog = stitchflow.compile(model, inputs, fusion="partial")
+    assert {n.group for n in prog.graph.nodes} == {"", f"{layers}.0", f"{layers}.1"}
+    layer_regions = [r for r in prog.regions if prog.graph.node_of[r.nodes[0]].group.startswith(layers)]
+    assert len(layer_regions) == 2
+    assert all(len({prog.graph.node_of[n].group for n in r.nodes} - {""}) <= 1 for r in prog.regions)
+    with torch.no_grad():
+        assert torch.allclose(prog(*inputs), model(*inputs), rtol=1e-4, atol=1e-5)
