@@ -304,6 +304,9 @@ def run_args(args) -> int:
         kw["dataset"] = args.dataset
     if args.size:
         kw["size"] = args.size
+    if args.app not in APPS:
+        raise SystemExit(f"stitchflow: unknown app {args.app!r} for the dataflow simulator; known: "
+                         f"{', '.join(sorted(APPS))}")
     model, inputs = APPS[args.app].build(**kw)
     prog = stitchflow.compile(model, inputs, target="dataflow", fusion=args.fusion, options=options)
     res = simulate(prog, prog._bind(inputs), engine=args.engine, progress=not args.json,

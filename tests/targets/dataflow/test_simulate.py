@@ -185,3 +185,10 @@ def test_cli_reports_a_deadlock_as_an_error(capsys):
 
     assert main(["simulate", "gcn", "--dataset", "tiny", "--fusion", "partial", "--channel-depth", "8", "--json"]) == 2
     assert "channels of depth 8 deadlock" in capsys.readouterr().err
+
+
+def test_cli_names_an_app_the_simulator_does_not_know():
+    from stitchflow.cli import main
+
+    with pytest.raises(SystemExit, match="unknown app 'hf-bert' for the dataflow simulator; known: bert"):
+        main(["simulate", "hf-bert"])
