@@ -17,7 +17,6 @@ regions' (they run one after another), and so are its counters.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 
@@ -260,61 +259,3 @@ class _progress:
         if self.enabled:
             self.bar.__exit__(*exc)
         return False
-
-
-# ---------------------------------------------------------------- CLI
-
-def build_parser(p):
-    p.add_argument("app", help="an app of the zoo (stitchflow apps)")
-    p.add_argument("--dataset", default=None, help="dataset of a graph app (cora, ...) or a size (small, default)")
-    p.add_argument("--size", default=None, help="app size: small | default")
-    p.add_argument("--fusion", default="full", help="unfused | partial | full")
-    p.add_argument("--order", type=int, default=None, help="index into the legal dataflow orders")
-    p.add_argument("--par", action="append", default=[], metavar="LEVEL:P", help="parallel lanes at a level")
-    p.add_argument("--block", type=int, default=None, help="sparsity blocking b (16, 32, 64)")
-    p.add_argument("--channel-depth", type=int, default=None, help="bounded channels (default unbounded)")
-    p.add_argument("--memory-model", action="store_true", help="round-robin memory channels")
-    p.add_argument("--engine", choices=list(ENGINES), default="fast",
-                   help="fast: closed forms (compiled stepping with bounded channels); stepped: compiled "
-                        "stepping always; reference: Python stepping (small graphs)")
-    p.add_argument("--json", action="store_true", help="print JSON")
-    return p
-
-
-def main(argv=None) -> int:
-    import argparse
-
-    args = build_parser(argparse.ArgumentParser(prog="stitchflow simulate")).parse_args(argv)
-    return run_args(args)
-
-
-def run_args(args) -> int:
-    import stitchflow
-    from stitchflow.apps import APPS
-
-    options = {}
-    if args.order is not None:
-        options["order"] = args.order
-    if args.par:
-        options["par"] = {lv: int(n) for lv, n in (x.split(":") for x in args.par)}
-    if args.block:
-        options["block"] = args.block
-    kw = {}
-    if args.dataset:
-        kw["dataset"] = args.dataset
-    if args.size:
-        kw["size"] = args.size
-    if args.app not in APPS:
-        raise SystemExit(f"stitchflow: unknown app {args.app!r} for the dataflow simulator; known: "
-                         f"{', '.join(sorted(APPS))}")
-    model, inputs = APPS[args.app].build(**kw)
-    prog = stitchflow.compile(model, inputs, target="dataflow", fusion=args.fusion, options=options)
-    res = simulate(prog, prog._bind(inputs), engine=args.engine, progress=not args.json,
-                   channel_depth=args.channel_depth, memory_model=args.memory_model)
-    if args.json:
-        print(json.dumps(res.as_dict(), indent=1))
-    else:
-        print(f"{args.app} {args.fusion}: {res.cycles:,} cycles, {res.flops:,} FLOPs, {res.bytes:,} bytes, "
-              f"{res.tokens / max(res.seconds, 1e-9) / 1e6:.1f} M tokens/s ({res.seconds:.1f} s)")
-        print(res)
-    return 0
