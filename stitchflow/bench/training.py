@@ -20,6 +20,7 @@ import argparse
 import copy
 import functools
 import json
+import re
 import statistics
 import sys
 import time
@@ -202,8 +203,18 @@ def markdown(rows: list[dict], info: dict) -> str:
     for r in rows:
         parts = r.get("backend=stitchflow eager parts")
         if parts:
-            lines.append(f"\n{r['app']}: ran eagerly under stitchflow: " + "; ".join(p[:160] for p in parts))
+            lines.append(f"\n{r['app']}: ran eagerly under stitchflow: " + "; ".join(_grouped_fallbacks(parts)))
     return "\n".join(lines) + "\n"
+
+
+def _grouped_fallbacks(parts: list[str]) -> list[str]:
+    """The backend's fallback reasons with the node names taken out, each once with its count: a
+    CNN's twenty `convolution_backward` nodes are one line, not twenty."""
+    counts: dict[str, int] = {}
+    for part in parts:
+        reason = re.sub(r" \(\w+\):", ":", part, count=1)[:160]
+        counts[reason] = counts.get(reason, 0) + 1
+    return [reason if n == 1 else f"{reason} ({n} nodes)" for reason, n in counts.items()]
 
 
 def main(argv=None) -> int:

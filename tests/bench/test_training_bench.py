@@ -51,7 +51,15 @@ def test_markdown_reports_steps_ratios_and_what_ran_eagerly():
     assert text.startswith(training.SECTION)
     assert ("| bert | 1x512x768 | 1200 | 900 | 750 | 1500 | - | **1.60x faster** | **1.20x faster** | 3.0e-03 | 41.5 / 63.2 |"
             in text)
-    assert "bert: ran eagerly under stitchflow: backward graph: aten.foo" in text
+    assert "bert: ran eagerly under stitchflow: backward graph: aten.foo: no lowering to the IR" in text
+
+
+def test_markdown_counts_repeated_fallbacks_once():
+    parts = [f"backward graph: aten.convolution_backward.default (convolution_backward_{i}): no lowering to the IR"
+             for i in range(20)] + ["forward graph: aten.foo.default (foo): no lowering to the IR"]
+    assert training._grouped_fallbacks(parts) == [
+        "backward graph: aten.convolution_backward.default: no lowering to the IR (20 nodes)",
+        "forward graph: aten.foo.default: no lowering to the IR"]
 
 
 def test_a_chosen_runner_is_checked_against_eager_alone():
