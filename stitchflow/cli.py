@@ -37,7 +37,7 @@ def _app_args(p: argparse.ArgumentParser) -> None:
 
 
 def _build(args):
-    from .apps import APPS, HF_MODELS, build_hf
+    from .apps import APPS, HF_MODELS, build_hf, default_size
 
     if args.app in HF_MODELS:  # whole transformers models: stitchflow.compile exports them
         try:
@@ -46,8 +46,8 @@ def _build(args):
             raise SystemExit(f"stitchflow: {err}") from err
     if args.app not in APPS:
         raise SystemExit(f"stitchflow: unknown app {args.app!r}; known: {', '.join(sorted(APPS) + sorted(HF_MODELS))}")
-    size = args.size or ("default" if args.dataset in (None, "cora") and args.app in ("gcn", "graphsage") else "small")
-    return APPS[args.app].build(size=size, dataset=args.dataset, block=args.block, seed=args.seed)
+    return APPS[args.app].build(size=default_size(args.app, args.size, args.dataset), dataset=args.dataset,
+                                block=args.block, seed=args.seed)
 
 
 def _formats(items: Sequence[str]) -> dict:
@@ -190,6 +190,66 @@ def cmd_explain(args) -> int:
     return 0
 
 
+_EXPLORE_HELP = """Design-space exploration (FuseFlow): granularities x dataflow orders x parallel factors x block
+sizes x hoisting, pruned by the static estimate, survivors evaluated in parallel (simulated on the
+dataflow target). Writes the table as CSV and JSON, and the speedups over unfused as a PNG.
+
+    stitchflow explore gcn --dataset cora --orders --par 1 4 --block 16 32
+"""
+
+
+def _explore_args(p: argparse.ArgumentParser) -> None:
+    from .planner.prune import COST_FACTOR, PRUNE_FACTOR
+
+    p.add_argument("app", help="app name (see `stitchflow apps`)")
+    p.add_argument("--dataset", default=None, help="graph dataset for GNN apps (cora, tiny, karate, ...)")
+    p.add_argument("--size", default=None, help="app size (small, default, or a preset)")
+    p.add_argument("--target", default="dataflow", choices=("dataflow", "gpu"))
+    p.add_argument("--orders", nargs="*", default=None, metavar="K",
+                   help="dataflow orders to sweep: indices into each region's legal orders; "
+                        "the flag alone sweeps 0..3 as well as the best order")
+    p.add_argument("--par", nargs="+", default=["1"], metavar="PAR",
+                   help="parallel factors: 1, 4 (i), 4x4 (i and j nested), or i=4,k=4")
+    p.add_argument("--block", nargs="+", type=int, default=None, metavar="B",
+                   help="sparsity block sizes to sweep (for gpt3-bigbird also the mask's block)")
+    p.add_argument("--executor", default=None, metavar="ADDR", help="tcp://scheduler:port for a Dask cluster")
+    p.add_argument("--out", default="explore_out", help="directory for the CSV, JSON and PNG")
+    p.add_argument("--factor", type=float, default=PRUNE_FACTOR, help="pruning factor over unfused FLOPs/bytes")
+    p.add_argument("--cost-factor", type=float, default=COST_FACTOR,
+                   help="pruning factor over the unfused static cost (cycles or seconds)")
+    p.add_argument("--streamed", nargs="*", default=["full"], metavar="GRAN",
+                   help="granularities also run with hoist=False (FuseFlow's streamed recomputation); "
+                        "default: full; the flag alone: none")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def cmd_explore(args) -> int:
+    from rich.console import Console
+
+    from .apps.explore import explore
+    from .planner.explore import parse_par
+    from .planner.report import render_table
+
+    orders: list = [None]
+    if args.orders is not None:
+        orders += [int(k) for k in args.orders] if args.orders else [0, 1, 2, 3]
+    blocks = args.block or [None]
+    app_block = args.block[0] if args.block and args.app == "gpt3-bigbird" else None
+    result = explore(args.app, dataset=args.dataset, target=args.target, orders=orders,
+                     par=[parse_par(p) for p in args.par], blocks=blocks, executor=args.executor,
+                     out_dir=args.out, size=args.size, seed=args.seed, factor=args.factor, app_block=app_block,
+                     streamed=args.streamed, cost_factor=args.cost_factor)
+    console = Console()
+    if not console.is_terminal:  # a log or a pipe: do not fold the table into 80 columns
+        console = Console(width=220)
+    console.print(render_table(result))
+    for note in result.notes:
+        console.print(f"note: {note}")
+    for path in result.files:
+        console.print(f"wrote {path}")
+    return 0
+
+
 def _simulate_args(p: argparse.ArgumentParser) -> None:
     from .targets.dataflow.simulate import ENGINES
 
@@ -328,11 +388,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-profile", default=None, metavar="NAME",
                    help="gpu target: rank chain plans for this GPU (e.g. 'H100', 'H200'; default: this machine's)")
     p.set_defaults(fn=cmd_explain)
-    from .planner import explore as _explore
-
-    p = verbs.add_parser("explore", help="design-space exploration: granularities x orders x parallel factors x blocks")
-    _explore.build_parser(p)
-    p.set_defaults(fn=_explore.run_args)
+    p = verbs.add_parser("explore", help="design-space exploration: granularities x orders x parallel factors x blocks",
+                         description=_EXPLORE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _explore_args(p)
+    p.set_defaults(fn=cmd_explore)
     p = verbs.add_parser("simulate", help="cycle-level simulation of an app on the dataflow target")
     _simulate_args(p)
     p.set_defaults(fn=cmd_simulate)

@@ -168,6 +168,12 @@ APPS: dict[str, AppSpec] = {spec.name: spec for spec in (
 )}
 
 
+def default_size(app: str, size: str | None = None, dataset: str | None = None) -> str:
+    """The size the command line's verbs build when none is given: GNNs on Cora at the paper's
+    size, every other app at "small"."""
+    return size or ("default" if app in ("gcn", "graphsage") and dataset in (None, "cora") else "small")
+
+
 def build_model(name: str, size: str = "small", seed: int = 0, dtype: torch.dtype = torch.float32) -> Built:
     """Any model the benchmarks take: an app of the zoo (APPS), or a Hugging Face model (HF_MODELS: whole models
     written by others, which torch.fx's symbolic tracing does not take, so they are not apps of the zoo)."""
@@ -185,5 +191,5 @@ __all__ = [
     "GPT3_PRESETS", "QKVProjection", "BlockSparseAttention", "OutputAndFFN", "BertBlock",
     "LlamaBlock", "RMSNorm", "RotaryEmbedding", "rotate_half", "BERT_PRESETS",
     "LLAMA_PRESETS", "bert_preset", "llama_preset", "RESNET_PRESETS", "ResNet", "UNET_PRESETS", "UNet",
-    "HF_MODELS", "HFCall", "build_hf", "build_model",
+    "HF_MODELS", "HFCall", "build_hf", "build_model", "default_size",
 ]

@@ -1,7 +1,12 @@
 """Design-space exploration (FuseFlow): granularities x dataflow orders x parallel factors x block
 sizes x hoisting, pruned by the static estimate, survivors evaluated in parallel.
 
-    result = explore("gcn", dataset="cora", orders=[None, 0, 1], par=[{}, {0: 4}], blocks=[None, 16])
+    result = explore("gcn", build, dataset="cora", orders=[None, 0, 1], par=[{}, {0: 4}], blocks=[None, 16])
+
+`build(app, size=, dataset=, block=, seed=)` returns (model, example inputs): the planner knows no
+models, so the caller hands it the one it explores (`stitchflow.apps.explore.explore` hands it the
+app zoo's; `stitchflow explore` on the command line goes through that). Workers rebuild the model
+from the same key, so `build` must be a module-level function (it is pickled by name).
 
 Granularities: unfused, per layer, full, the planner's candidate plans ("ilp hoisted #k" and
 "ilp streamed #k": the k best plans of the integer program under the static model with and
@@ -28,14 +33,14 @@ import os
 from concurrent.futures import Executor, ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from ..ir.errors import StitchflowError
 from .auto import auto_candidates
 from .cost import Estimate, model_for
 from .granularity import granularities, partition_key
 from .prune import COST_FACTOR, PRUNE_FACTOR, prune
-from .report import Row, render_table, write_csv, write_json, write_plot
+from .report import Row, write_csv, write_json, write_plot
 
 
 STANDARD = ("unfused", "per-layer", "full")
@@ -43,13 +48,15 @@ STANDARD = ("unfused", "per-layer", "full")
 
 @dataclass(frozen=True)
 class AppKey:
-    """What a worker needs to rebuild the app: it is cheaper to capture again than to ship it."""
+    """What a worker needs to rebuild the app: it is cheaper to capture again than to ship it.
+    `build(app, size=, dataset=, block=, seed=)` returns (model, example inputs)."""
 
     app: str
-    size: str
+    size: str | None
     dataset: str | None = None
     block: int | None = None
     seed: int = 0
+    build: Callable | None = field(default=None, repr=False)
 
     def __str__(self) -> str:
         return f"{self.app}[{self.size}{', ' + self.dataset if self.dataset else ''}]"
@@ -115,12 +122,12 @@ class ExploreResult:
 @functools.lru_cache(maxsize=4)
 def load_app(key: AppKey):
     """(captured program, example inputs, densities) of an app, once per process."""
-    from ..apps import APPS
     from ..program import capture_model
 
-    if key.app not in APPS:
-        raise StitchflowError(f"unknown app {key.app!r}; known: {', '.join(sorted(APPS))}")
-    model, inputs = APPS[key.app].build(size=key.size, dataset=key.dataset, block=key.block, seed=key.seed)
+    if key.build is None:
+        raise StitchflowError(f"exploring {key.app!r} needs build=, a function that makes its model and inputs "
+                              f"(stitchflow.apps.explore.explore passes the app zoo's)")
+    model, inputs = key.build(key.app, size=key.size, dataset=key.dataset, block=key.block, seed=key.seed)
     captured = capture_model(model, inputs, None)
     values = dict(captured.param_values)
     values.update(zip(captured.graph.inputs, [x for x in inputs if hasattr(x, "layout")]))
@@ -277,16 +284,15 @@ def _refusals(key: AppKey, target: str, configs: list[Config]) -> dict[Config, s
     return out
 
 
-def explore(app: str, dataset: str | None = None, target: str = "dataflow", orders: Sequence = (None,),
+def explore(app: str, build: Callable, dataset: str | None = None, target: str = "dataflow", orders: Sequence = (None,),
             par: Sequence[Mapping] = ({},), blocks: Sequence = (None,), executor=None,
             out_dir: str | Path | None = "explore_out", size: str | None = None, seed: int = 0,
             factor: float = PRUNE_FACTOR, progress: bool = True, app_block: int | None = None,
             streamed: Sequence[str] = ("full",), cost_factor: float = COST_FACTOR) -> ExploreResult:
-    """Sweep the design space of `app` (see the module docstring); write CSV, JSON and a PNG of
-    the speedup over unfused to `out_dir` (None: write nothing)."""
-    # as the CLI's other verbs: GNNs default to Cora at the paper's size, other apps to "small"
-    size = size or ("default" if app in ("gcn", "graphsage") and dataset in (None, "cora") else "small")
-    key = AppKey(app, size, dataset, app_block, seed)
+    """Sweep the design space of `app`, whose model and inputs `build` makes (see the module
+    docstring); write CSV, JSON and a PNG of the speedup over unfused to `out_dir` (None: write
+    nothing)."""
+    key = AppKey(app, size, dataset, app_block, seed, build)
     configs, notes, auto_keys = configurations(key, target, list(orders), list(par), list(blocks), tuple(streamed))
     refused = _refusals(key, target, configs)
     configs = [c for c in configs if c not in refused]
@@ -315,7 +321,7 @@ def explore(app: str, dataset: str | None = None, target: str = "dataflow", orde
     rows += [Row(str(c), c.name, len(c.groups), "best" if c.order is None else str(c.order),
                  "x".join(str(w) for _, w in c.par) or "1", c.block or 0, 0.0, 0.0, 0.0, None, None, "-",
                  "refused", why) for c, why in refused.items()]
-    files = _write(rows, out_dir, f"{app}-{dataset or size}-{target}") if out_dir else ()
+    files = _write(rows, out_dir, f"{app}-{dataset or size or 'default'}-{target}") if out_dir else ()
     return ExploreResult(app, dataset, target, tuple(rows), tuple(files), tuple(notes))
 
 
@@ -390,63 +396,3 @@ def parse_par(text: str) -> dict:
         return {var.strip(): int(w) for var, w in pairs if int(w) > 1}
     widths = [int(w) for w in text.lower().split("x")]
     return {var: w for var, w in zip("ijkl", widths) if w > 1}
-
-
-def build_parser(parser=None):
-    import argparse
-
-    p = parser or argparse.ArgumentParser(prog="stitchflow explore", description=__doc__,
-                                          formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("app", help="app name (see `stitchflow apps`)")
-    p.add_argument("--dataset", default=None, help="graph dataset for GNN apps (cora, tiny, karate, ...)")
-    p.add_argument("--size", default=None, help="app size (small, default, or a preset)")
-    p.add_argument("--target", default="dataflow", choices=("dataflow", "gpu"))
-    p.add_argument("--orders", nargs="*", default=None, metavar="K",
-                   help="dataflow orders to sweep: indices into each region's legal orders; "
-                        "the flag alone sweeps 0..3 as well as the best order")
-    p.add_argument("--par", nargs="+", default=["1"], metavar="PAR",
-                   help="parallel factors: 1, 4 (i), 4x4 (i and j nested), or i=4,k=4")
-    p.add_argument("--block", nargs="+", type=int, default=None, metavar="B",
-                   help="sparsity block sizes to sweep (for gpt3-bigbird also the mask's block)")
-    p.add_argument("--executor", default=None, metavar="ADDR", help="tcp://scheduler:port for a Dask cluster")
-    p.add_argument("--out", default="explore_out", help="directory for the CSV, JSON and PNG")
-    p.add_argument("--factor", type=float, default=PRUNE_FACTOR, help="pruning factor over unfused FLOPs/bytes")
-    p.add_argument("--cost-factor", type=float, default=COST_FACTOR,
-                   help="pruning factor over the unfused static cost (cycles or seconds)")
-    p.add_argument("--streamed", nargs="*", default=["full"], metavar="GRAN",
-                   help="granularities also run with hoist=False (FuseFlow's streamed recomputation); "
-                        "default: full; the flag alone: none")
-    p.add_argument("--seed", type=int, default=0)
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return run_args(args)
-
-
-def run_args(args) -> int:
-    from rich.console import Console
-
-    orders: list = [None]
-    if args.orders is not None:
-        orders += [int(k) for k in args.orders] if args.orders else [0, 1, 2, 3]
-    blocks = args.block or [None]
-    app_block = args.block[0] if args.block and args.app == "gpt3-bigbird" else None
-    result = explore(args.app, dataset=args.dataset, target=args.target, orders=orders,
-                     par=[parse_par(p) for p in args.par], blocks=blocks, executor=args.executor,
-                     out_dir=args.out, size=args.size, seed=args.seed, factor=args.factor, app_block=app_block,
-                     streamed=args.streamed, cost_factor=args.cost_factor)
-    console = Console()
-    if not console.is_terminal:  # a log or a pipe: do not fold the table into 80 columns
-        console = Console(width=220)
-    console.print(render_table(result))
-    for note in result.notes:
-        console.print(f"note: {note}")
-    for path in result.files:
-        console.print(f"wrote {path}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

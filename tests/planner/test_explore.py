@@ -7,8 +7,13 @@ import csv
 import json
 
 import pytest
+import torch
 
-from stitchflow.planner.explore import Config, explore, main, parse_par
+from stitchflow.apps.explore import explore
+from stitchflow.cli import main
+from stitchflow.ir.errors import StitchflowError
+from stitchflow.planner import explore as planner_explore
+from stitchflow.planner.explore import Config, parse_par
 
 SWEEP = dict(dataset=None, size="small", target="dataflow", orders=(None, 0), par=({}, {"i": 4}), blocks=(None,))
 
@@ -99,12 +104,10 @@ def test_cli_main_and_knob_parsing(tmp_path, capsys):
     assert Config("auto", (("a",),), 1, ((0, 4),), 16).options == {"order": 1, "par": {0: 4}, "block": 16}
     from concurrent.futures import ThreadPoolExecutor
 
-    import stitchflow.planner.explore as ex
-
     with ThreadPoolExecutor(2) as pool:  # in-process: the CLI path without spawning workers
-        result = ex.explore("sae", size="small", executor=pool, out_dir=tmp_path, progress=False)
+        result = explore("sae", size="small", executor=pool, out_dir=tmp_path, progress=False)
     assert result.rows and all(r.status in ("ok", "pruned", "refused") for r in result.rows)
-    assert main(["sae", "--size", "small", "--out", str(tmp_path), "--par", "1", "2"]) == 0
+    assert main(["explore", "sae", "--size", "small", "--out", str(tmp_path), "--par", "1", "2"]) == 0
     assert "evaluated by" in capsys.readouterr().out
 
 
@@ -115,3 +118,34 @@ def test_auto_is_no_worse_on_the_sparse_autoencoder():
     (auto, best), = _auto_against_baselines(result).values()
     assert auto <= best * (1 + 1e-9)
     assert any(n.startswith("static model calibrated on 5 simulated configurations") for n in result.notes)
+
+
+class TwoLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return torch.softmax(self.b(torch.relu(self.a(x))), dim=-1)
+
+
+def build_two_layers(app, *, size, dataset, block, seed):
+    torch.manual_seed(seed)
+    return TwoLayers().eval(), (torch.randn(5, 8),)
+
+
+def test_the_planner_explores_any_model_its_caller_builds(tmp_path):
+    """The planner knows no app zoo: it sweeps whatever model `build` makes, and says so when none is given."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        result = planner_explore.explore("two-layers", build_two_layers, size="any", executor=pool, out_dir=None,
+                                         progress=False)
+    assert {"unfused", "full"} <= {r.granularity for r in result.rows if r.status == "ok"}
+    with pytest.raises(StitchflowError, match="needs build="):
+        planner_explore.explore("two-layers", None, out_dir=None, progress=False)
+
+
+def test_an_unknown_app_is_named(tmp_path):
+    with pytest.raises(StitchflowError, match="unknown app 'nope'"):
+        explore("nope", out_dir=None, progress=False)
