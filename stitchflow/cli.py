@@ -227,8 +227,8 @@ def cmd_explore(args) -> int:
     from rich.console import Console
 
     from .apps.explore import explore
-    from .planner.explore import parse_par
-    from .planner.report import render_table
+    from .explore import parse_par
+    from .explore.report import render_table
 
     orders: list = [None]
     if args.orders is not None:

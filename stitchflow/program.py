@@ -79,8 +79,13 @@ class Program:
 
     def _forward(self, inputs):
         if self._replay is not None and self._replay.applies(inputs):
-            return rebuild_outputs(self.captured, self._replay(inputs))
-        return rebuild_outputs(self.captured, self._run(self._bind(inputs)))
+            return self.outputs_of(self._replay(inputs))
+        return self.outputs_of(self._run(self._bind(inputs)))
+
+    def outputs_of(self, env: Mapping[str, torch.Tensor]):
+        """The caller's outputs, in the structure the model returns them, from the graph's values in
+        `env` (what a call returns; a target's simulator uses it too)."""
+        return rebuild_outputs(self.captured, env)
 
     def grad_params(self) -> list:
         """The reference model's parameters that autograd tracks now (the list of parameters is

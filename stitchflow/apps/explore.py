@@ -1,13 +1,13 @@
-"""Design-space exploration of the app zoo: the planner's sweep (`planner.explore`) over a model of
-APPS, which workers rebuild from its key with `build_app`.
+"""Design-space exploration of the app zoo: the sweep of `stitchflow.explore` over a model of APPS,
+which workers rebuild from its key with `build_app`.
 
     result = explore("gcn", dataset="cora", orders=[None, 0, 1], par=[{}, {"i": 4}], blocks=[None, 16])
 """
 
 from __future__ import annotations
 
+from .. import explore as sweep
 from ..ir.errors import StitchflowError
-from ..planner import explore as planner_explore
 
 
 def build_app(app: str, *, size: str | None, dataset: str | None, block: int | None, seed: int):
@@ -20,8 +20,8 @@ def build_app(app: str, *, size: str | None, dataset: str | None, block: int | N
     return APPS[app].build(size=default_size(app, size, dataset), dataset=dataset, block=block, seed=seed)
 
 
-def explore(app: str, dataset: str | None = None, size: str | None = None, **options) -> planner_explore.ExploreResult:
-    """`planner.explore.explore` over the zoo's `app` (options: its keyword arguments)."""
+def explore(app: str, dataset: str | None = None, size: str | None = None, **options) -> sweep.ExploreResult:
+    """`stitchflow.explore.explore` over the zoo's `app` (options: its keyword arguments)."""
     from . import default_size
 
-    return planner_explore.explore(app, build_app, dataset=dataset, size=default_size(app, size, dataset), **options)
+    return sweep.explore(app, build_app, dataset=dataset, size=default_size(app, size, dataset), **options)

@@ -230,12 +230,9 @@ def simulate(prog, env: dict, engine: str = "fast", progress: bool = False, **ti
 
 
 def _outputs(prog, env):
-    try:
-        from ...program import rebuild_outputs
-
-        return rebuild_outputs(prog.captured, env)
-    except (ImportError, AttributeError):
-        return {name: env[name] for name in prog.graph.outputs}
+    """The outputs as the program's call returns them (Program.outputs_of), else by graph name."""
+    outputs_of = getattr(prog, "outputs_of", None)
+    return outputs_of(env) if outputs_of else {name: env[name] for name in prog.graph.outputs}
 
 
 class _progress:

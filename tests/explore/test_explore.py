@@ -12,8 +12,8 @@ import torch
 from stitchflow.apps.explore import explore
 from stitchflow.cli import main
 from stitchflow.ir.errors import StitchflowError
-from stitchflow.planner import explore as planner_explore
-from stitchflow.planner.explore import Config, parse_par
+from stitchflow import explore as sweep
+from stitchflow.explore import Config, parse_par
 
 SWEEP = dict(dataset=None, size="small", target="dataflow", orders=(None, 0), par=({}, {"i": 4}), blocks=(None,))
 
@@ -134,16 +134,16 @@ def build_two_layers(app, *, size, dataset, block, seed):
     return TwoLayers().eval(), (torch.randn(5, 8),)
 
 
-def test_the_planner_explores_any_model_its_caller_builds(tmp_path):
-    """The planner knows no app zoo: it sweeps whatever model `build` makes, and says so when none is given."""
+def test_the_sweep_explores_any_model_its_caller_builds(tmp_path):
+    """The sweep knows no app zoo: it explores whatever model `build` makes, and says so when none is given."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(2) as pool:
-        result = planner_explore.explore("two-layers", build_two_layers, size="any", executor=pool, out_dir=None,
+        result = sweep.explore("two-layers", build_two_layers, size="any", executor=pool, out_dir=None,
                                          progress=False)
     assert {"unfused", "full"} <= {r.granularity for r in result.rows if r.status == "ok"}
     with pytest.raises(StitchflowError, match="needs build="):
-        planner_explore.explore("two-layers", None, out_dir=None, progress=False)
+        sweep.explore("two-layers", None, out_dir=None, progress=False)
 
 
 def test_an_unknown_app_is_named(tmp_path):

@@ -3,10 +3,12 @@ sizes x hoisting, pruned by the static estimate, survivors evaluated in parallel
 
     result = explore("gcn", build, dataset="cora", orders=[None, 0, 1], par=[{}, {0: 4}], blocks=[None, 16])
 
-`build(app, size=, dataset=, block=, seed=)` returns (model, example inputs): the planner knows no
+`build(app, size=, dataset=, block=, seed=)` returns (model, example inputs): the sweep knows no
 models, so the caller hands it the one it explores (`stitchflow.apps.explore.explore` hands it the
 app zoo's; `stitchflow explore` on the command line goes through that). Workers rebuild the model
-from the same key, so `build` must be a module-level function (it is pickled by name).
+from the same key, so `build` must be a module-level function (it is pickled by name). The sweep
+sits above the planner (whose plans and static model it prunes with) and `stitchflow.compile` (with
+which it builds and simulates each survivor).
 
 Granularities: unfused, per layer, full, the planner's candidate plans ("ilp hoisted #k" and
 "ilp streamed #k": the k best plans of the integer program under the static model with and
@@ -36,10 +38,10 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from ..ir.errors import StitchflowError
-from .auto import auto_candidates
-from .cost import Estimate, model_for
-from .granularity import granularities, partition_key
-from .prune import COST_FACTOR, PRUNE_FACTOR, prune
+from ..planner.auto import auto_candidates
+from ..planner.cost import Estimate, model_for
+from ..planner.granularity import granularities, partition_key
+from ..planner.prune import COST_FACTOR, PRUNE_FACTOR, prune
 from .report import Row, write_csv, write_json, write_plot
 
 
@@ -135,7 +137,7 @@ def load_app(key: AppKey):
 
 
 def _densities(key: AppKey, blocks: Sequence[int | None]):
-    from .stats import measure
+    from ..planner.stats import measure
 
     captured, _, values = load_app(key)
     return measure(captured.graph, values, blocks=tuple(b for b in blocks if b))
@@ -201,7 +203,7 @@ def evaluate(key: AppKey, target: str, config: Config, blocks=()) -> dict:
 
         captured, inputs, _ = load_app(key)
         regions = [list(g) for g in config.groups]
-        from .regions import ordered_regions
+        from ..planner.regions import ordered_regions
 
         prog = Program(captured, ordered_regions(captured.graph, regions), target, regions, config.options)
         sim = prog.simulate(*inputs)
@@ -270,7 +272,7 @@ def configurations(key: AppKey, target: str, orders, par, blocks, streamed=("ful
 
 def _refusals(key: AppKey, target: str, configs: list[Config]) -> dict[Config, str]:
     """Configurations with a region the target cannot run, with the target's reason."""
-    from .candidates import Legality
+    from ..planner.candidates import Legality
 
     captured, _, _ = load_app(key)
     legality = Legality(target)
