@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import sys
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -187,6 +188,27 @@ class _AsModule(torch.nn.Module):
         return self.fn(*args)
 
 
+def _register_output_pytrees(module: torch.nn.Module) -> None:
+    """transformers' models return their key/value caches (DynamicCache, EncoderDecoderCache), which
+    torch.export cannot flatten until they are registered as pytree nodes; transformers registers them
+    for its own exporter, with the helper of its version (once per class, so calling again is free)."""
+    if "transformers" not in sys.modules:
+        return
+    from transformers import PreTrainedModel
+
+    hf = next((m for m in module.modules() if isinstance(m, PreTrainedModel)), None)
+    if hf is None:
+        return
+    try:  # transformers >= 5.20
+        from transformers.exporters.exporter_dynamo import register_cache_pytrees_for_model
+    except ImportError:
+        from transformers.integrations.executorch import register_dynamic_cache_export_support
+
+        register_dynamic_cache_export_support()  # DynamicCache alone
+    else:
+        register_cache_pytrees_for_model(hf)
+
+
 def capture_model(model, example_inputs: Sequence[Any], formats: Mapping | None = None) -> Captured:
     """Trace with FX symbolic tracing (works with sparse inputs); if the model cannot be traced
     symbolically (data-dependent control flow), fall back to torch.export for dense inputs."""
@@ -199,7 +221,15 @@ def capture_model(model, example_inputs: Sequence[Any], formats: Mapping | None 
             raise StitchflowError(f"cannot trace the model symbolically ({err}); sparse inputs need a traceable model") from err
         log.info("symbolic tracing failed (%s); trying torch.export", err)
         module = model if isinstance(model, torch.nn.Module) else _AsModule(model)
-        gm = torch.export.export(module, tuple(example_inputs)).module()
+        _register_output_pytrees(module)
+        try:
+            gm = torch.export.export(module, tuple(example_inputs)).module()
+        except RuntimeError as export_err:
+            if "which is not a known type" not in str(export_err):
+                raise
+            raise StitchflowError(f"torch.export cannot flatten what the model returns ({export_err}). Register "
+                                  "that class with torch.utils._pytree.register_pytree_node, or compile a wrapper "
+                                  "that returns its tensors") from export_err
         param_formats = {k: v for k, v in param_formats.items() if hasattr(gm, k.split(".")[0])}
     depth = getattr(model, "partial_depth", 1)
     return capture(gm, example_inputs, input_formats=input_formats, param_formats=param_formats, partial_depth=depth)

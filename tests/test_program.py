@@ -173,3 +173,20 @@ def test_programs_differentiate_the_reference_where_autograd_records():
     assert third == 3
     (first.sum() + second).backward()
     torch.testing.assert_close(a.grad, (a > 0).float() * b + 1)
+
+
+class _Box:
+    def __init__(self, t):
+        self.t = t
+
+
+class _ReturnsABox(torch.nn.Module):
+    def forward(self, x):
+        if x.shape[0] > 2:  # a branch on a shape: symbolic tracing fails, torch.export takes over
+            return _Box(x * 2)
+        return _Box(x)
+
+
+def test_an_output_torch_export_cannot_flatten_is_named():
+    with pytest.raises(stitchflow.StitchflowError, match="cannot flatten what the model returns.*_Box"):
+        stitchflow.compile(_ReturnsABox(), (torch.ones(3),))

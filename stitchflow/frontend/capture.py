@@ -27,9 +27,13 @@ from .builder import GraphBuilder
 from .registry import (FACTORIES, LOWERINGS, VALUES_UNCHANGED, LowerCtx, bind_arguments, describe_target, early_refusal,
                        is_inplace, key_of)
 
-# In-place methods lower like their functional forms; capture rebinds the mutated value.
+# In-place methods and aten ops lower like their functional forms; capture rebinds the mutated value.
+# (torch.export keeps aten's in-place overloads, such as T5's aten.add_, in the graphs it hands over.)
 for _key, _fn in list(LOWERINGS.items()):
     if isinstance(_key, str) and _key.startswith("method:") and not _key.endswith("_"):
+        LOWERINGS.setdefault(_key + "_", _fn)
+    elif (isinstance(_key, str) and _key.startswith("aten.") and not _key.endswith("_")
+          and hasattr(torch.ops.aten, _key[5:] + "_")):
         LOWERINGS.setdefault(_key + "_", _fn)
 from .values import TensorValue
 
@@ -294,10 +298,13 @@ def _finish(b: GraphBuilder, out_node: fx.Node, env, real, names) -> Captured:
     example = fx.node.map_arg(out_node.args[0], real.__getitem__)
     pytree_info = getattr(out_node.graph._codegen, "pytree_info", None)  # torch.export flattens outputs
     if pytree_info is not None and pytree_info.out_spec is not None:
-        result = tree_unflatten(list(result), pytree_info.out_spec)
-        example = tree_unflatten(list(example), pytree_info.out_spec)
-    leaves, spec = tree_flatten(result)
-    example_leaves = tree_flatten(example)[0]
+        # already flat: keep export's own spec rather than rebuild the caller's objects around capture values
+        # and flatten them again (a key/value cache's flattening keeps what it holds in its spec)
+        leaves, spec, example_leaves = list(result), pytree_info.out_spec, list(example)
+        example = tree_unflatten(example_leaves, spec)
+    else:
+        leaves, spec = tree_flatten(result)
+        example_leaves = tree_flatten(example)[0]
     held = [t for k, t in real.items() if k.op in ("placeholder", "get_attr")]  # the graph's inputs and parameters
     outputs = []
     b.origin, b.group = "output", ""

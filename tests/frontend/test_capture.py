@@ -168,6 +168,27 @@ def test_an_exported_empty_constant_detached_in_place_is_a_constant():
     assert_close(prog(y), _EmptyCacheStart()(y))
 
 
+class _ExportedInPlace(nn.Module):
+    def forward(self, x, r):
+        h = torch.relu(x @ x.T)
+        h += r  # torch.export keeps aten.add_ on an intermediate (T5's residual adds)
+        h.mul_(0.5)
+        return h, x.sum()
+
+
+def test_exported_aten_in_place_ops_lower_like_their_functional_forms():
+    import stitchflow
+
+    x, r = torch.randn(5, 3), torch.randn(5, 5)
+    gm = torch.export.export(_ExportedInPlace(), (x, r)).module()
+    inplace = {n.target for n in gm.graph.nodes if n.op == "call_function" and n.target._schema.is_mutable}
+    assert inplace == {torch.ops.aten.add_.Tensor, torch.ops.aten.mul_.Tensor}
+    prog = stitchflow.compile(gm, (x, r))
+    x2, r2 = torch.randn(5, 3), torch.randn(5, 5)
+    for got, want in zip(prog(x2, r2), _ExportedInPlace()(x2, r2)):
+        assert_close(got, want)
+
+
 def _detached_in_place(x):
     x.detach_()  # eager would detach the caller's tensor; capture must not do it to the example value
     y = x * 2
