@@ -1,12 +1,15 @@
 """stitchflow.compile on transformers' models called as users call them: the key/value cache on, so that the
 model returns a DynamicCache (an EncoderDecoderCache for T5 and BART) beside its logits. The program returns
-the same structure, its cache holding the same keys and values as eager's. Skipped without transformers."""
+the same structure, its cache holding the same keys and values as eager's, on the reference target and on the gpu
+target (CUDA, or CPU tensors under TRITON_INTERPRET=1, as CI runs it). Skipped without transformers."""
+
+import os
 
 import pytest
 import torch
 
 import stitchflow
-from conftest import assert_close
+from conftest import assert_close, skip_unless_kernels_run
 
 T = pytest.importorskip("transformers")
 
@@ -24,12 +27,13 @@ MODELS = {  # name: (model, positional inputs: ids, [mask, [decoder ids]])
 }
 
 
-def _inputs(kinds: str, seed: int) -> tuple:
+def _inputs(kinds: str, seed: int, device: str) -> tuple:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, 256, (2, 12), generator=g)
     mask = torch.ones(2, 12, dtype=torch.long)
     mask[1, :4] = 0  # a left-padded second sequence
-    return {"ids": (ids,), "ids mask": (ids, mask), "ids mask decoder": (ids, mask, ids.flip(1))}[kinds]
+    inputs = {"ids": (ids,), "ids mask": (ids, mask), "ids mask decoder": (ids, mask, ids.flip(1))}[kinds]
+    return tuple(x.to(device) for x in inputs)
 
 
 def _caches(cache) -> list[torch.Tensor]:
@@ -39,14 +43,18 @@ def _caches(cache) -> list[torch.Tensor]:
     return [t for layer in cache.layers for t in (layer.keys, layer.values)]
 
 
+@pytest.mark.parametrize("target", ["reference", "gpu"])
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_a_model_with_its_cache_compiles_and_equals_eager(name):
+def test_a_model_with_its_cache_compiles_and_equals_eager(name, target):
+    skip_unless_kernels_run(target)
+    on_cuda = target == "gpu" and torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+    device = "cuda" if on_cuda else "cpu"
     torch.manual_seed(0)
     make, kinds = MODELS[name]
-    model = make().eval()
+    model = make().eval().to(device)
     with torch.no_grad():
-        prog = stitchflow.compile(model, _inputs(kinds, 1), fusion="auto")
-        fresh = _inputs(kinds, 2)
+        prog = stitchflow.compile(model, _inputs(kinds, 1, device), target=target, fusion="auto")
+        fresh = _inputs(kinds, 2, device)
         want, got = model(*fresh), prog(*fresh)
     assert type(got) is type(want) and type(got.past_key_values) is type(want.past_key_values)
     assert_close(got.logits, want.logits)
