@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import logging
 import sys
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -41,6 +42,7 @@ class Program:
         # the captured model or function: where autograd records, a backward differentiates it run
         # again eagerly (stitchflow.compile sets it; the torch.compile backend recomputes its own)
         self.reference = None
+        self.signature: CallSignature | None = None  # keyword inputs (stitchflow.compile's example_kwargs)
         self._parameters: list | None = None  # the reference's parameters (grad_params)
         self._prefetched = False  # whether the target's prefetch ran (before the first call's regions)
         refusals = [(r, self.target.check_region(self.graph, r)) for r in self.regions]
@@ -71,7 +73,12 @@ class Program:
         built to it: dataflow graphs, kernels, token counts)."""
         return tuple(self._compiled)
 
-    def __call__(self, *inputs):
+    def __call__(self, *inputs, **kwargs):
+        if self.signature is not None:
+            inputs = self.signature.flatten(inputs, kwargs)
+        elif kwargs:
+            raise StitchflowError(f"the program takes positional inputs only, called with keywords {', '.join(kwargs)} "
+                                  "(stitchflow.compile(..., example_kwargs=...) compiles a keyword call)")
         if self.reference is not None and torch.is_grad_enabled():
             needs = self.grad_params() + [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
             if needs:
@@ -209,49 +216,105 @@ def _register_output_pytrees(module: torch.nn.Module) -> None:
         register_cache_pytrees_for_model(hf)
 
 
-def capture_model(model, example_inputs: Sequence[Any], formats: Mapping | None = None) -> Captured:
+def capture_model(model, example_inputs: Sequence[Any], formats: Mapping | None = None,
+                  example_kwargs: Mapping[str, Any] | None = None) -> Captured:
     """Trace with FX symbolic tracing (works with sparse inputs); if the model cannot be traced
-    symbolically (data-dependent control flow), fall back to torch.export for dense inputs."""
+    symbolically (data-dependent control flow), fall back to torch.export for dense inputs. Keyword
+    inputs go to torch.export directly; the graph takes them after the positional ones, in their order."""
     input_formats, param_formats = _split_formats(model, formats)
-    model = _traceable(model, len(example_inputs))
-    try:
-        gm = symbolic_trace(model)
-    except Exception as err:  # tracing raises many kinds of errors; say which and try export
-        if any(isinstance(x, torch.Tensor) and x.layout != torch.strided for x in example_inputs):
-            raise StitchflowError(f"cannot trace the model symbolically ({err}); sparse inputs need a traceable model") from err
-        log.info("symbolic tracing failed (%s); trying torch.export", err)
-        module = model if isinstance(model, torch.nn.Module) else _AsModule(model)
-        _register_output_pytrees(module)
+    gm = None
+    if not example_kwargs:
+        model = _traceable(model, len(example_inputs))
         try:
-            gm = torch.export.export(module, tuple(example_inputs)).module()
-        except RuntimeError as export_err:
-            if "which is not a known type" not in str(export_err):
-                raise
-            raise StitchflowError(f"torch.export cannot flatten what the model returns ({export_err}). Register "
-                                  "that class with torch.utils._pytree.register_pytree_node, or compile a wrapper "
-                                  "that returns its tensors") from export_err
+            gm = symbolic_trace(model)
+        except Exception as err:  # tracing raises many kinds of errors; say which and try export
+            if any(isinstance(x, torch.Tensor) and x.layout != torch.strided for x in example_inputs):
+                raise StitchflowError(f"cannot trace the model symbolically ({err}); sparse inputs need a traceable "
+                                      "model") from err
+            log.info("symbolic tracing failed (%s); trying torch.export", err)
+    if gm is None:
+        gm = _export(model, example_inputs, example_kwargs)
+        example_inputs = (*example_inputs, *(example_kwargs or {}).values())
         param_formats = {k: v for k, v in param_formats.items() if hasattr(gm, k.split(".")[0])}
     depth = getattr(model, "partial_depth", 1)
     return capture(gm, example_inputs, input_formats=input_formats, param_formats=param_formats, partial_depth=depth)
 
 
-def compile(model_or_fn, example_inputs: Sequence[Any], *, target: str = "reference", fusion="unfused",
-            formats: Mapping | None = None, options: Mapping | None = None) -> Program:
-    """Capture `model_or_fn` on `example_inputs` and compile it for `target`.
+def _export(model, args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> torch.fx.GraphModule:
+    module = model if isinstance(model, torch.nn.Module) else _AsModule(model)
+    _register_output_pytrees(module)
+    try:
+        return torch.export.export(module, tuple(args), dict(kwargs) if kwargs else None).module()
+    except RuntimeError as export_err:
+        if "which is not a known type" not in str(export_err):
+            raise
+        raise StitchflowError(f"torch.export cannot flatten what the model returns ({export_err}). Register "
+                              "that class with torch.utils._pytree.register_pytree_node, or compile a wrapper "
+                              "that returns its tensors") from export_err
+
+
+def compile(model_or_fn, example_inputs: Sequence[Any] = (), *, example_kwargs: Mapping[str, Any] | None = None,
+            target: str = "reference", fusion="unfused", formats: Mapping | None = None,
+            options: Mapping | None = None) -> Program:
+    """Capture `model_or_fn` on `example_inputs` (and keyword inputs `example_kwargs`, as a
+    transformers model is called: input_ids=..., attention_mask=...) and compile it for `target`.
+    The program is called as the model was: the same positional inputs, the same keywords.
 
     fusion: "unfused" | "partial" | "full" | "auto" | a list of regions (each a list of node,
     torch-op or submodule names). formats: {input position or name, or parameter path: format
     name} such as {0: "dcsr"} or {"layer1.weight": "dcsr"}; see stitchflow.ir.types.FORMAT_NAMES.
     """
-    captured = capture_model(model_or_fn, example_inputs, formats)
+    captured = capture_model(model_or_fn, example_inputs, formats, example_kwargs)
+    flat = (*example_inputs, *(example_kwargs or {}).values())
     # the planner measures densities on the real tensors, and explain() reads the same values
     values = dict(captured.param_values) | {
-        name: x for name, x in zip(captured.graph.inputs, [x for x in example_inputs if isinstance(x, torch.Tensor)])}
+        name: x for name, x in zip(captured.graph.inputs, [x for x in flat if isinstance(x, torch.Tensor)])}
     regions = regions_for(captured.graph, fusion, target=target, values=values)
     prog = Program(captured, regions, target, fusion, options)
     prog.plan_values = values
     prog.reference = model_or_fn
+    if example_kwargs:
+        prog.signature = CallSignature(len(example_inputs), tuple(example_kwargs),
+                                       {k: v for k, v in example_kwargs.items() if not isinstance(v, torch.Tensor)})
+        prog.reference = _FlatCall(model_or_fn, prog.signature)
     return prog
+
+
+@dataclass(frozen=True)
+class CallSignature:
+    """How a program compiled with keyword inputs is called: `positional` inputs, then the keywords
+    `names`, which the graph takes after them in this order; `constants` are the keywords that are no
+    tensors (use_cache=False), fixed at compile time."""
+
+    positional: int
+    names: tuple[str, ...]
+    constants: Mapping[str, Any]
+
+    def flatten(self, inputs: tuple, kwargs: Mapping[str, Any]) -> tuple:
+        if len(inputs) != self.positional or set(kwargs) != set(self.names):
+            raise StitchflowError(f"the program was compiled for {self.positional} positional inputs and the keywords "
+                                  f"{', '.join(self.names)}; called with {len(inputs)} and "
+                                  f"{', '.join(kwargs) or 'none'}")
+        for name, value in self.constants.items():
+            if kwargs[name] != value:
+                raise StitchflowError(f"the program was compiled for {name}={value!r}, called with {kwargs[name]!r}")
+        return (*inputs, *(kwargs[name] for name in self.names))
+
+    def unflatten(self, flat: Sequence[Any]) -> tuple[tuple, dict]:
+        return tuple(flat[:self.positional]), dict(zip(self.names, flat[self.positional:]))
+
+
+class _FlatCall(torch.nn.Module):
+    """A model or function compiled with keyword inputs, called with the program's flat inputs (what
+    the recomputed backward runs again); its parameters are the model's."""
+
+    def __init__(self, model, signature: CallSignature):
+        super().__init__()
+        self.model, self.signature = model, signature
+
+    def forward(self, *flat):
+        args, kwargs = self.signature.unflatten(flat)
+        return self.model(*args, **kwargs)
 
 
 class _RecomputedBackward(torch.autograd.Function):

@@ -190,3 +190,44 @@ class _ReturnsABox(torch.nn.Module):
 def test_an_output_torch_export_cannot_flatten_is_named():
     with pytest.raises(stitchflow.StitchflowError, match="cannot flatten what the model returns.*_Box"):
         stitchflow.compile(_ReturnsABox(), (torch.ones(3),))
+
+
+class _Gated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(6, 6)
+
+    def forward(self, x, gate=None, scale_up=False):
+        y = self.proj(x) * torch.sigmoid(gate)
+        return y * 2 if scale_up else y
+
+
+def test_keyword_inputs_compile_and_the_program_is_called_as_the_model_is():
+    torch.manual_seed(0)
+    model, x, gate = _Gated(), torch.randn(3, 6), torch.randn(3, 6)
+    prog = stitchflow.compile(model, (x,), example_kwargs={"gate": gate, "scale_up": True}, fusion="full")
+    x2, gate2 = torch.randn(3, 6), torch.randn(3, 6)
+    with torch.no_grad():
+        assert_close(prog(x2, scale_up=True, gate=gate2), model(x2, gate=gate2, scale_up=True))
+    with pytest.raises(stitchflow.StitchflowError, match="compiled for scale_up=True, called with False"):
+        prog(x2, gate=gate2, scale_up=False)
+    with pytest.raises(stitchflow.StitchflowError, match="1 positional inputs and the keywords gate, scale_up; called "
+                                                         "with 2 and none"):
+        prog(x2, gate2)
+    plain = stitchflow.compile(model, (x, gate))
+    with pytest.raises(stitchflow.StitchflowError, match="positional inputs only, called with keywords gate"):
+        plain(x2, gate=gate2)
+
+
+def test_keyword_inputs_get_eagers_gradients():
+    """Where autograd records, the program's backward runs the model again with the same keywords."""
+    torch.manual_seed(0)
+    model, x, gate = _Gated(), torch.randn(3, 6), torch.randn(3, 6, requires_grad=True)
+    prog = stitchflow.compile(model, (x,), example_kwargs={"gate": gate, "scale_up": False})
+    prog(x, gate=gate, scale_up=False).square().sum().backward()
+    got = [gate.grad.clone(), *(p.grad.clone() for p in model.parameters())]
+    gate.grad = None
+    model.zero_grad()
+    model(x, gate=gate).square().sum().backward()
+    for g, w in zip(got, [gate.grad, *(p.grad for p in model.parameters())]):
+        assert_close(g, w)

@@ -63,3 +63,17 @@ def test_a_model_with_its_cache_compiles_and_equals_eager(name, target):
     for g, w in zip(got_kv, want_kv):
         assert_close(g, w)
     assert got.past_key_values.get_seq_length() == want.past_key_values.get_seq_length() == 12
+
+
+def test_a_model_called_with_keywords_compiles_with_them():
+    """transformers' models are called with keywords: compiled with example_kwargs, the program takes the same call."""
+    torch.manual_seed(0)
+    model = MODELS["llama"][0]().eval()
+    ids, mask = _inputs("ids mask", 1, "cpu")
+    with torch.no_grad():
+        prog = stitchflow.compile(model, example_kwargs=dict(input_ids=ids, attention_mask=mask, use_cache=False))
+        fresh, _ = _inputs("ids mask", 2, "cpu")
+        got = prog(input_ids=fresh, attention_mask=mask, use_cache=False)
+        want = model(input_ids=fresh, attention_mask=mask, use_cache=False)
+    assert got.past_key_values is None
+    assert_close(got.logits, want.logits)
