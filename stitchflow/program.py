@@ -191,8 +191,8 @@ class _AsModule(torch.nn.Module):
         super().__init__()
         self.fn = fn
 
-    def forward(self, *args):
-        return self.fn(*args)
+    def forward(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
 
 
 def _register_output_pytrees(module: torch.nn.Module) -> None:
@@ -206,9 +206,9 @@ def _register_output_pytrees(module: torch.nn.Module) -> None:
     hf = next((m for m in module.modules() if isinstance(m, PreTrainedModel)), None)
     if hf is None:
         return
-    try:  # transformers >= 5.20
+    try:  # recent transformers: every Cache subclass, and the model's own cache classes
         from transformers.exporters.exporter_dynamo import register_cache_pytrees_for_model
-    except ImportError:
+    except ImportError:  # older ones
         from transformers.integrations.executorch import register_dynamic_cache_export_support
 
         register_dynamic_cache_export_support()  # DynamicCache alone

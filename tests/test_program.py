@@ -231,3 +231,13 @@ def test_keyword_inputs_get_eagers_gradients():
     model(x, gate=gate).square().sum().backward()
     for g, w in zip(got, [gate.grad, *(p.grad for p in model.parameters())]):
         assert_close(g, w)
+
+
+def test_a_function_with_keyword_inputs_compiles():
+    def f(x, *, bias, twice=False):
+        return torch.relu(x + bias) * (2 if twice else 1)
+
+    x, bias = torch.randn(4, 5), torch.randn(5)
+    prog = stitchflow.compile(f, (x,), example_kwargs={"bias": bias, "twice": True})
+    x2 = torch.randn(4, 5)
+    assert_close(prog(x2, bias=bias, twice=True), f(x2, bias=bias, twice=True))
