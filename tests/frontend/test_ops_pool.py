@@ -108,4 +108,14 @@ def test_max_pool_backward_gathers_each_positions_windows(n, size, k, stride, pa
     fn = lambda g, x, i: BACKWARD[n](g, x, [k] * n, [stride] * n, [padding] * n, [dilation] * n, ceil_mode, i)  # noqa
     prog = stitchflow.compile(fn, (grad, x, indices), fusion="full")
     assert not any(node.is_scatter for node in prog.graph.nodes)
-    assert_close(prog(grad, x, indices), fn(grad, x, indices))
+    ours = prog(grad, x, indices)
+    if dtype == torch.float32:
+        assert_close(ours, fn(grad, x, indices))
+        return
+    # A position that is the maximum of several windows sums their gradients: eager rounds to bf16 after each
+    # add, the gather once, so where the sum cancels the two differ by more than bf16's tolerance of the result
+    # (HYPOTHESIS_PROFILE=explore found 11.19 against eager's 11.31, float64 11.21). Both are judged against
+    # float64 instead, within one bf16 step of the magnitudes summed.
+    exact = fn(grad.double(), x.double(), indices)
+    magnitude = fn(grad.abs().double(), x.double(), indices)
+    assert ((ours.double() - exact).abs() <= 2.0 ** -7 * magnitude + 1e-12).all()
