@@ -36,6 +36,14 @@ def _inputs(kinds: str, seed: int, device: str) -> tuple:
     return tuple(x.to(device) for x in inputs)
 
 
+def _device(target: str) -> str:
+    """Where a target's test runs: CUDA for the gpu target on a GPU, else the CPU (the gpu target under the
+    interpreter, as CI runs it)."""
+    skip_unless_kernels_run(target)
+    on_cuda = target == "gpu" and torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+    return "cuda" if on_cuda else "cpu"
+
+
 def _caches(cache) -> list[torch.Tensor]:
     """Every key and value tensor of a transformers cache, layer by layer (both halves of an encoder-decoder's)."""
     if isinstance(cache, T.EncoderDecoderCache):
@@ -46,9 +54,7 @@ def _caches(cache) -> list[torch.Tensor]:
 @pytest.mark.parametrize("target", ["reference", "gpu"])
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_a_model_with_its_cache_compiles_and_equals_eager(name, target):
-    skip_unless_kernels_run(target)
-    on_cuda = target == "gpu" and torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-    device = "cuda" if on_cuda else "cpu"
+    device = _device(target)
     torch.manual_seed(0)
     make, kinds = MODELS[name]
     model = make().eval().to(device)
@@ -65,14 +71,17 @@ def test_a_model_with_its_cache_compiles_and_equals_eager(name, target):
     assert got.past_key_values.get_seq_length() == want.past_key_values.get_seq_length() == 12
 
 
-def test_a_model_called_with_keywords_compiles_with_them():
+@pytest.mark.parametrize("target", ["reference", "gpu"])
+def test_a_model_called_with_keywords_compiles_with_them(target):
     """transformers' models are called with keywords: compiled with example_kwargs, the program takes the same call."""
+    device = _device(target)
     torch.manual_seed(0)
-    model = MODELS["llama"][0]().eval()
-    ids, mask = _inputs("ids mask", 1, "cpu")
+    model = MODELS["llama"][0]().eval().to(device)
+    ids, mask = _inputs("ids mask", 1, device)
     with torch.no_grad():
-        prog = stitchflow.compile(model, example_kwargs=dict(input_ids=ids, attention_mask=mask, use_cache=False))
-        fresh, _ = _inputs("ids mask", 2, "cpu")
+        prog = stitchflow.compile(model, example_kwargs=dict(input_ids=ids, attention_mask=mask, use_cache=False),
+                                  target=target)
+        fresh, _ = _inputs("ids mask", 2, device)
         got = prog(input_ids=fresh, attention_mask=mask, use_cache=False)
         want = model(input_ids=fresh, attention_mask=mask, use_cache=False)
     assert got.past_key_values is None
