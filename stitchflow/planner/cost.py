@@ -30,7 +30,8 @@ from scipy.optimize import nnls
 
 from ..ir.expr import count_ops
 from ..ir.graph import Graph
-from .loopnest import LoopNest, analyse, gating_accesses, lane_count, legal_orders, prepare, unify
+from ..targets import get_target
+from .loopnest import LoopNest, analyse, analyse_walks, gating_accesses, lane_count, legal_orders, prepare, unify
 from .profile import DeviceProfile
 from .stats import Densities, iteration_density, stream_densities
 
@@ -182,8 +183,9 @@ def _estimate_with(ctx: _Context, nodes: Sequence[str], nest: LoopNest, work, tr
 def pipeline_stages(graph: Graph, nodes: Sequence[str], prep, order: Sequence[str]) -> dict[str, int]:
     """Stage of each node in a dataflow region: a reduction whose outermost reduction variable
     the order puts outside one of its kept variables accumulates (a sparse accumulator or an
-    on-chip buffer) and is read only once complete, so its consumers start a new stage; other
-    producers stream into their consumers token by token (same stage)."""
+    on-chip buffer) and is read only once complete, so its consumers start a new stage, as do
+    those of a buffered producer; other producers stream into their consumers token by token
+    (same stage)."""
     pos = {u: k for k, u in enumerate(order)}
     own = {name: vars_ for name, vars_, _, _ in prep.rows}
     rvars = dict(prep.reduction_vars)
@@ -193,7 +195,8 @@ def pipeline_stages(graph: Graph, nodes: Sequence[str], prep, order: Sequence[st
         s = 0
         for t in graph.node_of[name].inputs:
             if t in members:
-                s = max(s, stage[t] + (1 if _accumulates(own[t], rvars.get(t), pos) else 0))
+                ends = t in prep.buffered or _accumulates(own[t], rvars.get(t), pos)
+                s = max(s, stage[t] + (1 if ends else 0))
         stage[name] = s
     return stage
 
@@ -206,12 +209,14 @@ def _accumulates(own: frozenset, reduced: frozenset | None, pos: Mapping[str, in
 
 
 def estimate_region(graph: Graph, nodes: Sequence[str], dens: Densities, options: Mapping | None = None,
-                    concordant_only: bool = True, score=None, hoist: bool | None = None) -> Estimate:
+                    concordant_only: bool = True, score=None, hoist: bool | None = None,
+                    buffered: frozenset[str] = frozenset()) -> Estimate:
     """Estimate a region under options {"order": k, "par": {level: lanes}, "block": b, "hoist":
     bool}. With no order, every legal order is tried and the one `score` (default: FLOPs) likes
     best is kept. `concordant_only=False` drops the storage-order constraints (a GPU kernel reads
     any order). `hoist` is the default of options["hoist"] (loopnest.py: True buffers nested
-    reductions, False streams them inside their consumers, None places nodes by the order only)."""
+    reductions, False streams them inside their consumers, None places nodes by the order only);
+    `buffered` names the nodes the target writes once on chip (never recomputed)."""
     options = dict(options or {})
     block, par = options.get("block"), options.get("par") or {}
     hoist = options.get("hoist", hoist)
@@ -220,12 +225,19 @@ def estimate_region(graph: Graph, nodes: Sequence[str], dens: Densities, options
     orders, concordant = legal_orders(graph, nodes, rv, constrained=concordant_only)
     pick = options.get("order")
     candidates = [orders[int(pick) % len(orders)]] if pick is not None else orders
-    prep = prepare(graph, nodes, rv, ctx.density)
+    prep = prepare(graph, nodes, rv, ctx.density, buffered if hoist is not None else frozenset())
     traffic = _traffic(ctx)
     work = {}
     for name in nodes:
         reads = tuple(t for t in graph.node_of[name].inputs if t in traffic[0])
         work[name] = (*_node_work(ctx, name), reads)
+    if prep.buffered:  # each walk its own order, as the target lowers it; walks run one after another
+        def walk_orders(walk):
+            return candidates if pick is not None else legal_orders(graph, walk, rv, constrained=concordant_only)[0]
+
+        nest = analyse_walks(prep, walk_orders, concordant, hoist, {n: w[0] for n, w in work.items()})
+        stages = pipeline_stages(graph, nodes, prep, nest.order)
+        return _estimate_with(ctx, nodes, nest, work, traffic, par, block, stages)
     best = None
     for order in candidates:
         nest = analyse(prep, order, concordant, hoist)
@@ -300,8 +312,10 @@ class DataflowCostModel(_Weighted):
         return f"dataflow static model ({self.densities}, weights {self.weights})"
 
     def estimate(self, graph: Graph, nodes: Sequence[str], options: Mapping | None = None) -> Estimate:
-        # the dataflow target hoists by default (its option hoist=True)
-        return estimate_region(graph, nodes, self.densities, options, True, self._order_score, hoist=True)
+        # the dataflow target hoists by default (its option hoist=True) and buffers reused producers
+        buffered = get_target("dataflow").buffered(graph, nodes, options)
+        return estimate_region(graph, nodes, self.densities, options, True, self._order_score, hoist=True,
+                               buffered=buffered)
 
     def _order_score(self, est: Estimate) -> float:
         return self.cost(est)

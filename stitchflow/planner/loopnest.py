@@ -27,6 +27,9 @@ A's non-zeros). The two settings differ in where a nested reduction may become d
   nested in, so it is re-evaluated whenever that one is.
 - None: neither walk; every node is placed by the order alone (a GPU kernel, which runs loops
   in any order, is estimated so).
+Buffered producers (the dataflow target's `buffered`: reused producers of large regions, heads
+split from a QKV projection) are walks of their own, evaluated once; their consumers read the
+buffer, so no recomputation reaches through them.
 """
 
 from __future__ import annotations
@@ -192,6 +195,17 @@ def legal_orders(graph: Graph, nodes: Sequence[str], rv: RegionVars | None = Non
                 last_seen.setdefault(u, len(last_seen))
     outward = {u: (last_seen.get(u, 0), u) for u in dag}
     orders += [o for o in _topological_sorts(dag, outward, limit) if o not in orders]
+    # and one with every reduction's variables first, producers' before consumers': nested
+    # reductions then fall due before their consumers' loops and are buffered once (hoisting)
+    reduced: dict[str, int] = {}
+    for name in nodes:
+        node = graph.node_of[name]
+        if node.reduce_vars and not node.is_scatter:
+            for v in node.reduce_vars:
+                for u in sorted(rv.of(name)[v]):
+                    reduced.setdefault(u, len(reduced))
+    hoisting = {u: (reduced.get(u, len(reduced)), first_seen.get(u, 0), u) for u in dag}
+    orders += [o for o in _topological_sorts(dag, hoisting, 1) if o not in orders]
     return tuple(orders), concordant
 
 
@@ -259,9 +273,11 @@ class Prepared:
     extents: tuple[tuple[str, int], ...]
     reduction_vars: tuple[tuple[str, frozenset], ...] = ()  # reductions -> their unified reduction variables
     consumers: tuple[tuple[str, tuple[str, ...]], ...] = ()  # node -> its direct consumers in the region
+    buffered: frozenset[str] = frozenset()  # nodes written once on chip: their own walks, never recomputed
 
 
-def prepare(graph: Graph, nodes: Sequence[str], rv: RegionVars, density: Density) -> Prepared:
+def prepare(graph: Graph, nodes: Sequence[str], rv: RegionVars, density: Density,
+            buffered: frozenset[str] = frozenset()) -> Prepared:
     members = set(nodes)
     position = {n.name: k for k, n in enumerate(graph.nodes)}
     nodes = sorted(nodes, key=position.__getitem__)  # producers before consumers (_walk relies on it)
@@ -286,7 +302,7 @@ def prepare(graph: Graph, nodes: Sequence[str], rv: RegionVars, density: Density
             local = rv.of(n)
             reductions.append((n, frozenset().union(*(local[v] for v in node.reduce_vars))))
     direct = tuple((n, tuple(c for c in graph.consumers.get(n, ()) if c in members)) for n in nodes)
-    return Prepared(tuple(rows), rv.extents, tuple(reductions), direct)
+    return Prepared(tuple(rows), rv.extents, tuple(reductions), direct, frozenset(buffered) & members)
 
 
 def _factor(recompute: Sequence[str], own: frozenset, guards, ext: Mapping[str, int], walked=None) -> float:
@@ -323,6 +339,47 @@ def analyse(prep: Prepared, order: Sequence[str], concordant: bool = True, hoist
     return LoopNest(tuple(order), tuple(nests), concordant, prep.extents)
 
 
+def walk_roots(prep: Prepared) -> dict[str, frozenset[str]]:
+    """For each node, the walks that evaluate it, named by their roots: a buffered node and a
+    node no other region node reads are roots (walks of their own); any other node is evaluated
+    in the walks of its consumers."""
+    consumers = dict(prep.consumers)
+    roots: dict[str, frozenset[str]] = {}
+    for name, _, _, _ in reversed(prep.rows):  # consumers first
+        users = consumers.get(name, ())
+        if name in prep.buffered or not users:
+            roots[name] = frozenset((name,))
+        else:
+            roots[name] = frozenset().union(*(roots[c] for c in users))
+    return roots
+
+
+def analyse_walks(prep: Prepared, orders_of: Callable[[Sequence[str]], Sequence[tuple[str, ...]]],
+                  concordant: bool, hoist: bool, weight: Mapping[str, float]) -> LoopNest:
+    """A region with buffered nodes, as the dataflow target lowers it: every walk (each buffered
+    node, each output) takes its own order, here the one of `orders_of(walk's nodes)` under which
+    the walk's nodes do the least `weight`-ed work. A node in several walks keeps its largest
+    recomputation. The LoopNest's order is that of the walk of the region's last node."""
+    roots = walk_roots(prep)
+    members: dict[str, list[str]] = {}
+    for name, rs in roots.items():
+        for r in rs:
+            members.setdefault(r, []).append(name)
+    chosen: dict[str, tuple] = {}
+    for r, ns in members.items():
+        best = None
+        for order in orders_of(ns):
+            found = {nn.node: nn for nn in analyse(prep, order, concordant, hoist).nests}
+            work = sum(weight[n] * found[n].factor for n in ns)
+            if best is None or work < best[0]:
+                best = (work, order, found)
+        chosen[r] = best
+    nests = tuple(max((chosen[r][2][name] for r in roots[name]), key=lambda nn: nn.factor)
+                  for name, _, _, _ in prep.rows)
+    last = prep.rows[-1][0]
+    return LoopNest(tuple(chosen[next(iter(roots[last]))][1]), nests, concordant, prep.extents)
+
+
 def _by_order(own, users, pos, order) -> tuple[str, ...]:
     """Consumer variables the order puts outside the node's innermost variable."""
     inner = max((pos[u] for u in own), default=-1)
@@ -343,10 +400,11 @@ class _Walk:
 def _walk(prep: Prepared, pos, hoist: bool) -> dict[str, frozenset]:
     """For each node, the variables walked when it is evaluated (see the module docstring).
     Consumers are placed first; a node with several consumers takes the deepest placement
-    (its copies are evaluated in each; the largest dominates)."""
+    (its copies are evaluated in each; the largest dominates). A buffered node is a walk of its
+    own, as a region output is: its consumers read the buffer."""
     own = {name: vars_ for name, vars_, _, _ in prep.rows}
     rvars = dict(prep.reduction_vars)
-    consumers = dict(prep.consumers)
+    consumers = {name: () if name in prep.buffered else users for name, users in prep.consumers}
     sees: dict[str, tuple[_Walk, ...]] = {}  # walks a node's expression appears in, outermost first
     walked: dict[str, frozenset] = {}
     for name, _, _, _ in reversed(prep.rows):  # graph order reversed: consumers first

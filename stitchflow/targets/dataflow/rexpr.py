@@ -170,17 +170,37 @@ def nested(e) -> tuple:
 REDUCERS = ("sum", "max")  # what a dataflow Reduce primitive accumulates (spec/dataflow.md)
 
 
+REUSE_LIMIT = 16  # regions of more nodes share, rather than recompute, every producer read twice
+
+
+def buffered_producers(graph: Graph, nodes, buffer=(), reuse_limit: int = REUSE_LIMIT) -> frozenset[str]:
+    """The region nodes a fused region writes once into an on-chip buffer and reads from there,
+    instead of recomputing them inside each consumer's loops (the static cost model asks too):
+    those in `buffer` (the option); producers read more than once where some read uses index
+    arithmetic (QKV split into heads: inlined, they would be recomputed per use and per head);
+    and, in regions of more than `reuse_limit` nodes, every producer read more than once."""
+    members = set(nodes)
+    uses: dict[str, list] = {}
+    for name in nodes:
+        for a in graph.node_of[name].accesses:
+            if a.tensor in members:
+                uses.setdefault(a.tensor, []).append(a)
+    found = set(buffer)
+    found |= {t for t, acc in uses.items() if len(acc) > 1 and not all(a.is_plain for a in acc)}
+    if len(members) > reuse_limit:
+        found |= {t for t, acc in uses.items() if len(acc) > 1}
+    return frozenset(found)
+
+
 class RegionExprs:
     """The expressions of a region's outputs; `problems` lists what the target cannot run."""
 
-    def __init__(self, graph: Graph, region: Region, unify: bool = True, buffer=(), reuse_limit: int = 16):
+    def __init__(self, graph: Graph, region: Region, unify: bool = True, buffer=(), reuse_limit: int = REUSE_LIMIT):
         self.graph = graph
         self.nodes = {n: graph.node_of[n] for n in region.nodes}
         self.problems: list[str] = []
         self.outputs: dict[str, tuple] = {}  # name -> (expr, out vars, extents)
-        self.buffered = set(buffer) | self.reused_through_arithmetic()
-        if len(self.nodes) > reuse_limit:  # big regions: share, rather than recompute, reused producers
-            self.buffered |= self.reused()
+        self.buffered = set(buffered_producers(graph, region.nodes, buffer, reuse_limit))
         needed = set(self.needed(graph, region)) | self.buffered
         for name in [n for n in region.nodes if n in needed]:
             self.extent: dict[str, int] = {}
@@ -192,25 +212,6 @@ class RegionExprs:
         inside = set(region.nodes)
         return [n for n in region.nodes
                 if n in graph.outputs or any(c not in inside for c in graph.consumers.get(n, ()))]
-
-    def reused_through_arithmetic(self) -> set[str]:
-        """Producers read more than once where some read uses index arithmetic (QKV split into
-        heads): inlining would recompute them per use and per head, so the region keeps them
-        in an on-chip buffer, written once and read through address arithmetic."""
-        uses: dict[str, list] = {}
-        for node in self.nodes.values():
-            for a in node.accesses:
-                if a.tensor in self.nodes:
-                    uses.setdefault(a.tensor, []).append(a)
-        return {t for t, acc in uses.items() if len(acc) > 1 and not all(a.is_plain for a in acc)}
-
-    def reused(self) -> set[str]:
-        count: dict[str, int] = {}
-        for node in self.nodes.values():
-            for t in node.inputs:
-                if t in self.nodes:
-                    count[t] = count.get(t, 0) + sum(1 for a in node.accesses if a.tensor == t)
-        return {t for t, n in count.items() if n > 1}
 
     def fresh(self, base: str) -> str:
         name, k = base, 0

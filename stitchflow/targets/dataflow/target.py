@@ -17,7 +17,7 @@ from . import order as O
 from .execute import execute
 from .graph import Dataflow
 from .lower import Lowerer
-from .rexpr import RegionExprs, views
+from .rexpr import REUSE_LIMIT, RegionExprs, buffered_producers, views
 
 
 class DataflowTarget:
@@ -47,6 +47,12 @@ class DataflowTarget:
 
     def compile_region(self, graph: Graph, region: Region, params: dict, options: dict):
         return compile_region(graph, region, params, dict(options or {}))
+
+    def buffered(self, graph: Graph, nodes, options=None) -> frozenset[str]:
+        """The region nodes this target writes once into an on-chip buffer rather than recompute
+        in their consumers' loops (what the planner's static model needs to know)."""
+        options = options or {}
+        return buffered_producers(graph, nodes, options.get("buffer", ()), options.get("reuse_limit", REUSE_LIMIT))
 
 
 TARGET = DataflowTarget()
@@ -83,7 +89,7 @@ def dataflows(prog) -> list[Dataflow]:
 def _plan(graph: Graph, region: Region, options: dict):
     """Region expressions and their constraint DAGs, or a TargetError saying why not."""
     rx = RegionExprs(graph, region, unify=options.get("unify", True), buffer=options.get("buffer", ()),
-                     reuse_limit=options.get("reuse_limit", 16))
+                     reuse_limit=options.get("reuse_limit", REUSE_LIMIT))
     if rx.problems:
         raise TargetError(rx.problems[0])
     plans = {}
