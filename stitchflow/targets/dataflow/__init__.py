@@ -12,7 +12,7 @@ streams held as numpy arrays.
 options:
   order  int (index into the legal orders of each output), a tuple or "i k j" string of
          variable names, or {output name: either}; default: the cheapest of a few candidate
-         orders under a static token estimate
+         orders under a static estimate (order_by)
   par    {variable: lanes}: fork after that variable's join into round-robin lanes, merge after;
          two variables nest (4 x 4)
   block  b: sparsity blocking, values are b x b tiles over every variable whose extent b divides
@@ -25,6 +25,9 @@ options:
          orders whose streamed nest still reaches every view's levels outer-first are legal
          (order.streamed_conflict): the default is the cheapest such candidate, an int order
          indexes only those, an explicit one that is not is refused with the reason
+  order_by  how the default order is chosen among the candidates: "cycles" (default) by the
+         estimated critical path (order.estimate_cycles), orders that pipeline rows through
+         a fused region's stages winning, then by tokens; "tokens" by the token estimate alone
 """
 
 from __future__ import annotations

@@ -99,15 +99,21 @@ def pick(spec, dag: nx.DiGraph, streamed=None) -> tuple | None:
     return tuple(spec)
 
 
-def candidates(expr, out_vars, dag: nx.DiGraph, seed: int = 0) -> list[tuple]:
+def candidates(expr, out_vars, dag: nx.DiGraph, seed: int = 0, rows_first: bool = False) -> list[tuple]:
     """Heuristic orders: outputs first (streaming, FuseFlow's fused loop nest), nested
-    reductions first (hoisting them into buffers), and seeded random topological sorts."""
-    found = [_lex(dag, _rank_streaming(expr, out_vars)), _lex(dag, _rank_hoisting(expr, out_vars))]
+    reductions first (hoisting them into buffers), seeded random topological sorts, and with
+    `rows_first` one per output variable: that variable outermost, then the hoisting order (the
+    nested reductions computed once per row into buffers the rest of the row reads, so that
+    rows pipeline through the region's stages)."""
+    hoisting = _rank_hoisting(expr, out_vars)
+    found = [_lex(dag, _rank_streaming(expr, out_vars)), _lex(dag, hoisting)]
     rng = random.Random(seed)
     names = sorted(dag.nodes)
     for _ in range(CANDIDATES):
         rank = {v: rng.random() for v in names}
         found.append(_lex(dag, rank))
+    if rows_first:
+        found += [_lex(dag, {u: (-1 if u == v else r) for u, r in hoisting.items()}) for v in out_vars]
     return list(dict.fromkeys(found))
 
 
@@ -175,9 +181,16 @@ def _rank_hoisting(expr, out_vars) -> dict:
 def estimate(df, fibers: dict[int, list[float]]) -> float:
     """Tokens all primitives emit, estimated without data: `fibers[load stream]` gives the
     mean fiber length of each level of a loaded tensor."""
+    tokens = stream_tokens(df, fibers)
+    return sum(tokens[s] for p in df.prims if p.kind not in ("load", "write") for s in p.outs)
+
+
+def stream_tokens(df, fibers: dict[int, list[float]], stops: bool = False) -> dict[int, float]:
+    """Estimated tokens of every stream (`estimate`'s counts); `stops` adds the stop closing
+    each fiber a scan or range opens (what a primitive steps over besides coordinates)."""
     n: dict[int, float] = {}
     per_level: dict[int, list[float]] = dict(fibers)
-    total = 0.0
+    closing = 1.0 if stops else 0.0
     for p in df.prims:
         ins = [n.get(s, 0.0) for s in p.ins]
         k = p.kind
@@ -189,9 +202,9 @@ def estimate(df, fibers: dict[int, list[float]]) -> float:
             fib = per_level.get(p.ins[0], [])
             lvl = p.param("level")
             f = fib[lvl] if lvl < len(fib) else 1.0
-            outs = [ins[1] * f] * 2
+            outs = [ins[1] * (f + closing)] * 2
         elif k == "range":
-            outs = [ins[0] * p.param("size")]
+            outs = [ins[0] * (p.param("size") + closing)]
         elif k == "join":
             items = ins[0::2]
             outs = [_formula_size(p.param("formula"), items)] * (1 + len(items))
@@ -212,14 +225,54 @@ def estimate(df, fibers: dict[int, list[float]]) -> float:
             outs = [values]
         elif k == "iota":
             outs = [ins[0]]
+        elif k == "read" and stops:
+            outs = [ins[1]]  # one value per ref (the storage operand is not a stream)
+        elif k == "alu" and stops:
+            outs = [max(ins, default=0.0)]
         elif k == "write":
             outs = [0.0]
         else:
             outs = [ins[0] if ins else 0.0] * len(p.outs)
         for s, x in zip(p.outs, outs):
             n[s] = x
-        total += sum(outs) if k not in ("load", "write") else 0.0
-    return total
+    return n
+
+
+STORAGE_KINDS = ("load", "spacc", "buffer", "buffer_write")
+
+
+TILE_VALUED = ("alu", "read", "reduce", "spacc", "buffer")  # with blocking, their tokens are b x b tiles
+
+
+def estimate_cycles(df, fibers: dict[int, list[float]], block: int | None = None) -> float:
+    """Cycles of a dataflow graph, estimated without data, as the latest finish of a primitive
+    along its critical path. Each primitive steps once per token it consumes or emits (a b x b
+    tile step covers b^2 element tokens at interval 1, a tile contraction b^3 at interval b: the
+    same b^-2 scale for every primitive, so element counts rank orders as tiles would). It starts
+    when its inputs start producing and cannot finish before they finish; a reader of an
+    accumulator or buffer starts once the first of its fibers is complete (1 / parent fibers of
+    the accumulation). So an order that accumulates a whole matrix before its consumers may read
+    it pays the two stages one after the other, where an order that accumulates row by row
+    overlaps them. Every hop adds its latency to the first token (one cycle; b^2 for a tile-valued
+    primitive with blocking, spec/dataflow.md), in the same element units: at small sizes the
+    chain of hops is much of a region's time."""
+    unit = block * block if block else 1  # element tokens per cycle
+    hop = {kind: unit * (block * block if block and kind in TILE_VALUED else 1) for kind in TILE_VALUED}
+    n = stream_tokens(df, fibers, stops=True)
+    storage = {s for p in df.prims if p.kind in STORAGE_KINDS for s in p.outs}
+    ready: dict[int, float] = {}
+    done: dict[int, float] = {}
+    end = 0.0
+    for p in df.prims:
+        accumulates = p.kind in ("spacc", "buffer")
+        steps = max((n.get(s, 0.0) for s in p.ins + p.outs if accumulates or s not in storage), default=0.0)
+        start = max((ready.get(s, 0.0) for s in p.ins), default=0.0)
+        finish = max([start + steps + hop.get(p.kind, unit)] + [done.get(s, 0.0) for s in p.ins])
+        first = start + hop.get(p.kind, unit) + (steps / max(n.get(p.ins[-1], 1.0), 1.0) if accumulates else 0.0)
+        for s in p.outs:
+            ready[s], done[s] = first, finish
+        end = max(end, finish)
+    return end
 
 
 def _formula_size(f, items) -> float:

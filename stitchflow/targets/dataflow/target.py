@@ -147,6 +147,8 @@ def _names(spec):
 
 
 def _check_options(options: dict, plans: dict) -> None:
+    if options.get("order_by", "cycles") not in ORDER_BY:
+        raise TargetError(f"order_by must be one of {', '.join(ORDER_BY)}, got {options['order_by']!r}")
     block = options.get("block")
     if block is not None:
         if block not in (16, 32, 64):
@@ -168,11 +170,19 @@ def _streamed(graph, options, expr, out_vars, reformat):
 STREAMED_SEARCH = 20000  # legal orders tried for one that streams, when no candidate does
 
 
+ORDER_BY = ("cycles", "tokens")
+CYCLE_TIE = 1.10  # estimated cycles within 10% count as equal (the estimate is that coarse); fewer tokens decide
+
+
 def best_order(graph, region, params, options, name, expr, out_vars, extents, dag, buffered, reformat=(),
                streamed=None):
-    """The candidate order with the fewest estimated tokens (with hoist=False, among those
-    whose streamed loop nest respects the storage orders)."""
-    cands = O.candidates(expr, out_vars, dag)
+    """The candidate order the static estimate likes best (with hoist=False, among those whose
+    streamed loop nest respects the storage orders), and its estimated tokens. options
+    "order_by": "cycles" (the default) ranks by the estimated critical path (order.estimate_cycles:
+    orders that pipeline their stages win), then by tokens; "tokens" by tokens alone, the
+    work a dataflow graph does (FuseFlow's static estimate; the only criterion before session 42)."""
+    by = options.get("order_by", "cycles")
+    cands = O.candidates(expr, out_vars, dag, rows_first=by == "cycles")
     if streamed is not None:
         why = {c: streamed(c) for c in cands}
         cands = [c for c in cands if why[c] is None]
@@ -184,17 +194,19 @@ def best_order(graph, region, params, options, name, expr, out_vars, extents, da
             if found is None:
                 raise TargetError(f"{name}: no dataflow order streams with hoist=False ({next(iter(why.values()))})")
             cands = [found]
-    best = None
+    rows = []
     for cand in cands:
         low = Lowerer(graph, region.name, {k: v for k, v in options.items() if k != "par"}, buffered=frozenset(buffered),
                       internal_ok=True)
         low.reformat = {str(v) for v in reformat}
         low.lower_output(name, expr, out_vars, extents, cand)
         df = low.dataflow()
-        cost = O.estimate(df, _fibers(graph, params, df))
-        if best is None or cost < best[1]:
-            best = (cand, cost)
-    return best
+        fibers = _fibers(graph, params, df)
+        cycles = O.estimate_cycles(df, fibers, options.get("block")) if by == "cycles" else 0.0
+        rows.append((cand, cycles, O.estimate(df, fibers)))
+    fastest = min(r[1] for r in rows)
+    cand, _, tokens = min((r for r in rows if r[1] <= CYCLE_TIE * fastest), key=lambda r: r[2])
+    return cand, tokens
 
 
 def _fibers(graph: Graph, params: dict, df: Dataflow) -> dict:
