@@ -206,8 +206,9 @@ def _explore_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", default=None, help="app size (small, default, or a preset)")
     p.add_argument("--target", default="dataflow", choices=("dataflow", "gpu"))
     p.add_argument("--orders", nargs="*", default=None, metavar="K",
-                   help="dataflow orders to sweep: indices into each region's legal orders; "
-                        "the flag alone sweeps 0..3 as well as the best order")
+                   help="dataflow orders to sweep: indices into each region's legal orders, or 'tokens' "
+                        "(the order with the fewest estimated tokens; the default ranks by estimated "
+                        "cycles); the flag alone sweeps 0..3 as well as the best order")
     p.add_argument("--par", nargs="+", default=["1"], metavar="PAR",
                    help="parallel factors: 1, 4 (i), 4x4 (i and j nested), or i=4,k=4")
     p.add_argument("--block", nargs="+", type=int, default=None, metavar="B",
@@ -223,6 +224,15 @@ def _explore_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+def _order_knob(text: str) -> int | str:
+    if text == "tokens":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise SystemExit(f"stitchflow explore: --orders takes order indices or 'tokens', got {text!r}") from None
+
+
 def cmd_explore(args) -> int:
     from rich.console import Console
 
@@ -232,7 +242,7 @@ def cmd_explore(args) -> int:
 
     orders: list = [None]
     if args.orders is not None:
-        orders += [int(k) for k in args.orders] if args.orders else [0, 1, 2, 3]
+        orders += [_order_knob(k) for k in args.orders] if args.orders else [0, 1, 2, 3]
     blocks = args.block or [None]
     app_block = args.block[0] if args.block and args.app == "gpt3-bigbird" else None
     result = explore(args.app, dataset=args.dataset, target=args.target, orders=orders,

@@ -14,7 +14,8 @@ Granularities: unfused, per layer, full, the planner's candidate plans ("ilp hoi
 "ilp streamed #k": the k best plans of the integer program under the static model with and
 without hoisting, auto.auto_candidates), and for GCN the ablations of spec/workloads.md. Knobs
 reach the target as `options` = {"order": k, "par": {level: lanes}, "block": b, "hoist": False};
-order None lets the scheduler take the best legal order of each region. The target hoists by
+order None lets the scheduler take the best legal order of each region (by its estimated
+critical path), order "tokens" the one with the fewest estimated tokens (FuseFlow's estimate). The target hoists by
 default; the granularities in `streamed` (default: full) are also run with hoist=False, FuseFlow's
 fully streamed recomputation ("full streamed"), where the static estimate differs.
 
@@ -68,7 +69,7 @@ class AppKey:
 class Config:
     granularity: str
     groups: tuple[tuple[str, ...], ...]
-    order: int | None = None
+    order: int | str | None = None  # None: the target's default order; "tokens": its token-estimated one
     par: tuple[tuple[int, int], ...] = ()
     block: int | None = None
     hoist: bool = True
@@ -90,7 +91,9 @@ class Config:
     @property
     def options(self) -> dict:
         out: dict = {"par": dict(self.par)}
-        if self.order is not None:
+        if self.order == "tokens":
+            out["order_by"] = "tokens"
+        elif self.order is not None:
             out["order"] = self.order
         if self.block:
             out["block"] = self.block

@@ -102,6 +102,7 @@ def test_dask_cluster_gives_the_same_table(local, tmp_path):
 def test_cli_main_and_knob_parsing(tmp_path, capsys):
     assert parse_par("1") == {} and parse_par("4x4") == {"i": 4, "j": 4} and parse_par("i=4,k=2") == {"i": 4, "k": 2}
     assert Config("auto", (("a",),), 1, ((0, 4),), 16).options == {"order": 1, "par": {0: 4}, "block": 16}
+    assert Config("full", (("a",),), "tokens").options == {"order_by": "tokens", "par": {}}
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(2) as pool:  # in-process: the CLI path without spawning workers
@@ -149,3 +150,13 @@ def test_the_sweep_explores_any_model_its_caller_builds(tmp_path):
 def test_an_unknown_app_is_named(tmp_path):
     with pytest.raises(StitchflowError, match="unknown app 'nope'"):
         explore("nope", out_dir=None, progress=False)
+
+
+def test_orders_by_tokens_are_a_knob_of_the_sweep(tmp_path, capsys):
+    """`--orders tokens`: every configuration also with the orders of fewest estimated tokens
+    (FuseFlow's estimate), beside the default orders ranked by estimated cycles."""
+    assert main(["explore", "sae", "--size", "small", "--out", str(tmp_path), "--orders", "tokens"]) == 0
+    rows = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert {r["order"] for r in rows if r["granularity"] == "per-layer"} == {"best", "tokens"}
+    with pytest.raises(SystemExit, match="order indices or 'tokens'"):
+        main(["explore", "sae", "--orders", "flops"])
