@@ -246,19 +246,15 @@ TILE_VALUED = ("alu", "read", "reduce", "spacc", "buffer")  # with blocking, the
 
 def estimate_cycles(df, fibers: dict[int, list[float]], block: int | None = None) -> float:
     """Cycles of a dataflow graph, estimated without data, as the latest finish of a primitive
-    along its critical path. Each primitive steps once per token it consumes or emits (a b x b
-    tile step covers b^2 element tokens at interval 1, a tile contraction b^3 at interval b: the
-    same b^-2 scale for every primitive, so element counts rank orders as tiles would). It starts
-    when its inputs start producing and cannot finish before they finish; a reader of an
-    accumulator or buffer starts once the first of its fibers is complete (1 / parent fibers of
-    the accumulation). So an order that accumulates a whole matrix before its consumers may read
-    it pays the two stages one after the other, where an order that accumulates row by row
-    overlaps them. Every hop adds its latency to the first token (one cycle; b^2 for a tile-valued
-    primitive with blocking, spec/dataflow.md), in the same element units: at small sizes the
-    chain of hops is much of a region's time."""
-    unit = block * block if block else 1  # element tokens per cycle
-    hop = {kind: unit * (block * block if block and kind in TILE_VALUED else 1) for kind in TILE_VALUED}
-    n = stream_tokens(df, fibers, stops=True)
+    along its critical path (spec/dataflow.md's timing): each primitive steps once per token it
+    consumes or emits, at interval 1 (b for a b x b tile contraction), and its first token
+    leaves one hop after its inputs' first (b^2 cycles for a tile-valued primitive); it cannot
+    finish before its inputs finish. A reader of an accumulator or buffer starts once the first
+    of its fibers is complete (1 / parent fibers of the accumulation), so an order that
+    accumulates a whole matrix before the next stage may read it pays the stages one after the
+    other, where an order that accumulates row by row overlaps them. With blocking, loaded
+    levels count tiles (their `tile` extents), as scans, ranges and accumulators do."""
+    n = stream_tokens(df, _tiled(df, fibers) if block else fibers, stops=True)
     storage = {s for p in df.prims if p.kind in STORAGE_KINDS for s in p.outs}
     ready: dict[int, float] = {}
     done: dict[int, float] = {}
@@ -266,13 +262,27 @@ def estimate_cycles(df, fibers: dict[int, list[float]], block: int | None = None
     for p in df.prims:
         accumulates = p.kind in ("spacc", "buffer")
         steps = max((n.get(s, 0.0) for s in p.ins + p.outs if accumulates or s not in storage), default=0.0)
+        busy = steps * (block if block and p.kind == "alu" and p.param("contract") else 1)
+        hop = block * block if block and p.kind in TILE_VALUED else 1
         start = max((ready.get(s, 0.0) for s in p.ins), default=0.0)
-        finish = max([start + steps + hop.get(p.kind, unit)] + [done.get(s, 0.0) for s in p.ins])
-        first = start + hop.get(p.kind, unit) + (steps / max(n.get(p.ins[-1], 1.0), 1.0) if accumulates else 0.0)
+        finish = max([start + busy + hop] + [done.get(s, 0.0) for s in p.ins])
+        # an accumulator's first fiber is complete once the first 1/parents of its input arrived
+        span = max([busy] + [done.get(s, 0.0) - start for s in p.ins]) if accumulates else 0.0
+        first = start + hop + (span / max(n.get(p.ins[-1], 1.0), 1.0) if accumulates else 0.0)
         for s in p.outs:
             ready[s], done[s] = first, finish
         end = max(end, finish)
     return end
+
+
+def _tiled(df, fibers: dict[int, list[float]]) -> dict[int, list[float]]:
+    """Loaded tensors' fiber lengths in tiles where the lowering blocks their levels."""
+    out = dict(fibers)
+    for p in df.prims:
+        tile = p.param("tile") if p.kind == "load" else None
+        if tile and p.outs and p.outs[0] in out:
+            out[p.outs[0]] = [max(f / t, 1.0) if t > 1 else f for f, t in zip(out[p.outs[0]], tile)]
+    return out
 
 
 def _formula_size(f, items) -> float:

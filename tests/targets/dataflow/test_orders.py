@@ -1,6 +1,5 @@
 """Dataflow orders: the legal ones all run and agree, illegal ones are refused with a reason."""
 
-import itertools
 
 import pytest
 import torch
