@@ -2,7 +2,8 @@
 plans (exploration's "auto" is the fastest of them), and FuseFlow's
 GCN ablations (spec/workloads.md): only layer 1 fused, only layer 2 fused, and two sub-regions
 across the layer boundary — "linear1 + bias + relu + the second adjacency product" and
-"relu + adjacency + linear2 + softmax".
+"relu + adjacency + linear2 + softmax"; and FuseFlow's "fully fused" GPT-3, whose last region of
+each decoder also takes the next decoder's LN+QKV.
 
 FuseFlow's GCN associates each layer as (A·X)·W; ours is A·(X·W) (apps/gnn.py). The ablations
 are named by role (linear = product with a weight, adjacency = product with the adjacency
@@ -19,7 +20,7 @@ from ..ir.errors import StitchflowError
 from ..ir.graph import Graph
 from .auto import standard_partitions
 from .candidates import Masks
-from .regions import by_origin, check_partition
+from .regions import by_layer, by_origin, check_partition
 
 
 def _role(graph: Graph, names: list[str]) -> str:
@@ -78,6 +79,24 @@ def gcn_ablations(graph: Graph) -> list[tuple[str, list[list[str]]]]:
     return out
 
 
+def gpt3_fuseflow_full(graph: Graph) -> list[tuple[str, list[list[str]]]]:
+    """FuseFlow's "fully fused" GPT-3 (spec/workloads.md): per layer's three regions of each
+    decoder (LN+QKV, attention, out-projection+residual+LN+FFN+residual), with the next decoder's
+    LN+QKV fused into each decoder's last region. Per-layer groups are named `decoders.<d>.qkv`,
+    `.attn` and `.mlp` (GPT3.partial_depth = 2)."""
+    groups = by_layer(graph)
+    layer = [graph.node_of[g[0]].group or "" for g in groups]
+    merged, k = [], 0
+    while k < len(groups):
+        if layer[k].endswith(".mlp") and k + 1 < len(groups) and layer[k + 1].endswith(".qkv"):
+            merged.append(groups[k] + groups[k + 1])
+            k += 2
+        else:
+            merged.append(groups[k])
+            k += 1
+    return [("full, FuseFlow's (+ next LN+QKV)", merged)] if len(merged) < len(groups) else []
+
+
 def partition_key(groups) -> frozenset:
     return frozenset(frozenset(g) for g in groups)
 
@@ -89,6 +108,8 @@ def granularities(app: str, graph: Graph, auto: Callable[[], list[tuple[str, lis
     grans = standard_partitions(graph)
     if app == "gcn":
         grans += gcn_ablations(graph)
+    if app == "gpt3-bigbird":
+        grans += gpt3_fuseflow_full(graph)
     grans += [(f"ilp {label}", groups) for label, groups in auto()]
     kept, notes, seen = [], [], {}
     for name, groups in grans:

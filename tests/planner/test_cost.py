@@ -304,3 +304,23 @@ def test_stepwise_estimates_reuse_their_steps_estimates_per_graph_and_equal_fres
     assert len(set(made)) == len(made)
     cost._PART_ESTIMATES.clear()
     assert [model.estimate(graph, names[:k]) for k in range(2, len(names) + 1)] == first
+
+
+def test_fuseflow_full_gpt3_fuses_each_decoders_tail_with_the_next_ones_head():
+    """FuseFlow's "fully fused" GPT-3 (spec/workloads.md) for exploration: per-layer's three
+    regions a decoder, each decoder's out-projection + FFN region also taking the next decoder's
+    LN+QKV; the last decoder's stays as per layer. It equals eager on the dataflow target."""
+    from stitchflow.planner.granularity import gpt3_fuseflow_full
+    from stitchflow.planner.regions import by_layer
+
+    model, inputs = APPS["gpt3-bigbird"].build(size="small", block=16)
+    captured = capture_model(model, inputs, None)
+    layers = by_layer(captured.graph)
+    assert [captured.graph.node_of[g[0]].group for g in layers] == [
+        f"decoders.{d}.{part}" for d in (0, 1) for part in ("qkv", "attn", "mlp")]
+    ((name, groups),) = gpt3_fuseflow_full(captured.graph)
+    assert "FuseFlow" in name
+    assert groups == [layers[0], layers[1], layers[2] + layers[3], layers[4], layers[5]]
+    prog = stitchflow.compile(model, inputs, target="dataflow", fusion=groups, options={"block": 16})
+    torch.testing.assert_close(prog(*inputs), model(*inputs), rtol=1e-4, atol=1e-4)
+    assert gpt3_fuseflow_full(capture_model(*APPS["gcn"].build(size="small"), None).graph) == []
