@@ -268,6 +268,9 @@ def _simulate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", default=None, help="app size: small | default")
     p.add_argument("--fusion", default="full", help="unfused | partial | full")
     p.add_argument("--order", type=int, default=None, help="index into the legal dataflow orders")
+    p.add_argument("--order-by", choices=("cycles", "tokens"), default="cycles",
+                   help="how each region's default order is chosen: by estimated cycles (critical path) "
+                        "or by estimated tokens")
     p.add_argument("--par", action="append", default=[], metavar="LEVEL:P", help="parallel lanes at a level")
     p.add_argument("--block", type=int, default=None, help="sparsity blocking b (16, 32, 64)")
     p.add_argument("--channel-depth", type=int, default=None, help="bounded channels (default unbounded)")
@@ -284,7 +287,7 @@ def cmd_simulate(args) -> int:
     from .apps import APPS
     from .targets.dataflow.simulate import simulate
 
-    options = {}
+    options = {} if args.order_by == "cycles" else {"order_by": args.order_by}
     if args.order is not None:
         options["order"] = args.order
     if args.par:

@@ -192,3 +192,16 @@ def test_cli_names_an_app_the_simulator_does_not_know():
 
     with pytest.raises(SystemExit, match="unknown app 'hf-bert' for the dataflow simulator; known: bert"):
         main(["simulate", "hf-bert"])
+
+
+def test_cli_simulates_with_the_token_estimated_orders(capsys):
+    import json
+
+    from stitchflow.cli import main
+
+    cycles = {}
+    for by in ("cycles", "tokens"):
+        assert main(["simulate", "gpt3-bigbird", "--size", "small", "--block", "16", "--fusion", "partial",
+                     "--order-by", by, "--json"]) == 0
+        cycles[by] = json.loads(capsys.readouterr().out)["cycles"]
+    assert cycles["cycles"] < cycles["tokens"]
