@@ -134,7 +134,7 @@ def compile_region(graph: Graph, region: Region, params: dict, options: dict) ->
         if chosen is None:
             chosen, cost = best_order(graph, region, params, options, name, expr, out_vars, extents, dag, buffered,
                                       reformat, streamed)
-            notes.append(f"{name}: order {' '.join(chosen)} (estimated {cost:.3g} tokens)")
+            notes.append(f"{name}: order {' '.join(chosen)} ({cost})")
         low.reformat = {str(v) for v in reformat}
         if reformat:
             notes.append(f"{name}: reformatted {', '.join(sorted(map(str, reformat)))} into the dataflow order")
@@ -177,7 +177,7 @@ CYCLE_TIE = 1.10  # estimated cycles within 10% count as equal (the estimate is 
 def best_order(graph, region, params, options, name, expr, out_vars, extents, dag, buffered, reformat=(),
                streamed=None):
     """The candidate order the static estimate likes best (with hoist=False, among those whose
-    streamed loop nest respects the storage orders), and its estimated tokens. options
+    streamed loop nest respects the storage orders), and what the estimate said. options
     "order_by": "cycles" (the default) ranks by the estimated critical path (order.estimate_cycles:
     orders that pipeline their stages win), then by tokens; "tokens" by tokens alone, the
     work a dataflow graph does (FuseFlow's static estimate; the only criterion before session 42)."""
@@ -205,8 +205,9 @@ def best_order(graph, region, params, options, name, expr, out_vars, extents, da
         cycles = O.estimate_cycles(df, fibers, options.get("block")) if by == "cycles" else 0.0
         rows.append((cand, cycles, O.estimate(df, fibers)))
     fastest = min(r[1] for r in rows)
-    cand, _, tokens = min((r for r in rows if r[1] <= CYCLE_TIE * fastest), key=lambda r: r[2])
-    return cand, tokens
+    cand, cycles, tokens = min((r for r in rows if r[1] <= CYCLE_TIE * fastest), key=lambda r: r[2])
+    why = f"estimated {cycles:.3g} cycles, {tokens:.3g} tokens" if by == "cycles" else f"estimated {tokens:.3g} tokens"
+    return cand, f"{why}, best of {len(rows)} candidates"
 
 
 def _fibers(graph: Graph, params: dict, df: Dataflow) -> dict:
