@@ -2,7 +2,7 @@
 published speedups (../shared/spec/workloads.md). Prints the markdown tables of BENCHMARKS.md.
 
     .venv/bin/python scripts/fuseflow_findings.py                 # everything (~15-20 min on 2 cores)
-    .venv/bin/python scripts/fuseflow_findings.py --only gnn      # gnn | gpt3 | par, comma separated
+    .venv/bin/python scripts/fuseflow_findings.py --only gnn      # gnn | gpt3 | par | fuseflow-full, comma separated
     .venv/bin/python scripts/fuseflow_findings.py --no-hoisted    # skip full fusion with default hoisting
 
 speedup = unfused cycles / configuration cycles; FLOPs and bytes are ratios to unfused.
@@ -118,6 +118,35 @@ def attention_par_rows(block=16, order=None):
     return dict(region=attn.region, order=" ".join(attn.order), rows=rows, heads=head, rows_var=row)
 
 
+def fuseflow_full_rows(reuse_limits=(None, 64)):
+    """FuseFlow's "fully fused" GPT-3 counted as its artifact counts it (run_figure12_benchmarks.py):
+    per-layer's regions with each decoder's FFN region also taking the next decoder's LN+QKV, over
+    12 decoders = LN+QKV once + 12 attentions + 11 FFN regions with the next LN+QKV + the last FFN
+    region. Simulated on two full-size decoders (seq 1024, width 768, block 16), whose five regions
+    are those components; unfused and per-layer are 12 times one decoder's. `reuse_limit`: the
+    target's option (None: its default, which buffers reused producers of regions over 16 nodes)."""
+    from stitchflow.apps.gpt3 import GPT3
+    from stitchflow.planner.granularity import gpt3_fuseflow_full
+    from stitchflow.program import capture_model
+
+    model = GPT3.preset("gpt3-small", num_layers=2, block=16).eval()
+    x = torch.randn(1024, 768, generator=torch.Generator().manual_seed(0))
+    ((_, groups),) = gpt3_fuseflow_full(capture_model(model, (x,), None).graph)
+    with torch.no_grad():
+        ref = model(x)
+    rows = []
+    for limit in reuse_limits:
+        options = {"block": 16} | ({"reuse_limit": limit} if limit else {})
+        prog = stitchflow.compile(model, (x,), target="dataflow", fusion=groups, options=options)
+        sim = prog.simulate(x)
+        qkv, attn, tail_next, _, tail = (r.cycles for r in sim.regions)
+        rows.append(dict(reuse_limit=limit or "default (16)", ln_qkv=qkv, attention=attn, ffn_next_qkv=tail_next,
+                         ffn=tail, decoders12=qkv + 12 * attn + 11 * tail_next + tail,
+                         max_err=float((sim.outputs - ref).abs().max())))
+        print(f"# fuseflow full, reuse_limit {limit}: {rows[-1]}", flush=True)
+    return rows
+
+
 def table(rows, title):
     out = [f"**{title}**", "",
            "| config | regions | cycles | speedup | FuseFlow | FLOPs ×unfused | bytes ×unfused | tokens | sim s | tokens/s |",
@@ -155,6 +184,15 @@ def main(argv=None):
         rows = app_rows("gpt3-bigbird", dict(size="decoder", block=16), GPT3_CONFIGS)
         results["gpt3-bigbird"] = rows
         md += [table(rows, "GPT-3-small BigBird, one decoder, seq 1024, block 16 (sparsity blocking b=16)"), ""]
+    if "fuseflow-full" in parts:
+        rows = fuseflow_full_rows()
+        results["fuseflow_full"] = rows
+        md += ["**GPT-3-small BigBird, FuseFlow's fully fused configuration over 12 decoders** (cycles)", "",
+               "| reuse_limit | LN+QKV | attention | FFN + next LN+QKV | last FFN | 12 decoders |",
+               "|---|---|---|---|---|---|"]
+        md += [f"| {r['reuse_limit']} | {r['ln_qkv']:,} | {r['attention']:,} | {r['ffn_next_qkv']:,} | {r['ffn']:,} | "
+               f"{r['decoders12']:,} |" for r in rows]
+        md.append("")
     if "par" in parts:
         par = attention_par_rows(order=args.attention_order)
         results["par"] = par
