@@ -118,13 +118,14 @@ def attention_par_rows(block=16, order=None):
     return dict(region=attn.region, order=" ".join(attn.order), rows=rows, heads=head, rows_var=row)
 
 
-def fuseflow_full_rows(reuse_limits=(None, 64)):
+def fuseflow_full_rows(reuse_limits=(None, 16)):
     """FuseFlow's "fully fused" GPT-3 counted as its artifact counts it (run_figure12_benchmarks.py):
     per-layer's regions with each decoder's FFN region also taking the next decoder's LN+QKV, over
     12 decoders = LN+QKV once + 12 attentions + 11 FFN regions with the next LN+QKV + the last FFN
     region. Simulated on two full-size decoders (seq 1024, width 768, block 16), whose five regions
     are those components; unfused and per-layer are 12 times one decoder's. `reuse_limit`: the
-    target's option (None: its default, which buffers reused producers of regions over 16 nodes)."""
+    target's option (None: the default, which plans a region of more than 16 nodes both with its
+    reused producers buffered and inlined and keeps the faster by estimate; 16: always buffered)."""
     from stitchflow.apps.gpt3 import GPT3
     from stitchflow.planner.granularity import gpt3_fuseflow_full
     from stitchflow.program import capture_model
@@ -140,7 +141,7 @@ def fuseflow_full_rows(reuse_limits=(None, 64)):
         prog = stitchflow.compile(model, (x,), target="dataflow", fusion=groups, options=options)
         sim = prog.simulate(x)
         qkv, attn, tail_next, _, tail = (r.cycles for r in sim.regions)
-        rows.append(dict(reuse_limit=limit or "default (16)", ln_qkv=qkv, attention=attn, ffn_next_qkv=tail_next,
+        rows.append(dict(reuse_limit=limit or "default", ln_qkv=qkv, attention=attn, ffn_next_qkv=tail_next,
                          ffn=tail, decoders12=qkv + 12 * attn + 11 * tail_next + tail,
                          max_err=float((sim.outputs - ref).abs().max())))
         print(f"# fuseflow full, reuse_limit {limit}: {rows[-1]}", flush=True)
