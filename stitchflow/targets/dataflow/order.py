@@ -185,12 +185,13 @@ def estimate(df, fibers: dict[int, list[float]]) -> float:
     return sum(tokens[s] for p in df.prims if p.kind not in ("load", "write") for s in p.outs)
 
 
-def stream_tokens(df, fibers: dict[int, list[float]], stops: bool = False) -> dict[int, float]:
-    """Estimated tokens of every stream (`estimate`'s counts); `stops` adds the stop closing
-    each fiber a scan or range opens (what a primitive steps over besides coordinates)."""
+def stream_tokens(df, fibers: dict[int, list[float]], steps: bool = False) -> dict[int, float]:
+    """Estimated tokens of every stream (`estimate`'s counts). `steps` counts what primitives step
+    over, for the cycle estimate: also the stop closing each fiber a scan or range opens, one value
+    per ref a read takes (its storage operand is not a stream), an ALU's longest input."""
     n: dict[int, float] = {}
     per_level: dict[int, list[float]] = dict(fibers)
-    closing = 1.0 if stops else 0.0
+    closing = 1.0 if steps else 0.0
     for p in df.prims:
         ins = [n.get(s, 0.0) for s in p.ins]
         k = p.kind
@@ -225,9 +226,9 @@ def stream_tokens(df, fibers: dict[int, list[float]], stops: bool = False) -> di
             outs = [values]
         elif k == "iota":
             outs = [ins[0]]
-        elif k == "read" and stops:
-            outs = [ins[1]]  # one value per ref (the storage operand is not a stream)
-        elif k == "alu" and stops:
+        elif k == "read" and steps:
+            outs = [ins[1]]
+        elif k == "alu" and steps:
             outs = [max(ins, default=0.0)]
         elif k == "write":
             outs = [0.0]
@@ -239,8 +240,6 @@ def stream_tokens(df, fibers: dict[int, list[float]], stops: bool = False) -> di
 
 
 STORAGE_KINDS = ("load", "spacc", "buffer", "buffer_write")
-
-
 TILE_VALUED = ("alu", "read", "reduce", "spacc", "buffer")  # with blocking, their tokens are b x b tiles
 
 
@@ -254,7 +253,7 @@ def estimate_cycles(df, fibers: dict[int, list[float]], block: int | None = None
     accumulates a whole matrix before the next stage may read it pays the stages one after the
     other, where an order that accumulates row by row overlaps them. With blocking, loaded
     levels count tiles (their `tile` extents), as scans, ranges and accumulators do."""
-    n = stream_tokens(df, _tiled(df, fibers) if block else fibers, stops=True)
+    n = stream_tokens(df, _tiled(df, fibers) if block else fibers, steps=True)
     storage = {s for p in df.prims if p.kind in STORAGE_KINDS for s in p.outs}
     ready: dict[int, float] = {}
     done: dict[int, float] = {}
