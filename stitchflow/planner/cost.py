@@ -231,7 +231,7 @@ def estimate_region(graph: Graph, nodes: Sequence[str], dens: Densities, options
     for name in nodes:
         reads = tuple(t for t in graph.node_of[name].inputs if t in traffic[0])
         work[name] = (*_node_work(ctx, name), reads)
-    if prep.buffered:  # each walk its own order, as the target lowers it; walks run one after another
+    if prep.buffered:  # each walk its own order, as the target lowers it; a buffer's readers in the next stage
         def walk_orders(walk):
             return candidates if pick is not None else legal_orders(graph, walk, rv, constrained=concordant_only)[0]
 
