@@ -172,8 +172,8 @@ def _shared_or_inlined(graph, region, params, options, plans, buffered, chosen):
     fused configuration, 19 nodes) then streams rows through both: 9.76 M cycles against 28.5 M
     buffered (seq 1024, width 768, block 16)."""
     same = plans, buffered, chosen, None
-    fixed = any(k in options for k in ("reuse_limit", "buffer", "order")) or options.get("order_by", "cycles") != "cycles"
-    if fixed or len(region.nodes) <= REUSE_LIMIT:
+    by_tokens = options.get("order_by", "cycles") != "cycles"
+    if by_tokens or any(k in options for k in ("reuse_limit", "buffer", "order")) or len(region.nodes) <= REUSE_LIMIT:
         return same
     inline = dict(options, reuse_limit=len(region.nodes))
     kept = buffered_producers(graph, region.nodes, (), len(region.nodes))
