@@ -128,8 +128,7 @@ def _streamed_tile(a_tile, b_smem, d_smem, w_bar, b_desc, d_desc, bias1_ptr, i, 
                    HAS_B1: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, L: gl.constexpr, NCH: gl.constexpr,
                    W_STAGES: gl.constexpr, WARPS: gl.constexpr, B_T: gl.constexpr, D_T: gl.constexpr):
     """The same sum with B and D streamed chunk by chunk through a ring of W_STAGES shared-memory
-    slots (weights too large to stay); chunk g = i·NCH + c of this program lives in slot g % W_STAGES.
-    Synchronous: each chunk's GEMM1, activation and GEMM2 run one after another."""
+    slots (weights too large to stay); chunk g = i·NCH + c of this program lives in slot g % W_STAGES."""
     mma1: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BN, 16])
     mma2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, L, 16])
     h_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma2, k_width=2)
@@ -150,77 +149,10 @@ def _streamed_tile(a_tile, b_smem, d_smem, w_bar, b_desc, d_desc, bias1_ptr, i, 
 
 
 @gluon.jit
-def _load_b(b_desc, b_smem, b_bar, j, total, BN: gl.constexpr, NCH: gl.constexpr, W_STAGES: gl.constexpr,
-            B_T: gl.constexpr):
-    """B's part of this program's chunk j (chunk j % NCH of the weights) into slot j % W_STAGES of its
-    ring, when the program has a chunk j."""
-    if j < total:
-        s = j % W_STAGES
-        col = (j % NCH) * BN
-        mbarrier.expect(b_bar.index(s), b_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(b_desc, [col, 0] if B_T else [0, col], b_bar.index(s), b_smem.index(s))
-
-
-@gluon.jit
-def _load_d(d_desc, d_smem, d_bar, j, total, BN: gl.constexpr, NCH: gl.constexpr, W_STAGES: gl.constexpr,
-            D_T: gl.constexpr):
-    """D's part of chunk j into slot j % W_STAGES of D's ring (see _load_b)."""
-    if j < total:
-        s = j % W_STAGES
-        row = (j % NCH) * BN
-        mbarrier.expect(d_bar.index(s), d_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(d_desc, [0, row] if D_T else [row, 0], d_bar.index(s), d_smem.index(s))
-
-
-@gluon.jit
-def _pipelined_tile(a_tile, b_smem, d_smem, b_bar, d_bar, b_desc, d_desc, bias1_ptr, i, total, ACT: gl.constexpr,
-                    HAS_B1: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, L: gl.constexpr, NCH: gl.constexpr,
-                    W_STAGES: gl.constexpr, WARPS: gl.constexpr, B_T: gl.constexpr, D_T: gl.constexpr):
-    """The streamed sum with GEMM1 of chunk c+1 on the tensor cores during chunk c's activation, as
-    the resident tile does. B and D have rings of their own, because a slot of B frees when its GEMM1
-    retires and a slot of D a chunk later, when its GEMM2 does: each refill waits for exactly the
-    wgmma that read the slot. wgmma groups retire in issue order, so after GEMM2(c) is issued,
-    waiting until one group is outstanding retires GEMM1(c+1) and GEMM2(c-1)."""
-    mma1: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BN, 16])
-    mma2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, L, 16])
-    h_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma2, k_width=2)
-    acc2 = gl.zeros([BM, L], gl.float32, mma2)
-    g0 = i * NCH
-    mbarrier.wait(b_bar.index(g0 % W_STAGES), (g0 // W_STAGES) & 1)
-    acc1 = warpgroup_mma(a_tile, _operand(b_smem, g0 % W_STAGES, B_T), gl.zeros([BM, BN], gl.float32, mma1),
-                         use_acc=False)
-    gl.thread_barrier()  # GEMM1(0) retired in every warp: its B slot takes the chunk W_STAGES ahead
-    _load_b(b_desc, b_smem, b_bar, g0 + W_STAGES, total, BN, NCH, W_STAGES, B_T)
-    for c in gl.static_range(NCH):
-        g = g0 + c
-        if c + 1 < NCH:
-            mbarrier.wait(b_bar.index((g + 1) % W_STAGES), ((g + 1) // W_STAGES) & 1)
-            nxt = warpgroup_mma(a_tile, _operand(b_smem, (g + 1) % W_STAGES, B_T),
-                                gl.zeros([BM, BN], gl.float32, mma1), use_acc=False, is_async=True)
-        h = _chunk_h(acc1, bias1_ptr, c, ACT, HAS_B1, BN, h_layout, a_tile.dtype)
-        mbarrier.wait(d_bar.index(g % W_STAGES), (g // W_STAGES) & 1)
-        acc2 = warpgroup_mma(h, _operand(d_smem, g % W_STAGES, D_T), acc2, is_async=True)
-        if c + 1 < NCH:
-            acc1 = warpgroup_mma_wait(num_outstanding=1, deps=[nxt])  # GEMM1(c+1) and GEMM2(c-1) retired
-            gl.thread_barrier()
-            _load_b(b_desc, b_smem, b_bar, g + 1 + W_STAGES, total, BN, NCH, W_STAGES, B_T)
-            if c > 0:
-                _load_d(d_desc, d_smem, d_bar, g - 1 + W_STAGES, total, BN, NCH, W_STAGES, D_T)
-        else:
-            acc2 = warpgroup_mma_wait(num_outstanding=0, deps=[acc2])
-            gl.thread_barrier()
-            if c > 0:
-                _load_d(d_desc, d_smem, d_bar, g - 1 + W_STAGES, total, BN, NCH, W_STAGES, D_T)
-            _load_d(d_desc, d_smem, d_bar, g + W_STAGES, total, BN, NCH, W_STAGES, D_T)
-    return acc2
-
-
-@gluon.jit
 def chain_wgmma_kernel(a_desc, b_desc, d_desc, o_desc, bias1_ptr, M,
                        K: gl.constexpr, N: gl.constexpr, L: gl.constexpr, ACT: gl.constexpr, HAS_B1: gl.constexpr,
                        BM: gl.constexpr, BN: gl.constexpr, A_STAGES: gl.constexpr, W_STAGES: gl.constexpr,
-                       RESIDENT: gl.constexpr, B_T: gl.constexpr, D_T: gl.constexpr, num_warps: gl.constexpr,
-                       PIPELINED: gl.constexpr = True):
+                       RESIDENT: gl.constexpr, B_T: gl.constexpr, D_T: gl.constexpr, num_warps: gl.constexpr):
     NCH: gl.constexpr = N // BN
     W_SLOTS: gl.constexpr = NCH if RESIDENT else W_STAGES
     dtype: gl.constexpr = a_desc.dtype
@@ -229,13 +161,11 @@ def chain_wgmma_kernel(a_desc, b_desc, d_desc, o_desc, bias1_ptr, M,
     d_smem = gl.allocate_shared_memory(dtype, [W_SLOTS] + d_desc.block_type.shape, d_desc.layout)
     o_smem = gl.allocate_shared_memory(dtype, [BM, L], o_desc.layout)
     a_bar = gl.allocate_shared_memory(gl.int64, [A_STAGES, 1], mbarrier.MBarrierLayout())
-    w_bar = gl.allocate_shared_memory(gl.int64, [W_SLOTS, 1], mbarrier.MBarrierLayout())  # B and D; the pipeline: B
-    d_bar = gl.allocate_shared_memory(gl.int64, [W_SLOTS, 1], mbarrier.MBarrierLayout())  # the pipeline: D
+    w_bar = gl.allocate_shared_memory(gl.int64, [W_SLOTS, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(A_STAGES):
         mbarrier.init(a_bar.index(s), count=1)
     for s in gl.static_range(W_SLOTS):
         mbarrier.init(w_bar.index(s), count=1)
-        mbarrier.init(d_bar.index(s), count=1)
     fence_async_shared()
 
     pid = gl.program_id(0)
@@ -245,13 +175,8 @@ def chain_wgmma_kernel(a_desc, b_desc, d_desc, o_desc, bias1_ptr, M,
         mbarrier.expect(a_bar.index(s), a_desc.block_type.nbytes, pred=s < my_tiles)
         tma.async_copy_global_to_shared(a_desc, [(pid + s * programs) * BM, 0], a_bar.index(s), a_smem.index(s),
                                         pred=s < my_tiles)
-    total = my_tiles * NCH
     for s in gl.static_range(W_SLOTS):  # resident: every chunk, once; streamed: the ring's first chunks
-        if RESIDENT or not PIPELINED:
-            _load_weights(b_desc, d_desc, b_smem.index(s), d_smem.index(s), w_bar.index(s), s % NCH, BN, B_T, D_T)
-        else:
-            _load_b(b_desc, b_smem, w_bar, s, total, BN, NCH, W_SLOTS, B_T)
-            _load_d(d_desc, d_smem, d_bar, s, total, BN, NCH, W_SLOTS, D_T)
+        _load_weights(b_desc, d_desc, b_smem.index(s), d_smem.index(s), w_bar.index(s), s % NCH, BN, B_T, D_T)
     if RESIDENT:
         for s in gl.static_range(NCH):
             mbarrier.wait(w_bar.index(s), 0)
@@ -262,9 +187,6 @@ def chain_wgmma_kernel(a_desc, b_desc, d_desc, o_desc, bias1_ptr, M,
         if RESIDENT:
             acc2 = _resident_tile(a_smem.index(slot), b_smem, d_smem, bias1_ptr, ACT, HAS_B1, BM, BN, L, NCH,
                                   num_warps, B_T, D_T)
-        elif PIPELINED:
-            acc2 = _pipelined_tile(a_smem.index(slot), b_smem, d_smem, w_bar, d_bar, b_desc, d_desc, bias1_ptr, i,
-                                   total, ACT, HAS_B1, BM, BN, L, NCH, W_STAGES, num_warps, B_T, D_T)
         else:
             acc2 = _streamed_tile(a_smem.index(slot), b_smem, d_smem, w_bar, b_desc, d_desc, bias1_ptr, i, my_tiles,
                                   ACT, HAS_B1, BM, BN, L, NCH, W_STAGES, num_warps, B_T, D_T)
@@ -283,7 +205,6 @@ def chain_wgmma_kernel(a_desc, b_desc, d_desc, o_desc, bias1_ptr, M,
         mbarrier.invalidate(a_bar.index(s))
     for s in gl.static_range(W_SLOTS):
         mbarrier.invalidate(w_bar.index(s))
-        mbarrier.invalidate(d_bar.index(s))
 
 
 def descriptor(t, block: list[int]) -> TensorDescriptor:
