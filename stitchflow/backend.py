@@ -39,7 +39,7 @@ from .backend_layouts import (channels_last_order, convolution_inputs_like_gradi
                               saved_weights_channels_last, unfolded_weight_gradient, weight_like_gradient,
                               weights_channels_last)
 from .backend_partition import (REFUSED, copied_graph, fuse_by_dependence, inline_empty_constants, outputs_read_eagerly,
-                                split_in_program_order, supported)
+                                refuse_vmap_bodies, split_in_program_order, supported)
 from .frontend.capture import Captured, capture
 from .frontend.registry import LOWERINGS, describe_target, early_refusal, is_inplace, key_of
 from .ir.errors import KernelMismatch, StitchflowError
@@ -367,9 +367,12 @@ def _eager_write_through_an_alias(gm: fx.GraphModule) -> str | None:
 
     def storage(node: fx.Node):
         value = node.meta.get("example_value", node.meta.get("val"))
-        if isinstance(value, torch.Tensor) and value.layout == torch.strided:
+        if not (isinstance(value, torch.Tensor) and value.layout == torch.strided):
+            return None
+        try:
             return StorageWeakRef(value.untyped_storage())
-        return None
+        except NotImplementedError:  # no storage of its own, e.g. a value batched inside torch.vmap's body
+            return None
 
     storages = {n: storage(n) for n in gm.graph.nodes if n.op != "output"}
     for node in gm.graph.nodes:
@@ -384,7 +387,7 @@ def _eager_write_through_an_alias(gm: fx.GraphModule) -> str | None:
             n = todo.pop()
             chain.add(n)
             todo += [u for u in n.users if is_inplace(u) and u.args[0] is n and u not in chain]
-        if written is not None and any(ref == written for n, ref in storages.items() if n not in chain):
+        if written is not None and any(ref is not None and ref == written for n, ref in storages.items() if n not in chain):
             return (f"{describe_target(node)} ({node.name}) runs eagerly and writes in place a tensor that another "
                     f"value of the graph aliases (a view): a partition's outputs are tensors of their own")
     return None
@@ -437,6 +440,7 @@ def _partition_and_wrap(gm: fx.GraphModule, options: dict, label: str = ""):
         saved_weights_channels_last(gm, saved_from)
     ours = (restrided, like_gradient, weight_like_gradient, weights_channels_last, pointwise_weight_gradient,
             unfolded_weight_gradient, like_parameters)
+    refuse_vmap_bodies(gm)
     for node in gm.graph.nodes:
         if node.target is operator.getitem or node.target in ours:  # the op's record says why; ours
             continue
@@ -446,7 +450,7 @@ def _partition_and_wrap(gm: fx.GraphModule, options: dict, label: str = ""):
             if _fused_attention(node):  # torch's own attention kernels, by design (training's attention rewrite)
                 log.debug("%s%s (%s) runs torch's fused attention kernel", where, describe_target(node), node.name)
                 continue
-            why = early_refusal(node) if key_of(node) in LOWERINGS else None
+            why = node.meta.get(REFUSED) or (early_refusal(node) if key_of(node) in LOWERINGS else None)
             _record(f"{where}{describe_target(node)} ({node.name}): {why or 'no lowering to the IR'}")
         elif node.op == "call_module":
             _record(f"{where}module {node.target} ({node.name}): leaf modules are not captured")

@@ -17,6 +17,20 @@ from .frontend.registry import LOWERINGS, early_refusal, is_inplace, key_of
 REFUSED = "stitchflow_refused"  # node.meta key: why capture refused the node (it runs eagerly, the rest is split again)
 
 
+BATCHED_BY_VMAP = ("works on a value batched by torch.vmap: functorch's batched tensors have no storage of their "
+                   "own to compile against")
+
+
+def refuse_vmap_bodies(gm: fx.GraphModule) -> None:
+    """Leave to eager the nodes of a torch.vmap body that Dynamo inlined (their example values are functorch's
+    batched tensors: a program captured on them fails on its first call)."""
+    for node in gm.graph.nodes:
+        value = node.meta.get("example_value")
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        if any(isinstance(v, torch.Tensor) and torch._C._functorch.is_batchedtensor(v) for v in values):
+            node.meta.setdefault(REFUSED, BATCHED_BY_VMAP)
+
+
 def supported(node: fx.Node) -> bool:
     """Has a lowering (creation ops such as torch.ones stay eager and enter as inputs). An item of
     an eager op's tuple of results stays with that op, so that partitions take tensors, not tuples."""

@@ -458,6 +458,25 @@ def test_an_eager_write_to_a_tensor_of_its_own_keeps_the_rest_compiled():
     assert "aliases" not in backend.fallback_report() and backend.regions_executed() >= 1
 
 
+def _vmapped_then_written(x, out):
+    z = torch.vmap(lambda row: (row * 2 + 1).sum())(x)
+    out.zero_()  # an eager write in place, in a graph whose vmap nodes hold no tensors
+    return (z + out).softmax(-1)
+
+
+def test_a_vmap_body_runs_eagerly_and_the_rest_compiles():
+    """Dynamo inlines torch.vmap's body; its values are functorch's batched tensors, which have no storage:
+    the alias check read their storage and the whole graph ran eagerly (Mamba's selective scan in transformers),
+    and a partition captured on them failed on its first call. Now the body stays eager with the reason and
+    the ops around it compile."""
+    x, out = torch.randn(4, 5), torch.randn(4)
+    want = _vmapped_then_written(x, out.clone())
+    assert_close(torch.compile(_vmapped_then_written, backend="stitchflow")(x, out), want)
+    report = backend.fallback_report()
+    assert "batched by torch.vmap" in report and "whole graph" not in report and "failed" not in report
+    assert backend.regions_executed() >= 1
+
+
 def test_indexing_by_a_tensor_made_in_the_graph_compiles():
     """x.flatten()[torch.tensor([...])]: torch.fx's partitioner moved the index's getitem between the
     indexed tensor's partition and the eager torch.tensor's forever (the compile never returned)."""
