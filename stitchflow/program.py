@@ -45,6 +45,7 @@ class Program:
         self.signature: CallSignature | None = None  # keyword inputs (stitchflow.compile's example_kwargs)
         self._parameters: list | None = None  # the reference's parameters (grad_params)
         self._prefetched = False  # whether the target's prefetch ran (before the first call's regions)
+        self._scalar_moves: tuple | None = None  # (device, names): see _scalars_to_device
         refusals = [(r, self.target.check_region(self.graph, r)) for r in self.regions]
         bad = [(r, why) for r, why in refusals if why]
         if bad:
@@ -135,7 +136,23 @@ class Program:
                     f"input {name}: expected {expected}, got {str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
                 )
             env[name] = value
+        if self.target_name == "gpu":
+            self._scalars_to_device(env)
         return env
+
+    def _scalars_to_device(self, env: dict) -> None:
+        """0-dim CPU tensors beside CUDA ones, moved to the device: eager takes them as scalars, kernels take
+        device pointers (AOTAutograd lifts a tensor the model makes from a Python number, DeBERTa's
+        torch.tensor(head_dim) or a dtype's minimum in BART's mask, as such a constant; a kernel whose first input
+        it was also allocated its outputs on the CPU). Which names move is worked out on the first call."""
+        if self._scalar_moves is None:
+            tensors = [(n, v) for n, v in env.items() if isinstance(v, torch.Tensor)]
+            device = next((v.device for _, v in tensors if v.device.type == "cuda"), None)
+            names = tuple(n for n, v in tensors if v.dim() == 0 and v.device.type == "cpu") if device else ()
+            self._scalar_moves = (device, names)
+        device, names = self._scalar_moves
+        for name in names:
+            env[name] = env[name].to(device, non_blocking=True)
 
     def simulate(self, *inputs, **timing):
         """Cycle-level simulation of the compiled regions (targets that model time: dataflow).

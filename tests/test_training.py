@@ -119,6 +119,31 @@ def test_transformer_block_trains_like_eager_with_attention_eager():
     assert backend.fallback_report().endswith("everything captured ran through stitchflow")
 
 
+class _ScaledMaskedScores(nn.Module):
+    """Attention scores scaled by a tensor made from a Python number and masked with the dtype's minimum, as
+    DeBERTa and BART write them: AOTAutograd lifts such numbers as 0-dim constants on the CPU."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.q, self.k = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        scale = torch.sqrt(torch.tensor(x.size(-1), dtype=torch.float) * 2)
+        scores = self.q(x) @ (self.k(x).transpose(-1, -2) / scale.to(x.dtype))
+        keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=x.device).tril()
+        return scores.masked_fill(~keep, torch.finfo(scores.dtype).min).softmax(-1)
+
+
+def test_constants_made_from_python_numbers_train_through_stitchflow():
+    """On CUDA such constants were kernel arguments on the CPU: DeBERTa's programs failed on their first call
+    (and ran eagerly), and a mask computed from one came out on the CPU, where BART's next graph failed to trace.
+    A gpu program moves such inputs to the device (Program._scalars_to_device)."""
+    torch.manual_seed(0)
+    _train_side_by_side(_ScaledMaskedScores(), lambda: (torch.randn(2, 6, 16),), loss=lambda out: (out * out).sum())
+    assert _compiled_graphs() == {"forward", "backward"}
+    assert "failed" not in backend.fallback_report()
+
+
 def test_loss_in_the_graph_with_integer_labels():
     torch.manual_seed(0)
     _train_side_by_side(_Classifier(), lambda: (torch.randn(13, 24), torch.randint(0, 7, (13,))), loss=lambda out: out)
