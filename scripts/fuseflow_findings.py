@@ -4,6 +4,10 @@ published speedups (../shared/spec/workloads.md). Prints the markdown tables of 
     .venv/bin/python scripts/fuseflow_findings.py                 # everything (~25-30 min on 2 cores)
     .venv/bin/python scripts/fuseflow_findings.py --only gnn      # gnn | gpt3 | par | fuseflow-full, comma separated
     .venv/bin/python scripts/fuseflow_findings.py --no-hoisted    # skip full fusion with default hoisting
+    .venv/bin/python scripts/fuseflow_findings.py --only datasets --datasets cora-ml-synthetic,dblp-synthetic
+        --features dblp-synthetic=512 --blocks 32,64 --sae imagenet,luna16 --jsonl rows.jsonl  # other data sets
+    .venv/bin/python scripts/fuseflow_findings.py --only fuseflow-full --blocks 32,64   # FuseFlow's full GPT-3
+    .venv/bin/python scripts/fuseflow_findings.py --render rows.jsonl   # the datasets tables of (pieced) runs
 
 speedup = unfused cycles / configuration cycles; FLOPs and bytes are ratios to unfused.
 GNNs: GCN and GraphSAGE on Cora (size "default"), unfused / per-layer partial / full with
@@ -14,7 +18,14 @@ par: the partially fused attention region of that decoder with 1, 2, 4 lanes ove
 4 lanes over its outermost output level and 4 x 4 over query rows x heads (its own cycles, the
 other regions left out).
 fuseflow-full: FuseFlow's fully fused GPT-3 (each decoder's FFN region with the next decoder's
-LN+QKV) on two full-size decoders, counted over 12 decoders as FuseFlow's artifact counts it.
+LN+QKV) on two full-size decoders, counted over 12 decoders as FuseFlow's artifact counts it
+(at every block of --blocks, default 16).
+datasets: FuseFlow's table over its other data sets (scripts/fuseflow_datasets.py): GNNs on the
+synthetic Cora-ML / DBLP / Collab / MAG (--datasets, at the real sets' feature widths), the SAE
+presets (--sae) and the GPT-3 decoder at --blocks; each configuration in a child process that is
+stopped past --mem-gb or --limit-s and reported as not simulated. Full with hoist=False runs only
+on --hoist-false data sets; --features sets other widths (e.g. dblp-synthetic=512). --jsonl appends
+every row as it finishes, --render prints the tables of such rows.
 """
 
 from __future__ import annotations
@@ -120,11 +131,11 @@ def attention_par_rows(block=16, order=None):
     return dict(region=attn.region, order=" ".join(attn.order), rows=rows, heads=head, rows_var=row)
 
 
-def fuseflow_full_rows(reuse_limits=(None, 16)):
+def fuseflow_full_rows(reuse_limits=(None, 16), block=16):
     """FuseFlow's "fully fused" GPT-3 counted as its artifact counts it (run_figure12_benchmarks.py):
     per-layer's regions with each decoder's FFN region also taking the next decoder's LN+QKV, over
     12 decoders = LN+QKV once + 12 attentions + 11 FFN regions with the next LN+QKV + the last FFN
-    region. Simulated on two full-size decoders (seq 1024, width 768, block 16), whose five regions
+    region. Simulated on two full-size decoders (seq 1024, width 768, `block`), whose five regions
     are those components; unfused and per-layer are 12 times one decoder's. `reuse_limit`: the
     target's option (None: the default, which plans a region of more than 16 nodes both with its
     reused producers buffered and inlined and keeps the faster by estimate; 16: always buffered)."""
@@ -132,22 +143,47 @@ def fuseflow_full_rows(reuse_limits=(None, 16)):
     from stitchflow.planner.granularity import gpt3_fuseflow_full
     from stitchflow.program import capture_model
 
-    model = GPT3.preset("gpt3-small", num_layers=2, block=16).eval()
+    model = GPT3.preset("gpt3-small", num_layers=2, block=block).eval()
     x = torch.randn(1024, 768, generator=torch.Generator().manual_seed(0))
     ((_, groups),) = gpt3_fuseflow_full(capture_model(model, (x,), None).graph)
     with torch.no_grad():
         ref = model(x)
     rows = []
     for limit in reuse_limits:
-        options = {"block": 16} | ({"reuse_limit": limit} if limit else {})
+        options = {"block": block} | ({"reuse_limit": limit} if limit else {})
         prog = stitchflow.compile(model, (x,), target="dataflow", fusion=groups, options=options)
         sim = prog.simulate(x)
         qkv, attn, tail_next, _, tail = (r.cycles for r in sim.regions)
-        rows.append(dict(reuse_limit=limit or "default", ln_qkv=qkv, attention=attn, ffn_next_qkv=tail_next,
-                         ffn=tail, decoders12=qkv + 12 * attn + 11 * tail_next + tail,
+        rows.append(dict(block=block, reuse_limit=limit or "default", ln_qkv=qkv, attention=attn,
+                         ffn_next_qkv=tail_next, ffn=tail, decoders12=qkv + 12 * attn + 11 * tail_next + tail,
                          max_err=float((sim.outputs - ref).abs().max())))
         print(f"# fuseflow full, reuse_limit {limit}: {rows[-1]}", flush=True)
     return rows
+
+
+def datasets_part(args, results) -> list:
+    """FuseFlow's other data sets and blocks (scripts/fuseflow_datasets.py), markdown lines."""
+    import fuseflow_datasets as D
+
+    def log(row):
+        if args.jsonl:
+            with open(args.jsonl, "a") as f:
+                f.write(json.dumps(row, default=str) + "\n")
+
+    def names(text):
+        return [] if text in ("", "none") else text.split(",")
+
+    md = []
+    guard = dict(mem_gb=args.mem_gb, limit_s=args.limit_s, log=log)
+    apps = [a for a in args.apps.split(",") if a in ("gcn", "graphsage")]
+    widths = {k: int(v) for k, v in (f.split("=") for f in names(args.features))}
+    for part, md_part in [D.gnn_part(measure, apps, names(args.datasets), hoist_false=names(args.hoist_false),
+                                      features=widths, **guard),
+                          D.gpt3_part(measure, [int(b) for b in names(args.blocks or "32,64")], **guard),
+                          D.sae_part(measure, names(args.sae), **guard)]:
+        results.update(part)
+        md += md_part
+    return md
 
 
 def table(rows, title):
@@ -168,9 +204,27 @@ def main(argv=None):
     ap.add_argument("--no-hoisted", action="store_true", help="skip full fusion with default hoisting (GNNs)")
     ap.add_argument("--apps", default="gcn,graphsage", help="GNN apps (with --only gnn)")
     ap.add_argument("--json", help="also write the raw numbers here")
+    ap.add_argument("--datasets", default="cora-ml-synthetic,dblp-synthetic,collab-synthetic,mag-synthetic",
+                    help="GNN data sets (with --only datasets; 'none' for none)")
+    ap.add_argument("--sae", default="imagenet,luna16,nih-cxr", help="SAE presets (with --only datasets)")
+    ap.add_argument("--blocks", help="GPT-3 BigBird blocks, comma separated (default: 32,64 with datasets, "
+                    "16 with fuseflow-full)")
+    ap.add_argument("--hoist-false", default="", help="data sets on which to run full with hoist=False")
+    ap.add_argument("--mem-gb", type=float, default=14.0, help="memory cap of one configuration (datasets)")
+    ap.add_argument("--limit-s", type=float, default=900.0, help="time limit of one configuration (datasets)")
+    ap.add_argument("--features", default="", help="GNN feature widths other than the real sets', "
+                    "e.g. dblp-synthetic=512")
+    ap.add_argument("--jsonl", help="append every datasets row here as it finishes")
+    ap.add_argument("--render", metavar="JSONL", help="print the datasets tables of the rows in JSONL (appended "
+                    "by --jsonl, in one run or several) and exit")
     ap.add_argument("--attention-order", help="dataflow order of the attention output (matmul_1) for "
                     "the lanes study, e.g. 'i j k k1 l' (heads outermost); default: the estimated cheapest")
     args = ap.parse_args(argv)
+    if args.render:
+        import fuseflow_datasets
+
+        print("\n".join(fuseflow_datasets.render_jsonl(args.render)))
+        return
     parts = args.only.split(",")
     skip = ("full, hoisted",) if args.no_hoisted else ()
     results: dict = dict(date=datetime.date.today().isoformat(), torch=torch.__version__,
@@ -187,14 +241,17 @@ def main(argv=None):
         rows = app_rows("gpt3-bigbird", dict(size="decoder", block=16), GPT3_CONFIGS)
         results["gpt3-bigbird"] = rows
         md += [table(rows, "GPT-3-small BigBird, one decoder, seq 1024, block 16 (sparsity blocking b=16)"), ""]
+    if "datasets" in parts:
+        md += datasets_part(args, results)
     if "fuseflow-full" in parts:
-        rows = fuseflow_full_rows()
+        rows = [r for b in map(int, (args.blocks or "16").split(","))
+                for r in fuseflow_full_rows((None,) if b != 16 else (None, 16), block=b)]
         results["fuseflow_full"] = rows
         md += ["**GPT-3-small BigBird, FuseFlow's fully fused configuration over 12 decoders** (cycles)", "",
-               "| reuse_limit | LN+QKV | attention | FFN + next LN+QKV | last FFN | 12 decoders |",
-               "|---|---|---|---|---|---|"]
-        md += [f"| {r['reuse_limit']} | {r['ln_qkv']:,} | {r['attention']:,} | {r['ffn_next_qkv']:,} | {r['ffn']:,} | "
-               f"{r['decoders12']:,} |" for r in rows]
+               "| block | reuse_limit | LN+QKV | attention | FFN + next LN+QKV | last FFN | 12 decoders | max err |",
+               "|---|---|---|---|---|---|---|---|"]
+        md += [f"| {r['block']} | {r['reuse_limit']} | {r['ln_qkv']:,} | {r['attention']:,} | {r['ffn_next_qkv']:,} | "
+               f"{r['ffn']:,} | {r['decoders12']:,} | {r['max_err']:.1e} |" for r in rows]
         md.append("")
     if "par" in parts:
         par = attention_par_rows(order=args.attention_order)
