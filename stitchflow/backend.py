@@ -198,14 +198,17 @@ class StitchflowModule(torch.nn.Module):
         return _Call(self.programs[key], self.bound[key], args, key)
 
     def _compile(self, args) -> tuple[Program | None, dict, list]:
-        target = self.target or ("gpu" if any(isinstance(a, torch.Tensor) and a.is_cuda for a in args) else "reference")
+        device = traced_cuda_device(self.gm)
+        target = self.target or ("gpu" if device is not None or any(isinstance(a, torch.Tensor) and a.is_cuda
+                                                                    for a in args) else "reference")
         try:
             captured = capture(self.gm, self._as_traced(args))  # the IR has no layouts; eager's example values do
             bound = {k: a for k, a in enumerate(args) if k not in self.moved and _static_address(a)}
             layouts = self._layout_options(captured, args, bound)
             captured = bind_inputs(captured, args, bound)
+            options = {**self.program_options, **layouts, **({"device": device} if device is not None else {})}
             prog = Program(captured, regions_for(captured.graph, self.fusion, target=target), target, self.fusion,
-                           {**self.program_options, **layouts})
+                           options)
             log.info("stitchflow: %s compiled for %s: %d nodes in %d regions, %d inputs bound in place", self.name,
                      target, len(captured.graph.nodes), len(prog.regions), len(bound))
             return prog, bound, _dense_strides(captured.example_outputs)
@@ -296,6 +299,18 @@ class _Call:
     def matches(self, args) -> bool:
         return (len(args) == self.n and all(isinstance(args[k], torch.Tensor) and args[k].data_ptr() == p for k, p in self.pointers)
                 and all(_signature(args[k]) == s for k, s in self.signature))
+
+
+def traced_cuda_device(gm: fx.GraphModule) -> torch.device | None:
+    """The CUDA device the graph's traced values live on, if any. A partition may take no CUDA input and still
+    make CUDA tensors: BART's attention mask, from factory ops on the device and a dtype's minimum that
+    AOTAutograd lifts as a constant on the CPU. Judged by its inputs alone, it ran on the reference target,
+    on the CPU, and the next graph met the mask there."""
+    for node in gm.graph.nodes:
+        value = node.meta.get("val", node.meta.get("example_value"))
+        if isinstance(value, torch.Tensor) and value.device.type == "cuda":
+            return value.device
+    return None
 
 
 def _signature(a):

@@ -144,10 +144,12 @@ class Program:
         """0-dim CPU tensors beside CUDA ones, moved to the device: eager takes them as scalars, kernels take
         device pointers (AOTAutograd lifts a tensor the model makes from a Python number, DeBERTa's
         torch.tensor(head_dim) or a dtype's minimum in BART's mask, as such a constant; a kernel whose first input
-        it was also allocated its outputs on the CPU). Which names move is worked out on the first call."""
+        it was also allocated its outputs on the CPU). The device is that of the CUDA tensors, or options["device"]
+        (the backend's, for a partition whose only tensor inputs are such constants). Which names move is worked
+        out on the first call."""
         if self._scalar_moves is None:
             tensors = [(n, v) for n, v in env.items() if isinstance(v, torch.Tensor)]
-            device = next((v.device for _, v in tensors if v.device.type == "cuda"), None)
+            device = next((v.device for _, v in tensors if v.device.type == "cuda"), self.options.get("device"))
             names = tuple(n for n, v in tensors if v.dim() == 0 and v.device.type == "cpu") if device else ()
             self._scalar_moves = (device, names)
         device, names = self._scalar_moves

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -475,6 +476,23 @@ def test_a_vmap_body_runs_eagerly_and_the_rest_compiles():
     report = backend.fallback_report()
     assert "batched by torch.vmap" in report and "whole graph" not in report and "failed" not in report
     assert backend.regions_executed() >= 1
+
+
+def test_a_partition_without_cuda_inputs_that_makes_cuda_tensors_runs_on_the_gpu_target():
+    """BART's mask partition takes only a CPU constant (a dtype's minimum) and makes its tensors on the device:
+    its traced values say CUDA, and that chooses the gpu target and the device (traced with fake CUDA tensors,
+    which need no GPU)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    graph = fx.Graph()
+    low = graph.placeholder("low")
+    mask = graph.call_function(torch.full, ((4, 4), low), {"device": "cuda"})
+    graph.output(mask)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        low.meta["val"], mask.meta["val"] = torch.tensor(-1.0), torch.full((4, 4), -1.0, device="cuda")
+    assert backend.traced_cuda_device(fx.GraphModule(torch.nn.Module(), graph)) == torch.device("cuda", 0)
+    mask.meta["val"] = torch.full((4, 4), -1.0)
+    assert backend.traced_cuda_device(fx.GraphModule(torch.nn.Module(), graph)) is None
 
 
 def test_indexing_by_a_tensor_made_in_the_graph_compiles():
