@@ -381,7 +381,8 @@ def accumulate(vals: Stream, crds: list[Stream], parent: Stream, p: Prim) -> S.S
     values = _tile_reduce(vals.fval[anc[-1]], p) if reduced else vals.fval[anc[-1]]
     n_parent = int(np.count_nonzero(is_item(parent)))
     sizes = [n_parent] + [p.param("sizes")[k] for k in kept]
-    kinds = (S.DENSE,) + (S.COMPRESSED,) * len(kept)
+    dense = p.param("dense", 0)  # a buffer's leading levels addressed by coordinate (Lowerer.branch)
+    kinds = (S.DENSE,) * (1 + dense) + (S.COMPRESSED,) * (len(kept) - dense)
     dense_size = int(np.prod(sizes, dtype=np.float64)) if sizes else 1
     if reduced and values.ndim == 1 and dense_size <= DENSE_ACC_LIMIT:
         return _dense_accumulate(cols, values, sizes, kinds, p, reduced)

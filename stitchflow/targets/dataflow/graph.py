@@ -16,7 +16,7 @@ Primitive kinds and their inputs -> outputs (streams are ids into `Dataflow.stre
   fill(value)       driver  -> val           a constant value stream
   reduce(op)        val, parent -> val       reduction of the innermost level
   spacc(op)         val, crds..., parent -> storage   sparse accumulator (non-innermost reduction)
-  buffer            val, crds..., parent -> storage   on-chip buffer of a nested result
+  buffer(dense)     val, crds..., parent -> storage   on-chip buffer of a nested result (dense: leading levels by address)
   iota              parent  -> ref           refs into a buffer's first level
   fork(P)           stream  -> P streams     deals one level's items round-robin to P lanes
   join_lanes(P)     lanes   -> merged        merges lanes back fiber by fiber

@@ -8,8 +8,10 @@ values) and a driver stream with the depth's structure. At each variable v of th
 1. nested reductions whose first variable comes no later than v are computed now (a sub-walk
    from the current streams): a value stream when all their free variables are already
    iterated, else an on-chip buffer (sparse accumulator) scanned later like a compressed
-   tensor. A producer placed inside loops it does not depend on is recomputed per
-   coordinate: that is the recomputation FuseFlow studies, and it shows in stream lengths;
+   tensor (a whole tensor buffered before the loops that read it has its first level dense,
+   addressed by coordinate: `addressed`). A producer placed inside loops it does not depend
+   on is recomputed per coordinate: that is the recomputation FuseFlow studies, and it shows
+   in stream lengths;
 2. the join of v follows the expression: intersections for products, unions for ops with
    f(0, ..) = 0, every coordinate for others; compressed levels are scanned and joined, dense
    levels located at the joined coordinates, a dense range scanned where no stored level
@@ -95,6 +97,7 @@ class Lowerer:
 
     def lower_output(self, name: str, expr, out_vars: tuple, extents: dict, order: tuple):
         self.pos = {v: k for k, v in enumerate(order)}
+        self.out_vars = frozenset(out_vars)
         self.extent = extents
         self.orders[name] = tuple(order)
         self.view_info = {}
@@ -194,16 +197,26 @@ class Lowerer:
             self.leaf_axes[leaf] = res.axes
         else:
             sizes = tuple(self.size_of(v) for v in res.levels)
-            params = (("sizes", sizes), ("tile", self.storage_tile(res.levels)))
+            dense = 1 if self.addressed(res.levels, st) else 0
+            params = (("sizes", sizes), ("tile", self.storage_tile(res.levels)), ("dense", dense))
             buf = self.b.one("buffer", (res.values,) + res.crds + (st.driver,), ["storage"], params,
                              label=f"{n.op}_{','.join(n.rvars)} over {','.join(res.levels)}", depth=st.depth)
             leaf = Leaf(self.n_leaves, "buf", res.levels)
             self.leaf_axes[leaf] = res.axes
-            self.leaf_info[leaf] = ViewInfo(buf, ("#",) + res.levels, ("d",) + ("c",) * len(res.levels),
-                                            (0,) + sizes, self.storage_tile(res.levels))
+            formats = ("d",) + ("d",) * dense + ("c",) * (len(res.levels) - dense)
+            self.leaf_info[leaf] = ViewInfo(buf, ("#",) + res.levels, formats, (0,) + sizes,
+                                            self.storage_tile(res.levels))
             stream = self.b.one("iota", (st.driver,), ["ref"], label=str(leaf), depth=st.depth)
         self.branch_memo[key] = (leaf, stream)
         return leaf, stream
+
+    def addressed(self, levels: tuple, st: State) -> bool:
+        """Whether a buffer's first level is stored dense, addressed by its coordinate as an on-chip array is:
+        a whole tensor buffered before any loop and read under an output loop it does not carry (GCN's layer 2
+        reads row k1 of layer 1 at each A[i, k1]). Compressed, its readers intersected each row with every
+        stored row: N steps a row, N² over a graph."""
+        first = self.pos[levels[0]]
+        return not st.depth and any(self.pos[u] < first for u in self.out_vars if u not in levels and u in self.pos)
 
     def reduce_level(self, res: Result, parent: int, op: str) -> Result:
         v = res.levels[0]

@@ -227,3 +227,24 @@ def test_a_large_region_inlines_its_reused_producers_when_that_streams_faster():
         inlined = "reused producers inlined" in describe(prog)
         assert inlined == (not extra), extra  # an option that fixes buffers or ranks by tokens keeps them
     assert cycles[()] < 0.8 * cycles[("reuse_limit",)]
+
+
+@pytest.mark.parametrize("app", ["gcn", "graphsage"])
+def test_hoisted_layer_is_addressed_by_row_not_intersected_with_every_row(app):
+    """Full fusion with hoisting buffers layer 1 before the row loop; layer 2 reads its row k1 at each A[i, k1].
+    The buffer's first level is dense (`Lowerer.addressed`), so the read locates the row: stored compressed, each
+    row of A was intersected with all N stored rows, N² steps that made full fusion slower than per layer on
+    graphs of a few thousand nodes (Cora-ML: 8.97 M cycles against 3.91 M). Now it is no slower than per layer."""
+    from stitchflow.apps import GCN, GraphSAGE, synthetic_powerlaw
+
+    data = synthetic_powerlaw(1500, 4500, num_features=16, seed=3)
+    model = (GCN if app == "gcn" else GraphSAGE)(16, 16, 4).eval()
+    inputs = (data.adjacency("csr"), data.x)
+    expected = model(*inputs)
+    full = stitchflow.compile(model, inputs, target="dataflow", fusion="full")
+    partial = stitchflow.compile(model, inputs, target="dataflow", fusion="partial")
+    buffers = [p for p in dataflows(full)[0].prims if p.kind == "buffer" and p.param("dense")]
+    assert buffers, "layer 1's buffer is addressed by row"
+    sim = full.simulate(*inputs)
+    close(sim.outputs, expected)
+    assert sim.cycles <= 1.1 * partial.simulate(*inputs).cycles
