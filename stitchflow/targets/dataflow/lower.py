@@ -84,6 +84,7 @@ class Lowerer:
         self.leaf_axes: dict = {}  # computed leaf -> the tile axes of its values
         self.padded: frozenset = frozenset()  # variables padded to whole tiles (pad_safe)
         self.branch_memo: dict = {}
+        self.out_vars: frozenset = frozenset()  # the output variables of the tensor being lowered
         self.n_leaves = 0
         self.hoist = self.options.get("hoist", True)
         self.par = dict(self.options.get("par") or {})
