@@ -14,7 +14,6 @@ import os
 import signal
 import time
 
-
 from stitchflow.apps import APPS, GCN, SAE_PRESETS, GraphSAGE, load_dataset
 
 # real feature widths and classes: PyG CitationFull Cora_ML (2,879 features, 7 classes) and DBLP
@@ -98,6 +97,14 @@ def guarded(fn, mem_gb: float, limit_s: float) -> dict:
     return json.loads(text)
 
 
+def add_ratios(row: dict, base: dict) -> None:
+    """speedup (base cycles over the row's), FLOPs and bytes as ratios to `base` (unfused), where both
+    were simulated."""
+    if "cycles" in row and "cycles" in base:
+        row.update(speedup=base["cycles"] / row["cycles"], flops_x=row["flops"] / base["flops"],
+                   bytes_x=row["bytes"] / base["bytes"])
+
+
 def run_configs(measure, app, model, inputs, configs, published, mem_gb, limit_s, skip=None, log=None, **extra):
     """The configurations of one app / data set; `skip`: {label: why} not run at all. `published`:
     (partial, full) speedups or None. Each row goes to `log(row)` as soon as it is done."""
@@ -116,9 +123,7 @@ def run_configs(measure, app, model, inputs, configs, published, mem_gb, limit_s
               f"{row['wall_s']} s)", flush=True)
     base = rows[0]
     for row in rows:
-        if "cycles" in row and "cycles" in base:
-            row.update(speedup=base["cycles"] / row["cycles"], flops_x=row["flops"] / base["flops"],
-                       bytes_x=row["bytes"] / base["bytes"])
+        add_ratios(row, base)
         pub = dict(zip(("partial", "full"), published or ()))
         row["published"] = pub.get(row["fusion"]) if row["config"] != "full, hoisted" else None
     return rows
@@ -225,9 +230,7 @@ def render_jsonl(path: str) -> list:
         for row in rows:
             row["published"] = None if row["config"] == "full, hoisted" else dict(zip(("partial", "full"), pub)).get(
                 row["fusion"])
-            if "cycles" in row and "cycles" in base:
-                row.update(speedup=base["cycles"] / row["cycles"], flops_x=row["flops"] / base["flops"],
-                           bytes_x=row["bytes"] / base["bytes"])
+            add_ratios(row, base)
         if app in ("gcn", "graphsage"):
             name, real, classes = GNN_DATASETS[dataset]
             features = features or real
