@@ -144,6 +144,7 @@ class StitchflowModule(torch.nn.Module):
             return self._run(call, args)
         try:  # the first run of a program: a failure here (a kernel that does not build) costs speed only
             out = self._run(call, args)
+            check_output_devices(self.gm, out)
         except KernelMismatch:  # options["check_kernels"]: the user asked to be told
             raise
         except Exception as err:
@@ -303,14 +304,27 @@ class _Call:
 
 def traced_cuda_device(gm: fx.GraphModule) -> torch.device | None:
     """The CUDA device the graph's traced values live on, if any. A partition may take no CUDA input and still
-    make CUDA tensors: BART's attention mask, from factory ops on the device and a dtype's minimum that
-    AOTAutograd lifts as a constant on the CPU. Judged by its inputs alone, it ran on the reference target,
-    on the CPU, and the next graph met the mask there."""
+    make CUDA tensors: BART's attention mask, made of aranges on the device and nothing else. Judged by its
+    inputs alone, it ran on the reference target, on the CPU, and the next graph met the mask there."""
     for node in gm.graph.nodes:
         value = node.meta.get("val", node.meta.get("example_value"))
         if isinstance(value, torch.Tensor) and value.device.type == "cuda":
             return value.device
     return None
+
+
+def check_output_devices(gm: fx.GraphModule, out) -> None:
+    """Raise if a program's output is not on the device its traced value was on. The next graph was traced
+    with eager's devices and would fail there, far from the cause (a factory op placed on the wrong device)."""
+    outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    traced = [n.meta.get("val", n.meta.get("example_value")) if isinstance(n, fx.Node) else None
+              for n in (outputs if isinstance(outputs, (tuple, list)) else [outputs])]
+    got = [out] if isinstance(out, torch.Tensor) else list(out) if isinstance(out, (tuple, list)) else []
+    if len(got) != len(traced):
+        return
+    for k, (want, have) in enumerate(zip(traced, got)):
+        if isinstance(want, torch.Tensor) and isinstance(have, torch.Tensor) and want.device.type != have.device.type:
+            raise StitchflowError(f"output {k} came out on {have.device}, traced on {want.device}")
 
 
 def _signature(a):

@@ -495,6 +495,48 @@ def test_a_partition_without_cuda_inputs_that_makes_cuda_tensors_runs_on_the_gpu
     assert backend.traced_cuda_device(fx.GraphModule(torch.nn.Module(), graph)) is None
 
 
+def _bidirectional_keep():
+    """BART's encoder mask as transformers 5 makes it: aranges alone, no tensor read."""
+    positions = torch.arange(32) + 0
+    return (positions[None, None, :, None] >= 0).expand(2, -1, 32, 32)
+
+
+def _dynamo_graph(fn, *args) -> fx.GraphModule:
+    graphs = []
+    torch.compile(fn, backend=lambda gm, example: graphs.append(gm) or gm.forward)(*args)
+    return graphs[0]
+
+
+def test_a_gpu_program_that_reads_no_tensor_makes_its_outputs_on_the_programs_device():
+    """A kernel that reads nothing runs its nodes through torch (an arange has no input to say where): on the
+    program's device, which the backend sets from the traced values. On the CPU they landed, and the next graph
+    met BART's mask there. (The meta device stands in for CUDA.)"""
+    from stitchflow.frontend.capture import capture
+    from stitchflow.planner.regions import regions_for
+    from stitchflow.program import Program
+
+    captured = capture(_dynamo_graph(_bidirectional_keep), [])
+    regions = regions_for(captured.graph, "auto", target="gpu")
+    out = Program(captured, regions, "gpu", "auto", {"device": torch.device("meta")})()
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    assert out.device.type == "meta" and out.shape == (2, 1, 32, 32) and out.dtype == torch.bool
+
+
+def test_a_program_output_on_another_device_than_traced_runs_eagerly_with_the_reason():
+    """The first call checks each output's device against its traced value's: a mismatch would fail in the
+    next graph, far from its cause, so the partition runs eagerly instead and says why."""
+    gm = _dynamo_graph(_bidirectional_keep)
+    output = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
+    output.meta["example_value"] = torch.empty(2, 1, 32, 32, dtype=torch.bool, device="meta")
+    backend.FALLBACKS.clear()
+    module = backend.StitchflowModule(gm, "reference", "auto", "mask")
+    want = _bidirectional_keep()
+    assert_close(module()[0], want)
+    assert "mask: its program failed on the first call" in backend.fallback_report()
+    assert "output 0 came out on cpu, traced on meta" in backend.fallback_report()
+    assert_close(module()[0], want)
+
+
 def test_indexing_by_a_tensor_made_in_the_graph_compiles():
     """x.flatten()[torch.tensor([...])]: torch.fx's partitioner moved the index's getitem between the
     indexed tensor's partition and the eager torch.tensor's forever (the compile never returned)."""

@@ -330,12 +330,16 @@ class GroupKernel:
         # no GPU and no interpreter, or nothing read (an arange, an identity: torch makes them where the
         # program's tensors are, which a kernel with no inputs would not know)
         if first is None or (first.device.type == "cpu" and not interpreting()):
+            # nothing read: the program's device (the backend's, for a partition that takes no tensor and makes
+            # CUDA ones: BART's attention mask, all aranges), else the CPU
+            device = self.options.get("device") if first is None else None
             # in the graph's order: a plan may read a value (a constant folded into the kernels) that a
             # later plan makes
             needed = self._evaluated(env)
             for n in self.graph.nodes:
                 if n.name in needed:
-                    env[n.name] = eval_node(n, env, self.graph.type_of[n.name])
+                    value = eval_node(n, env, self.graph.type_of[n.name])
+                    env[n.name] = value.to(device) if device is not None and isinstance(value, torch.Tensor) else value
             return
         sig = self._signature(env)
         launch = self._built.get(sig)
