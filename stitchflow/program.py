@@ -28,7 +28,10 @@ log = logging.getLogger("stitchflow")
 
 
 class Program:
-    def __init__(self, captured: Captured, regions: Sequence[Region], target: str, fusion, options=None):
+    def __init__(self, captured: Captured, regions: Sequence[Region], target: str, fusion, options=None,
+                 examples: Mapping[str, Any] | None = None):
+        """`examples`: example inputs by IR name, for a target's static estimates (the dataflow target's order
+        search counts their non-zeros); the compiled program does not keep them."""
         self.target = get_target(target)
         self.options = dict(options or {})
         if hasattr(self.target, "prepare"):  # a target's own rewrite of the graph before its regions compile
@@ -51,7 +54,8 @@ class Program:
         if bad:
             r, why = bad[0]
             raise StitchflowError(f"target {target!r} cannot run region {r.name}: {why}")
-        self._compiled = [self.target.compile_region(self.graph, r, captured.param_values, self.options) for r in self.regions]
+        self._compiled = [self.target.compile_region(self.graph, r, captured.param_values, self.options, examples)
+                          for r in self.regions]
         use_graphs = self.options.get("cuda_graphs", target == "gpu")
         if use_graphs not in (True, False, "always"):
             raise StitchflowError(f"options['cuda_graphs'] must be True (replay where a replay is faster), False or "
@@ -289,7 +293,7 @@ def compile(model_or_fn, example_inputs: Sequence[Any] = (), *, example_kwargs: 
     values = dict(captured.param_values) | {
         name: x for name, x in zip(captured.graph.inputs, [x for x in flat if isinstance(x, torch.Tensor)])}
     regions = regions_for(captured.graph, fusion, target=target, values=values)
-    prog = Program(captured, regions, target, fusion, options)
+    prog = Program(captured, regions, target, fusion, options, examples=values)
     prog.plan_values = values
     prog.reference = model_or_fn
     if example_kwargs:

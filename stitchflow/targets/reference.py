@@ -13,7 +13,7 @@ class ReferenceTarget:
     def check_region(self, graph: Graph, region: Region) -> str | None:
         return None
 
-    def compile_region(self, graph: Graph, region: Region, params: dict, options: dict):
+    def compile_region(self, graph: Graph, region: Region, params: dict, options: dict, examples=None):
         nodes = [graph.node_of[n] for n in region.nodes]
 
         def run(env):

@@ -178,29 +178,41 @@ def _rank_hoisting(expr, out_vars) -> dict:
 
 # ---------------------------------------------------------------- static token estimate
 
-def estimate(df, fibers: dict[int, list[float]]) -> float:
+def estimate(df, fibers: dict[int, list[float]], biased: dict[int, list[float]] | None = None) -> float:
     """Tokens all primitives emit, estimated without data: `fibers[load stream]` gives the
-    mean fiber length of each level of a loaded tensor."""
-    tokens = stream_tokens(df, fibers)
+    mean fiber length of each level of a loaded tensor (`biased`, where known, the size-biased
+    mean: see stream_tokens)."""
+    tokens = stream_tokens(df, fibers, biased=biased)
     return sum(tokens[s] for p in df.prims if p.kind not in ("load", "write") for s in p.outs)
 
 
-def stream_tokens(df, fibers: dict[int, list[float]], steps: bool = False) -> dict[int, float]:
+def stream_tokens(df, fibers: dict[int, list[float]], steps: bool = False,
+                  biased: dict[int, list[float]] | None = None) -> dict[int, float]:
     """Estimated tokens of every stream (`estimate`'s counts). `steps` counts what primitives step
     over, for the cycle estimate: also the stop closing each fiber a scan or range opens, one value
-    per ref a read takes (its storage operand is not a stream), an ALU's longest input."""
+    per ref a read takes (its storage operand is not a stream), an ALU's longest input.
+    A fiber located at the coordinates of a scanned (sparse) level, and not walked in turn, counts
+    its tensor's size-biased mean length (`biased[load stream]`): GCN's A[k1, :] at each non-zero
+    A[i, k1] is a hub's row as often as the hub is a neighbour, sum(deg^2) / sum(deg) long."""
     n: dict[int, float] = {}
     per_level: dict[int, list[float]] = dict(fibers)
     closing = 1.0 if steps else 0.0
+    sparse_crd, located = set(), set()  # coordinate streams of scans and joins; refs located at them
     for p in df.prims:
         ins = [n.get(s, 0.0) for s in p.ins]
         k = p.kind
+        if k in ("scan", "join"):
+            sparse_crd.add(p.outs[0])
+        elif (k == "locate" and p.ins[0] in sparse_crd) or (k == "repeat" and p.ins[0] in located):
+            located.add(p.outs[0])
         if k == "root":
             outs = [1.0]
         elif k in ("load",):
             outs = [0.0]
         elif k == "scan":
             fib = per_level.get(p.ins[0], [])
+            if biased and p.ins[1] in located and p.ins[0] in biased:
+                fib = biased[p.ins[0]]
             lvl = p.param("level")
             f = fib[lvl] if lvl < len(fib) else 1.0
             outs = [ins[1] * (f + closing)] * 2
@@ -243,7 +255,8 @@ STORAGE_KINDS = ("load", "spacc", "buffer", "buffer_write")
 TILE_VALUED = ("alu", "read", "reduce", "spacc", "buffer")  # with blocking, their tokens are b x b tiles
 
 
-def estimate_cycles(df, fibers: dict[int, list[float]], block: int | None = None) -> float:
+def estimate_cycles(df, fibers: dict[int, list[float]], block: int | None = None,
+                    biased: dict[int, list[float]] | None = None) -> float:
     """Cycles of a dataflow graph, estimated without data, as the latest finish of a primitive
     along its critical path (spec/dataflow.md's timing): each primitive steps once per token it
     consumes or emits, at interval 1 (b for a b x b tile contraction), and its first token
@@ -253,7 +266,9 @@ def estimate_cycles(df, fibers: dict[int, list[float]], block: int | None = None
     accumulates a whole matrix before the next stage may read it pays the stages one after the
     other, where an order that accumulates row by row overlaps them. With blocking, loaded
     levels count tiles (their `tile` extents), as scans, ranges and accumulators do."""
-    n = stream_tokens(df, _tiled(df, fibers) if block else fibers, steps=True)
+    if block:
+        fibers, biased = _tiled(df, fibers), _tiled(df, biased) if biased else None
+    n = stream_tokens(df, fibers, steps=True, biased=biased)
     storage = {s for p in df.prims if p.kind in STORAGE_KINDS for s in p.outs}
     ready: dict[int, float] = {}
     done: dict[int, float] = {}
@@ -295,22 +310,72 @@ def _formula_size(f, items) -> float:
 
 def level_fibers(value, fmt, mode_order) -> list[float]:
     """Mean fiber length per level of a tensor in a format (exact when its values are known)."""
-    shape = [int(value.shape[m]) for m in mode_order] if value is not None else None
+    return level_fiber_moments(value, fmt, mode_order)[0]
+
+
+def level_fiber_moments(value, fmt, mode_order) -> tuple[list[float], list[float]]:
+    """Per level, the mean fiber length (the distinct coordinate prefixes of the non-zeros at that level over
+    those of the level above) and the size-biased mean, sum(len^2) / sum(len): a fiber's expected length when
+    fibers are picked in proportion to their length, as a row of a graph's adjacency is when located at the
+    coordinates of another row's non-zeros (a hub is everyone's neighbour). Counted on the non-zeros'
+    coordinates, so that a sparse tensor is never made dense (Collab's adjacency has 5.6e10 entries)."""
     if value is None:
-        return []
-    if fmt.is_dense or fmt.block is not None:
-        return [float(s) for s in shape]
+        return [], []
+    shape = [int(value.shape[m]) for m in mode_order]
+    if fmt.is_dense or fmt.block is not None or not shape:
+        return [float(s) for s in shape], [float(s) for s in shape]
+    coords = _nonzero_coordinates(value)[list(mode_order)]
+    if coords.shape[1] == 0:
+        return [0.0] * len(shape), [0.0] * len(shape)
+    coords = coords[:, np.lexsort(coords[::-1])]
+    starts = np.zeros(coords.shape[1], dtype=bool)  # where a new prefix of the levels so far begins
+    starts[0] = True
+    means, biased, parent_of = [], [], np.zeros(coords.shape[1], dtype=np.int64)
+    for lvl in range(len(shape)):
+        starts[1:] |= coords[lvl, 1:] != coords[lvl, :-1]
+        lengths = np.bincount(parent_of[starts])  # each parent prefix's distinct children at this level
+        means.append(float(lengths.sum()) / len(lengths))
+        biased.append(float((lengths.astype(np.float64) ** 2).sum()) / float(lengths.sum()))
+        parent_of = np.cumsum(starts) - 1
+    return means, biased
+
+
+def _nonzero_coordinates(value) -> np.ndarray:
+    """(ndim, nnz) coordinates of a tensor's non-zeros, from its sparse structure where it has one."""
     import torch
 
-    dense = value.to_dense() if value.layout != torch.strided else value
-    nz = (dense != 0).permute(tuple(mode_order)).numpy() if dense.dim() else np.ones(())
-    out, parents = [], 1.0
-    for lvl in range(len(shape)):
-        present = nz.reshape(nz.shape[: lvl + 1] + (-1,)).any(axis=-1) if lvl + 1 < len(shape) else nz
-        count = float(np.count_nonzero(present))
-        out.append(count / max(parents, 1.0))
-        parents = count
-    return out
+    if value.layout == torch.strided:
+        return torch.nonzero(value).T.numpy()
+    coo = value.to_sparse_coo().coalesce()
+    stored = coo.values() != 0
+    if stored.dim() > 1:  # a hybrid tensor's dense part: an entry counts where any of its values does
+        stored = stored.flatten(1).any(1)
+    return coo.indices()[:, stored].numpy()
+
+
+class KnownFibers:
+    """Level fiber lengths of the tensors whose values are known at compile time (parameters, and the
+    example inputs a program is compiled on), each counted once per mode order: the order search asks
+    for them once per candidate."""
+
+    def __init__(self, values: dict):
+        self.values, self.memo = values, {}
+
+    def __contains__(self, name) -> bool:
+        return name in self.values
+
+    def fibers(self, name: str, fmt, mode_order) -> list[float]:
+        return self._moments(name, fmt, mode_order)[0]
+
+    def biased(self, name: str, fmt, mode_order) -> list[float]:
+        """Size-biased mean fiber lengths (level_fiber_moments)."""
+        return self._moments(name, fmt, mode_order)[1]
+
+    def _moments(self, name, fmt, mode_order):
+        key = (name, tuple(mode_order))
+        if key not in self.memo:
+            self.memo[key] = level_fiber_moments(self.values[name], fmt, mode_order)
+        return self.memo[key]
 
 
 def guessed_fibers(fmt, shape_in_level_order) -> list[float]:

@@ -45,8 +45,9 @@ class DataflowTarget:
             return str(err)
         return None
 
-    def compile_region(self, graph: Graph, region: Region, params: dict, options: dict):
-        return compile_region(graph, region, params, dict(options or {}))
+    def compile_region(self, graph: Graph, region: Region, params: dict, options: dict, examples=None):
+        """`examples`: the example inputs by IR name, whose non-zeros the order search counts (not kept)."""
+        return compile_region(graph, region, O.KnownFibers({**(examples or {}), **params}), dict(options or {}))
 
     def buffered(self, graph: Graph, nodes, options=None) -> frozenset[str]:
         """The region nodes this target writes once into an on-chip buffer rather than recompute
@@ -119,11 +120,12 @@ def _check_views(graph: Graph, expr) -> None:
                               f"(the tensor is stored {fmt}; only dense tensors are addressed by arithmetic)")
 
 
-def compile_region(graph: Graph, region: Region, params: dict, options: dict) -> CompiledRegion:
+def compile_region(graph: Graph, region: Region, known: O.KnownFibers, options: dict) -> CompiledRegion:
+    """`known`: the fiber lengths of the tensors whose values are known (the static order estimate's data)."""
     plans, buffered = _plan(graph, region, options)
     _check_options(options, plans)
-    chosen = _orders(graph, region, params, options, plans, buffered)
-    plans, buffered, chosen, note = _shared_or_inlined(graph, region, params, options, plans, buffered, chosen)
+    chosen = _orders(graph, region, known, options, plans, buffered)
+    plans, buffered, chosen, note = _shared_or_inlined(graph, region, known, options, plans, buffered, chosen)
     needed = frozenset(RegionExprs.needed(graph, region))
     low = Lowerer(graph, region.name, options, buffered=frozenset(buffered), needed=needed)
     notes = [note] if note else []
@@ -138,7 +140,7 @@ def compile_region(graph: Graph, region: Region, params: dict, options: dict) ->
     return CompiledRegion(region, low.dataflow(notes), {k: v[0] for k, v in plans.items()})
 
 
-def _orders(graph, region, params, options, plans, buffered) -> dict:
+def _orders(graph, region, known, options, plans, buffered) -> dict:
     """Each output's order: {name: (order, why it was chosen or None when given, estimated cycles or None)}."""
     out = {}
     for name, (expr, out_vars, extents, dag, reformat) in plans.items():
@@ -152,7 +154,7 @@ def _orders(graph, region, params, options, plans, buffered) -> dict:
         if order is not None:
             out[name] = (order, None, None)
         else:
-            out[name] = best_order(graph, region, params, options, name, expr, out_vars, extents, dag, buffered,
+            out[name] = best_order(graph, region, known, options, name, expr, out_vars, extents, dag, buffered,
                                    reformat, streamed)
     return out
 
@@ -162,7 +164,7 @@ INLINE_GROWTH = 32  # inlining reused producers may grow a region's expression t
 # chains of reuse, a residual stream through many layers, from growing exponentially)
 
 
-def _shared_or_inlined(graph, region, params, options, plans, buffered, chosen):
+def _shared_or_inlined(graph, region, known, options, plans, buffered, chosen):
     """A region of more than `reuse_limit` nodes buffers every producer it reads twice, and its walks
     then run one after another (a buffer is read once written). Where its default orders are ranked
     by cycles and no option fixes the buffers or the orders, the region is also planned with those
@@ -180,7 +182,7 @@ def _shared_or_inlined(graph, region, params, options, plans, buffered, chosen):
     if kept == frozenset(buffered) or _inlined_size(graph, region, kept) > INLINE_GROWTH * len(region.nodes):
         return same
     alt_plans, alt_buffered = _plan(graph, region, inline)
-    alt_chosen = _orders(graph, region, params, inline, alt_plans, alt_buffered)
+    alt_chosen = _orders(graph, region, known, inline, alt_plans, alt_buffered)
     shared, inlined = _walks_path(plans, buffered, chosen), _walks_path(alt_plans, alt_buffered, alt_chosen)
     if inlined >= shared:
         return same
@@ -240,7 +242,7 @@ ORDER_BY = ("cycles", "tokens")
 CYCLE_TIE = 1.10  # estimated cycles within 10% count as equal (the estimate is that coarse); fewer tokens decide
 
 
-def best_order(graph, region, params, options, name, expr, out_vars, extents, dag, buffered, reformat=(),
+def best_order(graph, region, known, options, name, expr, out_vars, extents, dag, buffered, reformat=(),
                streamed=None):
     """The candidate order the static estimate likes best (with hoist=False, among those whose
     streamed loop nest respects the storage orders), what the estimate said, and its estimated
@@ -268,17 +270,19 @@ def best_order(graph, region, params, options, name, expr, out_vars, extents, da
         low.reformat = {str(v) for v in reformat}
         low.lower_output(name, expr, out_vars, extents, cand)
         df = low.dataflow()
-        fibers = _fibers(graph, params, df)
-        cycles = O.estimate_cycles(df, fibers, options.get("block")) if by == "cycles" else 0.0
-        rows.append((cand, cycles, O.estimate(df, fibers)))
+        fibers, biased = _fibers(graph, known, df)
+        cycles = O.estimate_cycles(df, fibers, options.get("block"), biased) if by == "cycles" else 0.0
+        rows.append((cand, cycles, O.estimate(df, fibers, biased)))
     fastest = min(r[1] for r in rows)
     cand, cycles, tokens = min((r for r in rows if r[1] <= CYCLE_TIE * fastest), key=lambda r: r[2])
     why = f"estimated {cycles:.3g} cycles, {tokens:.3g} tokens" if by == "cycles" else f"estimated {tokens:.3g} tokens"
     return cand, f"{why}, best of {len(rows)} candidates", cycles
 
 
-def _fibers(graph: Graph, params: dict, df: Dataflow) -> dict:
-    out = {}
+def _fibers(graph: Graph, known: O.KnownFibers, df: Dataflow) -> tuple[dict, dict]:
+    """Per loaded tensor's storage stream, its mean fiber length per level, and the size-biased means of the
+    tensors whose values are known."""
+    out, biased = {}, {}
     for p in df.prims:
         if p.kind != "load":
             continue
@@ -289,8 +293,9 @@ def _fibers(graph: Graph, params: dict, df: Dataflow) -> dict:
         kinds = p.param("kinds")
         if all(k == "d" for k in kinds):
             out[p.outs[0]] = [float(s) for s in sizes]
-        elif name in params:
-            out[p.outs[0]] = O.level_fibers(params[name], fmt, p.param("modes"))
+        elif name in known:
+            out[p.outs[0]] = known.fibers(name, fmt, p.param("modes"))
+            biased[p.outs[0]] = known.biased(name, fmt, p.param("modes"))
         else:
             out[p.outs[0]] = O.guessed_fibers(fmt, sizes)
-    return out
+    return out, biased

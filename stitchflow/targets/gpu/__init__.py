@@ -94,7 +94,7 @@ class GpuTarget:
             return captured, regions
         return dataclasses.replace(captured, graph=graph, layouts={**captured.layouts, **layouts}), regions
 
-    def compile_region(self, graph: Graph, region: Region, params: dict, options: dict):
+    def compile_region(self, graph: Graph, region: Region, params: dict, options: dict, examples=None):
         options = dict(options or {})
         graph = window_scatters(fold_iotas(graph, params), params)
         graph = sink_widening_casts(unroll_small_sums(gather_one_hots(graph)))
