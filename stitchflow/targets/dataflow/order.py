@@ -197,13 +197,15 @@ def stream_tokens(df, fibers: dict[int, list[float]], steps: bool = False,
     n: dict[int, float] = {}
     per_level: dict[int, list[float]] = dict(fibers)
     closing = 1.0 if steps else 0.0
-    sparse_crd, located = set(), set()  # coordinate streams of scans and joins; refs located at them
+    # coordinates of an inner level's non-zeros (a neighbour's index: each coordinate comes again under
+    # other outer coordinates, as often as it is a neighbour; an outer level's come once), and refs located at them
+    neighbours, located = set(), set()
     for p in df.prims:
         ins = [n.get(s, 0.0) for s in p.ins]
         k = p.kind
-        if k in ("scan", "join"):
-            sparse_crd.add(p.outs[0])
-        elif (k == "locate" and p.ins[0] in sparse_crd) or (k == "repeat" and p.ins[0] in located):
+        if (k == "scan" and p.param("level") >= 1) or (k == "join" and neighbours.intersection(p.ins[0::2])):
+            neighbours.add(p.outs[0])
+        elif (k == "locate" and p.ins[0] in neighbours) or (k == "repeat" and p.ins[0] in located):
             located.add(p.outs[0])
         if k == "root":
             outs = [1.0]
