@@ -206,10 +206,11 @@ class StitchflowModule(torch.nn.Module):
             captured = capture(self.gm, self._as_traced(args))  # the IR has no layouts; eager's example values do
             bound = {k: a for k, a in enumerate(args) if k not in self.moved and _static_address(a)}
             layouts = self._layout_options(captured, args, bound)
+            examples = dict(zip(captured.graph.inputs, [a for a in args if isinstance(a, torch.Tensor)]))
             captured = bind_inputs(captured, args, bound)
             options = {**self.program_options, **layouts, **({"device": device} if device is not None else {})}
             prog = Program(captured, regions_for(captured.graph, self.fusion, target=target), target, self.fusion,
-                           options)
+                           options, examples)
             log.info("stitchflow: %s compiled for %s: %d nodes in %d regions, %d inputs bound in place", self.name,
                      target, len(captured.graph.nodes), len(prog.regions), len(bound))
             return prog, bound, _dense_strides(captured.example_outputs)

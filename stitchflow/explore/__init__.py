@@ -204,11 +204,12 @@ def evaluate(key: AppKey, target: str, config: Config, blocks=()) -> dict:
     if simulator_available(target):
         from ..program import Program
 
-        captured, inputs, _ = load_app(key)
+        captured, inputs, values = load_app(key)
         regions = [list(g) for g in config.groups]
         from ..planner.regions import ordered_regions
 
-        prog = Program(captured, ordered_regions(captured.graph, regions), target, regions, config.options)
+        prog = Program(captured, ordered_regions(captured.graph, regions), target, regions, config.options,
+                       examples=values)
         sim = prog.simulate(*inputs)
         result.update(value=float(getattr(sim, "cycles", sim)), by="simulator")
     return result
