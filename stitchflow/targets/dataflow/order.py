@@ -191,9 +191,10 @@ def stream_tokens(df, fibers: dict[int, list[float]], steps: bool = False,
     """Estimated tokens of every stream (`estimate`'s counts). `steps` counts what primitives step
     over, for the cycle estimate: also the stop closing each fiber a scan or range opens, one value
     per ref a read takes (its storage operand is not a stream), an ALU's longest input.
-    A fiber located at the coordinates of a scanned (sparse) level, and not walked in turn, counts
-    its tensor's size-biased mean length (`biased[load stream]`): GCN's A[k1, :] at each non-zero
-    A[i, k1] is a hub's row as often as the hub is a neighbour, sum(deg^2) / sum(deg) long."""
+    A fiber located at the coordinates of an inner sparse level (a neighbour's index), rather than
+    walked in turn, counts its tensor's size-biased mean length (`biased[load stream]`): GCN's A[k1, :]
+    at each non-zero A[i, k1] is a hub's row as often as the hub is a neighbour, sum(deg^2) / sum(deg)
+    long; a row located at the outer loop's own coordinate is read once, at the plain mean."""
     n: dict[int, float] = {}
     per_level: dict[int, list[float]] = dict(fibers)
     closing = 1.0 if steps else 0.0
