@@ -54,6 +54,20 @@ def assert_close_to_truth(actual, fn, inputs):
             f"error against float64 {rms(actual):.3g} exceeds twice eager's {rms(expected):.3g} + {floor:.3g}")
 
 
+def dynamo_graph(fn, *inputs):
+    """The graph Dynamo hands a backend for fn(*inputs), and the example inputs it passes."""
+    seen = {}
+
+    def grab(gm, example_inputs):
+        seen.setdefault("gm", gm)
+        seen.setdefault("inputs", list(example_inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=grab, dynamic=False)(*inputs)
+    return seen["gm"], seen["inputs"]
+
+
 def eager_gives_nothing(fn, *inputs) -> bool:
     """Eager refuses the arguments (a RuntimeError) or returns an empty tensor: the cases stitchflow
     must refuse too (zero-size tensors are unsupported by design)."""

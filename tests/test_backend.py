@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import stitchflow.backend as backend
 from stitchflow.backend_layouts import restrided
-from conftest import assert_close
+from conftest import assert_close, dynamo_graph
 from stitchflow.apps import APPS
 
 DENSE_APPS = ["sae", "gpt3-bigbird", "bert", "llama", "resnet", "unet"]
@@ -501,12 +501,6 @@ def _bidirectional_keep():
     return (positions[None, None, :, None] >= 0).expand(2, -1, 32, 32)
 
 
-def _dynamo_graph(fn, *args) -> fx.GraphModule:
-    graphs = []
-    torch.compile(fn, backend=lambda gm, example: graphs.append(gm) or gm.forward)(*args)
-    return graphs[0]
-
-
 def test_a_gpu_program_that_reads_no_tensor_makes_its_outputs_on_the_programs_device():
     """A kernel that reads nothing runs its nodes through torch (an arange has no input to say where): on the
     program's device, which the backend sets from the traced values. On the CPU they landed, and the next graph
@@ -515,7 +509,7 @@ def test_a_gpu_program_that_reads_no_tensor_makes_its_outputs_on_the_programs_de
     from stitchflow.planner.regions import regions_for
     from stitchflow.program import Program
 
-    captured = capture(_dynamo_graph(_bidirectional_keep), [])
+    captured = capture(dynamo_graph(_bidirectional_keep)[0], [])
     regions = regions_for(captured.graph, "auto", target="gpu")
     out = Program(captured, regions, "gpu", "auto", {"device": torch.device("meta")})()
     out = out[0] if isinstance(out, (tuple, list)) else out
@@ -525,7 +519,7 @@ def test_a_gpu_program_that_reads_no_tensor_makes_its_outputs_on_the_programs_de
 def test_a_program_output_on_another_device_than_traced_runs_eagerly_with_the_reason():
     """The first call checks each output's device against its traced value's: a mismatch would fail in the
     next graph, far from its cause, so the partition runs eagerly instead and says why."""
-    gm = _dynamo_graph(_bidirectional_keep)
+    gm = dynamo_graph(_bidirectional_keep)[0]
     output = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
     output.meta["example_value"] = torch.empty(2, 1, 32, 32, dtype=torch.bool, device="meta")
     backend.FALLBACKS.clear()

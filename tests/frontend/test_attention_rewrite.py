@@ -13,21 +13,7 @@ from hypothesis import strategies as st
 
 import stitchflow.backend as backend
 from stitchflow.frontend import attention_rewrite as ar
-from conftest import assert_close
-
-
-def dynamo_graph(fn, *inputs):
-    """The graph Dynamo hands a backend for fn(*inputs), and the example inputs it passes."""
-    seen = {}
-
-    def grab(gm, example_inputs):
-        seen.setdefault("gm", gm)
-        seen.setdefault("inputs", list(example_inputs))
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(fn, backend=grab, dynamic=False)(*inputs)
-    return seen["gm"], seen["inputs"]
+from conftest import assert_close, dynamo_graph
 
 
 def causal_mask(s, dtype=torch.float32, fill=-math.inf):
