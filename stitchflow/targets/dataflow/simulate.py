@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...ir.errors import StitchflowError
+from .chunked import CHUNK_TOKENS, chunked_region_result, run_in_chunks
 from .counters import Counters, count, total
 from .execute import FUNCS
 from .graph import Dataflow
@@ -52,9 +53,11 @@ class RegionResult:
     counters: Counters
     prims: tuple[PrimResult, ...]
     seconds: float = 0.0
+    chunks: int = 1  # > 1: run in chunks of its outermost loop (chunked.py)
 
     def __str__(self) -> str:
-        return f"{self.region}: {self.cycles:,} cycles; {self.counters}"
+        chunks = f" ({self.chunks} chunks)" if self.chunks > 1 else ""
+        return f"{self.region}: {self.cycles:,} cycles{chunks}; {self.counters}"
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,7 @@ class SimResult:
     def as_dict(self) -> dict:
         return {"cycles": self.cycles, "seconds": round(self.seconds, 3), "totals": self.counters.as_dict(),
                 "regions": [{"region": r.region, "cycles": r.cycles, "counters": r.counters.as_dict(),
-                             "seconds": round(r.seconds, 3)} for r in self.regions]}
+                             "seconds": round(r.seconds, 3), "chunks": r.chunks} for r in self.regions]}
 
     def __str__(self) -> str:
         lines = [f"total: {self.cycles:,} cycles; {self.counters}"]
@@ -157,11 +160,19 @@ class Traced:
     counters: dict
 
 
-def run_region(df: Dataflow, env: dict, timing: Timing, engine: str = "fast", progress=None) -> RegionResult:
+def run_region(df: Dataflow, env: dict, timing: Timing, engine: str = "fast", progress=None,
+               chunk_tokens: int | None = CHUNK_TOKENS) -> RegionResult:
+    """Simulate one region on `env` (updated with its outputs). With the fast engine and unbounded
+    channels, a region of more than `chunk_tokens` tokens runs in chunks of its outermost loop
+    (chunked.py; None: always whole)."""
     start = time.perf_counter()
     if engine not in ENGINES:
         raise ValueError(f"unknown simulation engine {engine!r}; known: {', '.join(ENGINES)}")
     keep_all = engine != "fast" or timing.channel_depth is not None
+    if not keep_all and chunk_tokens:
+        done = run_in_chunks(df, env, timing, int(chunk_tokens), _chunk_progress(df, progress))
+        if done is not None:
+            return chunked_region_result(*done, start)
     ctx = Context.of(df, timing)
     uses: dict[int, int] = {}
     for p in df.prims:
@@ -208,10 +219,26 @@ def run_region(df: Dataflow, env: dict, timing: Timing, engine: str = "fast", pr
     return RegionResult(df.region, cycles, total(r.counters for r in prims), prims, time.perf_counter() - start)
 
 
+def _chunk_progress(df: Dataflow, progress):
+    """A chunked run reports the fraction of outer coordinates done as primitives' ticks."""
+    if progress is None:
+        return None
+    state = {"ticked": 0}
+
+    def tick(fraction: float) -> None:
+        target = int(fraction * len(df.prims))
+        for p in df.prims[state["ticked"]:target]:
+            progress(p, ())
+        state["ticked"] = max(state["ticked"], target)
+    return tick
+
+
 # ---------------------------------------------------------------- programs
 
-def simulate(prog, env: dict, engine: str = "fast", progress: bool = False, **timing) -> SimResult:
-    """Run every region of `prog` on `env` (updated in place, as a call does) and time it."""
+def simulate(prog, env: dict, engine: str = "fast", progress: bool = False, chunk_tokens: int | None = CHUNK_TOKENS,
+             **timing) -> SimResult:
+    """Run every region of `prog` on `env` (updated in place, as a call does) and time it. Regions
+    of more than `chunk_tokens` tokens run in chunks of their outermost loop (run_region)."""
     from .target import CompiledRegion
 
     tm = timing.pop("timing", None) or Timing.make(**timing)
@@ -221,7 +248,7 @@ def simulate(prog, env: dict, engine: str = "fast", progress: bool = False, **ti
     with _progress(progress, dfs) as tick:
         for c in prog._compiled:
             if isinstance(c, CompiledRegion):
-                regions.append(run_region(c.dataflow, env, tm, engine, tick))
+                regions.append(run_region(c.dataflow, env, tm, engine, tick, chunk_tokens))
             else:
                 c(env)
     outputs = _outputs(prog, env)

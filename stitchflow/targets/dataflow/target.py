@@ -14,6 +14,7 @@ from ...ir.errors import TargetError
 from ...ir.fold import fold_coordinate_nodes
 from ...ir.graph import Graph, Region
 from . import order as O
+from .chunked import run_in_chunks
 from .execute import execute
 from .graph import Dataflow
 from .lower import Lowerer
@@ -74,7 +75,8 @@ class CompiledRegion:
 
     def __call__(self, env: dict) -> None:
         self.stats = {}
-        env.update(execute(self.dataflow, env, stats=self.stats))
+        if run_in_chunks(self.dataflow, env, None, stats=self.stats) is None:  # small enough to run whole
+            env.update(execute(self.dataflow, env, stats=self.stats))
 
     def run(self, env: dict, trace: dict | None = None) -> dict:
         return execute(self.dataflow, env, trace)
