@@ -24,17 +24,15 @@ and runs the region whole (exactly as before) when its extrapolated tokens fit t
 from __future__ import annotations
 
 import math
-import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from .counters import count, total
-from .execute import FUNCS
 from .graph import Dataflow, Prim
+from .region_run import RegionRun
 from .stream import ELEM, Stream
-from .timing import Context, Timing, schedule
+from .timing import Timing
 
 CHUNK_TOKENS = 200_000_000  # a region of more tokens runs in chunks of its outer loop (~2 GB each)
 WRITERS = ("write", "buffer_write")
@@ -91,86 +89,6 @@ def why_not_chunked(df: Dataflow) -> Chunking | str:
     return Chunking(outer, tuple(once), tuple(frontier), tuple(per_chunk))
 
 
-class _Run:
-    """One region's state across chunks: the values and timestamps that live for the whole
-    region, what each primitive carries to the next chunk, and the totals."""
-
-    def __init__(self, df: Dataflow, env: dict, timing: Timing | None, outer: str, stats: dict | None = None):
-        self.df, self.env, self.timing, self.outer, self.stats = df, env, timing, outer, stats
-        self.depth = {s.id: s.depth for s in df.streams}
-        self.ctx = Context.of(df, timing) if timing is not None else None
-        self.vals: dict = {}
-        self.times: dict = {}
-        self.steps: dict = {}
-        self.finish: dict = {}
-        self.counters: dict = {}
-        self.next_step: dict = {}  # prim id -> earliest time of its next step
-        self.last_emit: dict = {}  # stream id -> time its last token left
-        self.tokens = 0
-        self.final = True  # False while a chunk other than the last runs
-
-    def closers(self, sid: int, out) -> int:
-        """Tokens a chunk appends to a stream that the whole run has only once, at its end: the
-        done, and the outer fiber's stop in a stream of the outer level (deeper streams' last
-        stop is the whole run's stop at that place, raised a level)."""
-        if not isinstance(out, Stream) or not self.depth.get(sid):
-            return 0
-        return 2 if self.depth[sid] == (self.outer,) else 1
-
-    def last_real_step(self, p: Prim, outs, sched) -> int:
-        """The step that emits the primitive's last token of this chunk that the whole run has
-        too: the next chunk's first step follows it (not the closers, which may wait longer)."""
-        last = -1
-        for o, (s, out) in enumerate(zip(p.outs, outs)):
-            real = len(out) - self.closers(s, out) if isinstance(out, Stream) else 0
-            if real > 0:
-                emit = sched.emit[o]
-                last = max(last, int(emit[real - 1]) if emit is not None else real - 1)
-        return last if last >= 0 else sched.n - 1
-
-    def fire(self, p: Prim, vals: dict, times: dict) -> list:
-        """Run one primitive on this chunk's streams; returns its outputs."""
-        from .simulate import emitted_all, finish_of, fire, ready
-
-        args = [vals[s] for s in p.ins]
-        outs = FUNCS[p.kind](p, args, self.env)
-        # a chunk's closing tokens count once, with the last chunk (the whole run has them once)
-        extra = 0 if self.final else sum(self.closers(s, o) for s, o in zip(p.outs, outs))
-        made = sum(len(o) for o in outs if isinstance(o, Stream)) - extra
-        self.tokens += made
-        if self.stats is not None:
-            self.stats[p.kind] = self.stats.get(p.kind, 0) + made
-        if self.timing is None:
-            return outs
-        for s, o in zip(p.outs, outs):
-            self.ctx.lengths[s] = len(o) if isinstance(o, Stream) else len(args[-1]) if p.kind in ("spacc", "buffer") else 1
-        sched = schedule(p, args, outs, self.timing, self.ctx)
-        x = ready(sched, [times[s] for s in p.ins])
-        if sched.n and p.id in self.next_step:
-            x[0] = max(x[0], self.next_step[p.id])
-        t = fire(sched, x)
-        es = emitted_all(sched, t)
-        for s, e in zip(p.outs, es):
-            if len(e) and s in self.last_emit:
-                e[0] = max(e[0], self.last_emit[s])
-                np.maximum.accumulate(e, out=e)
-        for s, o, e in zip(p.outs, outs, es):
-            times[s] = e
-            real = len(e) - self.closers(s, o)
-            if real > 0:
-                self.last_emit[s] = int(e[real - 1])
-        if sched.n:
-            last = self.last_real_step(p, outs, sched)
-            ii = sched.ii[last] if isinstance(sched.ii, np.ndarray) else sched.ii
-            self.next_step[p.id] = int(t[last] + ii)
-            self.finish[p.id] = max(self.finish.get(p.id, 0), finish_of(sched, t, es))
-        self.steps[p.id] = self.steps.get(p.id, 0) + sched.n
-        c = count(p, args, outs, self.ctx, self.timing.crd_bytes, self.timing.value_bytes)
-        c = replace(c, tokens=c.tokens - extra)
-        self.counters[p.id] = c + self.counters[p.id] if p.id in self.counters else c
-        return outs
-
-
 def outer_coordinates(frontier_vals: dict, plan: Chunking) -> np.ndarray:
     """Every coordinate of the outer level that some scanner emits, in order."""
     coords = []
@@ -207,7 +125,7 @@ def _slice_times(t: np.ndarray, pick: np.ndarray, n_elems: int, before: int) -> 
     return out
 
 
-def run_chunk(run: _Run, plan: Chunking, lo: int, hi: int | None, persistent: dict, persistent_times: dict,
+def run_chunk(run: RegionRun, plan: Chunking, lo: int, hi: int | None, persistent: dict, persistent_times: dict,
               uses: dict, keep: set) -> dict:
     """Run the per-chunk primitives over outer coordinates [lo, hi); returns the writers' outputs."""
     vals, times = dict(persistent), dict(persistent_times)
@@ -220,20 +138,8 @@ def run_chunk(run: _Run, plan: Chunking, lo: int, hi: int | None, persistent: di
                 n_elems = int(np.count_nonzero(sliced.kind == ELEM))
                 times[s] = _slice_times(run.times[s], pick, n_elems, before)
                 run.ctx.lengths[s] = len(sliced)
-    left = dict(uses)
-    written = {}
-    for p in plan.per_chunk:
-        outs = run.fire(p, vals, times)
-        for s, o in zip(p.outs, outs):
-            vals[s] = o
-            if s in keep:
-                written[s] = o
-        for s in p.ins:
-            left[s] -= 1
-            if left[s] == 0 and s not in persistent:
-                vals.pop(s, None)
-                times.pop(s, None)
-    return written
+    run.run_prims(plan.per_chunk, vals, times, dict(uses), keep, persistent)
+    return {s: vals[s] for p in plan.per_chunk for s in p.outs if s in keep}
 
 
 def _chunk_uses(plan: Chunking) -> dict:
@@ -258,15 +164,15 @@ def run_in_chunks(df: Dataflow, env: dict, timing: Timing | None, budget: int = 
     """Run the region over chunks of its outer coordinates of about `budget` tokens each.
     Returns None (nothing run, env untouched) when the region cannot be chunked or its tokens,
     extrapolated from a probe of 1/64 of the coordinates, fit the budget: run it whole then.
-    Otherwise updates env with the outputs and returns (run, chunks). Without `timing` it only
+    Otherwise updates env with the outputs and returns (run, chunks): the RegionRun's totals
+    are the whole region's. Without `timing` it only
     computes (a program's call); `stats` receives the tokens per primitive kind."""
     plan = why_not_chunked(df)
     if isinstance(plan, str):
         return None
-    run = _Run(df, env, timing, plan.outer, {} if stats is not None else None)
+    run = RegionRun(df, env, timing, {} if stats is not None else None)
     for p in plan.once + plan.frontier:
-        outs = run.fire(p, run.vals, run.times)
-        run.vals.update(zip(p.outs, outs))
+        run.vals.update(zip(p.outs, run.fire(p, run.vals, run.times)))
     coords = outer_coordinates(run.vals, plan)
     if len(coords) < 2:
         return None
@@ -300,14 +206,3 @@ def run_in_chunks(df: Dataflow, env: dict, timing: Timing | None, budget: int = 
     if stats is not None:
         stats.update(run.stats)
     return run, chunks
-
-
-def chunked_region_result(run: _Run, chunks: int, started: float):
-    """The RegionResult of a chunked run (imported lazily by simulate.run_region)."""
-    from .simulate import PrimResult, RegionResult
-
-    prims = tuple(PrimResult(str(p), p.kind, run.steps.get(p.id, 0), run.finish.get(p.id, 0),
-                             run.counters[p.id]) for p in run.df.prims)
-    cycles = max((r.finish for r in prims), default=0)
-    return RegionResult(run.df.region, cycles, total(r.counters for r in prims), prims,
-                        time.perf_counter() - started, chunks)

@@ -2,9 +2,8 @@
 
 Every primitive is run functionally (execute.FUNCS, whole streams as numpy arrays) in the
 graph's topological order; right after, its schedule (timing.py) turns its input streams'
-timestamps into its own: the recurrence T[s] = max(X[s], T[s-1] + ii[s-1]) has the closed
-form T = C + cummax(X - C) with C the running sum of the intervals, so a primitive costs a
-few numpy passes over its tokens. Streams and timestamps are freed after their last consumer.
+timestamps into its own in closed form, a few numpy passes over its tokens (region_run.py).
+A region too large to hold whole runs in chunks of its outermost loop (chunked.py).
 
 Bounded channels (a producer cannot emit token k before each consumer has dequeued token
 k - depth) make a producer depend on its consumers: the schedules are kept and stepped.py
@@ -20,17 +19,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import numpy as np
-
 from ...ir.errors import StitchflowError
-from .chunked import CHUNK_TOKENS, chunked_region_result, run_in_chunks
-from .counters import Counters, count, total
-from .execute import FUNCS
+from .chunked import CHUNK_TOKENS, run_in_chunks
+from .counters import Counters, total
 from .graph import Dataflow
-from .kernels import emit_times, fire_array, fire_scalar, ready_gather
+from .region_run import RegionRun
 from .stepped import run_stepped
-from .stream import Stream
-from .timing import Context, Schedule, Timing, schedule
+from .timing import Timing
 
 
 class Deadlock(StitchflowError, RuntimeError):
@@ -92,58 +87,6 @@ class SimResult:
         return "\n".join(lines)
 
 
-# ---------------------------------------------------------------- the recurrences, vectorised
-
-def ready(sched: Schedule, in_times: list) -> np.ndarray:
-    """X[s]: when every input token step s needs has arrived (and the start-up delay)."""
-    x = np.zeros(sched.n, np.int64)
-    for need, t in zip(sched.need, in_times):
-        if need is None:
-            np.maximum(x, t, out=x)
-        else:
-            ready_gather(x, t, need)
-    if sched.n:
-        x[0] = max(x[0], sched.start)
-    return x
-
-
-def fire(sched: Schedule, x: np.ndarray) -> np.ndarray:
-    """T[s] = max(X[s], T[s-1] + ii[s-1]): each step as early as its inputs and the interval
-    allow (in place on x)."""
-    if isinstance(sched.ii, np.ndarray):
-        fire_array(x, sched.ii)
-    else:
-        fire_scalar(x, int(sched.ii))
-    return x
-
-
-def emitted(sched: Schedule, t: np.ndarray, o: int) -> np.ndarray:
-    """Timestamps of output o: step time + latency, in order (no token overtakes)."""
-    return emit_times(t, sched.lat, sched.emit[o])
-
-
-def emitted_all(sched: Schedule, t: np.ndarray) -> list:
-    """Every output's timestamps; the outputs emitted at every step share one array (they are
-    only read from here on)."""
-    every = None
-    out = []
-    for o, emit in enumerate(sched.emit):
-        if emit is None:
-            every = emitted(sched, t, o) if every is None else every
-            out.append(every)
-        else:
-            out.append(emitted(sched, t, o))
-    return out
-
-
-def finish_of(sched: Schedule, t: np.ndarray, outs: list) -> int:
-    """When the primitive's last step has left its pipeline (its outputs are cummaxes of
-    step times plus latencies, so none is later)."""
-    if isinstance(sched.lat, np.ndarray):
-        return int(np.max(t + sched.lat))
-    return int(t[-1] + sched.lat)
-
-
 # ---------------------------------------------------------------- one region
 
 ENGINES = ("fast", "stepped", "reference")
@@ -168,55 +111,39 @@ def run_region(df: Dataflow, env: dict, timing: Timing, engine: str = "fast", pr
     start = time.perf_counter()
     if engine not in ENGINES:
         raise ValueError(f"unknown simulation engine {engine!r}; known: {', '.join(ENGINES)}")
-    keep_all = engine != "fast" or timing.channel_depth is not None
-    if not keep_all and chunk_tokens:
+    stepping = engine != "fast" or timing.channel_depth is not None
+    if not stepping and chunk_tokens:
         done = run_in_chunks(df, env, timing, int(chunk_tokens), _chunk_progress(df, progress))
         if done is not None:
-            return chunked_region_result(*done, start)
-    ctx = Context.of(df, timing)
+            return _region_result(*done, start)
+    run = RegionRun(df, env, timing, keep_schedules=stepping)
     uses: dict[int, int] = {}
     for p in df.prims:
         for s in p.ins:
             uses[s] = uses.get(s, 0) + 1
     keep = {o.stream for o in df.outputs}
     vals: dict = {}
-    times: dict = {}
-    traced = Traced(df, {}, ctx.lengths, {})
-    finish: dict = {}
-    for p in df.prims:
-        args = [vals[s] for s in p.ins]
-        outs = FUNCS[p.kind](p, args, env)
-        for s, o in zip(p.outs, outs):
-            vals[s] = o
-            ctx.lengths[s] = len(o) if isinstance(o, Stream) else len(args[-1]) if p.kind in ("spacc", "buffer") else 1
-        sched = schedule(p, args, outs, timing, ctx)
-        traced.counters[p.id] = count(p, args, outs, ctx, timing.crd_bytes, timing.value_bytes)
-        if keep_all:
-            traced.scheds[p.id] = sched
-        else:
-            t = fire(sched, ready(sched, [times[s] for s in p.ins]))
-            es = emitted_all(sched, t)
-            times.update(zip(p.outs, es))
-            finish[p.id] = (sched.n, finish_of(sched, t, es))
-        for s in p.ins:
-            uses[s] -= 1
-            if uses[s] == 0 and s not in keep:
-                del vals[s]
-                times.pop(s, None)
-        if progress is not None:
-            progress(p, outs)
+    run.run_prims(df.prims, vals, {}, uses, keep, progress=progress)
     env.update({o.name: vals[o.stream] for o in df.outputs})
-    if keep_all:
+    if stepping:
+        traced = Traced(df, run.schedules, run.ctx.lengths, run.counters)
         if engine in ("fast", "stepped"):
             finish = run_stepped(traced, timing.channel_depth)
         else:
             from .cycle_engine import run_reference
 
             finish = run_reference(traced, timing.channel_depth)
-    prims = tuple(PrimResult(str(p), p.kind, finish[p.id][0], finish[p.id][1], traced.counters[p.id])
-                  for p in df.prims)
+        run.steps = {i: n for i, (n, _) in finish.items()}
+        run.finish = {i: f for i, (_, f) in finish.items()}
+    return _region_result(run, 1, start)
+
+
+def _region_result(run: RegionRun, chunks: int, started: float) -> RegionResult:
+    prims = tuple(PrimResult(str(p), p.kind, run.steps.get(p.id, 0), run.finish.get(p.id, 0), run.counters[p.id])
+                  for p in run.df.prims)
     cycles = max((r.finish for r in prims), default=0)
-    return RegionResult(df.region, cycles, total(r.counters for r in prims), prims, time.perf_counter() - start)
+    return RegionResult(run.df.region, cycles, total(r.counters for r in prims), prims,
+                        time.perf_counter() - started, chunks)
 
 
 def _chunk_progress(df: Dataflow, progress):

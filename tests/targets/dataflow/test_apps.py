@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import stitchflow
-from conftest import assert_close
 from stitchflow.apps import APPS, GPT3, GPT3Decoder
 from stitchflow.targets.dataflow import dataflows, describe, export
 

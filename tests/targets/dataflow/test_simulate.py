@@ -114,7 +114,7 @@ def test_memory_model_costs_cycles_and_counts_traffic():
 
 
 def test_recurrence_closed_form():
-    from stitchflow.targets.dataflow.simulate import emitted, fire, ready
+    from stitchflow.targets.dataflow.region_run import emitted, fire, ready
     import numpy as np
 
     sched = Schedule(4, (None,), (None,), 2, 3)
