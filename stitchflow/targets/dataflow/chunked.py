@@ -1,24 +1,30 @@
-"""A region run in chunks of its outermost loop, so that its streams need not all fit in memory.
+"""A region run in chunks of its loops' outer coordinates, so that its streams need not all fit
+in memory.
 
 The fast engine holds a region's streams whole (about 10 bytes a token), so a region of a few
-billion tokens does not fit a workstation. Most regions are one loop nest whose outermost
-variable v0 indexes independent work: every stream below the outer fiber belongs to one v0
-coordinate. Such a region runs over ranges of v0's coordinates: the outer level's scanners run
-once over the whole fiber, and each chunk runs the rest of the graph on their tokens within its
-range, closed by the fiber's stop and done, as if the outer fiber held only those coordinates.
-Writers write disjoint rows (v0 is their first coordinate), so the chunks' outputs add up.
+billion tokens does not fit a workstation. A region is one loop nest or a few in sequence (a
+hoisted full fusion: layer 1 into a buffer, then layer 2 reading it), joined by results outside
+every loop. Below a nest's outer fiber every stream belongs to one coordinate v0 of its outer
+variable, so the nest runs over ranges of v0's coordinates: the outer level's scanners run once
+over the whole fiber, and each chunk runs the nest's body on their tokens within its range,
+closed by the fiber's stop and done, as if the outer fiber held only those coordinates.
+
+The nest's exits (the primitives whose results leave it) add up over chunks: writers write
+disjoint rows (v0 is their first coordinate); accumulators either keep v0 (disjoint entries) or
+sum over it (partial sums, merged by coordinate). Later nests read the added results.
 
 Timing continues across chunks: a primitive's first step in a chunk fires no earlier than the
 step after its last real one of the previous chunk, and its tokens leave no earlier than its
 last real token did, so a chunk starts while the one before drains, as in the whole run. Real
 means the whole run has it there too: a chunk also appends its closing done (and the outer
 fiber's stop, to a stream of the outer level), which may wait on slower inputs, and the next
-chunk does not wait for those. They are what remains of the difference: cycles agree within a
-few cycles a chunk (Cora's GCN per layer, 35.1 M cycles: +2 in 3 chunks), and the counters are
-the whole run's, the closing tokens counted once.
+chunk does not wait for those. Cycles agree within a few cycles a chunk (exactly on the apps'
+regions, tests/targets/dataflow/test_chunked.py), and the counters are the whole run's, the
+closing tokens counted once.
 
-Legality is `why_not_chunked`; the heuristic, `run_in_chunks`, probes 1/64 of v0's coordinates
-and runs the region whole (exactly as before) when its extrapolated tokens fit the budget.
+Legality is `why_not_chunked`; the heuristic, `run_in_chunks`, measures the tokens of 1/64 of a
+nest's outer coordinates with a throwaway run and chunks the nest only when its extrapolated
+tokens pass the budget; a region of one nest that fits runs whole, exactly as before.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import numpy as np
 import torch
 
 from .graph import Dataflow, Prim
+from . import storage as S
 from .region_run import RegionRun
 from .stream import ELEM, Stream
 from .timing import Timing
@@ -41,58 +48,145 @@ STORAGE_KINDS = ("storage", "tensor")
 
 
 @dataclass(frozen=True)
-class Chunking:
-    """How a region splits: the depth-0 primitives run once, the frontier (scanners of the outer
-    level) once over the whole fiber, the rest once a chunk."""
+class Nest:
+    """One loop nest of a region: the scanners of its outer level run once over the whole fiber,
+    the body once a chunk of their coordinates. `exits` are the body's primitives whose results
+    leave the nest (writers, accumulators over its variables); they add up over chunks."""
 
     outer: str
-    once: tuple[Prim, ...]
     frontier: tuple[Prim, ...]
-    per_chunk: tuple[Prim, ...]
+    body: tuple[Prim, ...]
+    exits: tuple[Prim, ...]
 
     def __str__(self) -> str:
-        return (f"chunks over {self.outer}: {len(self.once)} once, {len(self.frontier)} outer scanners, "
-                f"{len(self.per_chunk)} a chunk")
+        return f"nest {self.outer}: {len(self.frontier)} outer scanners, {len(self.body)} a chunk"
+
+
+@dataclass(frozen=True)
+class Chunking:
+    """How a region splits: its loop nests, in order, with the primitives outside every loop
+    (loads, the roots of later nests) between them."""
+
+    phases: tuple[Nest | tuple[Prim, ...], ...]
+
+    @property
+    def nests(self) -> tuple[Nest, ...]:
+        return tuple(x for x in self.phases if isinstance(x, Nest))
+
+    def __str__(self) -> str:
+        return "chunks over " + "; ".join(map(str, self.nests))
+
+
+class _Nesting:
+    """why_not_chunked's state: the phases so far and the nest being gathered."""
+
+    def __init__(self, df: Dataflow):
+        self.depth = {s.id: s.depth for s in df.streams}
+        self.phases: list = []
+        self.flat: list[Prim] = []  # depth-0 primitives since the last nest closed
+        self.nest: dict | None = None
+
+    def close(self) -> str | None:
+        if self.nest is not None:
+            n = self.nest
+            if not n["frontier"]:
+                return f"no scanner of the outer level {n['outer']}"
+            self.phases.append(Nest(n["outer"], tuple(n["frontier"]), tuple(n["body"]), tuple(n["exits"])))
+            self.nest = None
+        return None
+
+    def add_flat(self, p: Prim) -> str | None:
+        """A primitive outside every loop runs before the open nest unless it needs its results."""
+        if self.nest is not None and not any(s in self.nest["made"] for s in p.ins):
+            self.nest["before"].append(p)
+            return None
+        why = self.close()
+        self.flat.append(p)
+        return why
+
+    def open(self, outer: str) -> str | None:
+        why = self.close()
+        self.nest = {"outer": outer, "frontier": [], "body": [], "exits": [], "made": set(), "exit_outs": set(),
+                     "before": self.flat}
+        self.flat = []
+        self.phases.append(self.nest["before"])  # filled while the nest gathers; runs before it
+        return why
 
 
 def why_not_chunked(df: Dataflow) -> Chunking | str:
-    """The region's split into chunks of its outermost variable, or why it cannot be split."""
+    """The region's split into loop nests whose outer coordinates can run in chunks, or why it
+    cannot be split. Legality only; run_in_chunks decides which nests need chunks."""
     if not df.order:
         return "the region has no loop"
-    outer = df.order[0]
-    depth = {s.id: s.depth for s in df.streams}
-    consumed = {s for p in df.prims for s in p.ins}
-    once, frontier, per_chunk = [], [], []
+    n = _Nesting(df)
     for p in df.prims:
-        deep_in = [s for s in p.ins if depth[s]]
-        deep_out = [s for s in p.outs if depth[s]]
-        if p.kind in ("fork", "join_lanes") and any(depth[s] == (outer,) for s in p.ins + p.outs):
-            return f"{p} deals lanes at the outer level {outer} (their assignment would restart a chunk)"
-        if not deep_in and not deep_out:
-            once.append(p)
-        elif not deep_in:
-            if p.kind not in ("scan", "range"):
-                return f"the outer level is produced by {p}, not a scanner"
-            frontier.append(p)
-        elif deep_out or p.kind not in WRITERS:
-            if not deep_out:
-                return f"{p} reduces over the outer variable {outer}"
-            per_chunk.append(p)
-        elif any(s in consumed for s in p.outs):
-            return f"{p} writes a buffer the region reads again"
-        elif not p.ins or depth[p.ins[0]] != (outer,):
-            return f"{p} does not write {outer} as its first coordinate"
+        loops = {n.depth[s][0] for s in p.ins + p.outs if n.depth[s]}
+        if len(loops) > 1:
+            return f"{p} spans the loops over {' and '.join(sorted(loops))}"
+        if not loops:
+            why = n.add_flat(p)
         else:
-            per_chunk.append(p)
-    if not frontier:
-        return "no scanner of the outer level"
-    return Chunking(outer, tuple(once), tuple(frontier), tuple(per_chunk))
+            outer = loops.pop()
+            why = n.open(outer) if n.nest is None or n.nest["outer"] != outer else None
+            why = why or _classify(p, n.nest, n.depth)
+        if why:
+            return why
+    why = n.close()
+    if why:
+        return why
+    phases = tuple(tuple(x) if isinstance(x, list) else x for x in n.phases + [n.flat])
+    phases = tuple(x for x in phases if isinstance(x, Nest) or x)
+    if not any(isinstance(x, Nest) for x in phases):
+        return "the region has no loop"
+    return Chunking(phases)
 
 
-def outer_coordinates(frontier_vals: dict, plan: Chunking) -> np.ndarray:
+def _classify(p: Prim, nest: dict, depth: dict) -> str | None:
+    """File a primitive of the nest over `outer` as an outer scanner, a body primitive or an exit."""
+    outer = nest["outer"]
+    deep_in = [s for s in p.ins if depth[s]]
+    deep_out = [s for s in p.outs if depth[s]]
+    if p.kind in ("fork", "join_lanes") and any(depth[s] == (outer,) for s in p.ins + p.outs):
+        return f"{p} deals lanes at the outer level {outer} (their assignment would restart a chunk)"
+    if any(s in nest["exit_outs"] for s in p.ins):
+        return f"{p} reads a result of the loop over {outer} inside it"
+    nest["made"].update(p.outs)
+    if not deep_in:
+        if p.kind not in ("scan", "range"):
+            return f"the outer level is produced by {p}, not a scanner"
+        nest["frontier"].append(p)
+        return None
+    if any(s not in nest["made"] for s in deep_in):
+        return f"{p} reads the loop over {outer} of an earlier nest"
+    nest["body"].append(p)
+    if deep_out:
+        return None
+    why = _exit_legality(p, outer, depth)
+    nest["exits"].append(p)
+    nest["exit_outs"].update(p.outs)
+    return why
+
+
+def _exit_legality(p: Prim, outer: str, depth: dict) -> str | None:
+    """Chunks' results add up: writers write disjoint rows of the outer variable; accumulators
+    either keep it (disjoint) or sum over it (partial sums add)."""
+    if p.kind in WRITERS:
+        if depth[p.ins[0]] != (outer,):
+            return f"{p} does not write {outer} as its first coordinate"
+        return None
+    if p.kind in ("spacc", "buffer"):
+        crds = p.ins[1:-1]
+        over_outer = any(depth[crds[k]][-1] == outer for k in (p.param("reduced") or ()))
+        if over_outer and p.param("op") != "sum":
+            return f"{p} takes the {p.param('op')} over the outer variable {outer} (partial results do not add)"
+        return None
+    return f"{p} reduces over the outer variable {outer}"
+
+
+def outer_coordinates(frontier_vals: dict, nest: Nest) -> np.ndarray:
     """Every coordinate of the outer level that some scanner emits, in order."""
     coords = []
-    for p in plan.frontier:
+    for p in nest.frontier:
         crd = frontier_vals[p.outs[0]]
         elem = crd.kind == ELEM
         last_elem = np.flatnonzero(elem)
@@ -125,84 +219,142 @@ def _slice_times(t: np.ndarray, pick: np.ndarray, n_elems: int, before: int) -> 
     return out
 
 
-def run_chunk(run: RegionRun, plan: Chunking, lo: int, hi: int | None, persistent: dict, persistent_times: dict,
-              uses: dict, keep: set) -> dict:
-    """Run the per-chunk primitives over outer coordinates [lo, hi); returns the writers' outputs."""
-    vals, times = dict(persistent), dict(persistent_times)
-    for p in plan.frontier:
+def _sliced(run: RegionRun, nest: Nest, lo: int, hi: int | None, timed: bool) -> tuple[dict, dict]:
+    """The region's live values (and times) with the outer scanners' streams cut to [lo, hi)."""
+    vals, times = dict(run.vals), dict(run.times) if timed else {}
+    for p in nest.frontier:
         crd = run.vals[p.outs[0]]
         for s in p.outs:
             sliced, pick, before = _slice(run.vals[s], crd, lo, hi)
             vals[s] = sliced
-            if run.timing is not None:
+            if timed:
                 n_elems = int(np.count_nonzero(sliced.kind == ELEM))
                 times[s] = _slice_times(run.times[s], pick, n_elems, before)
                 run.ctx.lengths[s] = len(sliced)
-    run.run_prims(plan.per_chunk, vals, times, dict(uses), keep, persistent)
-    return {s: vals[s] for p in plan.per_chunk for s in p.outs if s in keep}
+    return vals, times
 
 
-def _chunk_uses(plan: Chunking) -> dict:
+def run_chunk(run: RegionRun, nest: Nest, lo: int, hi: int | None, keep: set) -> tuple[dict, dict]:
+    """Run the nest's body over outer coordinates [lo, hi); returns its exits' results and times."""
+    vals, times = _sliced(run, nest, lo, hi, run.timing is not None)
+    persistent = set(run.vals) - {s for p in nest.frontier for s in p.outs}
+    run.run_prims(nest.body, vals, times, _uses(nest.body), keep, persistent)
+    outs = [s for p in nest.exits for s in p.outs]
+    return {s: vals[s] for s in outs}, {s: times[s] for s in outs if s in times}
+
+
+def _probe(run: RegionRun, nest: Nest, coords: np.ndarray, keep: set) -> float:
+    """Tokens a coordinate of the nest's body makes, measured on its first 1/64 of the outer
+    coordinates by a run that computes only (its results are thrown away)."""
+    n = min(len(coords) - 1, max(1, math.ceil(len(coords) / PROBE_FRACTION)))
+    probe = RegionRun(run.df, run.env, None)
+    probe.outer, probe.final = nest.outer, False  # closing tokens are not the nest's
+    vals, _ = _sliced(run, nest, int(coords[0]), int(coords[n]), timed=False)
+    persistent = set(run.vals) - {s for p in nest.frontier for s in p.outs}
+    probe.run_prims(nest.body, vals, {}, _uses(nest.body), keep, persistent)
+    return max(1, probe.tokens) / n
+
+
+def _uses(prims) -> dict:
     uses: dict = {}
-    for p in plan.per_chunk:
+    for p in prims:
         for s in p.ins:
             uses[s] = uses.get(s, 0) + 1
     return uses
 
 
-def _add(acc, out):
+def _combine(acc, out):
+    """Chunks' results of one exit: tensors add (disjoint rows), storages merge by coordinate
+    (partial sums add)."""
     if acc is None:
         return out
+    if isinstance(out, S.Storage):
+        return merge_storages(acc, out)
     if out.dtype == torch.bool:
         return acc | out
     acc += out
     return acc
 
 
+def merge_storages(a: S.Storage, b: S.Storage) -> S.Storage:
+    """The storage holding both storages' entries, values at equal coordinates summed."""
+    coords = np.concatenate((S.coords_of_positions(a), S.coords_of_positions(b)))
+    values = np.concatenate((a.values, b.values))
+    order = np.lexsort(coords.T[::-1]) if coords.shape[1] else np.arange(len(coords))
+    coords, values = coords[order], values[order]
+    new = np.ones(len(coords), bool)
+    new[1:] = (coords[1:] != coords[:-1]).any(axis=1)
+    starts = np.flatnonzero(new)
+    summed = np.add.reduceat(values, starts, axis=0) if len(values) else values
+    kinds = tuple(lv.kind for lv in a.levels)
+    sizes = tuple(lv.size for lv in a.levels)
+    return S.from_coo(coords[starts], summed, sizes, kinds, a.tile, presorted=True)
+
+
 def run_in_chunks(df: Dataflow, env: dict, timing: Timing | None, budget: int = CHUNK_TOKENS, progress=None,
                   stats: dict | None = None):
-    """Run the region over chunks of its outer coordinates of about `budget` tokens each.
-    Returns None (nothing run, env untouched) when the region cannot be chunked or its tokens,
-    extrapolated from a probe of 1/64 of the coordinates, fit the budget: run it whole then.
-    Otherwise updates env with the outputs and returns (run, chunks): the RegionRun's totals
-    are the whole region's. Without `timing` it only
-    computes (a program's call); `stats` receives the tokens per primitive kind."""
+    """Run the region nest by nest, each over chunks of its outer coordinates of about `budget`
+    tokens (one chunk: the nest whole, exactly). Returns None (nothing run, env untouched) when
+    the region cannot be chunked or is one nest that fits the budget: run it whole then.
+    Otherwise updates env with the outputs and returns (run, chunks), chunks the most of any
+    nest: the RegionRun's totals are the whole region's. Without `timing` it only computes (a
+    program's call); `stats` receives the tokens per primitive kind."""
     plan = why_not_chunked(df)
     if isinstance(plan, str):
         return None
     run = RegionRun(df, env, timing, {} if stats is not None else None)
-    for p in plan.once + plan.frontier:
-        run.vals.update(zip(p.outs, run.fire(p, run.vals, run.times)))
-    coords = outer_coordinates(run.vals, plan)
-    if len(coords) < 2:
-        return None
-    frontier_outs = {s for p in plan.frontier for s in p.outs}
-    persistent = {s: v for s, v in run.vals.items() if s not in frontier_outs}
-    persistent_times = {s: t for s, t in run.times.items() if s not in frontier_outs}
-    uses, keep = _chunk_uses(plan), {o.stream for o in df.outputs}
-    written: dict = {}
-    start, chunks, probed = 0, 0, False
-    size = max(1, math.ceil(len(coords) / PROBE_FRACTION))
-    while start < len(coords):
-        stop = min(len(coords), start + size)
-        before = run.tokens
-        run.final = stop == len(coords)
-        outs = run_chunk(run, plan, int(coords[start]), int(coords[stop]) if stop < len(coords) else None,
-                         persistent, persistent_times, uses, keep)
-        chunks += 1
-        made = max(1, run.tokens - before)
-        if not probed:
-            probed = True
-            if made * len(coords) / (stop - start) <= budget:
-                return None
-        for s, o in outs.items():
-            written[s] = _add(written.get(s), o)
-        if progress is not None:
-            progress(stop / len(coords))
-        per_coordinate = made / (stop - start)
-        size = max(1, int(budget / per_coordinate))
-        start = stop
-    env.update({o.name: written[o.stream] for o in df.outputs})
+    uses, keep = _uses(df.prims), {o.stream for o in df.outputs}
+    nests = plan.nests
+    most = 1
+    for phase in plan.phases:
+        if not isinstance(phase, Nest):
+            run.run_prims(phase, run.vals, run.times, uses, keep)
+            continue
+        k = nests.index(phase)
+        tick = None if progress is None else (lambda f, k=k: progress((k + f) / len(nests)))
+        chunks = _run_nest(run, phase, budget, uses, keep, tick, single=len(nests) == 1)
+        if chunks is None:
+            return None
+        most = max(most, chunks)
+    env.update({o.name: run.vals[o.stream] for o in df.outputs})
     if stats is not None:
         stats.update(run.stats)
-    return run, chunks
+    return run, most
+
+
+def _run_nest(run: RegionRun, nest: Nest, budget: int, uses: dict, keep: set, progress, single: bool) -> int | None:
+    """Run one nest, in chunks when its tokens pass the budget; returns the chunks, or None when
+    the region is this one nest and it fits (the caller then runs the region whole)."""
+    run.outer = nest.outer  # the closing tokens a chunk adds are this nest's
+    run.run_prims(nest.frontier, run.vals, run.times, uses, keep)
+    coords = outer_coordinates(run.vals, nest)
+    per_coordinate = _probe(run, nest, coords, keep) if len(coords) > 1 else 0.0
+    if per_coordinate * len(coords) <= budget:
+        if single:
+            return None
+        run.run_prims(nest.body, run.vals, run.times, uses, keep)
+        return 1
+    results: dict = {}
+    start, chunks = 0, 0
+    while start < len(coords):
+        stop = min(len(coords), start + max(1, int(budget / per_coordinate)))
+        before = run.tokens
+        run.final = stop == len(coords)
+        outs, times = run_chunk(run, nest, int(coords[start]), int(coords[stop]) if stop < len(coords) else None,
+                                keep)
+        chunks += 1
+        for s, o in outs.items():
+            results[s] = _combine(results.get(s), o)
+        if progress is not None:
+            progress(stop / len(coords))
+        per_coordinate = max(1, run.tokens - before) / (stop - start)
+        start = stop
+    run.vals.update(results)
+    run.times.update(times)  # the last chunk's: an exit's result leaves when its last part does
+    for p in nest.body:  # what the body read is used up
+        for s in p.ins:
+            uses[s] -= 1
+            if uses[s] == 0 and s not in keep:
+                run.vals.pop(s, None)
+                run.times.pop(s, None)
+    return chunks

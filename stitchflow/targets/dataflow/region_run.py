@@ -80,6 +80,10 @@ def finish_of(sched: Schedule, t: np.ndarray, outs: list) -> int:
 
 # ---------------------------------------------------------------- a region's run
 
+# the input whose tokens a writer's or accumulator's steps follow: its innermost coordinates
+DOMAIN_OF = {"write": -3, "buffer_write": -3, "spacc": -2, "buffer": -2}
+
+
 class RegionRun:
     """One region's run: the values and timestamps that live for the whole region, the carry
     from one chunk to the next, and the totals (steps, finish and counters per primitive)."""
@@ -87,7 +91,7 @@ class RegionRun:
     def __init__(self, df: Dataflow, env: dict, timing: Timing | None, stats: dict | None = None,
                  keep_schedules: bool = False):
         self.df, self.env, self.timing, self.stats = df, env, timing, stats
-        self.outer = df.order[0] if df.order else None
+        self.outer = df.order[0] if df.order else None  # of the nest running in chunks (chunked.py)
         self.keep_schedules = keep_schedules
         self.depth = {s.id: s.depth for s in df.streams}
         self.ctx = Context.of(df, timing) if timing is not None else None
@@ -110,16 +114,32 @@ class RegionRun:
             return 0
         return 2 if self.depth[sid] == (self.outer,) else 1
 
-    def last_real_step(self, p: Prim, outs, sched) -> int:
+    def timed_closers(self, p: Prim, k: int, out, args) -> int:
+        """The closing timestamps at the end of output k: a stream's closing tokens; an
+        accumulator's storages follow its parent's items, closers included."""
+        if isinstance(out, Stream):
+            return self.closers(p.outs[k], out)
+        if p.kind in ("spacc", "buffer"):
+            return self.closers(p.ins[-1], args[-1])
+        return 0
+
+    def last_real_step(self, p: Prim, outs, args, sched) -> int:
         """The step that emits the primitive's last token of this chunk that the whole run has
-        too: the next chunk's first step follows it (not the closers, which may wait longer)."""
+        too: the next chunk's first step follows it (not the closers, which may wait longer).
+        Writers and accumulators emit no stream: theirs is the step before their innermost
+        coordinates' closers."""
         last = -1
-        for o, (s, out) in enumerate(zip(p.outs, outs)):
-            real = len(out) - self.closers(s, out) if isinstance(out, Stream) else 0
+        for o, out in enumerate(outs):
+            real = len(out) - self.closers(p.outs[o], out) if isinstance(out, Stream) else 0
             if real > 0:
                 emit = sched.emit[o]
                 last = max(last, int(emit[real - 1]) if emit is not None else real - 1)
-        return last if last >= 0 else sched.n - 1
+        if last >= 0 or len(p.ins) < 3 or p.kind not in DOMAIN_OF:
+            return last if last >= 0 else sched.n - 1
+        k = DOMAIN_OF[p.kind]
+        if len(args[k]) != sched.n:  # a step per token of that stream, or not ours to place
+            return sched.n - 1
+        return sched.n - 1 - self.closers(p.ins[k], args[k])
 
     def run_prims(self, prims, vals: dict, times: dict, uses: dict, keep: set, persistent=(), progress=None) -> None:
         """Fire `prims` in order on `vals`/`times` (updated), freeing each stream after its last
@@ -158,10 +178,10 @@ class RegionRun:
         if self.keep_schedules:
             self.schedules[p.id] = sched
         else:
-            self._time(p, outs, sched, times)
+            self._time(p, args, outs, sched, times)
         return outs
 
-    def _time(self, p: Prim, outs: list, sched: Schedule, times: dict) -> None:
+    def _time(self, p: Prim, args: list, outs: list, sched: Schedule, times: dict) -> None:
         """Fire the schedule from its inputs' timestamps and the previous chunk's carry."""
         x = ready(sched, [times[s] for s in p.ins])
         if sched.n and p.id in self.next_step:
@@ -177,10 +197,10 @@ class RegionRun:
             return
         self.finish[p.id] = max(self.finish.get(p.id, 0), finish_of(sched, t, es))
         if not self.final:  # the next chunk starts from here
-            for s, o, e in zip(p.outs, outs, es):
-                real = len(e) - self.closers(s, o)
+            for k, (s, e) in enumerate(zip(p.outs, es)):
+                real = len(e) - self.timed_closers(p, k, outs[k], args)
                 if real > 0:
                     self.last_emit[s] = int(e[real - 1])
-            last = self.last_real_step(p, outs, sched)
+            last = self.last_real_step(p, outs, args, sched)
             ii = sched.ii[last] if isinstance(sched.ii, np.ndarray) else sched.ii
             self.next_step[p.id] = int(t[last] + ii)
