@@ -30,7 +30,7 @@ tokens pass the budget; a region of one nest that fits runs whole, exactly as be
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -77,40 +77,45 @@ class Chunking:
         return "chunks over " + "; ".join(map(str, self.nests))
 
 
-class _Nesting:
-    """why_not_chunked's state: the phases so far and the nest being gathered."""
+@dataclass
+class _OpenNest:
+    """A nest while why_not_chunked gathers it."""
 
-    def __init__(self, df: Dataflow):
-        self.depth = {s.id: s.depth for s in df.streams}
-        self.phases: list = []
-        self.flat: list[Prim] = []  # depth-0 primitives since the last nest closed
-        self.nest: dict | None = None
+    outer: str
+    before: list  # primitives outside every loop that run before it
+    frontier: list = field(default_factory=list)
+    body: list = field(default_factory=list)
+    exits: list = field(default_factory=list)
+    made: set = field(default_factory=set)
+    exit_outs: set = field(default_factory=set)
 
-    def close(self) -> str | None:
-        if self.nest is not None:
-            n = self.nest
-            if not n["frontier"]:
-                return f"no scanner of the outer level {n['outer']}"
-            self.phases.append(Nest(n["outer"], tuple(n["frontier"]), tuple(n["body"]), tuple(n["exits"])))
-            self.nest = None
-        return None
+    def freeze(self) -> Nest | str:
+        if not self.frontier:
+            return f"no scanner of the outer level {self.outer}"
+        return Nest(self.outer, tuple(self.frontier), tuple(self.body), tuple(self.exits))
 
-    def add_flat(self, p: Prim) -> str | None:
-        """A primitive outside every loop runs before the open nest unless it needs its results."""
-        if self.nest is not None and not any(s in self.nest["made"] for s in p.ins):
-            self.nest["before"].append(p)
+    def classify(self, p: Prim, depth: dict) -> str | None:
+        """File a primitive of the nest as an outer scanner, a body primitive or an exit."""
+        deep_in = [s for s in p.ins if depth[s]]
+        deep_out = [s for s in p.outs if depth[s]]
+        if p.kind in ("fork", "join_lanes") and any(depth[s] == (self.outer,) for s in p.ins + p.outs):
+            return f"{p} deals lanes at the outer level {self.outer} (their assignment would restart a chunk)"
+        if any(s in self.exit_outs for s in p.ins):
+            return f"{p} reads a result of the loop over {self.outer} inside it"
+        self.made.update(p.outs)
+        if not deep_in:
+            if p.kind not in ("scan", "range"):
+                return f"the outer level is produced by {p}, not a scanner"
+            self.frontier.append(p)
             return None
-        why = self.close()
-        self.flat.append(p)
-        return why
-
-    def open(self, outer: str) -> str | None:
-        why = self.close()
-        self.nest = {"outer": outer, "frontier": [], "body": [], "exits": [], "made": set(), "exit_outs": set(),
-                     "before": self.flat}
-        self.flat = []
-        self.phases.append(self.nest["before"])  # filled while the nest gathers; runs before it
-        return why
+        if any(s not in self.made for s in deep_in):
+            return f"{p} reads the loop over {self.outer} of an earlier nest"
+        self.body.append(p)
+        if deep_out:
+            return None
+        self.exits.append(p)
+        self.exit_outs.update(p.outs)
+        return _exit_legality(p, self.outer, depth)
 
 
 def why_not_chunked(df: Dataflow) -> Chunking | str:
@@ -118,53 +123,38 @@ def why_not_chunked(df: Dataflow) -> Chunking | str:
     cannot be split. Legality only; run_in_chunks decides which nests need chunks."""
     if not df.order:
         return "the region has no loop"
-    n = _Nesting(df)
+    depth = {s.id: s.depth for s in df.streams}
+    phases: list = []  # nests, and lists of the primitives outside every loop between them
+    flat: list = []  # such primitives since the last nest closed
+    nest: _OpenNest | None = None
     for p in df.prims:
-        loops = {n.depth[s][0] for s in p.ins + p.outs if n.depth[s]}
+        loops = {depth[s][0] for s in p.ins + p.outs if depth[s]}
         if len(loops) > 1:
             return f"{p} spans the loops over {' and '.join(sorted(loops))}"
+        if not loops and nest is not None and not any(s in nest.made for s in p.ins):
+            nest.before.append(p)  # it does not need the open nest: it runs before it
+            continue
+        if nest is not None and (not loops or nest.outer not in loops):
+            phases.append(nest.freeze())
+            nest = None
         if not loops:
-            why = n.add_flat(p)
-        else:
-            outer = loops.pop()
-            why = n.open(outer) if n.nest is None or n.nest["outer"] != outer else None
-            why = why or _classify(p, n.nest, n.depth)
+            flat.append(p)
+            continue
+        if nest is None:
+            nest, flat = _OpenNest(loops.pop(), flat), []
+            phases.append(nest.before)
+        why = nest.classify(p, depth)
         if why:
             return why
-    why = n.close()
+    if nest is not None:
+        phases.append(nest.freeze())
+    why = next((x for x in phases if isinstance(x, str)), None)
     if why:
         return why
-    phases = tuple(tuple(x) if isinstance(x, list) else x for x in n.phases + [n.flat])
-    phases = tuple(x for x in phases if isinstance(x, Nest) or x)
+    phases = [x if isinstance(x, Nest) else tuple(x) for x in phases + [flat]]
     if not any(isinstance(x, Nest) for x in phases):
         return "the region has no loop"
-    return Chunking(phases)
-
-
-def _classify(p: Prim, nest: dict, depth: dict) -> str | None:
-    """File a primitive of the nest over `outer` as an outer scanner, a body primitive or an exit."""
-    outer = nest["outer"]
-    deep_in = [s for s in p.ins if depth[s]]
-    deep_out = [s for s in p.outs if depth[s]]
-    if p.kind in ("fork", "join_lanes") and any(depth[s] == (outer,) for s in p.ins + p.outs):
-        return f"{p} deals lanes at the outer level {outer} (their assignment would restart a chunk)"
-    if any(s in nest["exit_outs"] for s in p.ins):
-        return f"{p} reads a result of the loop over {outer} inside it"
-    nest["made"].update(p.outs)
-    if not deep_in:
-        if p.kind not in ("scan", "range"):
-            return f"the outer level is produced by {p}, not a scanner"
-        nest["frontier"].append(p)
-        return None
-    if any(s not in nest["made"] for s in deep_in):
-        return f"{p} reads the loop over {outer} of an earlier nest"
-    nest["body"].append(p)
-    if deep_out:
-        return None
-    why = _exit_legality(p, outer, depth)
-    nest["exits"].append(p)
-    nest["exit_outs"].update(p.outs)
-    return why
+    return Chunking(tuple(x for x in phases if isinstance(x, Nest) or x))
 
 
 def _exit_legality(p: Prim, outer: str, depth: dict) -> str | None:
