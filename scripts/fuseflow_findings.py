@@ -41,6 +41,7 @@ import torch
 import stitchflow
 from stitchflow.apps import APPS
 from stitchflow.targets.dataflow import dataflows
+from stitchflow.targets.dataflow.chunked import CHUNK_TOKENS
 from stitchflow.targets.dataflow.simulate import run_region
 from stitchflow.targets.dataflow.timing import Timing
 
@@ -55,11 +56,14 @@ GPT3_CONFIGS = [("unfused", "unfused", {"block": 16}), ("partial", "partial", {"
                 ("full", "full", {"block": 16})]
 
 
+SIM = {"chunk_tokens": CHUNK_TOKENS}  # --chunk-tokens (forked children inherit it)
+
+
 def measure(model, inputs, fusion, options, check=True):
     t0 = time.perf_counter()
     prog = stitchflow.compile(model, inputs, target="dataflow", fusion=fusion, options=options)
     compile_s = time.perf_counter() - t0
-    sim = prog.simulate(*inputs)
+    sim = prog.simulate(*inputs, chunk_tokens=SIM["chunk_tokens"])
     row = dict(cycles=int(sim.cycles), flops=int(sim.flops), bytes=int(sim.bytes), tokens=int(sim.tokens),
                regions=len(sim.regions), compile_s=round(compile_s, 1), sim_s=round(sim.seconds, 1),
                tokens_per_s=sim.tokens / sim.seconds, orders=[" ".join(map(str, d.order)) for d in dataflows(prog)])
@@ -214,12 +218,15 @@ def main(argv=None):
     ap.add_argument("--limit-s", type=float, default=900.0, help="time limit of one configuration (datasets)")
     ap.add_argument("--features", default="", help="GNN feature widths other than the real sets', "
                     "e.g. dblp-synthetic=512")
+    ap.add_argument("--chunk-tokens", default=str(CHUNK_TOKENS), help="a region of more tokens is simulated in "
+                    "chunks of about this many (none: every region whole); smaller chunks, less memory")
     ap.add_argument("--jsonl", help="append every datasets row here as it finishes")
     ap.add_argument("--render", metavar="JSONL", help="print the datasets tables of the rows in JSONL (appended "
                     "by --jsonl, in one run or several) and exit")
     ap.add_argument("--attention-order", help="dataflow order of the attention output (matmul_1) for "
                     "the lanes study, e.g. 'i j k k1 l' (heads outermost); default: the estimated cheapest")
     args = ap.parse_args(argv)
+    SIM["chunk_tokens"] = None if args.chunk_tokens in ("none", "None") else int(float(args.chunk_tokens))
     if args.render:
         import fuseflow_datasets
 
