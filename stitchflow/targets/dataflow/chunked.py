@@ -323,6 +323,8 @@ def _run_nest(run: RegionRun, nest: Nest, budget: int, uses: dict, keep: set, pr
         if single:
             return None
         run.run_prims(nest.body, run.vals, run.times, uses, keep)
+        if progress is not None:
+            progress(1.0)
         return 1
     results: dict = {}
     start, chunks = 0, 0
