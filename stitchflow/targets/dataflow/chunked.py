@@ -37,7 +37,7 @@ import torch
 
 from .graph import Dataflow, Prim
 from . import storage as S
-from .region_run import RegionRun
+from .region_run import RegionRun, release, uses_of
 from .stream import ELEM, Stream
 from .timing import Timing
 
@@ -209,9 +209,11 @@ def _slice_times(t: np.ndarray, pick: np.ndarray, n_elems: int, before: int) -> 
     return out
 
 
-def _sliced(run: RegionRun, nest: Nest, lo: int, hi: int | None, timed: bool) -> tuple[dict, dict]:
-    """The region's live values (and times) with the outer scanners' streams cut to [lo, hi)."""
+def _sliced(run: RegionRun, nest: Nest, lo: int, hi: int | None, timed: bool) -> tuple[dict, dict, set]:
+    """The region's live values (and times) with the outer scanners' streams cut to [lo, hi), and
+    which of them live on after the chunk (all but those streams)."""
     vals, times = dict(run.vals), dict(run.times) if timed else {}
+    persistent = set(run.vals) - {s for p in nest.frontier for s in p.outs}
     for p in nest.frontier:
         crd = run.vals[p.outs[0]]
         for s in p.outs:
@@ -221,14 +223,13 @@ def _sliced(run: RegionRun, nest: Nest, lo: int, hi: int | None, timed: bool) ->
                 n_elems = int(np.count_nonzero(sliced.kind == ELEM))
                 times[s] = _slice_times(run.times[s], pick, n_elems, before)
                 run.ctx.lengths[s] = len(sliced)
-    return vals, times
+    return vals, times, persistent
 
 
 def run_chunk(run: RegionRun, nest: Nest, lo: int, hi: int | None, keep: set) -> tuple[dict, dict]:
     """Run the nest's body over outer coordinates [lo, hi); returns its exits' results and times."""
-    vals, times = _sliced(run, nest, lo, hi, run.timing is not None)
-    persistent = set(run.vals) - {s for p in nest.frontier for s in p.outs}
-    run.run_prims(nest.body, vals, times, _uses(nest.body), keep, persistent)
+    vals, times, persistent = _sliced(run, nest, lo, hi, run.timing is not None)
+    run.run_prims(nest.body, vals, times, uses_of(nest.body), keep, persistent)
     outs = [s for p in nest.exits for s in p.outs]
     return {s: vals[s] for s in outs}, {s: times[s] for s in outs if s in times}
 
@@ -239,18 +240,9 @@ def _probe(run: RegionRun, nest: Nest, coords: np.ndarray, keep: set) -> float:
     n = min(len(coords) - 1, max(1, math.ceil(len(coords) / PROBE_FRACTION)))
     probe = RegionRun(run.df, run.env, None)
     probe.outer, probe.final = nest.outer, False  # closing tokens are not the nest's
-    vals, _ = _sliced(run, nest, int(coords[0]), int(coords[n]), timed=False)
-    persistent = set(run.vals) - {s for p in nest.frontier for s in p.outs}
-    probe.run_prims(nest.body, vals, {}, _uses(nest.body), keep, persistent)
+    vals, _, persistent = _sliced(run, nest, int(coords[0]), int(coords[n]), timed=False)
+    probe.run_prims(nest.body, vals, {}, uses_of(nest.body), keep, persistent)
     return max(1, probe.tokens) / n
-
-
-def _uses(prims) -> dict:
-    uses: dict = {}
-    for p in prims:
-        for s in p.ins:
-            uses[s] = uses.get(s, 0) + 1
-    return uses
 
 
 def _combine(acc, out):
@@ -293,7 +285,7 @@ def run_in_chunks(df: Dataflow, env: dict, timing: Timing | None, budget: int = 
     if isinstance(plan, str):
         return None
     run = RegionRun(df, env, timing, {} if stats is not None else None)
-    uses, keep = _uses(df.prims), {o.stream for o in df.outputs}
+    uses, keep = uses_of(df.prims), {o.stream for o in df.outputs}
     nests = plan.nests
     most = 1
     for phase in plan.phases:
@@ -344,9 +336,5 @@ def _run_nest(run: RegionRun, nest: Nest, budget: int, uses: dict, keep: set, pr
     run.vals.update(results)
     run.times.update(times)  # the last chunk's: an exit's result leaves when its last part does
     for p in nest.body:  # what the body read is used up
-        for s in p.ins:
-            uses[s] -= 1
-            if uses[s] == 0 and s not in keep:
-                run.vals.pop(s, None)
-                run.times.pop(s, None)
+        release(p, run.vals, run.times, uses, keep)
     return chunks

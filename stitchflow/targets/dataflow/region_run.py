@@ -80,6 +80,24 @@ def finish_of(sched: Schedule, t: np.ndarray, outs: list) -> int:
 
 # ---------------------------------------------------------------- a region's run
 
+def uses_of(prims) -> dict:
+    """Stream id -> how many of `prims` read it."""
+    uses: dict = {}
+    for p in prims:
+        for s in p.ins:
+            uses[s] = uses.get(s, 0) + 1
+    return uses
+
+
+def release(p: Prim, vals: dict, times: dict, uses: dict, keep: set, persistent=()) -> None:
+    """p has read its inputs: free those it was the last to read, unless kept or persistent."""
+    for s in p.ins:
+        uses[s] -= 1
+        if uses[s] == 0 and s not in keep and s not in persistent:
+            vals.pop(s, None)
+            times.pop(s, None)
+
+
 # the input whose tokens a writer's or accumulator's steps follow: its innermost coordinates
 DOMAIN_OF = {"write": -3, "buffer_write": -3, "spacc": -2, "buffer": -2}
 
@@ -147,11 +165,7 @@ class RegionRun:
         for p in prims:
             outs = self.fire(p, vals, times)
             vals.update(zip(p.outs, outs))
-            for s in p.ins:
-                uses[s] -= 1
-                if uses[s] == 0 and s not in keep and s not in persistent:
-                    vals.pop(s, None)
-                    times.pop(s, None)
+            release(p, vals, times, uses, keep, persistent)
             if progress is not None:
                 progress(p, outs)
 

@@ -23,7 +23,7 @@ from ...ir.errors import StitchflowError
 from .chunked import CHUNK_TOKENS, run_in_chunks
 from .counters import Counters, total
 from .graph import Dataflow
-from .region_run import RegionRun
+from .region_run import RegionRun, uses_of
 from .stepped import run_stepped
 from .timing import Timing
 
@@ -117,13 +117,9 @@ def run_region(df: Dataflow, env: dict, timing: Timing, engine: str = "fast", pr
         if done is not None:
             return _region_result(*done, start)
     run = RegionRun(df, env, timing, keep_schedules=stepping)
-    uses: dict[int, int] = {}
-    for p in df.prims:
-        for s in p.ins:
-            uses[s] = uses.get(s, 0) + 1
     keep = {o.stream for o in df.outputs}
     vals: dict = {}
-    run.run_prims(df.prims, vals, {}, uses, keep, progress=progress)
+    run.run_prims(df.prims, vals, {}, uses_of(df.prims), keep, progress=progress)
     env.update({o.name: vals[o.stream] for o in df.outputs})
     if stepping:
         traced = Traced(df, run.schedules, run.ctx.lengths, run.counters)
