@@ -10,7 +10,7 @@ over the whole fiber, and each chunk runs the nest's body on their tokens within
 closed by the fiber's stop and done, as if the outer fiber held only those coordinates.
 
 The nest's exits (the primitives whose results leave it) add up over chunks: writers write
-disjoint rows (v0 is their first coordinate); accumulators either keep v0 (disjoint entries) or
+disjoint rows (v0 is their first coordinate) of one array that every chunk fills; accumulators either keep v0 (disjoint entries) or
 sum over it (partial sums, merged by coordinate). Later nests read the added results.
 
 Timing continues across chunks: a primitive's first step in a chunk fires no earlier than the
@@ -33,10 +33,10 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from .graph import Dataflow, Prim
 from . import storage as S
+from .execute import blank_output, finish_output
 from .region_run import RegionRun, release, uses_of
 from .stream import ELEM, Stream
 from .timing import Timing
@@ -245,19 +245,6 @@ def _probe(run: RegionRun, nest: Nest, coords: np.ndarray, keep: set) -> float:
     return max(1, probe.tokens) / n
 
 
-def _combine(acc, out):
-    """Chunks' results of one exit: tensors add (disjoint rows), storages merge by coordinate
-    (partial sums add)."""
-    if acc is None:
-        return out
-    if isinstance(out, S.Storage):
-        return merge_storages(acc, out)
-    if out.dtype == torch.bool:
-        return acc | out
-    acc += out
-    return acc
-
-
 def merge_storages(a: S.Storage, b: S.Storage) -> S.Storage:
     """The storage holding both storages' entries, values at equal coordinates summed."""
     coords = np.concatenate((S.coords_of_positions(a), S.coords_of_positions(b)))
@@ -318,6 +305,8 @@ def _run_nest(run: RegionRun, nest: Nest, budget: int, uses: dict, keep: set, pr
         if progress is not None:
             progress(1.0)
         return 1
+    # writers' chunks fill disjoint rows of one array, not an array each to be added up
+    run.into = {p.id: blank_output(p) for p in nest.exits if p.kind in WRITERS}
     results: dict = {}
     start, chunks = 0, 0
     while start < len(coords):
@@ -328,11 +317,15 @@ def _run_nest(run: RegionRun, nest: Nest, budget: int, uses: dict, keep: set, pr
                                 keep)
         chunks += 1
         for s, o in outs.items():
-            results[s] = _combine(results.get(s), o)
+            if isinstance(o, S.Storage):  # an accumulator's part: merged by coordinate
+                results[s] = merge_storages(results[s], o) if s in results else o
         if progress is not None:
             progress(stop / len(coords))
         per_coordinate = max(1, run.tokens - before) / (stop - start)
         start = stop
+    for p in nest.exits:
+        if p.id in run.into:
+            results[p.outs[0]] = finish_output(p, run.into.pop(p.id))
     run.vals.update(results)
     run.times.update(times)  # the last chunk's: an exit's result leaves when its last part does
     for p in nest.body:  # what the body read is used up

@@ -460,15 +460,24 @@ def _buffer_write(p: Prim, args, env):
 
 @prim("write")
 def _write(p: Prim, args, env):
-    *crds, vals, parent = args
+    return (finish_output(p, write_into(p, args, blank_output(p))),)
+
+
+def blank_output(p: Prim) -> np.ndarray:
+    """The zeros a writer scatters into: float64, blocked dims padded to whole tiles."""
     shape, dims = p.param("shape"), p.param("dims")
     tile = p.param("tile") or ()
-    dtype = getattr(torch, p.param("dtype"))
     full = list(shape)
-    for k, d in enumerate(dims):  # blocked dims padded to whole tiles, cropped after
+    for k, d in enumerate(dims):
         if tile and tile[k] > 1:
             full[d] = -(-shape[d] // tile[k]) * tile[k]
-    out = np.zeros(full, np.float64)
+    return np.zeros(full, np.float64)
+
+
+def write_into(p: Prim, args, out: np.ndarray) -> np.ndarray:
+    """Scatter the writer's values into `out` (from blank_output; a chunked run passes the same
+    one to every chunk, whose rows are disjoint) and return it."""
+    *crds, vals, parent = args
     if crds:
         anc = ancestors([parent] + crds)
         pick = crds[-1].kind[anc[-1]] == ELEM
@@ -480,13 +489,20 @@ def _write(p: Prim, args, env):
             values = values.transpose((0,) + tuple(1 + a for a in perm))
     else:
         coords, values = [], vals.fval[vals.kind == ELEM][:1]
-    _scatter(out, coords, values, dims, tile)
-    if list(full) != list(shape):
+    _scatter(out, coords, values, p.param("dims"), p.param("tile") or ())
+    return out
+
+
+def finish_output(p: Prim, out: np.ndarray) -> torch.Tensor:
+    """The written array as the output tensor: padding cropped, in the writer's dtype."""
+    shape = p.param("shape")
+    if list(out.shape) != list(shape):
         out = np.ascontiguousarray(out[tuple(slice(0, n) for n in shape)])
     result = torch.from_numpy(out)
+    dtype = getattr(torch, p.param("dtype"))
     if dtype == torch.bool:
-        return (result != 0,)
-    return (result.to(dtype),)
+        return result != 0
+    return result.to(dtype)
 
 
 def _scatter(out, coords, values, dims, tile):

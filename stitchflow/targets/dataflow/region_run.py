@@ -19,7 +19,7 @@ from dataclasses import replace
 import numpy as np
 
 from .counters import count
-from .execute import FUNCS
+from .execute import FUNCS, write_into
 from .graph import Dataflow, Prim
 from .kernels import emit_times, fire_array, fire_scalar, ready_gather
 from .stream import Stream
@@ -123,6 +123,7 @@ class RegionRun:
         self.last_emit: dict = {}  # stream id -> time its last token left (a chunk's carry)
         self.tokens = 0
         self.final = True  # False while a chunk other than the last runs
+        self.into: dict = {}  # writer prim id -> the array its chunks all scatter into (chunked.py)
 
     def closers(self, sid: int, out) -> int:
         """Tokens a chunk appends to a stream that the whole run has only once, at its end: the
@@ -173,7 +174,10 @@ class RegionRun:
         """Run one primitive on the streams in `vals` and time it from `times` (its outputs'
         timestamps are added there); returns its outputs."""
         args = [vals[s] for s in p.ins]
-        outs = FUNCS[p.kind](p, args, self.env)
+        if p.id in self.into:
+            outs = (write_into(p, args, self.into[p.id]),)
+        else:
+            outs = FUNCS[p.kind](p, args, self.env)
         # a chunk's closing tokens count once, with the last chunk (the whole run has them once)
         extra = 0 if self.final else sum(self.closers(s, o) for s, o in zip(p.outs, outs))
         made = sum(len(o) for o in outs if isinstance(o, Stream)) - extra
