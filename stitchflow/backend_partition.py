@@ -31,6 +31,38 @@ def refuse_vmap_bodies(gm: fx.GraphModule) -> None:
             node.meta.setdefault(REFUSED, BATCHED_BY_VMAP)
 
 
+EMPTY_VALUE = "makes or reads a tensor with no elements (the IR has no zero-size tensors); cheap eagerly"
+
+
+def _example_tensors(node) -> list:
+    value = node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else None
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    return [v for v in values if isinstance(v, torch.Tensor)]
+
+
+def refuse_empty_values(gm: fx.GraphModule) -> None:
+    """Leave to eager the nodes that make a tensor with no elements, and those that read one (it would enter
+    their partition as an input, which a program cannot take). Refused up front, all at once: capture would
+    refuse them one at a time, each refusal splitting the partition again, one call level deeper per split."""
+    empty, variable = set(), set()  # variable: depends on an input (not only on constants)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" or any(a in variable for a in node.all_input_nodes):
+            variable.add(node)
+        if node.op not in ("call_function", "call_method"):
+            continue
+        # (a constant such as a cache's torch.tensor([]) stays: capture keeps it as a value, torch.cat skips it)
+        made = node in variable and any(v.numel() == 0 for v in _example_tensors(node) if not _symbolic(v))
+        read = any(a in empty for a in node.all_input_nodes)
+        if made:
+            empty.add(node)
+        if made or read:
+            node.meta.setdefault(REFUSED, EMPTY_VALUE)
+
+
+def _symbolic(value: torch.Tensor) -> bool:
+    return any(not isinstance(d, int) for d in value.shape)
+
+
 def supported(node: fx.Node) -> bool:
     """Has a lowering (creation ops such as torch.ones stay eager and enter as inputs). An item of
     an eager op's tuple of results stays with that op, so that partitions take tensors, not tuples."""

@@ -89,6 +89,25 @@ def test_an_empty_constant_lifted_by_autograd_stays_a_constant_of_its_partition(
     assert backend.FALLBACKS == []
 
 
+def _scan_with_an_empty_tail(x, steps: int):
+    """transformers' Mamba scan path: tensor_split at the sequence length leaves an empty tail, and each of the
+    tail's ops (none of which matters) once refused capture in turn, one nested split per op."""
+    head, tail = torch.tensor_split(x, [x.shape[-1]], dim=-1)
+    y = (head.exp() * 2).softmax(-1)
+    for _ in range(steps):
+        tail = (tail * 2 + 1).sigmoid()
+    return torch.cat([y, tail], dim=-1) + 1
+
+
+def test_tensors_with_no_elements_run_eagerly_all_at_once():
+    x = torch.randn(3, 8)
+    f = lambda x: _scan_with_an_empty_tail(x, 120)  # noqa: E731 - past the recursion limit, one split a level
+    assert_close(torch.compile(f, backend="stitchflow")(x), f(x))
+    report = backend.fallback_report()
+    assert "no elements" in report and "compiles around it" not in report
+    assert backend.regions_executed() >= 1  # the head's ops
+
+
 def test_restriding_to_an_expanded_layout_keeps_the_tensor():
     """A partition traced on an expanded mask (stride 0 over heads) may be handed a dense one: no dense
     tensor can take the expanded strides, and the graph's ops take the layout it comes in."""
