@@ -368,8 +368,9 @@ def analyse_walks(prep: Prepared, orders_of: Callable[[Sequence[str]], Sequence[
     chosen: dict[str, tuple] = {}
     for r, ns in members.items():
         best = None
+        local = _placing(prep, ns)
         for order in orders_of(ns):
-            found = {nn.node: nn for nn in analyse(prep, order, concordant, hoist).nests}
+            found = {nn.node: nn for nn in analyse(local, order, concordant, hoist).nests}
             work = sum(weight[n] * found[n].factor for n in ns)
             if best is None or work < best[0]:
                 best = (work, order, found)
@@ -378,6 +379,26 @@ def analyse_walks(prep: Prepared, orders_of: Callable[[Sequence[str]], Sequence[
                   for name, _, _, _ in prep.rows)
     last = prep.rows[-1][0]
     return LoopNest(tuple(chosen[next(iter(roots[last]))][1]), nests, concordant, prep.extents)
+
+
+def _placing(prep: Prepared, names) -> Prepared:
+    """`prep` cut to what places `names` in a walk: they and their consumers, transitively, up to
+    buffered nodes (which start walks of their own). Their nests are the whole region's, at a cost
+    of the walk's size, not the region's, for each order tried (regions of hundreds of nodes have
+    hundreds of walks)."""
+    consumers = dict(prep.consumers)
+    keep, todo = set(), list(names)
+    while todo:
+        name = todo.pop()
+        if name not in keep:
+            keep.add(name)
+            if name not in prep.buffered:
+                todo.extend(consumers.get(name, ()))
+    if len(keep) == len(prep.rows):
+        return prep
+    return Prepared(tuple(r for r in prep.rows if r[0] in keep), prep.extents,
+                    tuple(r for r in prep.reduction_vars if r[0] in keep),
+                    tuple(c for c in prep.consumers if c[0] in keep), prep.buffered & keep)
 
 
 def _by_order(own, users, pos, order) -> tuple[str, ...]:
