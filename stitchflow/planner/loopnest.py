@@ -34,6 +34,7 @@ buffer, so no recomputation reaches through them.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
@@ -88,8 +89,12 @@ class RegionVars:
     names: tuple[tuple[str, tuple[tuple[str, frozenset[str]], ...]], ...]  # node -> var -> unified set
     extents: tuple[tuple[str, int], ...]
 
+    @functools.cached_property
+    def _by_node(self) -> dict:  # (of() is called per node by passes over every node of a region)
+        return {name: dict(local) for name, local in self.names}
+
     def of(self, node: str) -> dict[str, frozenset[str]]:
-        return dict(dict(self.names)[node])
+        return dict(self._by_node[node])
 
     def node_vars(self, node: str) -> frozenset[str]:
         return frozenset().union(*self.of(node).values())
