@@ -187,7 +187,8 @@ def legal_orders(graph: Graph, nodes: Sequence[str], rv: RegionVars | None = Non
             for u in sorted(unified):
                 first_seen.setdefault(u, len(first_seen))
     rank = {u: (first_seen.get(u, 0), u) for u in dag}
-    canonical = tuple(nx.lexicographical_topological_sort(dag, key=rank.__getitem__))
+    canonical = tuple(nx.lexicographical_topological_sort(dag, key=rank.__getitem__) if not nx.is_empty(dag)
+                      else sorted(dag, key=rank.__getitem__))
     orders = [canonical] + [o for o in _topological_sorts(dag, rank, limit) if o != canonical]
     orders = orders[:limit]
     # then orders that start from the outputs (consumers' variables first, as a streamed walk
@@ -216,8 +217,10 @@ def legal_orders(graph: Graph, nodes: Sequence[str], rv: RegionVars | None = Non
 
 def _topological_sorts(dag: nx.DiGraph, rank, limit: int) -> list[tuple[str, ...]]:
     """The first `limit` topological sorts in lexicographic order of `rank` (depth-first)."""
-    preds = {u: set(dag.predecessors(u)) for u in dag}
     names = sorted(dag, key=rank.__getitem__)
+    if nx.is_empty(dag):  # (dense operands: every permutation, lexicographic order is itertools')
+        return list(itertools.islice(itertools.permutations(names), limit))
+    preds = {u: set(dag.predecessors(u)) for u in dag}
     out: list[tuple[str, ...]] = []
     prefix: list[str] = []
     placed: set[str] = set()
@@ -374,9 +377,14 @@ def analyse_walks(prep: Prepared, orders_of: Callable[[Sequence[str]], Sequence[
     for r, ns in members.items():
         best = None
         local = _placing(prep, ns)
+        seen, relevant = {}, _variables(local)
         for order in orders_of(ns):
-            found = {nn.node: nn for nn in analyse(local, order, concordant, hoist).nests}
-            work = sum(weight[n] * found[n].factor for n in ns)
+            # orders that place the walk's variables alike place its nodes alike: analysed once
+            key = tuple(u for u in order if u in relevant)
+            if key not in seen:
+                found = {nn.node: nn for nn in analyse(local, order, concordant, hoist).nests}
+                seen[key] = (sum(weight[n] * found[n].factor for n in ns), found)
+            work, found = seen[key]
             if best is None or work < best[0]:
                 best = (work, order, found)
         chosen[r] = best
@@ -404,6 +412,19 @@ def _placing(prep: Prepared, names) -> Prepared:
     return Prepared(tuple(r for r in prep.rows if r[0] in keep), prep.extents,
                     tuple(r for r in prep.reduction_vars if r[0] in keep),
                     tuple(c for c in prep.consumers if c[0] in keep), prep.buffered & keep)
+
+
+def _variables(prep: Prepared) -> frozenset[str]:
+    """Every variable the analysis of `prep`'s nodes looks at (its result depends on the order
+    only through their positions)."""
+    found = set()
+    for _, own, users, guards in prep.rows:
+        found |= own | users
+        for _, uvars, _ in guards:
+            found |= uvars
+    for _, reduced in prep.reduction_vars:
+        found |= reduced
+    return frozenset(found)
 
 
 def _by_order(own, users, pos, order) -> tuple[str, ...]:
