@@ -14,6 +14,8 @@ import os
 import signal
 import time
 
+import torch
+
 from stitchflow.apps import APPS, GCN, SAE_PRESETS, GraphSAGE, load_dataset
 
 # real feature widths and classes: PyG CitationFull Cora_ML (2,879 features, 7 classes) and DBLP
@@ -69,6 +71,9 @@ def guarded(fn, mem_gb: float, limit_s: float) -> dict:
     pid = os.fork()
     if pid == 0:  # child
         os.close(r)
+        # the parent's OpenMP pool does not survive fork: the child's first parallel torch op (MAG's
+        # products in capture) waited on it forever. One thread runs ops inline (the simulator is numpy).
+        torch.set_num_threads(1)
         try:
             out = fn()
         except Exception as e:  # reported, not raised: the other rows go on
