@@ -266,6 +266,75 @@ def test_gpt3_decoders_fused_whole_are_estimated_as_the_target_buffers_them():
     assert est.flops < 3 * simulated.flops
 
 
+def _walks_by_definition(prep, orders_of, concordant, hoist, weight):
+    """analyse_walks as its docstring defines it: every walk's orders analysed on the whole region."""
+    from stitchflow.planner.loopnest import LoopNest, analyse, walk_roots
+
+    roots = walk_roots(prep)
+    chosen = {}
+    for r in {r for rs in roots.values() for r in rs}:
+        ns = [n for n, rs in roots.items() if r in rs]
+        best = None
+        for order in orders_of(ns):
+            found = {nn.node: nn for nn in analyse(prep, order, concordant, hoist).nests}
+            work = sum(weight[n] * found[n].factor for n in ns)
+            if best is None or work < best[0]:
+                best = (work, order, found)
+        chosen[r] = best
+    nests = tuple(max((chosen[r][2][name] for r in roots[name]), key=lambda nn: nn.factor) for name, *_ in prep.rows)
+    return LoopNest(tuple(chosen[next(iter(roots[prep.rows[-1][0]]))][1]), nests, concordant, prep.extents)
+
+
+@pytest.mark.parametrize("app", ["gpt3-bigbird", "llama", "gcn"])
+def test_walks_analysed_on_their_own_nodes_equal_the_whole_region_analysis(app):
+    """analyse_walks analyses a walk on the nodes that place it, and orders alike on its variables once
+    (Mamba's 518-node backward took minutes to plan): the nests and orders of the definition."""
+    from stitchflow.planner.loopnest import analyse_walks, legal_orders, prepare, unify
+    from stitchflow.targets import get_target
+
+    model, inputs = APPS[app].build(size="small")[:2]
+    graph = capture_model(model, inputs).graph
+    names = [n.name for n in graph.nodes]
+    for start in range(0, len(names), 7):
+        nodes = names[start:start + 30]
+        buffered = get_target("dataflow").buffered(graph, nodes)
+        rv = unify(graph, nodes)
+        prep = prepare(graph, nodes, rv, lambda t, inside: 0.5, buffered)
+        weight = {n: 1.0 + k % 3 for k, n in enumerate(nodes)}
+
+        def orders_of(walk):
+            return legal_orders(graph, walk, rv)[0]
+
+        for hoist in (True, False):
+            assert analyse_walks(prep, orders_of, True, hoist, weight) == \
+                _walks_by_definition(prep, orders_of, True, hoist, weight)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_walks_of_random_graphs_with_random_buffers_equal_the_whole_region_analysis(seed):
+    """Nodes read by several walks (a buffered consumer and another), sparse gates, reductions."""
+    import random
+
+    from stitchflow.planner.loopnest import analyse_walks, legal_orders, prepare, unify
+    from planner_graphs import KINDS
+
+    rng = random.Random(seed)
+    count = rng.randrange(4, 10)
+    graph = build([(rng.choice(KINDS), rng.randrange(2 + k), rng.randrange(2 + k)) for k in range(count)])
+    nodes = [n.name for n in graph.nodes]
+    rv = unify(graph, nodes)
+    buffered = frozenset(n for n in nodes[:-1] if rng.random() < 0.4)
+    prep = prepare(graph, nodes, rv, lambda t, inside: 0.3 if t == "a" else 1.0, buffered)
+    weight = {n: rng.choice((1.0, 2.0, 8.0)) for n in nodes}
+
+    def orders_of(walk):
+        return legal_orders(graph, walk, rv, constrained=False)[0]
+
+    for hoist in (True, False):
+        assert analyse_walks(prep, orders_of, True, hoist, weight) == \
+            _walks_by_definition(prep, orders_of, True, hoist, weight)
+
+
 def test_gpu_model_runs_a_dense_region_with_gemms_step_by_step():
     """GEMMs through the library, the elementwise chain between them one kernel: a cut through that
     chain stores its float32 tensor and reads it back, and costs a launch and a region more; the fused
@@ -324,3 +393,20 @@ def test_fuseflow_full_gpt3_fuses_each_decoders_tail_with_the_next_ones_head():
     prog = stitchflow.compile(model, inputs, target="dataflow", fusion=groups, options={"block": 16})
     torch.testing.assert_close(prog(*inputs), model(*inputs), rtol=1e-4, atol=1e-4)
     assert gpt3_fuseflow_full(capture_model(*APPS["gcn"].build(size="small"), None).graph) == []
+
+
+@pytest.mark.parametrize("edges", [(), (("c", "a"),), (("b", "d"), ("d", "a"))])
+def test_topological_sorts_are_the_first_in_lexicographic_order(edges):
+    import itertools
+
+    import networkx as nx
+
+    from stitchflow.planner.loopnest import _topological_sorts
+
+    dag = nx.DiGraph()
+    dag.add_nodes_from("dbeac")
+    dag.add_edges_from(edges)
+    rank = {u: u for u in dag}
+    every = [p for p in itertools.permutations(sorted(dag))
+             if all(p.index(u) < p.index(v) for u, v in edges)]
+    assert _topological_sorts(dag, rank, 7) == every[:7]
