@@ -10,8 +10,9 @@ over the whole fiber, and each chunk runs the nest's body on their tokens within
 closed by the fiber's stop and done, as if the outer fiber held only those coordinates.
 
 The nest's exits (the primitives whose results leave it) add up over chunks: writers write
-disjoint rows (v0 is their first coordinate) of one array that every chunk fills; accumulators either keep v0 (disjoint entries) or
-sum over it (partial sums, merged by coordinate). Later nests read the added results.
+disjoint rows (v0 is their first coordinate) of one array that every chunk fills; accumulators
+either keep v0 (disjoint entries) or sum over it (partial sums, merged by coordinate). Later
+nests read the added results.
 
 Timing continues across chunks: a primitive's first step in a chunk fires no earlier than the
 step after its last real one of the previous chunk, and its tokens leave no earlier than its
@@ -245,19 +246,20 @@ def _probe(run: RegionRun, nest: Nest, coords: np.ndarray, keep: set) -> float:
     return max(1, probe.tokens) / n
 
 
-def merge_storages(a: S.Storage, b: S.Storage) -> S.Storage:
-    """The storage holding both storages' entries, values at equal coordinates summed."""
-    coords = np.concatenate((S.coords_of_positions(a), S.coords_of_positions(b)))
-    values = np.concatenate((a.values, b.values))
+def merge_storages(*parts: S.Storage) -> S.Storage:
+    """The storage holding every part's entries, values at equal coordinates summed (one sort for
+    all the chunks' parts: merging them pairwise would sort the growing result once a chunk)."""
+    coords = np.concatenate([S.coords_of_positions(p) for p in parts])
+    values = np.concatenate([p.values for p in parts])
     order = np.lexsort(coords.T[::-1]) if coords.shape[1] else np.arange(len(coords))
     coords, values = coords[order], values[order]
     new = np.ones(len(coords), bool)
     new[1:] = (coords[1:] != coords[:-1]).any(axis=1)
     starts = np.flatnonzero(new)
     summed = np.add.reduceat(values, starts, axis=0) if len(values) else values
-    kinds = tuple(lv.kind for lv in a.levels)
-    sizes = tuple(lv.size for lv in a.levels)
-    return S.from_coo(coords[starts], summed, sizes, kinds, a.tile, presorted=True)
+    levels = parts[0].levels
+    kinds, sizes = tuple(lv.kind for lv in levels), tuple(lv.size for lv in levels)
+    return S.from_coo(coords[starts], summed, sizes, kinds, parts[0].tile, presorted=True)
 
 
 def run_in_chunks(df: Dataflow, env: dict, timing: Timing | None, budget: int = CHUNK_TOKENS, progress=None,
@@ -307,7 +309,7 @@ def _run_nest(run: RegionRun, nest: Nest, budget: int, uses: dict, keep: set, pr
         return 1
     # writers' chunks fill disjoint rows of one array, not an array each to be added up
     run.into = {p.id: blank_output(p) for p in nest.exits if p.kind in WRITERS}
-    results: dict = {}
+    parts: dict = {}
     start, chunks = 0, 0
     while start < len(coords):
         stop = min(len(coords), start + max(1, int(budget / per_coordinate)))
@@ -317,12 +319,13 @@ def _run_nest(run: RegionRun, nest: Nest, budget: int, uses: dict, keep: set, pr
                                 keep)
         chunks += 1
         for s, o in outs.items():
-            if isinstance(o, S.Storage):  # an accumulator's part: merged by coordinate
-                results[s] = merge_storages(results[s], o) if s in results else o
+            if isinstance(o, S.Storage):  # an accumulator's part: merged by coordinate at the end
+                parts.setdefault(s, []).append(o)
         if progress is not None:
             progress(stop / len(coords))
         per_coordinate = max(1, run.tokens - before) / (stop - start)
         start = stop
+    results = {s: merge_storages(*ps) if len(ps) > 1 else ps[0] for s, ps in parts.items()}
     for p in nest.exits:
         if p.id in run.into:
             results[p.outs[0]] = finish_output(p, run.into.pop(p.id))

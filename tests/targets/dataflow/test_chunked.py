@@ -106,11 +106,12 @@ def test_a_region_of_several_nests_runs_nest_by_nest():
 
 def test_merged_storages_sum_equal_coordinates_and_keep_the_rest():
     rng = np.random.default_rng(0)
-    a = (rng.random((6, 7)) < 0.3) * rng.standard_normal((6, 7))
-    b = (rng.random((6, 7)) < 0.3) * rng.standard_normal((6, 7))
+    a, b, c = ((rng.random((6, 7)) < 0.3) * rng.standard_normal((6, 7)) for _ in range(3))
     for kinds in [(S.DENSE, S.COMPRESSED), (S.COMPRESSED, S.COMPRESSED), (S.DENSE, S.DENSE)]:
         merged = merge_storages(S.from_dense(a, kinds), S.from_dense(b, kinds))
         np.testing.assert_allclose(S.to_dense(merged, (6, 7)), a + b)
+        merged = merge_storages(*(S.from_dense(x, kinds) for x in (a, b, c)))
+        np.testing.assert_allclose(S.to_dense(merged, (6, 7)), a + b + c)
 
 
 def test_a_programs_call_runs_large_regions_in_chunks():
