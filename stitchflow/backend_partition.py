@@ -34,8 +34,8 @@ def refuse_vmap_bodies(gm: fx.GraphModule) -> None:
 EMPTY_VALUE = "makes or reads a tensor with no elements (the IR has no zero-size tensors); cheap eagerly"
 
 
-def _example_tensors(node) -> list:
-    value = node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else None
+def _example_tensors(node: fx.Node) -> list:
+    value = node.meta.get("example_value", node.meta.get("val"))  # Dynamo's graphs, AOTAutograd's
     values = value if isinstance(value, (tuple, list)) else (value,)
     return [v for v in values if isinstance(v, torch.Tensor)]
 
