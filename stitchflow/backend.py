@@ -39,7 +39,7 @@ from .backend_layouts import (channels_last_order, convolution_inputs_like_gradi
                               saved_weights_channels_last, unfolded_weight_gradient, weight_like_gradient,
                               weights_channels_last)
 from .backend_partition import (REFUSED, copied_graph, fuse_by_dependence, inline_empty_constants, outputs_read_eagerly,
-                                refuse_empty_values, refuse_vmap_bodies, split_in_program_order,
+                                refuse_empty_values, refuse_vmap_bodies, run_flat, split_in_program_order,
                                 supported)
 from .frontend.capture import Captured, capture
 from .frontend.registry import LOWERINGS, describe_target, early_refusal, is_inplace, key_of
@@ -159,7 +159,14 @@ class StitchflowModule(torch.nn.Module):
         return out
 
     def _eager(self, args, split: fx.GraphModule | None = None):
-        return (split or self.gm)(*self._as_traced(args))
+        return run_flat(split, self._as_traced(args)) if split is not None else self.gm(*self._as_traced(args))
+
+    def split_for(self, args) -> fx.GraphModule | None:
+        """Compiles for `args`' signature where not yet done: the graph split around a node that capture refused
+        (run_flat puts its nodes in this partition's place), or None where the partition runs whole."""
+        call = self.last if self.last is not None and self.last.matches(args) else self._lookup(args)
+        self.last = call
+        return self.split.get(call.key) if call.program is None else None
 
     def _as_traced(self, args) -> list:
         """The arguments, each tensor in the strides the FX graph was traced with: another partition may

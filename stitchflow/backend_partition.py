@@ -5,6 +5,7 @@ numbers, in program order; and which of a partition's results eager ops read."""
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -202,3 +203,95 @@ def _attribute(gm: fx.GraphModule, arg):
     for part in arg.target.split("."):
         value = getattr(value, part, None)
     return value
+
+
+def run_flat(split: fx.GraphModule, args) -> Any:
+    """Run `split` (a graph split around refused nodes) one node at a time. A partition whose capture refuses a
+    node splits around it in turn (its `split_for`); that split's nodes take the partition's place in `split`
+    (inline_call) and this loop goes on through them. Calls thus never nest: a chain of refusals found one at a
+    time (one per capture) once nested one call level per refusal, deep enough for a RecursionError."""
+    env: dict[fx.Node, Any] = {}
+    ran: set[fx.Node] = set()
+    inputs = iter(args)
+    node = next(iter(split.graph.nodes))
+    while node.op != "output":
+        if node.op == "placeholder":
+            env[node] = next(inputs)
+        else:
+            values = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+            inner = _refusing_partition_split(split, node, values[0])
+            if inner is not None and (first := inline_call(split, node, inner)) is not None:
+                node = first
+                continue
+            env[node] = _run_node(split, node, *values)
+        ran.add(node)
+        for a in node.all_input_nodes:  # free what no later node reads
+            if a in env and all(u in ran for u in a.users):
+                del env[a]
+        node = node.next
+    return fx.node.map_arg(node.args[0], env.__getitem__)
+
+
+def _refusing_partition_split(split: fx.GraphModule, node: fx.Node, args) -> fx.GraphModule | None:
+    if node.op != "call_module":
+        return None
+    part = split.get_submodule(node.target)
+    return part.split_for(args) if hasattr(part, "split_for") else None
+
+
+def _run_node(split: fx.GraphModule, node: fx.Node, args, kwargs) -> Any:
+    if node.op == "call_function":
+        return node.target(*args, **kwargs)
+    if node.op == "call_method":
+        return getattr(args[0], node.target)(*args[1:], **kwargs)
+    if node.op == "call_module":
+        return split.get_submodule(node.target)(*args, **kwargs)
+    assert node.op == "get_attr", node.op
+    return _attribute(split, node)
+
+
+def inline_call(split: fx.GraphModule, call: fx.Node, inner: fx.GraphModule) -> fx.Node | None:
+    """Put the nodes of `inner` (the graph a partition split into) in place of `call` (that partition's call in
+    `split`), its submodules and attributes moved over under new names; returns the first node put in. None
+    (nothing changed) where `call`'s value is read other than item by item."""
+    placeholders = [n for n in inner.graph.nodes if n.op == "placeholder"]
+    output = next(n for n in inner.graph.nodes if n.op == "output")
+    tuple_value = isinstance(output.args[0], (tuple, list))
+    if call.kwargs or len(placeholders) != len(call.args) or (
+            tuple_value and any(u.target is not operator.getitem for u in call.users)):
+        return None
+    env = dict(zip(placeholders, call.args))
+    first = None
+    with split.graph.inserting_before(call):
+        for node in inner.graph.nodes:
+            if node.op in ("placeholder", "output"):
+                continue
+            env[node] = new = split.graph.node_copy(node, env.__getitem__)
+            if node.op in ("call_module", "get_attr"):
+                value = inner.get_submodule(node.target) if node.op == "call_module" else _attribute(inner, node)
+                new.target = _moved_attribute(split, f"{call.target}_{node.target}", value)
+            first = first or new
+    result = fx.node.map_arg(output.args[0], env.__getitem__)
+    if tuple_value:
+        for item in list(call.users):
+            item.replace_all_uses_with(result[item.args[1]])
+            split.graph.erase_node(item)
+    else:
+        call.replace_all_uses_with(result)
+    split.graph.erase_node(call)
+    split.recompile()
+    return first
+
+
+def _moved_attribute(gm: fx.GraphModule, name: str, value) -> str:
+    name = base = name.replace(".", "_")
+    k = 0
+    while hasattr(gm, name):
+        k, name = k + 1, f"{base}_{k + 1}"
+    if isinstance(value, torch.nn.Module):
+        gm.add_module(name, value)
+    elif isinstance(value, torch.Tensor):
+        gm.register_buffer(name, value, persistent=False)
+    else:
+        setattr(gm, name, value)
+    return name

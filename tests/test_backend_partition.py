@@ -2,6 +2,8 @@
 on these arguments, a bug of ours at one node), and constants with no elements (a key/value cache's first
 `torch.tensor([])`), which once sent whole partitions, Hugging Face's causal LMs among them, to eager."""
 
+import sys
+
 import pytest
 import torch
 import torch.nn as nn
@@ -106,6 +108,46 @@ def test_tensors_with_no_elements_run_eagerly_all_at_once():
     report = backend.fallback_report()
     assert "no elements" in report and "compiles around it" not in report
     assert backend.regions_executed() >= 1  # the head's ops
+
+
+def _overwriting_chain(x, idx, v, steps: int):
+    for _ in range(steps):  # each scatter refused at capture, found only once the graph before it captures
+        x = torch.index_put((x * 2).sigmoid(), (idx,), v)
+    return x.softmax(-1)
+
+
+def _stack_depth() -> int:
+    frame, depth = sys._getframe(), 0
+    while frame is not None:
+        frame, depth = frame.f_back, depth + 1
+    return depth
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_refusals_found_one_at_a_time_split_without_nesting_calls(monkeypatch, training):
+    """Each refusal splits the part after it again; that split's nodes take the part's place in the graph being
+    run, so compiles happen at one call depth however many refusals a chain has (nested, each took ~15 frames)."""
+    depths = []
+    compile_ = backend.StitchflowModule._compile
+
+    def recording(self, args):
+        depths.append(_stack_depth())
+        return compile_(self, args)
+
+    monkeypatch.setattr(backend.StitchflowModule, "_compile", recording)
+    x, idx, v = torch.randn(6, 5, requires_grad=training), torch.tensor([4, 0, 2]), torch.randn(3, 5)
+    f = lambda x, idx, v: _overwriting_chain(x, idx, v, 12)  # noqa: E731
+    compiled = torch.compile(f, backend="stitchflow")
+    for _ in range(2):
+        got, expected = compiled(x, idx, v), f(x, idx, v)
+        assert_close(got, expected)
+        if training:
+            (gx,) = torch.autograd.grad(got.square().sum(), x)
+            (ex,) = torch.autograd.grad(expected.square().sum(), x)
+            assert_close(gx, ex)
+    assert backend.fallback_report().count("compiles around it") >= 12
+    assert len(depths) >= 24 and max(depths) - min(depths) <= 6  # (partitions Dynamo calls, and split ones)
+    assert backend.regions_executed() >= 12
 
 
 def test_restriding_to_an_expanded_layout_keeps_the_tensor():
