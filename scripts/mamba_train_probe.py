@@ -27,6 +27,8 @@ def main() -> None:
     ap.add_argument("--scan", default="default,loop")
     ap.add_argument("--stacks", help="file for the periodic stack dumps")
     ap.add_argument("--dump-s", type=int, default=60)
+    ap.add_argument("--target", help="the backend's target (default: gpu for CUDA tensors; gpu on the CPU runs "
+                    "the generated kernels under TRITON_INTERPRET=1)")
     args = ap.parse_args()
     if args.stacks:
         faulthandler.dump_traceback_later(args.dump_s, repeat=True, file=open(args.stacks, "w"))
@@ -44,7 +46,8 @@ def main() -> None:
         kw = Z.hf_inputs("MambaModel", args.device)
         torch._dynamo.reset()
         t0 = time.perf_counter()
-        ok, err, gerr, first = Z.compare(f"MambaModel {scan}", model, kw, True, 1e-4, {})
+        ok, err, gerr, first = Z.compare(f"MambaModel {scan}", model, kw, True, 1e-4,
+                                           {"target": args.target} if args.target else {})
         print(f"scan {scan}: ok {ok}, output {err:.1e}, gradients {gerr:.1e}, first call {first:.1f} s, "
               f"all {time.perf_counter() - t0:.1f} s", flush=True)
 

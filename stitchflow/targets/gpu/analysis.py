@@ -219,18 +219,19 @@ def _split_cross(graph: Graph, group: list[Node], uf: VarClasses) -> list[list[N
         return [group]
     order = {n.name: k for k, n in enumerate(group)}
     parts: list[list[Node]] = []
+    spreads: list[dict] = []  # each part's _spread (a part that cannot share one nest is never made)
     for flow in flows:
         alone = _spread(graph, flow, uf)
-        for k, part in enumerate(parts):
+        for k, part in enumerate(parts if alone is not None else ()):
             merged = sorted(part + flow, key=lambda n: order[n.name])
             spread = _spread(graph, merged, uf)
-            if spread is not None and alone is not None and all(
-                    spread[n.name] <= max(alone.get(n.name, 1), _spread(graph, part, uf).get(n.name, 1))
-                    for n in merged):
-                parts[k] = merged
+            if spread is not None and all(spread[n.name] <= max(alone.get(n.name, 1), spreads[k].get(n.name, 1))
+                                          for n in merged):
+                parts[k], spreads[k] = merged, spread
                 break
         else:
             parts.append(list(flow))
+            spreads.append(alone or {})
     return parts
 
 
