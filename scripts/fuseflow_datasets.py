@@ -153,10 +153,11 @@ def dataset_table(rows, title, caption=""):
     return "\n".join(out)
 
 
-def gnn_part(measure, apps, datasets, mem_gb, limit_s, hoist_false=(), log=None, features=None):
+def gnn_part(measure, apps, datasets, mem_gb, limit_s, hoist_false=(), log=None, features=None, configs=None):
     """GCN and GraphSAGE on each data set; full with hoist=False only on the data sets in
     `hoist_false` (elsewhere skipped with the graph's recomputation count against Cora's).
-    `features`: {data set: feature width} where not the real set's (GNN_DATASETS)."""
+    `features`: {data set: feature width} where not the real set's (GNN_DATASETS); `configs`: the labels of
+    GNN_CONFIGS to run (default all; the others make no row, so that a --jsonl run can fill in a table)."""
     cora = load_dataset("cora")
     results, md = {}, []
     for dataset in datasets:
@@ -169,7 +170,8 @@ def gnn_part(measure, apps, datasets, mem_gb, limit_s, hoist_false=(), log=None,
                 ratio = recompute_ratio(data, cora)
                 skip = {"full, hoist=False": f"not run: recomputes Σ deg(j)²·F = {ratio:.0f}× Cora's layer-1 work "
                         f"(Cora: 2.27 G tokens, 18-19 GB)"}
-            rows = run_configs(measure, app, model, inputs, GNN_CONFIGS, GNN_PUBLISHED[(app, dataset)], mem_gb,
+            chosen = [c for c in GNN_CONFIGS if configs is None or c[0] in configs]
+            rows = run_configs(measure, app, model, inputs, chosen, GNN_PUBLISHED[(app, dataset)], mem_gb,
                                limit_s, skip, log, dataset=dataset, features=width)
             results[f"{app}:{dataset}"] = rows
             title = f"{'GCN' if app == 'gcn' else 'GraphSAGE'}, {name} (`{dataset}`)"

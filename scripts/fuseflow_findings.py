@@ -34,6 +34,7 @@ import argparse
 import datetime
 import json
 import platform
+import re
 import time
 
 import torch
@@ -182,7 +183,7 @@ def datasets_part(args, results) -> list:
     apps = [a for a in args.apps.split(",") if a in ("gcn", "graphsage")]
     widths = {k: int(v) for k, v in (f.split("=") for f in names(args.features))}
     for part, md_part in [D.gnn_part(measure, apps, names(args.datasets), hoist_false=names(args.hoist_false),
-                                      features=widths, **guard),
+                                      features=widths, configs=re.split(r",(?! )", args.configs) if args.configs else None, **guard),
                           D.gpt3_part(measure, [int(b) for b in names(args.blocks or "32,64")], **guard),
                           D.sae_part(measure, names(args.sae), **guard)]:
         results.update(part)
@@ -214,6 +215,8 @@ def main(argv=None):
     ap.add_argument("--blocks", help="GPT-3 BigBird blocks, comma separated (default: 32,64 with datasets, "
                     "16 with fuseflow-full)")
     ap.add_argument("--hoist-false", default="", help="data sets on which to run full with hoist=False")
+    ap.add_argument("--configs", default="", help="GNN configurations to run (with --only datasets), comma "
+                    "separated, e.g. 'unfused,full, hoisted' split at commas not followed by a space; default all")
     ap.add_argument("--mem-gb", type=float, default=14.0, help="memory cap of one configuration (datasets)")
     ap.add_argument("--limit-s", type=float, default=900.0, help="time limit of one configuration (datasets)")
     ap.add_argument("--features", default="", help="GNN feature widths other than the real sets', "
