@@ -125,8 +125,8 @@ class BodyEmitter:
     def index(self, e, node, scope: Scope) -> Val:
         if isinstance(e, Var):
             return self.k.coord(self.k.plan.cls[(node.name, e.name)], scope)
-        if isinstance(e, Lit):
-            return Val(str(e.value), "i", frozenset())
+        if isinstance(e, Lit):  # (a literal, as const writes it: a cast rounds it here, a number has no .to())
+            return const(int(e.value))
         if isinstance(e, Sum):
             parts, deps = [], frozenset()
             for c, a in e.terms:
@@ -358,13 +358,14 @@ class BodyEmitter:
 
     def cast(self, v: Val, dtype: torch.dtype) -> Val:
         if is_literal(v):  # a constant producer (torch.ones, a -inf mask fill) inlined: rounded here, a number
-            value = NAMED_CONSTANTS[v.code] if v.code in NAMED_CONSTANTS else ast.literal_eval(v.code)
-            return const(torch.tensor(value).to(dtype).item())
+            return const(torch.tensor(literal_value(v)).to(dtype).item())
         if dtype == torch.bool:
             return v if v.kind == "b" else Val(self.k.src.let(f"({v.code} != 0)"), "b", v.deps)
         return Val(self.k.src.let(carried(v.code, dtype, self.interpret)), kind_of(dtype), v.deps)
 
     def call(self, op: str, args: list[Val], raw, result: torch.dtype = torch.float32) -> Val:
+        if args and all(is_literal(a) for a in args):  # (an index's literal: the IR's constants fold in expr)
+            return const(_fold(Call(op, tuple(Const(literal_value(a)) for a in args))))
         deps = frozenset().union(*(a.deps for a in args))
         kind_op = OPS[op].kind
         if kind_op == "compare":
@@ -377,14 +378,14 @@ class BodyEmitter:
             c, a, b = args
             cond = c.code if c.kind == "b" else f"({c.code} != 0)"
             return self._let(f"tl.where({cond}, {a.code}, {b.code})", _promote(a, b), deps)
-        args = [Val(f"{a.code}.to(tl.int32)", "i", a.deps) if a.kind == "b" else a for a in args]
+        args = [_as_int(a) if a.kind == "b" else a for a in args]
         if kind_op == "bits":
             return self._bits(op, args, deps, result)
         if op in ROUNDING_DIVISIONS:
             return self._rounding_division(op, args, deps)
         if op in UNARY_FLOAT or op == "tanh":
             (a,) = args
-            x = a.code if a.kind == "f" else f"{a.code}.to(tl.float32)"
+            x = _as_float(a)
             return self._let(self._unary_float(op, x, result), "f", deps)
         if op == "pow":
             return self._pow(args[0], args[1], raw[1], deps)
@@ -461,7 +462,7 @@ class BodyEmitter:
             return self._integer_power(base, int(value), deps)
         if value == 0.5:
             return self._let(f"tl.sqrt_rn({b})", "f", deps)
-        x = b if base.kind == "f" else f"{b}.to(tl.float32)"
+        x = _as_float(base)
         if self.interpret:
             return self._let(f"tl.exp({expo.code} * tl.log({x}))", "f", deps)
         return self._let(f"libdevice.pow({x}, {expo.code})", "f", deps)
@@ -516,9 +517,14 @@ def _float_tiles(a: Val, b: Val) -> tuple[str, str]:
 def _as_float(v: Val) -> str:
     if v.kind == "f":
         return v.code
-    if is_literal(v):  # an integer constant
-        return f"({float(v.code.strip('()'))!r})"
+    if is_literal(v):  # an integer or boolean constant
+        return f"({float(literal_value(v))!r})"
     return f"{v.code}.to(tl.float32)"
+
+
+def _as_int(v: Val) -> Val:
+    """A boolean as an integer (0 or 1) for arithmetic."""
+    return const(int(literal_value(v))) if is_literal(v) else Val(f"{v.code}.to(tl.int32)", "i", v.deps)
 
 
 NAMED_CONSTANTS = {"INF": float("inf"), "NEG_INF": float("-inf"), "NAN": float("nan")}
@@ -527,7 +533,11 @@ NAMED_CONSTANTS = {"INF": float("inf"), "NEG_INF": float("-inf"), "NAN": float("
 def is_literal(v: Val) -> bool:
     """A constant, as `const` writes one: a parenthesized number or a named infinity or NaN (a
     constexpr in the kernel, which has no .to())."""
-    return not v.deps and (v.code.startswith("(") or v.code in NAMED_CONSTANTS)
+    return not v.deps and (v.code.startswith("(") or v.code in NAMED_CONSTANTS or v.code in ("True", "False"))
+
+
+def literal_value(v: Val) -> float | int | bool:
+    return NAMED_CONSTANTS[v.code] if v.code in NAMED_CONSTANTS else ast.literal_eval(v.code)
 
 
 def _promote(*vals: Val) -> str:

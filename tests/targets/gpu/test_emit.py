@@ -6,6 +6,7 @@ import re
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from stitchflow.bench.stitching_patterns import pattern_kernel  # noqa: E402
@@ -55,6 +56,21 @@ def test_an_infinite_constant_output_in_half_precision():
     (probs, fill), (ref_probs, ref_fill) = prog(s, mask), masked_softmax(s, mask)
     torch.testing.assert_close(probs, ref_probs, rtol=2e-2, atol=2e-2)
     assert fill.dtype == torch.bfloat16 and fill.item() == float("-inf")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bool])
+def test_constant_index_values_cast_as_numbers(dtype):
+    """arange's value at a size-1 dim is the literal index 0 (Mamba's backward compares such a position with 0):
+    a cast rounds the number, where `0.to(tl.int64)` did not parse and the kernel's program ran eagerly."""
+    import stitchflow
+
+    def first_position(x):
+        position = torch.arange(x.shape[1]).view(1, -1)[:, :1]
+        return x * position.to(dtype) + (position == 0)
+
+    x = torch.randn(5, 1)
+    prog = stitchflow.compile(first_position, (x,), target="gpu", fusion="full")
+    torch.testing.assert_close(prog(x), first_position(x))
 
 
 def test_a_module_holds_only_the_helpers_it_names():
