@@ -195,17 +195,18 @@ def unify(graph: Graph, nodes) -> VarClasses:
     return uf
 
 
-def components(graph: Graph, nodes, uf: VarClasses) -> list[list[Node]]:
+def components(graph: Graph, nodes, uf: VarClasses, memo: dict | None = None) -> list[list[Node]]:
     """Parts: nodes that share an axis class run in one loop nest, unless that nest would be
-    a cross product (see _split_cross); independent parts can be packed."""
+    a cross product (see _split_cross); independent parts can be packed. `memo` keeps the spreads
+    of loop nests across calls on one graph (see _spread)."""
     out = []
     for g in _shared_class_groups(nodes, uf):
-        out += _split_cross(graph, g, uf)
+        out += _split_cross(graph, g, uf, {} if memo is None else memo)
     order = {n.name: k for k, n in enumerate(nodes)}
     return sorted(out, key=lambda g: order[g[0].name])
 
 
-def _split_cross(graph: Graph, group: list[Node], uf: VarClasses) -> list[list[Node]]:
+def _split_cross(graph: Graph, group: list[Node], uf: VarClasses, memo: dict) -> list[list[Node]]:
     """A part's loop nest is the product of its parallel axis classes, and every node is
     evaluated (and stored) at every point of it. Nodes that only share some classes through
     reading the same input (q·cos and -q[..., 64:] of a rotary embedding share the position
@@ -214,17 +215,17 @@ def _split_cross(graph: Graph, group: list[Node], uf: VarClasses) -> list[list[N
     register reads), and a component joins another's loop nest only where that makes no node
     run over parallel classes it lacks (two maps of one input then still read it once)."""
     names = {n.name for n in group}
-    flows = [f for flow in _flows(graph, group, names) for f in _uncrossed(graph, flow, names, uf)]
+    flows = [f for flow in _flows(graph, group, names) for f in _uncrossed(graph, flow, names, uf, memo)]
     if len(flows) == 1:
         return [group]
     order = {n.name: k for k, n in enumerate(group)}
     parts: list[list[Node]] = []
     spreads: list[dict] = []  # each part's _spread (a part that cannot share one nest is never made)
     for flow in flows:
-        alone = _spread(graph, flow, uf)
+        alone = _spread(graph, flow, uf, memo)
         for k, part in enumerate(parts if alone is not None else ()):
             merged = sorted(part + flow, key=lambda n: order[n.name])
-            spread = _spread(graph, merged, uf)
+            spread = _spread(graph, merged, uf, memo)
             if spread is not None and all(spread[n.name] <= max(alone.get(n.name, 1), spreads[k].get(n.name, 1))
                                           for n in merged):
                 parts[k], spreads[k] = merged, spread
@@ -255,7 +256,7 @@ def _flows(graph: Graph, nodes: list[Node], names: set, cut: frozenset = frozens
     return list(flows.values())
 
 
-def _uncrossed(graph: Graph, flow: list[Node], names: set, uf: VarClasses) -> list[list[Node]]:
+def _uncrossed(graph: Graph, flow: list[Node], names: set, uf: VarClasses, memo: dict) -> list[list[Node]]:
     """A data-flow component whose own loop nest is a cross product, no node of it running over the whole nest: a
     rotary embedding's cos and sin tables, computed in the graph over (position, feature) and read by Q over 32
     heads and by K over 8, put both heads axes in one nest, so that every node ran (and stored) once per head of
@@ -267,16 +268,26 @@ def _uncrossed(graph: Graph, flow: list[Node], names: set, uf: VarClasses) -> li
     its readers."""
     if any(n.reduce for n in flow):
         return [flow]
-    spread = _spread(graph, flow, uf)
+    spread = _spread(graph, flow, uf, memo)
     if spread is None or min(spread.values()) <= 1:  # a node runs over the whole nest: a broadcast, not a cross
         return [flow]
     cut = frozenset(n.name for n in flow if spread[n.name] > 1 and inlinable(graph, n, names))
     return _flows(graph, flow, names, cut) if cut else [flow]
 
 
-def _spread(graph: Graph, nodes: list[Node], uf: VarClasses) -> dict | None:
+def _spread(graph: Graph, nodes: list[Node], uf: VarClasses, memo: dict) -> dict | None:
     """Per node: how many points of the loop nest `nodes` would share evaluate it at once
-    (the product of the parallel classes it does not index); None when they cannot share one."""
+    (the product of the parallel classes it does not index); None when they cannot share one.
+    A nest's plan depends on its nodes and on how their variables fall into classes, which is
+    the memo's key: a group grown by one node at a time asks again for nine in ten of its nests."""
+    ids: dict = {}
+    key = tuple((n.name, tuple(ids.setdefault(uf.find((n.name, v)), len(ids)) for v, _ in n.dims)) for n in nodes)
+    if key not in memo:
+        memo[key] = _spread_of_plan(graph, nodes, uf)
+    return memo[key]
+
+
+def _spread_of_plan(graph: Graph, nodes: list[Node], uf: VarClasses) -> dict | None:
     try:
         plan = plan_part(graph, nodes, uf, set())
     except NotStitchable:

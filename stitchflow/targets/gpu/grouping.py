@@ -40,11 +40,11 @@ def outside_users(graph: Graph, names: set) -> set:
     return out
 
 
-def plan_group(graph: Graph, nodes: list[Node], region_outputs: set) -> list[PartPlan]:
+def plan_group(graph: Graph, nodes: list[Node], region_outputs: set, memo: dict | None = None) -> list[PartPlan]:
     names = {n.name for n in nodes}
     users = outside_users(graph, names) | (region_outputs & names)
     uf = unify(graph, nodes)
-    parts = components(graph, nodes, uf)
+    parts = components(graph, nodes, uf, memo)
     _check_independent(graph, parts, names)
     return [plan_part(graph, comp, uf, users) for comp in parts]
 
@@ -133,6 +133,7 @@ def split_region(graph: Graph, region: Region) -> list[tuple[str, list[Node], li
     steps: list = []
     current: list[Node] = []
     plans: list[PartPlan] = []
+    memo: dict = {}  # the loop nests' spreads (analysis._spread), asked again as the group grows
 
     def flush():
         nonlocal current, plans
@@ -147,7 +148,7 @@ def split_region(graph: Graph, region: Region) -> list[tuple[str, list[Node], li
             steps.append(("torch", [n], why))
             continue
         try:
-            grown = plan_group(graph, current + [n], set())
+            grown = plan_group(graph, current + [n], set(), memo)
             taps = recomputed_stencils(graph, grown)
             if taps:
                 raise NotStitchable(f"{', '.join(taps)} would be gathered again in each pass of the kernel "
@@ -161,7 +162,7 @@ def split_region(graph: Graph, region: Region) -> list[tuple[str, list[Node], li
             log.info("region %s: new kernel at %s (%s)", region.name, n.name, err)
             flush()
         try:
-            plans = plan_group(graph, [n], set())
+            plans = plan_group(graph, [n], set(), memo)
             current = [n]
         except NotStitchable as err:
             steps.append(("torch", [n], str(err)))
