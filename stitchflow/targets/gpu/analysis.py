@@ -220,7 +220,7 @@ def _split_cross(graph: Graph, group: list[Node], uf: VarClasses, memo: dict) ->
         return [group]
     order = {n.name: k for k, n in enumerate(group)}
     parts: list[list[Node]] = []
-    spreads: list[dict] = []  # each part's _spread (a part that cannot share one nest is never made)
+    spreads: list[dict] = []  # each part's _spread ({} for a flow that cannot share one nest even alone)
     for flow in flows:
         alone = _spread(graph, flow, uf, memo)
         for k, part in enumerate(parts if alone is not None else ()):

@@ -531,8 +531,8 @@ NAMED_CONSTANTS = {"INF": float("inf"), "NEG_INF": float("-inf"), "NAN": float("
 
 
 def is_literal(v: Val) -> bool:
-    """A constant, as `const` writes one: a parenthesized number or a named infinity or NaN (a
-    constexpr in the kernel, which has no .to())."""
+    """A constant, as `const` writes one: a parenthesized number, True or False, or a named infinity or
+    NaN (a constexpr in the kernel, which has no .to())."""
     return not v.deps and (v.code.startswith("(") or v.code in NAMED_CONSTANTS or v.code in ("True", "False"))
 
 
