@@ -218,12 +218,13 @@ def run_flat(split: fx.GraphModule, args) -> Any:
         if node.op == "placeholder":
             env[node] = next(inputs)
         else:
-            values = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
-            inner = _refusing_partition_split(split, node, values[0])
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+            part = split.get_submodule(node.target) if node.op == "call_module" else None
+            inner = part.split_for(args) if hasattr(part, "split_for") else None
             if inner is not None and (first := inline_call(split, node, inner)) is not None:
                 node = first
                 continue
-            env[node] = _run_node(split, node, *values)
+            env[node] = part(*args, **kwargs) if part is not None else _run_node(split, node, args, kwargs)
         ran.add(node)
         for a in node.all_input_nodes:  # free what no later node reads
             if a in env and all(u in ran for u in a.users):
@@ -232,20 +233,11 @@ def run_flat(split: fx.GraphModule, args) -> Any:
     return fx.node.map_arg(node.args[0], env.__getitem__)
 
 
-def _refusing_partition_split(split: fx.GraphModule, node: fx.Node, args) -> fx.GraphModule | None:
-    if node.op != "call_module":
-        return None
-    part = split.get_submodule(node.target)
-    return part.split_for(args) if hasattr(part, "split_for") else None
-
-
 def _run_node(split: fx.GraphModule, node: fx.Node, args, kwargs) -> Any:
     if node.op == "call_function":
         return node.target(*args, **kwargs)
     if node.op == "call_method":
         return getattr(args[0], node.target)(*args[1:], **kwargs)
-    if node.op == "call_module":
-        return split.get_submodule(node.target)(*args, **kwargs)
     assert node.op == "get_attr", node.op
     return _attribute(split, node)
 
