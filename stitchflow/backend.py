@@ -137,8 +137,14 @@ class StitchflowModule(torch.nn.Module):
         self.traced_strides: list | None = None  # per input: the strides the FX graph was traced with
 
     def forward(self, *args):
+        return self._forward(self._call_for(args), args)
+
+    def _call_for(self, args) -> "_Call":
         call = self.last if self.last is not None and self.last.matches(args) else self._lookup(args)
         self.last = call
+        return call
+
+    def _forward(self, call: "_Call", args):
         if call.program is None:
             return self._eager(args, self.split.get(call.key))
         if call.trusted:
@@ -161,12 +167,14 @@ class StitchflowModule(torch.nn.Module):
     def _eager(self, args, split: fx.GraphModule | None = None):
         return run_flat(split, self._as_traced(args)) if split is not None else self.gm(*self._as_traced(args))
 
-    def split_for(self, args) -> fx.GraphModule | None:
-        """Compiles for `args`' signature where not yet done: the graph split around a node that capture refused
-        (run_flat puts its nodes in this partition's place), or None where the partition runs whole."""
-        call = self.last if self.last is not None and self.last.matches(args) else self._lookup(args)
-        self.last = call
-        return self.split.get(call.key) if call.program is None else None
+    def split_or_run(self, args) -> tuple[fx.GraphModule | None, Any]:
+        """For run_flat: (the graph split around a node that capture refused, None) where `args`' signature has
+        one, for the caller to put its nodes in this partition's place; else (None, this partition's output).
+        The signature is looked up once either way."""
+        call = self._call_for(args)
+        if call.program is None and (split := self.split.get(call.key)) is not None:
+            return split, None
+        return None, self._forward(call, args)
 
     def _as_traced(self, args) -> list:
         """The arguments, each tensor in the strides the FX graph was traced with: another partition may

@@ -207,7 +207,7 @@ def _attribute(gm: fx.GraphModule, arg):
 
 def run_flat(split: fx.GraphModule, args) -> Any:
     """Run `split` (a graph split around refused nodes) one node at a time. A partition whose capture refuses a
-    node splits around it in turn (its `split_for`); that split's nodes take the partition's place in `split`
+    node splits around it in turn (its `split_or_run`); that split's nodes take the partition's place in `split`
     (inline_call) and this loop goes on through them. Calls thus never nest: a chain of refusals found one at a
     time (one per capture) once nested one call level per refusal, deep enough for a RecursionError."""
     env: dict[fx.Node, Any] = {}
@@ -220,11 +220,14 @@ def run_flat(split: fx.GraphModule, args) -> Any:
         else:
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
             part = split.get_submodule(node.target) if node.op == "call_module" else None
-            inner = part.split_for(args) if hasattr(part, "split_for") else None
-            if inner is not None and (first := inline_call(split, node, inner)) is not None:
-                node = first
-                continue
-            env[node] = part(*args, **kwargs) if part is not None else _run_node(split, node, args, kwargs)
+            if hasattr(part, "split_or_run") and not kwargs:
+                inner, value = part.split_or_run(args)
+                if inner is not None and (first := inline_call(split, node, inner)) is not None:
+                    node = first
+                    continue
+                env[node] = part._eager(args, inner) if inner is not None else value
+            else:
+                env[node] = part(*args, **kwargs) if part is not None else _run_node(split, node, args, kwargs)
         ran.add(node)
         for a in node.all_input_nodes:  # free what no later node reads
             if a in env and all(u in ran for u in a.users):

@@ -135,16 +135,23 @@ def test_refusals_found_one_at_a_time_split_without_nesting_calls(monkeypatch, t
         return compile_(self, args)
 
     monkeypatch.setattr(backend.StitchflowModule, "_compile", recording)
+    lookups = []
+    call_for = backend.StitchflowModule._call_for
+    monkeypatch.setattr(backend.StitchflowModule, "_call_for",
+                        lambda self, args: lookups.append(self) or call_for(self, args))
     x, idx, v = torch.randn(6, 5, requires_grad=training), torch.tensor([4, 0, 2]), torch.randn(3, 5)
     f = lambda x, idx, v: _overwriting_chain(x, idx, v, 12)  # noqa: E731
     compiled = torch.compile(f, backend="stitchflow")
-    for _ in range(2):
+    for step in range(2):
+        lookups.clear()
         got, expected = compiled(x, idx, v), f(x, idx, v)
         assert_close(got, expected)
         if training:
             (gx,) = torch.autograd.grad(got.square().sum(), x)
             (ex,) = torch.autograd.grad(expected.square().sum(), x)
             assert_close(gx, ex)
+        if step and not training:  # each partition's signature looked up once per call, split or not
+            assert len(lookups) == len(set(map(id, lookups)))
     assert backend.fallback_report().count("compiles around it") >= 12
     assert len(depths) >= 24 and max(depths) - min(depths) <= 6  # (partitions Dynamo calls, and split ones)
     assert backend.regions_executed() >= 12
