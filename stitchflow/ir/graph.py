@@ -64,7 +64,7 @@ class Node:
         out = set(self.out_vars)
         return tuple(v for v, _ in self.dims if v not in out)
 
-    @property
+    @functools.cached_property
     def is_scatter(self) -> bool:
         return not all(isinstance(i, Var) for i in self.index)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...ir.expr import Access, Call, Cast, Const, Read, reads
+from ...ir.expr import Access, Call, Cast, Const, Read
 from ...ir.graph import Graph, Node
 from ...ir.index import Lit, Mod, Sum, Var, rename
 from ...ir.unify import VarClasses
@@ -134,13 +134,16 @@ def _prod(xs) -> int:
     return out
 
 
-def inlinable(graph: Graph, node: Node, names: set) -> bool:
+def inlinable(graph: Graph, node: Node, names: set, known: dict | None = None) -> bool:
     """An elementwise node whose inputs are inputs of the group or inlinable themselves: a
     consumer that reads it through index arithmetic (a reshape of a concatenation, say)
-    recomputes it at its own indices instead of reading it back from memory."""
-    if node.reduce or node.is_scatter:
-        return False
-    return all(t not in names or inlinable(graph, graph.node_of[t], names) for t in node.inputs)
+    recomputes it at its own indices instead of reading it back from memory. `known` keeps the
+    answers for one `names`: producers shared by many paths (an unrolled loop's) are asked once."""
+    known = {} if known is None else known
+    if node.name not in known:
+        known[node.name] = not (node.reduce or node.is_scatter) and all(
+            t not in names or inlinable(graph, graph.node_of[t], names, known) for t in node.inputs)
+    return known[node.name]
 
 
 def register_read(graph: Graph, consumer: Node, a: Access) -> bool:
@@ -167,10 +170,11 @@ def unify(graph: Graph, nodes) -> VarClasses:
     names = {n.name for n in nodes}
     uf = VarClasses()
     external: dict = {}
+    known: dict = {}  # inlinable's answers over `names`
     for n in nodes:
         for v, _ in n.dims:
             uf.find((n.name, v))
-        for a in reads(n.body):
+        for a in n.accesses:
             if any(t in names for t in a.tensors - {a.tensor}):
                 raise NotStitchable(f"{n.name} gathers through an intermediate of the group")
             if a.tensor not in names:
@@ -180,7 +184,7 @@ def unify(graph: Graph, nodes) -> VarClasses:
                 continue
             producer = graph.node_of[a.tensor]
             if not register_read(graph, n, a):
-                if inlinable(graph, producer, names):
+                if inlinable(graph, producer, names, known):
                     continue  # recomputed at the consumer's indices (emit.inline_body)
                 raise NotStitchable(f"{n.name} reads {a} through index arithmetic")
             for pv, cv in zip(producer.out_vars, a.indices):
@@ -247,7 +251,7 @@ def _flows(graph: Graph, nodes: list[Node], names: set, cut: frozenset = frozens
         return x
 
     for n in nodes:
-        for a in reads(n.body):
+        for a in n.accesses:
             if a.tensor in parent and a.tensor not in cut and register_read(graph, n, a):
                 parent[find(a.tensor)] = find(n.name)
     flows: dict = {}
@@ -271,7 +275,8 @@ def _uncrossed(graph: Graph, flow: list[Node], names: set, uf: VarClasses, memo:
     spread = _spread(graph, flow, uf, memo)
     if spread is None or min(spread.values()) <= 1:  # a node runs over the whole nest: a broadcast, not a cross
         return [flow]
-    cut = frozenset(n.name for n in flow if spread[n.name] > 1 and inlinable(graph, n, names))
+    known: dict = {}
+    cut = frozenset(n.name for n in flow if spread[n.name] > 1 and inlinable(graph, n, names, known))
     return _flows(graph, flow, names, cut) if cut else [flow]
 
 
@@ -347,7 +352,7 @@ def _tensor_uses(graph: Graph, nodes):
     for n in nodes:
         t = graph.type_of[n.name]
         yield n.name, _prod(t.shape), t.dtype.itemsize, n.index, n
-        for a in reads(n.body):
+        for a in n.accesses:
             t = graph.type_of[a.tensor]
             yield a.tensor, _prod(t.shape), t.dtype.itemsize, a.indices, n
 

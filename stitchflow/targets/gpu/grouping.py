@@ -55,10 +55,11 @@ def _check_independent(graph: Graph, parts: list[list[Node]], names: set) -> Non
     x[:, 1::2].sum(): a sum over axes the consumer's loop nest does not share) exists only
     when that part has run, so the kernel ends before the reader."""
     owner = {n.name: k for k, part in enumerate(parts) for n in part}
+    known: dict = {}
     for k, part in enumerate(parts):
         for n in part:
             for t in n.inputs:
-                if owner.get(t, k) != k and not inlinable(graph, graph.node_of[t], names):
+                if owner.get(t, k) != k and not inlinable(graph, graph.node_of[t], names, known):
                     raise NotStitchable(f"{n.name} reads {t}, a reduction computed by another loop nest of "
                                         "the kernel")
 
