@@ -181,11 +181,16 @@ class StitchflowModule(torch.nn.Module):
         hand one over channels last (a free output; a convolution weight the forward stored so), and an
         eager op may refuse that layout (CUDA's native_group_norm takes only contiguous inputs), a view
         may not fit it, or a convolution follow it into its output's layout."""
-        if self.traced_strides is None:  # (symbolic strides, of a graph traced for dynamic shapes: as they come)
+        return [restrided(a, s) for a, s in zip(args, self.traced_layouts())]
+
+    def traced_layouts(self) -> list:
+        """Per input: the strides the FX graph was traced with, or None (not a strided tensor; symbolic strides, of
+        a graph traced for dynamic shapes: as they come)."""
+        if self.traced_strides is None:
             self.traced_strides = [tuple(v.stride()) if isinstance(v := n.meta.get("val"), torch.Tensor) and
                                    v.layout == torch.strided and all(type(s) is int for s in v.stride()) else None
                                    for n in self.gm.graph.nodes if n.op == "placeholder"]
-        return [restrided(a, s) for a, s in zip(args, self.traced_strides)]
+        return self.traced_strides
 
     def _run(self, call: "_Call", args):
         if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):

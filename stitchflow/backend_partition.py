@@ -13,6 +13,7 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 from torch.fx.passes.split_module import split_module
 
+from .backend_layouts import restrided
 from .frontend.registry import LOWERINGS, early_refusal, is_inplace, key_of
 
 REFUSED = "stitchflow_refused"  # node.meta key: why capture refused the node (it runs eagerly, the rest is split again)
@@ -222,7 +223,7 @@ def run_flat(split: fx.GraphModule, args) -> Any:
             part = split.get_submodule(node.target) if node.op == "call_module" else None
             if hasattr(part, "split_or_run") and not kwargs:
                 inner, value = part.split_or_run(args)
-                if inner is not None and (first := inline_call(split, node, inner)) is not None:
+                if inner is not None and (first := inline_call(split, node, inner, part.traced_layouts())) is not None:
                     node = first
                     continue
                 env[node] = part._eager(args, inner) if inner is not None else value
@@ -245,19 +246,25 @@ def _run_node(split: fx.GraphModule, node: fx.Node, args, kwargs) -> Any:
     return _attribute(split, node)
 
 
-def inline_call(split: fx.GraphModule, call: fx.Node, inner: fx.GraphModule) -> fx.Node | None:
+def inline_call(split: fx.GraphModule, call: fx.Node, inner: fx.GraphModule, layouts=None) -> fx.Node | None:
     """Put the nodes of `inner` (the graph a partition split into) in place of `call` (that partition's call in
     `split`), its submodules and attributes moved over under new names; returns the first node put in. None
-    (nothing changed) where `call`'s value is read other than item by item."""
+    (nothing changed) where `call`'s value is read other than item by item. `layouts` (per input: the strides the
+    partition was traced with, or None) puts each argument in its traced strides first, as the partition's own
+    eager run does: another partition may hand it over channels last, where an eager op of `inner` refuses that."""
     placeholders = [n for n in inner.graph.nodes if n.op == "placeholder"]
     output = next(n for n in inner.graph.nodes if n.op == "output")
     tuple_value = isinstance(output.args[0], (tuple, list))
     if call.kwargs or len(placeholders) != len(call.args) or (
             tuple_value and any(u.target is not operator.getitem for u in call.users)):
         return None
-    env = dict(zip(placeholders, call.args))
     first = None
     with split.graph.inserting_before(call):
+        env = dict(zip(placeholders, call.args))
+        for p, s in zip(placeholders, layouts or ()):
+            if s is not None:
+                env[p] = split.graph.call_function(restrided, (env[p], s))
+                first = first or env[p]
         for node in inner.graph.nodes:
             if node.op in ("placeholder", "output"):
                 continue

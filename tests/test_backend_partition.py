@@ -176,3 +176,39 @@ def test_a_slice_scatter_over_the_whole_dim_clamped():
     x, src = torch.randn(2, 2, 6, 4), torch.randn(2, 2, 6, 4)
     assert_close(torch.compile(f, backend="stitchflow")(x, src), f(x, src))
     assert backend.FALLBACKS == []
+
+
+class _SplitPart(nn.Module):
+    """A partition as run_flat sees one (backend.StitchflowModule's protocol): its signature has a split graph, and
+    it was traced on a contiguous input."""
+
+    def __init__(self, split, traced_stride):
+        super().__init__()
+        self.split, self.traced_stride = split, traced_stride
+
+    def split_or_run(self, args):
+        return self.split, None
+
+    def traced_layouts(self):
+        return [self.traced_stride]
+
+
+def test_an_inlined_split_takes_its_inputs_in_the_traced_strides():
+    """A partition's own eager run puts its inputs in the strides it was traced with (another partition may hand one
+    over channels last); its split graph, put in its place by run_flat, does so too: `view` refuses other strides."""
+    import torch.fx as fx
+    from stitchflow.backend_partition import run_flat
+
+    inner = fx.symbolic_trace(lambda x: x.view(-1) * 2)
+    x = torch.randn(2, 3, 4, 5)
+    root = nn.Module()
+    root.part = _SplitPart(inner, x.stride())
+    graph = fx.Graph()
+    arg = graph.placeholder("x")
+    graph.output(graph.call_module("part", (graph.call_method("relu", (arg,)),)))
+    outer = fx.GraphModule(root, graph)
+    channels_last = x.to(memory_format=torch.channels_last)
+    with pytest.raises(RuntimeError, match="view"):
+        inner(torch.relu(channels_last))
+    for _ in range(2):  # inlined on the first run; the second runs the graph it left
+        assert_close(run_flat(outer, [channels_last]), x.relu().view(-1) * 2)
