@@ -239,7 +239,7 @@ def _lower_call(gm, node: fx.Node, b: GraphBuilder, env, real, aliases):
     fn = LOWERINGS.get(key)
     if fn is None:
         raise UnsupportedOpError(describe_target(node), "no lowering to the IR", node.name)
-    ctx = LowerCtx(b, node, out)
+    ctx = LowerCtx(b, node, out, real_args=tuple(real_args), real=real)
     call_args, call_kwargs = bind_arguments(node, fn, *args)  # torch.mul(x, other=2): `other` by position
     try:
         value = fn(ctx, *call_args, **call_kwargs)

@@ -1,5 +1,6 @@
-"""More index maps: roll, flip, diagonals, triangles, moved dims, pixel (un)shuffles, tensor_split and
-one-hot encoding. Each is a view (index arithmetic on the read) or one elementwise node over coordinates."""
+"""More index maps: roll, flip, diagonals, triangles, moved dims, pixel (un)shuffles, tensor_split, one-hot
+encoding and views through explicit strides (as_strided). Each is a view (index arithmetic on the read) or one
+elementwise node over coordinates."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import torch.nn.functional as F
 
 from ..ir.errors import ShapeError, UnsupportedOpError
 from ..ir.expr import Cast, Const, IndexValue, call
-from ..ir.index import add, scale
+from ..ir.index import Lit, add, scale
 from . import values as V
+from .ops_elementwise import cast
 from .registry import lowering
 from .values import TensorValue
 
@@ -171,3 +173,58 @@ def lower_one_hot(ctx, t, num_classes=-1):
         raise UnsupportedOpError("one_hot", "num_classes=-1 makes the width depend on the data; pass it", ctx.hint)
     return ctx.builder.emit(ctx.shape, torch.int64, lambda o, r, rg: Cast(torch.int64, call(
         "eq", t.read(o[:-1], rg), IndexValue(o[-1]))), hint=ctx.hint)
+
+
+def _storage_view(ctx, x: TensorValue, size, stride, storage_offset) -> TensorValue:
+    """x's storage (row-major, x's own: ctx.owns_storage) seen through (size, stride, offset): element i of the
+    view is storage[offset + Σ i_d · stride_d]. A row-major layout of `size` over all of x is a reshape; any other
+    is the flat index unravelled over x's dims."""
+    name = str(ctx.node.target).removeprefix("aten.").split(".")[0]
+    if not isinstance(x, TensorValue) or not ctx.owns_storage(0):
+        raise UnsupportedOpError(name, "it addresses storage, and its input is not a tensor of its own storage laid "
+                                 "out row-major (a view of another, or an input of the graph)", ctx.hint)
+    size, stride, offset = [int(n) for n in size], [int(s) for s in stride], int(storage_offset or 0)
+    numel = math.prod(x.shape)
+    if any(s < 0 for s in stride) or offset + sum((n - 1) * s for n, s in zip(size, stride)) >= numel:
+        raise ShapeError(f"{name} ({ctx.hint}): size {size}, stride {stride} and offset {offset} reach past the "
+                         f"{numel} elements of its input")
+    if offset == 0 and math.prod(size) == numel and _row_major(size, stride):
+        return V.reshape(x, size)
+    flat = Lit(offset)
+    for d, (n, s) in enumerate(zip(size, stride)):
+        if n > 1:
+            flat = add(flat, scale(V.placeholder(d), s))
+    return V.reshape(x, [numel]).remap(size, [flat])
+
+
+def _row_major(size, stride) -> bool:
+    """Is `stride` the row-major layout of `size` (strides of size-1 dims do not matter)?"""
+    expected = 1
+    for n, s in reversed(list(zip(size, stride))):
+        if n > 1 and s != expected:
+            return False
+        expected *= n
+    return True
+
+
+@lowering(torch.as_strided, "method:as_strided", "aten.as_strided")
+def lower_as_strided(ctx, x, size, stride, storage_offset=None):
+    """A view through explicit strides, as functionalization writes views it cannot name (Swin's window means)."""
+    return _storage_view(ctx, x, size, stride, storage_offset)
+
+
+@lowering(torch.as_strided_scatter, "aten.as_strided_scatter")
+def lower_as_strided_scatter(ctx, x, src, size, stride, storage_offset=None):
+    """x with its as_strided view overwritten by src (functionalization's write through such a view). Lowered where
+    the view is all of x, row-major (a reshape): the result is src in x's shape; a partial view is a scatter."""
+    _storage_view(ctx, x, size, stride, storage_offset)  # its legality
+    if int(storage_offset or 0) or math.prod(size) != math.prod(x.shape) or not _row_major(size, stride):
+        raise UnsupportedOpError("as_strided_scatter", "the view covers part of its input, or reorders it (a "
+                                 "scatter)", ctx.hint)
+    return cast(ctx, V.reshape(V.expand(src, [int(n) for n in size]), x.shape), ctx.dtype)
+
+
+@lowering("aten.copy")
+def lower_copy(ctx, x, src, non_blocking=False):
+    """The functional copy: src broadcast to x's shape, in x's dtype."""
+    return cast(ctx, V.expand(src, x.shape), ctx.dtype)

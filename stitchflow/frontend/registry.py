@@ -237,6 +237,22 @@ class LowerCtx:
     node: fx.Node
     out: Any
     step: str = ""  # a step of a composite op (sub_ctx): named in its nodes' hints
+    real_args: tuple = ()  # the example run's arguments (as_strided's legality looks at their storage)
+    real: dict | None = None  # the example run's value of each FX node so far (graph inputs among them)
+
+    def owns_storage(self, k: int) -> bool:
+        """Is argument k, in the example run, a tensor that is its whole storage, row-major from offset 0, and
+        not sharing memory with the graph's inputs? Its storage is then its logical value, which an op that
+        addresses storage (as_strided) may be lowered on; an input's storage and offset may change between
+        calls of one signature, an intermediate's do not."""
+        t = self.real_args[k] if k < len(self.real_args) else None
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or not t.is_contiguous() or t.storage_offset():
+            return False
+        storage = t.untyped_storage()
+        graph_tensors = [v for n, v in (self.real or {}).items() if n.op in ("placeholder", "get_attr")]
+        return storage.nbytes() == t.numel() * t.element_size() and not any(
+            isinstance(g, torch.Tensor) and g.layout == torch.strided and g.untyped_storage().data_ptr() == storage.data_ptr()
+            for g in graph_tensors)
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -1,4 +1,4 @@
-"""The view ops (roll, flip, triangles, diagonals, pixel shuffles, one-hot), the rest of F's activations,
+"""The view ops (roll, flip, triangles, diagonals, pixel shuffles, one-hot, as_strided), the rest of F's activations,
 trigonometric and hyperbolic functions and their inverses, the composite reductions (logsumexp, any/all, norms of any order, similarity) and the losses: on the
 reference and gpu targets (the dataflow target for those without coordinate values), equal to eager on
 random shapes in float32 and bfloat16. OpInfo samples cover their argument variants (test_opinfo)."""
@@ -53,7 +53,20 @@ CASES = {
     + torch.cumprod(x.tanh() + 1, 2)[..., -1] + x.prod(),
     "scans": lambda x, y: torch.cummax(x, 1).values + torch.cummin(y, 2)[1].to(x.dtype) + torch.logcumsumexp(x, 0),
     "baddbmm": lambda x, y: torch.baddbmm(x[:, :, :1], x, y.transpose(1, 2), beta=0.5, alpha=2),
+    "as_strided": lambda x, y: _strided_views(x * 2 - y, *x.shape),
+    "as_strided_scatter": lambda x, y: torch.as_strided_scatter(x * 0, (x + y).flatten() * 2, (x.numel(),), (1,))
+    + torch.ops.aten.copy(x, y[:1] * 3),
 }
+
+
+def _strided_views(t, a, b, c):
+    """Views of a fresh tensor through explicit strides (functionalization's as_strided): a transpose of its first
+    a·b elements, rows at an offset, a reshape, and overlapping windows; summed to one shape."""
+    transposed = t.as_strided((b, a), (1, b)).sum(0)
+    rows = t.as_strided((a, c), (b * c, 1), c).sum(-1)
+    reshaped = t.as_strided((a * b, c), (c, 1)).view(a, b, c)[:, 0, 0]
+    windows = t.as_strided((a, b * c - 1, 2), (b * c, 1, 1)).amax((1, 2))
+    return transposed + rows + reshaped + windows
 ITERATES_COORDINATES = {"triangles", "one_hot", "class_losses", "roll", "pixel_shuffle", "diagonal", "scans"}
 NO_DATAFLOW_REDUCER = {"products"}  # a dataflow Reduce accumulates sums and maxima
 
@@ -81,6 +94,10 @@ def test_more_ops_equal_eager(name, target, a, b, c, half):
 
 def test_refusals_name_the_problem():
     x = torch.randn(3, 4)
+    with pytest.raises(stitchflow.StitchflowError, match="its own storage"):
+        stitchflow.compile(lambda x: x.as_strided((2, 2), (1, 2)) + 1, (x,))
+    with pytest.raises(stitchflow.StitchflowError, match="covers part of its input"):
+        stitchflow.compile(lambda x: torch.as_strided_scatter(x * 2, x[0] * 3, (4,), (1,), 4), (x,))
     with pytest.raises(stitchflow.StitchflowError, match="num_classes=-1"):
         stitchflow.compile(lambda x: F.one_hot(x.long().abs()), (x,))
     with pytest.raises(stitchflow.StitchflowError, match="no dataflow reducer"):
