@@ -179,7 +179,7 @@ def main(argv=None):
                 line = f"ERROR    {label:40s} {type(err).__name__}: {str(err) if args.traceback else str(err)[:300]}"
                 traceback.print_exc(limit=None if args.traceback else -3)
             print(line, flush=True)
-            for reason in list(dict.fromkeys(backend.FALLBACKS))[:4]:
+            for reason in list(dict.fromkeys(backend.FALLBACKS))[:8]:
                 print(f"           fallback: {reason[:180]}", flush=True)
             summary.append(status)
             torch._dynamo.reset()
