@@ -16,8 +16,8 @@ from conftest import assert_close
 from stitchflow.apps import APPS
 from stitchflow.targets.dataflow import dataflows
 from stitchflow.targets.dataflow import storage as S
-from stitchflow.targets.dataflow.chunked import (Chunking, DenseSum, add_part, merge_parts, merge_storages, run_in_chunks,
-                                                 why_not_chunked)
+from stitchflow.targets.dataflow.chunked import (Chunking, DenseSum, add_part, merge_parts, merge_storages,
+                                                 run_in_chunks, why_not_chunked)
 from stitchflow.targets.dataflow.target import CompiledRegion
 
 CASES = [("gcn", "unfused", {}), ("gcn", "partial", {}), ("gcn", "full", {"hoist": False}), ("gcn", "full", {}),
