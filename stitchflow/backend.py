@@ -492,7 +492,7 @@ def _partition_and_wrap(gm: fx.GraphModule, options: dict, label: str = ""):
     ours = (restrided, like_gradient, weight_like_gradient, weights_channels_last, pointwise_weight_gradient,
             unfolded_weight_gradient, like_parameters)
     refuse_vmap_bodies(gm)
-    refuse_empty_values(gm)
+    refuse_empty_values(gm, saved_from)
     for node in gm.graph.nodes:
         if node.target is operator.getitem or node.target in ours:  # the op's record says why; ours
             continue

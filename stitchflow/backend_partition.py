@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 from torch.fx.passes.split_module import split_module
@@ -42,23 +43,71 @@ def _example_tensors(node: fx.Node) -> list:
     return [v for v in values if isinstance(v, torch.Tensor)]
 
 
-def refuse_empty_values(gm: fx.GraphModule) -> None:
-    """Leave to eager the nodes that make a tensor with no elements, and those that read one (it would enter
-    their partition as an input, which a program cannot take). Refused up front, all at once: capture would
-    refuse them one at a time, each refusal splitting the partition again, one call level deeper per split."""
-    empty, variable = set(), set()  # variable: depends on an input (not only on constants)
+def refuse_empty_values(gm: fx.GraphModule, saved_from: int | None = None) -> None:
+    """Fold to constants the values with no elements (they hold no data, so their shape and dtype are all of them:
+    transformers' Mamba scan splits at the sequence length and works on the empty tail), and leave
+    to eager what cannot fold: a node with several results, some empty, and a graph output (a constant would be
+    the same tensor every call; AOTAutograd's saved activations, the forward's outputs from `saved_from`, fold).
+    Readers of a constant are unaffected (capture keeps a constant with no elements
+    as a plain value, and torch.cat skips it); readers of a value left eager are refused too, as a program cannot
+    take an input with no elements. Done up front, all at once: capture would refuse them one at a time, each
+    refusal splitting the partition again, one call level deeper per split."""
+    for node in list(gm.graph.nodes):
+        if node.op in ("call_function", "call_method") and _makes_empty(node):
+            _fold_empty(gm, node, saved_from)
+    empty = set()
     for node in gm.graph.nodes:
-        if node.op == "placeholder" or any(a in variable for a in node.all_input_nodes):
-            variable.add(node)
         if node.op not in ("call_function", "call_method"):
             continue
-        # (a constant such as a cache's torch.tensor([]) stays: capture keeps it as a value, torch.cat skips it)
-        made = node in variable and any(v.numel() == 0 for v in _example_tensors(node) if not _symbolic(v))
-        read = any(a in empty for a in node.all_input_nodes)
+        made = _makes_empty(node) and not _only_unread_items_empty(node)
         if made:
             empty.add(node)
-        if made or read:
+        if made or any(a in empty for a in node.all_input_nodes):
             node.meta.setdefault(REFUSED, EMPTY_VALUE)
+
+
+def _returned_to_the_caller(node: fx.Node, saved_from: int | None) -> bool:
+    output = next((u for u in node.users if u.op == "output"), None)
+    if output is None:
+        return False
+    results = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    return saved_from is None or any(r is node for r in results[:saved_from])
+
+
+def _makes_empty(node: fx.Node) -> bool:
+    return any(v.numel() == 0 for v in _example_tensors(node) if not _symbolic(v))
+
+
+def _only_unread_items_empty(node: fx.Node) -> bool:
+    """A split whose pieces with no elements nothing reads (they were folded): capture can take it."""
+    value = node.meta.get("example_value", node.meta.get("val"))
+    if not isinstance(value, (tuple, list)):
+        return False
+    read = {u.args[1] for u in node.users if u.target is operator.getitem}
+    if len(read) != len(node.users):
+        return False
+    return all(isinstance(v, torch.Tensor) and v.numel() for k, v in enumerate(value) if k in read)
+
+
+def _fold_empty(gm: fx.GraphModule, node: fx.Node, saved_from: int | None) -> bool:
+    """Replace `node`, whose one result has no elements, by a constant of its shape, strides and dtype, unless
+    the caller receives it."""
+    value = node.meta.get("example_value", node.meta.get("val"))
+    if not isinstance(value, torch.Tensor) or _returned_to_the_caller(node, saved_from):
+        return False
+    name = f"_stitchflow_empty_{node.name}"
+    with unset_fake_temporarily():  # (AOTAutograd calls the backend under its fake mode)
+        constant = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+    gm.register_buffer(name, constant, persistent=False)
+    with gm.graph.inserting_before(node):
+        constant = gm.graph.get_attr(name)
+    constant.meta = dict(node.meta)
+    node.replace_all_uses_with(constant)
+    if is_inplace(node):  # writes nothing, but runs as written (eagerly)
+        node.meta.setdefault(REFUSED, EMPTY_VALUE)
+    else:
+        gm.graph.erase_node(node)
+    return True
 
 
 def _symbolic(value: torch.Tensor) -> bool:

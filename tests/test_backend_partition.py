@@ -101,13 +101,39 @@ def _scan_with_an_empty_tail(x, steps: int):
     return torch.cat([y, tail], dim=-1) + 1
 
 
-def test_tensors_with_no_elements_run_eagerly_all_at_once():
+def test_tensors_with_no_elements_fold_to_constants():
     x = torch.randn(3, 8)
     f = lambda x: _scan_with_an_empty_tail(x, 120)  # noqa: E731 - past the recursion limit, one split a level
     assert_close(torch.compile(f, backend="stitchflow")(x), f(x))
-    report = backend.fallback_report()
-    assert "no elements" in report and "compiles around it" not in report
-    assert backend.regions_executed() >= 1  # the head's ops
+    assert backend.FALLBACKS == []  # the split too: nothing reads its empty piece once the tail's ops fold
+    assert backend.regions_executed() >= 1
+
+
+def test_a_training_step_through_an_empty_tail_folds_both_graphs():
+    x = torch.randn(3, 8, requires_grad=True)
+    f = lambda x: _scan_with_an_empty_tail(x, 4).square().sum()  # noqa: E731
+    f(x).backward()
+    want, x.grad = x.grad, None
+    loss = torch.compile(f, backend="stitchflow")(x)
+    loss.backward()
+    assert_close(loss, f(x))
+    assert_close(x.grad, want)
+    assert backend.FALLBACKS == []
+
+
+def test_an_empty_graph_output_is_made_eagerly_each_call():
+    """A constant would hand the caller the same tensor every call (resize_ on it would change the next)."""
+    def f(x):
+        y, tail = _scan_with_an_empty_tail(x, 2), torch.tensor_split(x, [x.shape[-1]], dim=-1)[1]
+        return y, tail * 2
+
+    x = torch.randn(3, 8)
+    compiled = torch.compile(f, backend="stitchflow")
+    first, second = compiled(x)[1], compiled(x)[1]
+    assert first.shape == (3, 0) and first is not second
+    for got, want in zip(compiled(x), f(x)):
+        assert_close(got, want)
+    assert "no elements" in backend.fallback_report()
 
 
 def _overwriting_chain(x, idx, v, steps: int):

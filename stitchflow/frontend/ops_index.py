@@ -130,6 +130,8 @@ def lower_setitem(ctx, x, key, value):
         return elementwise(ctx, lambda m, a, v: call("where", m, _as(v, value, ctx.dtype), a), key, x, value)
     keys = _basic_keys(ctx, key, x.rank)
     selected = [len(range(*k.indices(n))) for k, n in zip(keys, x.shape) if isinstance(k, slice)]
+    if 0 in selected:  # writes nothing (the gradient of a split's empty piece)
+        return x
     if isinstance(value, TensorValue):
         value = V.expand(value, selected)
 
