@@ -15,6 +15,7 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 from torch.fx.passes.split_module import split_module
 
 from .backend_layouts import restrided
+from .backend_vmap import unbatch_vmap_bodies
 from .frontend.registry import LOWERINGS, early_refusal, is_inplace, key_of
 
 REFUSED = "stitchflow_refused"  # node.meta key: why capture refused the node (it runs eagerly, the rest is split again)
@@ -25,13 +26,16 @@ BATCHED_BY_VMAP = ("works on a value batched by torch.vmap: functorch's batched 
 
 
 def refuse_vmap_bodies(gm: fx.GraphModule) -> None:
-    """Leave to eager the nodes of a torch.vmap body that Dynamo inlined (their example values are functorch's
-    batched tensors: a program captured on them fails on its first call)."""
+    """Rewrite the torch.vmap bodies that Dynamo inlined as ops on whole tensors where they allow it
+    (backend_vmap), and leave to eager the nodes of the others (their example values are functorch's batched
+    tensors: a program captured on them fails on its first call)."""
+    kept = unbatch_vmap_bodies(gm)
     for node in gm.graph.nodes:
         value = node.meta.get("example_value")
         values = value if isinstance(value, (tuple, list)) else (value,)
         if any(isinstance(v, torch.Tensor) and torch._C._functorch.is_batchedtensor(v) for v in values):
-            node.meta.setdefault(REFUSED, BATCHED_BY_VMAP)
+            why = f" (the body was not rewritten on whole tensors: {kept[node]})" if node in kept else ""
+            node.meta.setdefault(REFUSED, BATCHED_BY_VMAP + why)
 
 
 EMPTY_VALUE = "makes or reads a tensor with no elements (the IR has no zero-size tensors); cheap eagerly"

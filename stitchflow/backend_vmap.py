@@ -1,0 +1,200 @@
+"""torch.vmap bodies that Dynamo inlined, rewritten as ops on whole tensors.
+
+Dynamo traces `torch.vmap(f)(x)` as `_vmap_increment_nesting`, `_add_batch_dim(x, in_dim, level)` per input, f's
+ops on functorch's batched tensors, `_remove_batch_dim(y, level, batch_size, out_dim)` per output and
+`_vmap_decrement_nesting`. Batched tensors have no storage, so a program cannot be captured on them. Where every op
+of a body is elementwise, or reduces or normalises along given dims, the body has the same meaning on the physical
+tensors with the batch dim in front: each batched value becomes that tensor (logical shape S, physical (B, *S)),
+unbatched operands broadcast against it as they did against S once the batched operands share one rank, and a dim
+argument d of a batched operand becomes d + 1. Bodies with other ops, nested vmaps or random numbers stay as they
+are (refused, they run eagerly).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+from torch._functorch import predispatch
+from torch._subclasses.fake_tensor import FakeTensor
+
+ELEMENTWISE_NAMES = frozenset("""add sub mul div truediv neg pow exp exp2 expm1 log log2 log1p sigmoid tanh relu sin
+cos sqrt rsqrt abs where maximum minimum clamp clamp_min clamp_max reciprocal square sign floor ceil round erf
+silu gelu softplus logical_not logical_and logical_or eq ne lt le gt ge float half bfloat16 to""".split())
+ALONG_DIMS = frozenset({"sum", "mean", "amax", "amin", "softmax", "log_softmax", "cumsum"})
+FULL_REDUCTIONS = frozenset({"sum", "mean", "amax", "amin"})
+OPERATORS = {operator.add: "add", operator.sub: "sub", operator.mul: "mul", operator.truediv: "truediv",
+             operator.neg: "neg", operator.pow: "pow", operator.eq: "eq", operator.ne: "ne", operator.lt: "lt",
+             operator.le: "le", operator.gt: "gt", operator.ge: "ge"}
+MARKERS = (predispatch.lazy_load_decompositions, predispatch._vmap_increment_nesting,
+           predispatch._vmap_decrement_nesting)
+
+
+def unbatch_vmap_bodies(gm: fx.GraphModule) -> dict[fx.Node, str]:
+    """Rewrite every body that `_rewritable` accepts; returns, for each node of the others, why not."""
+    kept, done = {}, False
+    for body in _bodies(gm.graph):
+        why = _rewritable(body)
+        if why is None:
+            _rewrite(gm.graph, body)
+            done = True
+        else:
+            kept.update(dict.fromkeys(body, why))
+    if done:
+        gm.graph.lint()
+        gm.recompile()
+    return kept
+
+
+def _bodies(graph: fx.Graph) -> list[list[fx.Node]]:
+    """The nodes from each outermost `_vmap_increment_nesting` to its `_vmap_decrement_nesting`."""
+    bodies, current, depth = [], None, 0
+    for node in graph.nodes:
+        if node.target is predispatch._vmap_increment_nesting:
+            depth += 1
+            current = [node] if depth == 1 else current + [node]
+            continue
+        if current is None:
+            continue
+        current.append(node)
+        if node.target is predispatch._vmap_decrement_nesting:
+            depth -= 1
+            if depth == 0:
+                bodies.append(current)
+                current = None
+    return bodies
+
+
+def _rewritable(body: list[fx.Node]) -> str | None:
+    """None if the body can be rewritten, else why not."""
+    starts = [n for n in body if n.target is predispatch._vmap_increment_nesting]
+    if len(starts) != 1:
+        return "a nested vmap"
+    if starts[0].args[1:] not in (("error",), ("same",)):
+        return "random numbers under vmap's 'different' randomness"
+    batched = set()
+    for node in body:
+        if node.target in MARKERS:
+            continue
+        if node.target is predispatch._add_batch_dim:
+            batched.add(node)
+        elif node.target is predispatch._remove_batch_dim:
+            if node.args[0] not in batched:
+                return "an output that does not depend on a batched input"
+        elif any(a in batched for a in node.all_input_nodes):
+            if _op_name(node) not in ELEMENTWISE_NAMES | ALONG_DIMS:
+                return f"{node.target} in the body"
+            if _batched_value(node) is None:
+                return f"{node.name} makes something other than one tensor"
+            batched.add(node)
+    return None
+
+
+def _op_name(node: fx.Node) -> str | None:
+    if node.op == "call_method":
+        return node.target
+    if node.op != "call_function":
+        return None
+    if node.target in OPERATORS:
+        return OPERATORS[node.target]
+    name = getattr(node.target, "__name__", None)
+    module = getattr(node.target, "__module__", "") or ""
+    return name if module.startswith("torch") and "random" not in module else None
+
+
+def _batched_value(node: fx.Node):
+    value = node.meta.get("example_value")
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _rewrite(graph: fx.Graph, body: list[fx.Node]) -> None:
+    # (each node's uses are replaced as it is rewritten, so later nodes' arguments are the physical tensors)
+    rank: dict[fx.Node, int] = {}  # a physical tensor -> the logical rank of the batched value it stands for
+    replaced: dict[fx.Node, fx.Node] = {}
+    markers = [n for n in body if n.target in MARKERS]
+    if body[0].prev.target is predispatch.lazy_load_decompositions:
+        markers.append(body[0].prev)
+    for node in body:
+        if node.target in MARKERS:
+            continue
+        with graph.inserting_before(node):
+            if node.target is predispatch._add_batch_dim:
+                x, in_dim, _ = node.args
+                new = graph.call_function(torch.movedim, (x, in_dim, 0))
+                rank[new] = _batched_value(node).dim()
+            elif node.target is predispatch._remove_batch_dim:
+                y, _, _, out_dim = node.args
+                new = graph.call_function(torch.movedim, (y, 0, out_dim))
+            elif any(a in rank for a in node.all_input_nodes):
+                new, rank[new] = _physical_op(graph, node, rank)
+            else:
+                continue
+        _propagate(new, node)
+        node.replace_all_uses_with(new)
+        replaced[node] = new
+    for node in reversed(list(replaced) + markers):
+        graph.erase_node(node)
+
+
+def _physical_op(graph: fx.Graph, node: fx.Node, rank: dict) -> tuple[fx.Node, int]:
+    """`node` on the physical tensors: batched operands padded to one logical rank, dims shifted past the batch."""
+    name, out_rank = _op_name(node), _batched_value(node).dim()
+    if name in ALONG_DIMS:
+        source = node.args[0]
+        dims = _physical_dims(node, rank[source])
+        if dims is None:  # a full reduction of a logical scalar is that scalar
+            return source, out_rank
+        args, kwargs = (source, dims, *node.args[2:]), {k: v for k, v in node.kwargs.items() if k != "dim"}
+        return _call_like(graph, node, args, kwargs), out_rank
+    top = max(rank[a] if a in rank else _rank_of(a) for a in node.all_input_nodes)
+
+    def physical(a):
+        if a not in rank:
+            return a
+        p = a
+        for _ in range(top - rank[a]):
+            p = graph.call_function(torch.unsqueeze, (p, 1))
+            _propagate(p)
+        return p
+
+    args = fx.map_arg(node.args, physical)
+    kwargs = fx.map_arg(node.kwargs, physical)
+    return _call_like(graph, node, args, kwargs), out_rank
+
+
+def _physical_dims(node: fx.Node, in_rank: int):
+    """The physical dims of a reduction or normalisation (its `dim` argument, else every logical dim)."""
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if dim is None:
+        return tuple(range(1, in_rank + 1)) or None
+    dims = (dim,) if isinstance(dim, int) else tuple(dim)
+    shifted = tuple(d % max(in_rank, 1) + 1 for d in dims)
+    return shifted[0] if isinstance(dim, int) else shifted
+
+
+def _rank_of(node: fx.Node) -> int:
+    value = node.meta.get("example_value")
+    return value.dim() if isinstance(value, torch.Tensor) else 0
+
+
+def _call_like(graph: fx.Graph, node: fx.Node, args, kwargs) -> fx.Node:
+    if node.op == "call_method":
+        return graph.call_method(node.target, args, kwargs)
+    return graph.call_function(node.target, args, kwargs)
+
+
+def _propagate(new: fx.Node, old: fx.Node | None = None) -> None:
+    """`new`'s example value, computed under the graph's fake mode from its inputs' (later passes read it)."""
+    if old is not None:
+        new.meta.update({k: v for k, v in old.meta.items() if k != "example_value"})
+    args = fx.map_arg(new.args, lambda n: n.meta.get("example_value"))
+    kwargs = fx.map_arg(new.kwargs, lambda n: n.meta.get("example_value"))
+    fakes = []
+    fx.node.map_aggregate((args, kwargs), lambda v: fakes.append(v) if isinstance(v, FakeTensor) else None)
+    if not fakes:
+        return
+    mode = fakes[0].fake_mode
+    with mode:
+        fn = getattr(torch.Tensor, new.target) if new.op == "call_method" else new.target
+        new.meta["example_value"] = fn(*args, **kwargs)

@@ -1,0 +1,82 @@
+"""torch.vmap bodies rewritten on whole tensors (backend_vmap): each compiled function equals eager on fresh inputs,
+with nothing left eager; bodies the rewrite cannot take still run eagerly, with the reason."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import stitchflow.backend as backend
+from conftest import assert_close
+
+
+def _scan_combine(a, b):
+    """transformers' Mamba scan, generic combine: vmapped over the pairs of a level of the scan."""
+    def combine(a_left, b_left, a_right, b_right):
+        return a_left * a_right, a_right * b_left + b_right
+
+    return torch.vmap(combine, in_dims=2, out_dims=2)(a[..., ::2, :], b[..., ::2, :], a[..., 1::2, :], b[..., 1::2, :])
+
+
+BODIES = {
+    "elementwise, an unbatched operand": (
+        lambda x, w: torch.vmap(lambda r: (r * w + 1).sigmoid())(x), [(4, 3, 5), (3, 5)]),
+    "an unbatched operand of higher rank": (
+        lambda x, w: torch.vmap(lambda r: torch.where(r > 0, r, w))(x), [(4, 5), (3, 5)]),
+    "two batched operands of different ranks": (
+        lambda x, y: torch.vmap(lambda r, s: r * s.exp(), in_dims=(0, 1))(x, y), [(4, 3, 5), (5, 4)]),
+    "in_dims None and out_dims": (
+        lambda x, w: torch.vmap(lambda r, v: (r - v).relu(), in_dims=(1, None), out_dims=1)(x, w), [(3, 4, 5), (5,)]),
+    "reductions along dims": (
+        lambda x: torch.vmap(lambda r: r - r.mean(-1, keepdim=True) + r.amax(0))(x), [(4, 3, 5)]),
+    "softmax, cumsum and a full sum": (
+        lambda x: torch.vmap(lambda r: r.softmax(-1).cumsum(0) * r.sum())(x), [(4, 3, 5)]),
+    "a full reduction of a logical scalar": (
+        lambda x: torch.vmap(lambda r: torch.sum(r * 2) + 1)(x), [(7,)]),
+    "functional and method forms, a cast": (
+        lambda x: torch.vmap(lambda r: torch.nn.functional.gelu(r).float().clamp(-1, 1).pow(2))(x), [(4, 6)]),
+    "Mamba's scan combine": (_scan_combine, [(2, 6, 8, 4), (2, 6, 8, 4)]),
+}
+
+
+@pytest.mark.parametrize("name", BODIES)
+def test_a_vmap_body_runs_on_whole_tensors(name):
+    fn, shapes = BODIES[name]
+    args = [torch.randn(s) for s in shapes]
+    got, want = torch.compile(fn, backend="stitchflow")(*args), fn(*args)
+    for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+        assert_close(g, w)
+    assert backend.FALLBACKS == []
+    assert backend.regions_executed() >= 1
+
+
+@settings(max_examples=12, deadline=None)
+@given(batch=st.integers(1, 5), rows=st.integers(1, 4), cols=st.integers(1, 6), in_dim=st.integers(0, 2),
+       out_dim=st.integers(0, 2), reduce_dim=st.sampled_from([0, 1, -1]))
+def test_vmapped_bodies_of_any_layout_equal_eager(batch, rows, cols, in_dim, out_dim, reduce_dim):
+    torch._dynamo.reset()
+    backend.FALLBACKS.clear()
+    x = torch.randn([rows, cols][:in_dim] + [batch] + [rows, cols][in_dim:])
+    w = torch.randn(cols)
+
+    def fn(x, w):
+        body = lambda r: (r * w).tanh() + r.sum(reduce_dim, keepdim=True)  # noqa: E731
+        return torch.vmap(body, in_dims=in_dim, out_dims=out_dim)(x)
+
+    assert_close(torch.compile(fn, backend="stitchflow", dynamic=False)(x, w), fn(x, w))
+    assert backend.FALLBACKS == []
+
+
+REFUSED = {
+    "a matmul": (lambda x: torch.vmap(lambda r: r @ r)(x[0]), "matmul"),
+    "a nested vmap": (lambda x: torch.vmap(torch.vmap(lambda v: v * 2 + 1))(x), "a nested vmap"),
+}
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_a_body_the_rewrite_cannot_take_runs_eagerly_with_the_reason(name):
+    fn, why = REFUSED[name]
+    x = torch.randn(3, 4, 5)
+    assert_close(torch.compile(fn, backend="stitchflow")(x), fn(x))
+    report = backend.fallback_report()
+    assert "not rewritten on whole tensors" in report and why in report
