@@ -3,7 +3,7 @@
 Dynamo traces `torch.vmap(f)(x)` as `_vmap_increment_nesting`, `_add_batch_dim(x, in_dim, level)` per input, f's
 ops on functorch's batched tensors, `_remove_batch_dim(y, level, batch_size, out_dim)` per output and
 `_vmap_decrement_nesting`. Batched tensors have no storage, so a program cannot be captured on them. Where every op
-of a body is elementwise, or reduces or normalises along given dims, the body has the same meaning on the physical
+of a body is elementwise, reduces or normalises along given dims, or multiplies matrices, the body has the same meaning on the physical
 tensors with the batch dim in front: each batched value becomes that tensor (logical shape S, physical (B, *S)),
 unbatched operands broadcast against it as they did against S once the batched operands share one rank, and a dim
 argument d of a batched operand becomes d + 1. Bodies with other ops, nested vmaps or random numbers stay as they
@@ -23,10 +23,11 @@ ELEMENTWISE_NAMES = frozenset("""add sub mul div truediv neg pow exp exp2 expm1 
 cos sqrt rsqrt abs where maximum minimum clamp clamp_min clamp_max reciprocal square sign floor ceil round erf
 silu gelu softplus logical_not logical_and logical_or eq ne lt le gt ge float half bfloat16 to""".split())
 ALONG_DIMS = frozenset({"sum", "mean", "amax", "amin", "softmax", "log_softmax", "cumsum"})
-FULL_REDUCTIONS = frozenset({"sum", "mean", "amax", "amin"})
+# matrix products broadcast their leading dims as elementwise ops do, where no operand is a vector
+MATRIX_PRODUCTS = frozenset({"matmul"})
 OPERATORS = {operator.add: "add", operator.sub: "sub", operator.mul: "mul", operator.truediv: "truediv",
-             operator.neg: "neg", operator.pow: "pow", operator.eq: "eq", operator.ne: "ne", operator.lt: "lt",
-             operator.le: "le", operator.gt: "gt", operator.ge: "ge"}
+             operator.neg: "neg", operator.pow: "pow", operator.matmul: "matmul", operator.eq: "eq",
+             operator.ne: "ne", operator.lt: "lt", operator.le: "le", operator.gt: "gt", operator.ge: "ge"}
 MARKERS = (predispatch.lazy_load_decompositions, predispatch._vmap_increment_nesting,
            predispatch._vmap_decrement_nesting)
 
@@ -83,8 +84,11 @@ def _rewritable(body: list[fx.Node]) -> str | None:
             if node.args[0] not in batched:
                 return "an output that does not depend on a batched input"
         elif any(a in batched for a in node.all_input_nodes):
-            if _op_name(node) not in ELEMENTWISE_NAMES | ALONG_DIMS:
+            name = _op_name(node)
+            if name not in ELEMENTWISE_NAMES | ALONG_DIMS | MATRIX_PRODUCTS:
                 return f"{node.target} in the body"
+            if name in MATRIX_PRODUCTS and min(_rank_of(a) for a in node.all_input_nodes) < 2:
+                return f"{node.target} of a vector in the body"
             if _batched_value(node) is None:
                 return f"{node.name} makes something other than one tensor"
             batched.add(node)
