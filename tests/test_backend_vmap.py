@@ -37,7 +37,8 @@ BODIES = {
         lambda x: torch.vmap(lambda r: torch.nn.functional.gelu(r).float().clamp(-1, 1).pow(2))(x), [(4, 6)]),
     "Mamba's scan combine": (_scan_combine, [(2, 6, 8, 4), (2, 6, 8, 4)]),
     "matrix products, a shared weight": (
-        lambda x, y, w: torch.vmap(lambda a, b: (a @ w).relu() @ b, in_dims=(0, 2))(x, y), [(3, 5, 4), (6, 2, 3), (4, 6)]),
+        lambda x, y, w: torch.vmap(lambda a, b: (a @ w).relu() @ b, in_dims=(0, 2))(x, y),
+        [(3, 5, 4), (6, 2, 3), (4, 6)]),
     "a matrix product of batched stacks of different ranks": (
         lambda x, y: torch.vmap(lambda a, b: torch.matmul(a, b).softmax(-1))(x, y), [(3, 5, 4), (3, 2, 4, 6)]),
 }
