@@ -4,9 +4,9 @@ Dynamo traces `torch.vmap(f)(x)` as `_vmap_increment_nesting`, `_add_batch_dim(x
 ops on functorch's batched tensors, `_remove_batch_dim(y, level, batch_size, out_dim)` per output and
 `_vmap_decrement_nesting`. Batched tensors have no storage, so a program cannot be captured on them. Where every op
 of a body is elementwise, reduces or normalises along given dims, or multiplies matrices, the body has the same
-meaning on the physical tensors with the batch dim in front: each batched value becomes that tensor (logical shape S, physical (B, *S)),
-unbatched operands broadcast against it as they did against S once the batched operands share one rank, and a dim
-argument d of a batched operand becomes d + 1. Bodies with other ops, nested vmaps or random numbers stay as they
+meaning on the physical tensors with the batch dim in front: each batched value becomes that tensor (logical shape
+S, physical (B, *S)), unbatched operands broadcast against it as they did against S once the batched operands share
+one rank, and a dim argument d of a batched operand becomes d + 1. Bodies with other ops, nested vmaps or random numbers stay as they
 are (refused, they run eagerly).
 """
 
