@@ -6,8 +6,8 @@ ops on functorch's batched tensors, `_remove_batch_dim(y, level, batch_size, out
 of a body is elementwise, reduces or normalises along given dims, or multiplies matrices, the body has the same
 meaning on the physical tensors with the batch dim in front: each batched value becomes that tensor (logical shape
 S, physical (B, *S)), unbatched operands broadcast against it as they did against S once the batched operands share
-one rank, and a dim argument d of a batched operand becomes d + 1. Bodies with other ops, nested vmaps or random numbers stay as they
-are (refused, they run eagerly).
+one rank, and a dim argument d of a batched operand becomes d + 1. Bodies with other ops, nested vmaps or random
+numbers stay as they are (refused, they run eagerly).
 """
 
 from __future__ import annotations
