@@ -19,12 +19,14 @@ import torch.fx as fx
 from torch._functorch import predispatch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from .frontend.registry import describe_target
+
 ELEMENTWISE_NAMES = frozenset("""add sub mul div truediv neg pow exp exp2 expm1 log log2 log1p sigmoid tanh relu sin
 cos sqrt rsqrt abs where maximum minimum clamp clamp_min clamp_max reciprocal square sign floor ceil round erf
 silu gelu softplus logical_not logical_and logical_or eq ne lt le gt ge float half bfloat16 to""".split())
 ALONG_DIMS = frozenset({"sum", "mean", "amax", "amin", "softmax", "log_softmax", "cumsum"})
 # matrix products broadcast their leading dims as elementwise ops do, where no operand is a vector
-MATRIX_PRODUCTS = frozenset({"matmul"})
+MATRIX_PRODUCTS = frozenset({"matmul", "linear"})
 OPERATORS = {operator.add: "add", operator.sub: "sub", operator.mul: "mul", operator.truediv: "truediv",
              operator.neg: "neg", operator.pow: "pow", operator.matmul: "matmul", operator.eq: "eq",
              operator.ne: "ne", operator.lt: "lt", operator.le: "le", operator.gt: "gt", operator.ge: "ge"}
@@ -86,9 +88,11 @@ def _rewritable(body: list[fx.Node]) -> str | None:
         elif any(a in batched for a in node.all_input_nodes):
             name = _op_name(node)
             if name not in ELEMENTWISE_NAMES | ALONG_DIMS | MATRIX_PRODUCTS:
-                return f"{node.target} in the body"
-            if name in MATRIX_PRODUCTS and min(_rank_of(a) for a in node.all_input_nodes) < 2:
-                return f"{node.target} of a vector in the body"
+                return f"{describe_target(node)} in the body"
+            if name == "matmul" and min(_rank_of(a) for a in node.all_input_nodes) < 2:
+                return f"{describe_target(node)} of a vector in the body"
+            if name == "linear" and _rank_of(node.args[0]) < 2 and set(node.all_input_nodes[1:]) & batched:
+                return f"{describe_target(node)} of a vector by a batched weight in the body"
             if _batched_value(node) is None:
                 return f"{node.name} makes something other than one tensor"
             batched.add(node)
@@ -144,6 +148,8 @@ def _rewrite(graph: fx.Graph, body: list[fx.Node]) -> None:
 def _physical_op(graph: fx.Graph, node: fx.Node, rank: dict) -> tuple[fx.Node, int]:
     """`node` on the physical tensors: batched operands padded to one logical rank, dims shifted past the batch."""
     name, out_rank = _op_name(node), _batched_value(node).dim()
+    if name == "linear" and set(node.all_input_nodes[1:]) & set(rank):
+        return _physical_linear(graph, node, rank), out_rank
     if name in ALONG_DIMS:
         source = node.args[0]
         dims = _physical_dims(node, rank[source])
@@ -165,6 +171,32 @@ def _physical_op(graph: fx.Graph, node: fx.Node, rank: dict) -> tuple[fx.Node, i
     args = fx.map_arg(node.args, physical)
     kwargs = fx.map_arg(node.kwargs, physical)
     return _call_like(graph, node, args, kwargs), out_rank
+
+
+def _physical_linear(graph: fx.Graph, node: fx.Node, rank: dict) -> fx.Node:
+    """linear(x, w, b) with a batched weight or bias (an ensemble of models under vmap): x·wᵀ as a matrix
+    product whose leading dims broadcast, then + b padded to the output's logical rank."""
+    x, weight = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs["weight"]
+    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    in_rank = rank[x] if x in rank else _rank_of(x)
+
+    def emit(fn, *args):
+        made = graph.call_function(fn, args)
+        _propagate(made)
+        return made
+
+    def padded(p, logical_rank, to_rank):
+        for _ in range(to_rank - logical_rank):
+            p = emit(torch.unsqueeze, p, 1)
+        return p
+
+    transposed = emit(torch.transpose, weight, -1, -2)
+    if weight in rank:
+        transposed = padded(transposed, 2, in_rank)
+    out = emit(torch.matmul, x, transposed)
+    if bias is None:
+        return out
+    return emit(operator.add, out, padded(bias, 1, in_rank) if bias in rank else bias)
 
 
 def _physical_dims(node: fx.Node, in_rank: int):

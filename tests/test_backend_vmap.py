@@ -1,8 +1,12 @@
 """torch.vmap bodies rewritten on whole tensors (backend_vmap): each compiled function equals eager on fresh inputs,
 with nothing left eager; bodies the rewrite cannot take still run eagerly, with the reason."""
 
+import copy
+
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -39,6 +43,11 @@ BODIES = {
     "matrix products, a shared weight": (
         lambda x, y, w: torch.vmap(lambda a, b: (a @ w).relu() @ b, in_dims=(0, 2))(x, y),
         [(3, 5, 4), (6, 2, 3), (4, 6)]),
+    "an ensemble's layers, stacked weights and biases": (
+        lambda x, w, b: torch.vmap(lambda w, b: F.gelu(F.linear(x, w, b)).sum(-1), in_dims=(0, 0))(w, b),
+        [(2, 5, 4), (3, 6, 4), (3, 6)]),
+    "batched inputs and a stacked bias": (
+        lambda x, w, b: torch.vmap(lambda x, b: F.linear(x, w, b), in_dims=(1, 0))(x, b), [(5, 3, 4), (6, 4), (3, 6)]),
     "a matrix product of batched stacks of different ranks": (
         lambda x, y: torch.vmap(lambda a, b: torch.matmul(a, b).softmax(-1))(x, y), [(3, 5, 4), (3, 2, 4, 6)]),
 }
@@ -69,6 +78,23 @@ def test_vmapped_bodies_of_any_layout_equal_eager(batch, rows, cols, in_dim, out
         return torch.vmap(body, in_dims=in_dim, out_dims=out_dim)(x)
 
     assert_close(torch.compile(fn, backend="stitchflow", dynamic=False)(x, w), fn(x, w))
+    assert backend.FALLBACKS == []
+
+
+def test_an_ensemble_of_modules_through_functional_call():
+    """torch.func's ensembling recipe: the models' parameters stacked, one functional_call vmapped over them."""
+    from torch.func import functional_call, stack_module_state
+
+    models = [nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)) for _ in range(5)]
+    params, buffers = stack_module_state(models)
+    base = copy.deepcopy(models[0]).to("meta")
+
+    def ensemble(params, buffers, x):
+        return torch.vmap(lambda p, b, x: functional_call(base, (p, b), (x,)), in_dims=(0, 0, None))(params, buffers, x)
+
+    x = torch.randn(32, 8)
+    with torch.no_grad():
+        assert_close(torch.compile(ensemble, backend="stitchflow")(params, buffers, x), ensemble(params, buffers, x))
     assert backend.FALLBACKS == []
 
 
