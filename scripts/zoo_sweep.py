@@ -22,6 +22,8 @@ import torch
 import stitchflow.backend as backend
 
 VOCAB = 256
+DECODER = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256,
+               vocab_size=VOCAB, max_position_embeddings=128)
 HF = {  # architecture: config keywords (two layers, width 128)
     "LlamaForCausalLM": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                              intermediate_size=256, vocab_size=VOCAB, max_position_embeddings=128),
@@ -57,6 +59,20 @@ HF = {  # architecture: config keywords (two layers, width 128)
     "SwinModel": dict(embed_dim=32, depths=[1, 1], num_heads=[2, 4], image_size=64, patch_size=4, window_size=4),
     "ConvNextModel": dict(hidden_sizes=[32, 64, 96, 128], depths=[1, 1, 1, 1]),
     "MambaModel": dict(hidden_size=64, num_hidden_layers=1, vocab_size=VOCAB, state_size=8, intermediate_size=128),
+    "Qwen3ForCausalLM": dict(DECODER, head_dim=32),
+    "Phi3ForCausalLM": dict(DECODER, pad_token_id=0),
+    "Gemma2ForCausalLM": dict(DECODER, head_dim=32, sliding_window=16),
+    "Gemma3ForCausalLM": dict(DECODER, head_dim=32, sliding_window=16),
+    "Starcoder2ForCausalLM": dict(DECODER, sliding_window=16),
+    "OlmoForCausalLM": dict(DECODER, pad_token_id=0),
+    "GPTJForCausalLM": dict(n_embd=128, n_layer=2, n_head=4, rotary_dim=16, vocab_size=VOCAB, n_positions=128),
+    "MixtralForCausalLM": dict(DECODER, num_local_experts=4, num_experts_per_tok=2),
+    "Qwen3MoeForCausalLM": dict(DECODER, head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+                                decoder_sparse_step=1),
+    "Mamba2Model": dict(hidden_size=64, num_hidden_layers=1, vocab_size=VOCAB, state_size=16, num_heads=4,
+                        head_dim=32, expand=2, n_groups=1, chunk_size=16),
+    "CLIPVisionModel": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                            image_size=64, patch_size=8),
 }
 TORCHVISION = {"resnet18": {}, "mobilenet_v3_small": {}, "efficientnet_b0": {}, "convnext_tiny": {},
                "vit_b_16": dict(image_size=64), "swin_t": {}}
@@ -78,7 +94,7 @@ def hf_model(name: str):
 
 def hf_inputs(name: str, device):
     g = torch.Generator().manual_seed(1)
-    if name.startswith(("ViT", "Swin", "ConvNext")):
+    if name.startswith(("ViT", "Swin", "ConvNext", "CLIPVision")):
         return dict(pixel_values=torch.randn(2, 3, 64, 64, generator=g).to(device))
     kw = dict(input_ids=torch.randint(0, VOCAB, (2, 32), generator=g).to(device))
     if name.startswith(("T5", "Bart")):

@@ -1,6 +1,6 @@
 """Statistics over dims built from ops_reduce's reductions: variance and standard deviation (var, std,
 var_mean, std_mean) with their squares kept in float32's range, the NaN-skipping sum and mean (nansum,
-nanmean), and aminmax. Half-precision inputs compute in float32, as eager's kernels do."""
+nanmean), aminmax, and histc as a scatter-add of ones. Half-precision inputs compute in float32, as eager's kernels do."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import torch
 
 from ..ir.errors import UnsupportedOpError
 from ..ir.expr import Cast, Const, call
+from ..ir.index import Gather
 from .ops_reduce import _correction_args, _dims, _widened, lower_amax, lower_amin, lower_sum, reduce, variance
+from .ops_elementwise import elementwise
 from .registry import compute_dtype, lowering, sub_ctx, upcast
 from .values import TensorValue
 
@@ -138,3 +140,43 @@ def lower_aminmax(ctx, x, dim=None, keepdim=False):
     lowest = lower_amin(sub_ctx(ctx, low.shape, low.dtype, "min"), x, dims, keepdim)
     highest = lower_amax(sub_ctx(ctx, high.shape, high.dtype, "max"), x, dims, keepdim)
     return torch.return_types.aminmax((lowest, highest))
+
+
+@lowering(torch.histc, "method:histc", "aten.histc")
+def lower_histc(ctx, x, bins=100, min=0, max=0, *, out=None):
+    """Counts of x in `bins` equal bins over [min, max] (elements outside, NaN among them, not counted) as a
+    scatter-add of ones: bin = floor((x - min) · bins / (max - min)) in x's dtype, as eager's kernels compute it
+    (CUDA's in integer arithmetic for integer x), max itself in the last bin. min = max (eager then takes the
+    data's own range) is refused."""
+    from .ops_reduce import _scatter_add
+
+    if not isinstance(x, TensorValue):
+        raise UnsupportedOpError("histc", "an input that is not a tensor", ctx.hint)
+    if x.dtype in (torch.float16, torch.bfloat16) or x.dtype.is_complex or x.dtype == torch.bool:
+        raise UnsupportedOpError("histc", f"{x.dtype} input (its counts round as eager's half-precision "
+                                          "accumulation does)", ctx.hint)
+    if min == max:
+        raise UnsupportedOpError("histc", "min = max: the range is the data's own minimum and maximum", ctx.hint)
+    bins, floating = int(bins), x.dtype.is_floating_point
+    low, high = (float(torch.tensor(v, dtype=x.dtype)) if floating else int(v) for v in (min, max))
+    width = float(torch.tensor(high, dtype=x.dtype) - torch.tensor(low, dtype=x.dtype)) if floating else high - low
+
+    def bin_of(o, r, rg):
+        v = x.read(o, rg)
+        scaled = call("mul", call("sub", v, Const(low)), Const(bins))
+        at = (Cast(torch.int64, call("floor", call("div", scaled, Const(width)))) if floating
+              else call("floordiv", Cast(torch.int64, scaled), Const(width)))
+        return call("where", call("ge", at, Const(bins)), Const(bins - 1), call("where", call("lt", at, Const(0)),
+                                                                                 Const(0), at))
+
+    bin_at = ctx.builder.emit(x.shape, torch.int64, bin_of, hint=f"{ctx.hint}_bin")
+    counted = elementwise(sub_ctx(ctx, x.shape, ctx.dtype, "counted"), lambda v: call("where", call("and", call("ge", v, Const(low)),
+                                                                             call("le", v, Const(high))),
+                                                              Const(1), Const(0)), x)
+    zeros = ctx.builder.add_param("zeros", torch.zeros(bins, dtype=ctx.dtype))
+
+    def out_index(o, rg):
+        read = bin_at.access(o, rg)
+        return [Gather(read.tensor, read.indices)]
+
+    return _scatter_add(ctx, zeros, out_index, counted, list(x.shape))

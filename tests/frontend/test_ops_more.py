@@ -56,6 +56,9 @@ CASES = {
     "as_strided": lambda x, y: _strided_views(x * 2 - y, *x.shape),
     "as_strided_scatter": lambda x, y: torch.as_strided_scatter(x * 0, (x + y).flatten() * 2, (x.numel(),), (1,))
     + torch.ops.aten.copy(x, y[:1] * 3),
+    # (a MoE router's tokens per expert: integer-valued floats over [0, experts - 1])
+    "histc": lambda x, y: torch.cat([torch.histc((x * y).float(), 7, -1.5, 2.0) * 2,
+                                     torch.histc(x.float().round(), 4, 0, 3)]),
 }
 
 
@@ -96,6 +99,8 @@ def test_refusals_name_the_problem():
     x = torch.randn(3, 4)
     with pytest.raises(stitchflow.StitchflowError, match="its own storage"):
         stitchflow.compile(lambda x: x.as_strided((2, 2), (1, 2)) + 1, (x,))
+    with pytest.raises(stitchflow.StitchflowError, match="the data's own minimum and maximum"):
+        stitchflow.compile(lambda x: torch.histc(x, 5), (x,))
     with pytest.raises(stitchflow.StitchflowError, match="covers part of its input"):
         stitchflow.compile(lambda x: torch.as_strided_scatter(x * 2, x[0] * 3, (4,), (1,), 4), (x,))
     with pytest.raises(stitchflow.StitchflowError, match="num_classes=-1"):
