@@ -22,8 +22,8 @@ import torch
 import stitchflow.backend as backend
 
 VOCAB = 256
-DECODER = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256,
-               vocab_size=VOCAB, max_position_embeddings=128)
+DECODER = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               intermediate_size=256, vocab_size=VOCAB, max_position_embeddings=128)
 HF = {  # architecture: config keywords (two layers, width 128)
     "LlamaForCausalLM": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                              intermediate_size=256, vocab_size=VOCAB, max_position_embeddings=128),

@@ -1,6 +1,7 @@
 """Statistics over dims built from ops_reduce's reductions: variance and standard deviation (var, std,
 var_mean, std_mean) with their squares kept in float32's range, the NaN-skipping sum and mean (nansum,
-nanmean), aminmax, and histc as a scatter-add of ones. Half-precision inputs compute in float32, as eager's kernels do."""
+nanmean), aminmax, and histc as a scatter-add of ones. Half-precision inputs compute in float32, as eager's
+kernels do."""
 
 from __future__ import annotations
 
@@ -170,9 +171,10 @@ def lower_histc(ctx, x, bins=100, min=0, max=0, *, out=None):
                                                                                  Const(0), at))
 
     bin_at = ctx.builder.emit(x.shape, torch.int64, bin_of, hint=f"{ctx.hint}_bin")
-    counted = elementwise(sub_ctx(ctx, x.shape, ctx.dtype, "counted"), lambda v: call("where", call("and", call("ge", v, Const(low)),
-                                                                             call("le", v, Const(high))),
-                                                              Const(1), Const(0)), x)
+    def inside(v):
+        return call("where", call("and", call("ge", v, Const(low)), call("le", v, Const(high))), Const(1), Const(0))
+
+    counted = elementwise(sub_ctx(ctx, x.shape, ctx.dtype, "counted"), inside, x)
     zeros = ctx.builder.add_param("zeros", torch.zeros(bins, dtype=ctx.dtype))
 
     def out_index(o, rg):
