@@ -25,6 +25,7 @@ ELEMENTWISE_NAMES = frozenset("""add sub mul div truediv neg pow exp exp2 expm1 
 cos sqrt rsqrt abs where maximum minimum clamp clamp_min clamp_max reciprocal square sign floor ceil round erf
 silu gelu softplus logical_not logical_and logical_or eq ne lt le gt ge float half bfloat16 to""".split())
 ALONG_DIMS = frozenset({"sum", "mean", "amax", "amin", "softmax", "log_softmax", "cumsum"})
+FULL_REDUCTIONS = frozenset({"sum", "mean", "amax", "amin"})  # (with no dim: over every dim)
 # matrix products broadcast their leading dims as elementwise ops do, where no operand is a vector
 MATRIX_PRODUCTS = frozenset({"matmul", "linear"})
 OPERATORS = {operator.add: "add", operator.sub: "sub", operator.mul: "mul", operator.truediv: "truediv",
@@ -89,6 +90,8 @@ def _rewritable(body: list[fx.Node]) -> str | None:
             name = _op_name(node)
             if name not in ELEMENTWISE_NAMES | ALONG_DIMS | MATRIX_PRODUCTS:
                 return f"{describe_target(node)} in the body"
+            if name in ALONG_DIMS - FULL_REDUCTIONS and _dim_argument(node) is None:
+                return f"{describe_target(node)} with no dim in the body"
             if name == "matmul" and min(_rank_of(a) for a in node.all_input_nodes) < 2:
                 return f"{describe_target(node)} of a vector in the body"
             if name == "linear" and _rank_of(node.args[0]) < 2 and set(node.all_input_nodes[1:]) & batched:
@@ -199,9 +202,15 @@ def _physical_linear(graph: fx.Graph, node: fx.Node, rank: dict) -> fx.Node:
     return emit(operator.add, out, padded(bias, 1, in_rank) if bias in rank else bias)
 
 
+def _dim_argument(node: fx.Node):
+    """The dim argument; None where the op reduces over every dim (torch takes dim=[] so too)."""
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    return None if isinstance(dim, (list, tuple)) and not dim else dim
+
+
 def _physical_dims(node: fx.Node, in_rank: int):
     """The physical dims of a reduction or normalisation (its `dim` argument, else every logical dim)."""
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    dim = _dim_argument(node)
     if dim is None:
         return tuple(range(1, in_rank + 1)) or None
     dims = (dim,) if isinstance(dim, int) else tuple(dim)

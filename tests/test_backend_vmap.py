@@ -35,6 +35,8 @@ BODIES = {
         lambda x: torch.vmap(lambda r: r - r.mean(-1, keepdim=True) + r.amax(0))(x), [(4, 3, 5)]),
     "softmax, cumsum and a full sum": (
         lambda x: torch.vmap(lambda r: r.softmax(-1).cumsum(0) * r.sum())(x), [(4, 3, 5)]),
+    "an empty dim list reduces every logical dim": (
+        lambda x: torch.vmap(lambda r: r - torch.sum(r, dim=[]))(x), [(4, 3, 5)]),
     "a full reduction of a logical scalar": (
         lambda x: torch.vmap(lambda r: torch.sum(r * 2) + 1)(x), [(7,)]),
     "functional and method forms, a cast": (
