@@ -6,12 +6,14 @@ ops on functorch's batched tensors, `_remove_batch_dim(y, level, batch_size, out
 of a body is elementwise, reduces or normalises along given dims, or multiplies matrices, the body has the same
 meaning on the physical tensors with the batch dim in front: each batched value becomes that tensor (logical shape
 S, physical (B, *S)), unbatched operands broadcast against it as they did against S once the batched operands share
-one rank, and a dim argument d of a batched operand becomes d + 1. Bodies with other ops, nested vmaps or random
-numbers stay as they are (refused, they run eagerly).
+one rank, and a dim argument d of a batched operand becomes d + 1. Nested vmaps likewise, with one leading dim per
+level a value is batched at (`Physical`). Bodies with other ops or random numbers stay as they are (refused, they
+run eagerly).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
@@ -71,34 +73,46 @@ def _bodies(graph: fx.Graph) -> list[list[fx.Node]]:
 
 
 def _rewritable(body: list[fx.Node]) -> str | None:
-    """None if the body can be rewritten, else why not."""
-    starts = [n for n in body if n.target is predispatch._vmap_increment_nesting]
-    if len(starts) != 1:
-        return "a nested vmap"
-    if starts[0].args[1:] not in (("error",), ("same",)):
-        return "random numbers under vmap's 'different' randomness"
-    batched = set()
+    """None if the body can be rewritten, else why not. Nested vmaps are taken: each batched value carries the
+    levels it is batched at (an inner vmap's level is the higher), innermost last."""
+    for start in (n for n in body if n.target is predispatch._vmap_increment_nesting):
+        if start.args[1:] not in (("error",), ("same",)):
+            return "random numbers under vmap's 'different' randomness"
+    levels: dict[fx.Node, tuple] = {}
     for node in body:
         if node.target in MARKERS:
             continue
         if node.target is predispatch._add_batch_dim:
-            batched.add(node)
+            outer = levels.get(node.args[0], ())
+            if outer and outer[-1] >= node.args[2]:
+                return "a batch dim added inside out"
+            levels[node] = outer + (node.args[2],)
         elif node.target is predispatch._remove_batch_dim:
-            if node.args[0] not in batched:
-                return "an output that does not depend on a batched input"
-        elif any(a in batched for a in node.all_input_nodes):
-            name = _op_name(node)
-            if name not in ELEMENTWISE_NAMES | ALONG_DIMS | MATRIX_PRODUCTS:
-                return f"{describe_target(node)} in the body"
-            if name in ALONG_DIMS - FULL_REDUCTIONS and _dim_argument(node) is None:
-                return f"{describe_target(node)} with no dim in the body"
-            if name == "matmul" and min(_rank_of(a) for a in node.all_input_nodes) < 2:
-                return f"{describe_target(node)} of a vector in the body"
-            if name == "linear" and _rank_of(node.args[0]) < 2 and set(node.all_input_nodes[1:]) & batched:
-                return f"{describe_target(node)} of a vector by a batched weight in the body"
-            if _batched_value(node) is None:
-                return f"{node.name} makes something other than one tensor"
-            batched.add(node)
+            inner = levels.get(node.args[0], ())
+            if not inner or inner[-1] != node.args[1]:
+                return "an output that does not depend on its vmap's batched inputs"
+            if inner[:-1]:
+                levels[node] = inner[:-1]
+        elif any(a in levels for a in node.all_input_nodes):
+            why = _op_refusal(node, levels)
+            if why:
+                return why
+            levels[node] = tuple(sorted(set().union(*(levels.get(a, ()) for a in node.all_input_nodes))))
+    return None
+
+
+def _op_refusal(node: fx.Node, levels: dict) -> str | None:
+    name = _op_name(node)
+    if name not in ELEMENTWISE_NAMES | ALONG_DIMS | MATRIX_PRODUCTS:
+        return f"{describe_target(node)} in the body"
+    if name in ALONG_DIMS - FULL_REDUCTIONS and _dim_argument(node) is None:
+        return f"{describe_target(node)} with no dim in the body"
+    if name == "matmul" and min(_rank_of(a) for a in node.all_input_nodes) < 2:
+        return f"{describe_target(node)} of a vector in the body"
+    if name == "linear" and _rank_of(node.args[0]) < 2 and set(node.all_input_nodes[1:]) & set(levels):
+        return f"{describe_target(node)} of a vector by a batched weight in the body"
+    if _batched_value(node) is None:
+        return f"{node.name} makes something other than one tensor"
     return None
 
 
@@ -119,9 +133,21 @@ def _batched_value(node: fx.Node):
     return value if isinstance(value, torch.Tensor) else None
 
 
+@dataclasses.dataclass(frozen=True)
+class Physical:
+    """How a physical tensor stands for a batched value: one leading dim per vmap level it is batched at
+    (ascending), then the value's logical dims."""
+
+    levels: tuple
+    rank: int
+
+    def __str__(self) -> str:
+        return f"levels {self.levels}, logical rank {self.rank}"
+
+
 def _rewrite(graph: fx.Graph, body: list[fx.Node]) -> None:
     # (each node's uses are replaced as it is rewritten, so later nodes' arguments are the physical tensors)
-    rank: dict[fx.Node, int] = {}  # a physical tensor -> the logical rank of the batched value it stands for
+    info: dict[fx.Node, Physical] = {}
     replaced: dict[fx.Node, fx.Node] = {}
     markers = [n for n in body if n.target in MARKERS]
     if body[0].prev.target is predispatch.lazy_load_decompositions:
@@ -131,16 +157,15 @@ def _rewrite(graph: fx.Graph, body: list[fx.Node]) -> None:
             continue
         with graph.inserting_before(node):
             if node.target is predispatch._add_batch_dim:
-                x, in_dim, _ = node.args
-                new = graph.call_function(torch.movedim, (x, in_dim, 0))
-                rank[new] = _batched_value(node).dim()
+                new, made = _added_batch_dim(graph, node, info)
             elif node.target is predispatch._remove_batch_dim:
-                y, _, _, out_dim = node.args
-                new = graph.call_function(torch.movedim, (y, 0, out_dim))
-            elif any(a in rank for a in node.all_input_nodes):
-                new, rank[new] = _physical_op(graph, node, rank)
+                new, made = _removed_batch_dim(graph, node, info)
+            elif any(a in info for a in node.all_input_nodes):
+                new, made = _physical_op(graph, node, info)
             else:
                 continue
+        if made is not None:
+            info[new] = made
         _propagate(new, node)
         node.replace_all_uses_with(new)
         replaced[node] = new
@@ -148,58 +173,77 @@ def _rewrite(graph: fx.Graph, body: list[fx.Node]) -> None:
         graph.erase_node(node)
 
 
-def _physical_op(graph: fx.Graph, node: fx.Node, rank: dict) -> tuple[fx.Node, int]:
-    """`node` on the physical tensors: batched operands padded to one logical rank, dims shifted past the batch."""
+def _added_batch_dim(graph: fx.Graph, node: fx.Node, info: dict):
+    """_add_batch_dim(x, in_dim, level): x's dim in_dim (of its logical dims) moves in after x's own levels."""
+    x, in_dim, level = node.args
+    outer = info.get(x, Physical((), _rank_of(x)))
+    at = len(outer.levels)
+    return (graph.call_function(torch.movedim, (x, at + in_dim % outer.rank, at)),
+            Physical(outer.levels + (level,), outer.rank - 1))
+
+
+def _removed_batch_dim(graph: fx.Graph, node: fx.Node, info: dict):
+    """_remove_batch_dim(y, level, size, out_dim): y's innermost level dim moves to logical dim out_dim."""
+    y, _, _, out_dim = node.args
+    inner = info[y]
+    at = len(inner.levels) - 1
+    moved = graph.call_function(torch.movedim, (y, at, at + out_dim % (inner.rank + 1)))
+    return moved, (Physical(inner.levels[:-1], inner.rank + 1) if inner.levels[:-1] else None)
+
+
+def _aligned(graph: fx.Graph, a, info: dict, levels: tuple, rank: int):
+    """A batched operand with a dim for each of `levels` (size 1 where it is not batched there) and `rank`
+    logical dims (size-1 dims in front of its own); anything else as it is (it broadcasts from the right)."""
+    if not isinstance(a, fx.Node) or a not in info:
+        return a
+    p, mine = a, info[a]
+    for k, level in enumerate(levels):
+        if level not in mine.levels:
+            p = _emit(graph, torch.unsqueeze, p, k)
+    for _ in range(rank - mine.rank):
+        p = _emit(graph, torch.unsqueeze, p, len(levels))
+    return p
+
+
+def _emit(graph: fx.Graph, fn, *args) -> fx.Node:
+    made = graph.call_function(fn, args)
+    _propagate(made)
+    return made
+
+
+def _physical_op(graph: fx.Graph, node: fx.Node, info: dict):
+    """`node` on the physical tensors: batched operands aligned to one set of levels and one logical rank, dims
+    shifted past the levels."""
     name, out_rank = _op_name(node), _batched_value(node).dim()
-    if name == "linear" and set(node.all_input_nodes[1:]) & set(rank):
-        return _physical_linear(graph, node, rank), out_rank
+    levels = tuple(sorted(set().union(*(info[a].levels for a in node.all_input_nodes if a in info))))
+    made = Physical(levels, out_rank)
+    if name == "linear" and set(node.all_input_nodes[1:]) & set(info):
+        return _physical_linear(graph, node, info, levels), made
     if name in ALONG_DIMS:
         source = node.args[0]
-        dims = _physical_dims(node, rank[source])
+        dims = _physical_dims(node, info[source])
         if dims is None:  # a full reduction of a logical scalar is that scalar
-            return source, out_rank
+            return source, made
         args, kwargs = (source, dims, *node.args[2:]), {k: v for k, v in node.kwargs.items() if k != "dim"}
-        return _call_like(graph, node, args, kwargs), out_rank
-    top = max(rank[a] if a in rank else _rank_of(a) for a in node.all_input_nodes)
-
-    def physical(a):
-        if a not in rank:
-            return a
-        p = a
-        for _ in range(top - rank[a]):
-            p = graph.call_function(torch.unsqueeze, (p, 1))
-            _propagate(p)
-        return p
-
-    args = fx.map_arg(node.args, physical)
-    kwargs = fx.map_arg(node.kwargs, physical)
-    return _call_like(graph, node, args, kwargs), out_rank
+        return _call_like(graph, node, args, kwargs), made
+    top = max(info[a].rank if a in info else _rank_of(a) for a in node.all_input_nodes)
+    args, kwargs = fx.map_arg((node.args, node.kwargs), lambda a: _aligned(graph, a, info, levels, top))
+    return _call_like(graph, node, args, kwargs), made
 
 
-def _physical_linear(graph: fx.Graph, node: fx.Node, rank: dict) -> fx.Node:
+def _physical_linear(graph: fx.Graph, node: fx.Node, info: dict, levels: tuple) -> fx.Node:
     """linear(x, w, b) with a batched weight or bias (an ensemble of models under vmap): x·wᵀ as a matrix
-    product whose leading dims broadcast, then + b padded to the output's logical rank."""
+    product whose leading dims broadcast, then + b aligned to the output's levels and logical rank."""
     x, weight = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs["weight"]
     bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-    in_rank = rank[x] if x in rank else _rank_of(x)
-
-    def emit(fn, *args):
-        made = graph.call_function(fn, args)
-        _propagate(made)
-        return made
-
-    def padded(p, logical_rank, to_rank):
-        for _ in range(to_rank - logical_rank):
-            p = emit(torch.unsqueeze, p, 1)
-        return p
-
-    transposed = emit(torch.transpose, weight, -1, -2)
-    if weight in rank:
-        transposed = padded(transposed, 2, in_rank)
-    out = emit(torch.matmul, x, transposed)
+    in_rank = info[x].rank if x in info else _rank_of(x)
+    if weight in info:
+        weight = _aligned(graph, weight, info, levels, in_rank)
+    out = _emit(graph, torch.matmul, _aligned(graph, x, info, levels, in_rank),
+                _emit(graph, torch.transpose, weight, -1, -2))
     if bias is None:
         return out
-    return emit(operator.add, out, padded(bias, 1, in_rank) if bias in rank else bias)
+    return _emit(graph, operator.add, out, _aligned(graph, bias, info, levels, in_rank))
 
 
 def _dim_argument(node: fx.Node):
@@ -208,13 +252,13 @@ def _dim_argument(node: fx.Node):
     return None if isinstance(dim, (list, tuple)) and not dim else dim
 
 
-def _physical_dims(node: fx.Node, in_rank: int):
+def _physical_dims(node: fx.Node, source: Physical):
     """The physical dims of a reduction or normalisation (its `dim` argument, else every logical dim)."""
-    dim = _dim_argument(node)
+    dim, shift = _dim_argument(node), len(source.levels)
     if dim is None:
-        return tuple(range(1, in_rank + 1)) or None
+        return tuple(range(shift, shift + source.rank)) or None
     dims = (dim,) if isinstance(dim, int) else tuple(dim)
-    shifted = tuple(d % max(in_rank, 1) + 1 for d in dims)
+    shifted = tuple(d % max(source.rank, 1) + shift for d in dims)
     return shifted[0] if isinstance(dim, int) else shifted
 
 

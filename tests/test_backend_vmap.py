@@ -50,6 +50,15 @@ BODIES = {
         [(2, 5, 4), (3, 6, 4), (3, 6)]),
     "batched inputs and a stacked bias": (
         lambda x, w, b: torch.vmap(lambda x, b: F.linear(x, w, b), in_dims=(1, 0))(x, b), [(5, 3, 4), (6, 4), (3, 6)]),
+    "nested vmaps, pairwise distances": (
+        lambda x, y: torch.vmap(torch.vmap(lambda a, b: (a - b).square().sum(-1), in_dims=(None, 0)),
+                                in_dims=(0, None))(x, y), [(3, 4), (5, 4)]),
+    "nested vmaps over one tensor, out_dims": (
+        lambda x, w: torch.vmap(torch.vmap(lambda v: (v * w).softmax(-1), out_dims=1), in_dims=2, out_dims=0)(x),
+        [(3, 5, 4, 6), (6,)]),
+    "an inner vmap over an outer one's result": (
+        lambda x, y: torch.vmap(lambda r, s: torch.vmap(lambda a: a * s.sum())(r.exp()) + r, in_dims=(1, 0))(x, y),
+        [(4, 3, 5), (3, 2)]),
     "a matrix product of batched stacks of different ranks": (
         lambda x, y: torch.vmap(lambda a, b: torch.matmul(a, b).softmax(-1))(x, y), [(3, 5, 4), (3, 2, 4, 6)]),
 }
@@ -102,7 +111,7 @@ def test_an_ensemble_of_modules_through_functional_call():
 
 REFUSED = {
     "a matmul": (lambda x: torch.vmap(lambda r: r @ r)(x[0]), "matmul"),
-    "a nested vmap": (lambda x: torch.vmap(torch.vmap(lambda v: v * 2 + 1))(x), "a nested vmap"),
+    "a sort": (lambda x: torch.vmap(lambda r: r.sort(-1).values * 2)(x), "sort"),
 }
 
 
