@@ -14,6 +14,7 @@ run eagerly).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import operator
 
 import torch
@@ -22,6 +23,8 @@ from torch._functorch import predispatch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from .frontend.registry import describe_target
+
+log = logging.getLogger("stitchflow.backend")
 
 ELEMENTWISE_NAMES = frozenset("""add sub mul div truediv neg pow exp exp2 expm1 log log2 log1p sigmoid tanh relu sin
 cos sqrt rsqrt abs where maximum minimum clamp clamp_min clamp_max reciprocal square sign floor ceil round erf
@@ -45,6 +48,7 @@ def unbatch_vmap_bodies(gm: fx.GraphModule) -> dict[fx.Node, str]:
         if why is None:
             _rewrite(gm.graph, body)
             done = True
+            log.info("a torch.vmap body of %d nodes runs on whole tensors", len(body))
         else:
             kept.update(dict.fromkeys(body, why))
     if done:
