@@ -39,7 +39,7 @@ from .backend_layouts import (channels_last_order, convolution_inputs_like_gradi
                               saved_weights_channels_last, unfolded_weight_gradient, weight_like_gradient,
                               weights_channels_last)
 from .backend_partition import (REFUSED, copied_graph, fuse_by_dependence, inline_empty_constants, outputs_read_eagerly,
-                                refuse_empty_values, refuse_vmap_bodies, run_flat, split_in_program_order,
+                                fold_empty_values, refuse_vmap_bodies, run_flat, split_in_program_order,
                                 supported)
 from .frontend.capture import Captured, capture
 from .frontend.registry import LOWERINGS, describe_target, early_refusal, is_inplace, key_of
@@ -492,7 +492,7 @@ def _partition_and_wrap(gm: fx.GraphModule, options: dict, label: str = ""):
     ours = (restrided, like_gradient, weight_like_gradient, weights_channels_last, pointwise_weight_gradient,
             unfolded_weight_gradient, like_parameters)
     refuse_vmap_bodies(gm)
-    refuse_empty_values(gm, saved_from)
+    fold_empty_values(gm, saved_from)
     for node in gm.graph.nodes:
         if node.target is operator.getitem or node.target in ours:  # the op's record says why; ours
             continue

@@ -47,15 +47,14 @@ def _example_tensors(node: fx.Node) -> list:
     return [v for v in values if isinstance(v, torch.Tensor)]
 
 
-def refuse_empty_values(gm: fx.GraphModule, saved_from: int | None = None) -> None:
-    """Fold to constants the values with no elements (they hold no data, so their shape and dtype are all of them:
-    transformers' Mamba scan splits at the sequence length and works on the empty tail), and leave
-    to eager what cannot fold: a node with several results, some empty, and a graph output (a constant would be
-    the same tensor every call; AOTAutograd's saved activations, the forward's outputs from `saved_from`, fold).
-    Readers of a constant are unaffected (capture keeps a constant with no elements
-    as a plain value, and torch.cat skips it); readers of a value left eager are refused too, as a program cannot
-    take an input with no elements. Done up front, all at once: capture would refuse them one at a time, each
-    refusal splitting the partition again, one call level deeper per split."""
+def fold_empty_values(gm: fx.GraphModule, saved_from: int | None = None) -> None:
+    """Fold to constants the values with no elements: they hold no data, so their shape, strides and dtype are
+    all of them (transformers' Mamba scan splits at the sequence length and works on the empty tail). Capture
+    keeps a constant with no elements as a plain value, and torch.cat skips it. Left to eager, and refused up
+    front with every node that reads them (a program cannot take an input with no elements): a node with several
+    results some of which are empty and read, and a value the caller receives (a constant would be the same tensor
+    every call; AOTAutograd's saved activations, the forward's outputs from `saved_from`, do fold). All at once:
+    capture would refuse them one at a time, each refusal splitting the partition again."""
     for node in list(gm.graph.nodes):
         if node.op in ("call_function", "call_method") and _makes_empty(node):
             _fold_empty(gm, node, saved_from)
@@ -93,12 +92,12 @@ def _only_unread_items_empty(node: fx.Node) -> bool:
     return all(isinstance(v, torch.Tensor) and v.numel() for k, v in enumerate(value) if k in read)
 
 
-def _fold_empty(gm: fx.GraphModule, node: fx.Node, saved_from: int | None) -> bool:
+def _fold_empty(gm: fx.GraphModule, node: fx.Node, saved_from: int | None) -> None:
     """Replace `node`, whose one result has no elements, by a constant of its shape, strides and dtype, unless
     the caller receives it."""
     value = node.meta.get("example_value", node.meta.get("val"))
     if not isinstance(value, torch.Tensor) or _returned_to_the_caller(node, saved_from):
-        return False
+        return
     name = f"_stitchflow_empty_{node.name}"
     with unset_fake_temporarily():  # (AOTAutograd calls the backend under its fake mode)
         constant = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
@@ -111,7 +110,6 @@ def _fold_empty(gm: fx.GraphModule, node: fx.Node, saved_from: int | None) -> bo
         node.meta.setdefault(REFUSED, EMPTY_VALUE)
     else:
         gm.graph.erase_node(node)
-    return True
 
 
 def _symbolic(value: torch.Tensor) -> bool:

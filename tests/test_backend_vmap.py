@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 import stitchflow.backend as backend
 from conftest import assert_close
 
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
 
 def _scan_combine(a, b):
     """transformers' Mamba scan, generic combine: vmapped over the pairs of a level of the scan."""
