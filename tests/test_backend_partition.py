@@ -16,19 +16,19 @@ from stitchflow.backend_layouts import _dense_layout, restrided
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
-def _overwriting_scatter(x, idx, v):
+def _masked_index_put(x, idx, v):
     a = x.exp() * 2
-    b = torch.index_put(a, (idx,), v)  # has a lowering, refused at capture: a scatter that overwrites
+    b = torch.index_put(a, (a > idx.float(),), v)  # has a lowering, refused at capture: a boolean mask index
     return (b + 1).softmax(-1) + a.sum(0)
 
 
 def test_a_node_refused_at_capture_runs_eagerly_and_the_rest_compiles_around_it():
-    x, idx, v = torch.randn(6, 5), torch.tensor([4, 0, 2]), torch.randn(3, 5)
-    compiled = torch.compile(_overwriting_scatter, backend="stitchflow")
+    x, idx, v = torch.randn(6, 5), torch.tensor(1), torch.tensor(-1.0)
+    compiled = torch.compile(_masked_index_put, backend="stitchflow")
     for _ in range(2):
-        assert_close(compiled(x, idx, v), _overwriting_scatter(x, idx, v))
+        assert_close(compiled(x, idx, v), _masked_index_put(x, idx, v))
     report = backend.fallback_report()
-    assert "accumulate=False" in report and "the rest of the partition compiles around it" in report
+    assert "a boolean mask index" in report and "the rest of the partition compiles around it" in report
     assert backend.regions_executed() >= 2  # the exp and scaling before it, the softmax after it
     assert len(backend.COMPILED) >= 3  # the partition that refused, and the parts it was split into
 
@@ -136,9 +136,10 @@ def test_an_empty_graph_output_is_made_eagerly_each_call():
     assert "no elements" in backend.fallback_report()
 
 
-def _overwriting_chain(x, idx, v, steps: int):
-    for _ in range(steps):  # each scatter refused at capture, found only once the graph before it captures
-        x = torch.index_put((x * 2).sigmoid(), (idx,), v)
+def _masked_chain(x, v, steps: int):
+    for _ in range(steps):  # each masked index_put refused at capture, found only once the graph before it captures
+        y = (x * 2).sigmoid()
+        x = torch.index_put(y, (y > 0.6,), v)
     return x.softmax(-1)
 
 
@@ -165,12 +166,12 @@ def test_refusals_found_one_at_a_time_split_without_nesting_calls(monkeypatch, t
     call_for = backend.StitchflowModule._call_for
     monkeypatch.setattr(backend.StitchflowModule, "_call_for",
                         lambda self, args: lookups.append(self) or call_for(self, args))
-    x, idx, v = torch.randn(6, 5, requires_grad=training), torch.tensor([4, 0, 2]), torch.randn(3, 5)
-    f = lambda x, idx, v: _overwriting_chain(x, idx, v, 12)  # noqa: E731
+    x, v = torch.randn(6, 5, requires_grad=training), torch.tensor(0.25)
+    f = lambda x, v: _masked_chain(x, v, 12)  # noqa: E731
     compiled = torch.compile(f, backend="stitchflow")
     for step in range(2):
         lookups.clear()
-        got, expected = compiled(x, idx, v), f(x, idx, v)
+        got, expected = compiled(x, v), f(x, v)
         assert_close(got, expected)
         if training:
             (gx,) = torch.autograd.grad(got.square().sum(), x)

@@ -96,13 +96,15 @@ class GraphBuilder:
         self.types[name] = TensorType(shape, dtype, fmt) if fmt else dense_type(shape, dtype)
         return identity(name, shape, dtype)
 
-    def scatter(self, out_shape, dtype, loop_shape, body: BodyFn, index_fn, *, hint="scatter") -> TensorValue:
-        """out[index_fn(vars)] += body(vars) over a loop of `loop_shape` (vars are all loop vars)."""
+    def scatter(self, out_shape, dtype, loop_shape, body: BodyFn, index_fn, *, reduce="sum",
+                hint="scatter") -> TensorValue:
+        """out[index_fn(vars)] += body(vars) over a loop of `loop_shape` (vars are all loop vars); with
+        reduce "max", "min" or "prod" the positions keep the largest, the smallest or the product."""
         loop = loop_vars(len(loop_shape), OUT_NAMES)
         dims = tuple((v.name, int(n)) for v, n in zip(loop, loop_shape))
         ranges = dict(dims)
         name = self.fresh(hint)
-        node = Node(name, tuple(index_fn(loop, ranges)), body(loop, [], ranges), dims, "sum", None, self.origin, self.group)
+        node = Node(name, tuple(index_fn(loop, ranges)), body(loop, [], ranges), dims, reduce, None, self.origin, self.group)
         if not node.is_scatter:
             raise ShapeError("scatter without an indirect output index")
         self.nodes.append(node)

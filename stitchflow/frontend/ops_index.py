@@ -11,7 +11,7 @@ import torch
 
 from ..ir.errors import ShapeError, UnsupportedOpError
 from ..ir.expr import Cast, Const, IndexValue, call
-from ..ir.index import Gather, Lit, add, floordiv, mod, scale
+from ..ir.index import add, floordiv, mod, scale
 from . import values as V
 from .ops_elementwise import elementwise
 from .ops_shape import lower_cat, lower_repeat
@@ -123,10 +123,14 @@ def lower_setitem(ctx, x, key, value):
     place in the selection, x). A boolean mask of x's shape with a scalar: where(mask, value, x)."""
     if not isinstance(x, TensorValue):
         raise UnsupportedOpError("setitem", "the target is not a tensor", ctx.hint)
+    tensor_keys = _tensor_keys(key)
+    if tensor_keys is not None:  # x[idx] = v, x[:, rows, cols] = v: the last write to a position wins
+        from .ops_scatter import lower_index_put
+        return lower_index_put(ctx, x, tensor_keys, value)
     if isinstance(key, TensorValue):
         if key.dtype != torch.bool or key.shape != x.shape or (isinstance(value, TensorValue) and value.rank > 0):
-            raise UnsupportedOpError("setitem", "an index tensor other than a boolean mask of the target's shape set "
-                                                "to a scalar (a scatter that overwrites)", ctx.hint)
+            raise UnsupportedOpError("setitem", "a boolean mask other than one of the target's shape set to a "
+                                                "scalar (the count it selects depends on the data)", ctx.hint)
         return elementwise(ctx, lambda m, a, v: call("where", m, _as(v, value, ctx.dtype), a), key, x, value)
     keys = _basic_keys(ctx, key, x.rank)
     selected = [len(range(*k.indices(n))) for k, n in zip(keys, x.shape) if isinstance(k, slice)]
@@ -164,6 +168,17 @@ def lower_setitem(ctx, x, key, value):
     return ctx.builder.emit(ctx.shape, ctx.dtype, body, hint=ctx.hint, tag=ctx.builder.new_tag("setitem"))
 
 
+def _tensor_keys(key) -> list | None:
+    """index_put's index list for a key of integer index tensors and whole slices (None for a whole dim);
+    None for any other key."""
+    keys = list(key) if isinstance(key, tuple) else [key]
+    def integer_tensor(k):
+        return isinstance(k, TensorValue) and k.dtype != torch.bool and not k.dtype.is_floating_point
+    if not any(integer_tensor(k) for k in keys) or not all(integer_tensor(k) or k == slice(None) for k in keys):
+        return None
+    return [k if integer_tensor(k) else None for k in keys]
+
+
 def _as(e, value, dtype: torch.dtype):
     """The value written, in the target's dtype (eager casts it on the write)."""
     source = value.dtype if isinstance(value, TensorValue) else None
@@ -199,65 +214,3 @@ def lower_select_scatter(ctx, x, src, dim, index):
     """x with x.select(dim, index) replaced by src: the gradient of an integer index."""
     dim = dim % x.rank
     return lower_setitem(ctx, x, (slice(None),) * dim + (index,), src)
-
-
-@lowering("aten.index_put", "aten.index_put_", torch.index_put, "method:index_put", "method:index_put_")
-def lower_index_put(ctx, x, indices, values, accumulate=False):
-    """x with values added at x[indices] (accumulate=True: an embedding's gradient, rows summed into the
-    table; a nearest upsampling's, x[:, :, rows[:, None], cols] with None for the whole dims) as a
-    scatter-add. The index tensors broadcast together and stand next to each other (None entries
-    before them or after); values broadcast to x's leading dims, the index shape and x's trailing dims.
-    An overwriting index_put (the last of duplicates wins, in an order eager does not define) is
-    refused."""
-    from .ops_reduce import _scatter_add
-
-    if not accumulate:
-        raise UnsupportedOpError("index_put", "accumulate=False (a scatter that overwrites; duplicates race)",
-                                 ctx.hint)
-    indices = list(indices)
-    at = [d for d, i in enumerate(indices) if i is not None]
-    if not at or any(not isinstance(indices[d], TensorValue) for d in at):
-        raise UnsupportedOpError("index_put", "index entries other than tensors and None", ctx.hint)
-    if at != list(range(at[0], at[-1] + 1)):
-        raise UnsupportedOpError("index_put", "index tensors apart (eager moves their dims first)", ctx.hint)
-    tensors = [indices[d] for d in at]
-    if any(i.dtype == torch.bool for i in tensors):
-        raise UnsupportedOpError("index_put", "a boolean mask index (its count depends on the data)", ctx.hint)
-    try:
-        shape = list(torch.broadcast_shapes(*(tuple(i.shape) for i in tensors)))
-    except RuntimeError as err:
-        raise ShapeError(f"index_put: index tensors of shapes {[list(i.shape) for i in tensors]} do not "
-                         f"broadcast") from err
-    first, rank = at[0], len(shape)
-    loop_shape = [*x.shape[:first], *shape, *x.shape[first + len(at):]]
-    tensors = [V.expand(i, shape) for i in tensors]
-    if isinstance(values, TensorValue):
-        values = V.expand(values, loop_shape)
-
-    def out_index(o, rg):
-        reads = [i.access(o[first:first + rank], rg) for i in tensors]
-        # an index below 0 counts from the end, as in eager
-        wrapped = [mod(Gather(a.tensor, a.indices), x.shape[first + k], rg) for k, a in enumerate(reads)]
-        return list(o[:first]) + wrapped + list(o[first + rank:])
-
-    return _scatter_add(ctx, x, out_index, values, loop_shape)
-
-
-@lowering("aten.scatter", "method:scatter", torch.scatter)
-def lower_scatter(ctx, x, dim, index, value=None, *, src=None, reduce=None):
-    """x with a scalar written at index along dim, one index per row (NLL's gradient: a one-hot times -1):
-    where(index[..., 0, ...] == coordinate, value, x). A tensor source or several indices per row (a
-    scatter that overwrites, whose duplicates race) are refused."""
-    value = src if value is None else value
-    if reduce is not None or isinstance(value, TensorValue) or not isinstance(index, TensorValue):
-        raise UnsupportedOpError("scatter", "a tensor source or a reduce (a scatter that overwrites)", ctx.hint)
-    dim = V.norm_dim(dim, x.rank)
-    if index.shape[dim] != 1 or any(n != m for d, (n, m) in enumerate(zip(index.shape, x.shape)) if d != dim):
-        raise UnsupportedOpError("scatter", f"index of shape {list(index.shape)} into {list(x.shape)} (only one "
-                                            "index per row along dim, the other dims whole)", ctx.hint)
-
-    def body(o, r, rg):
-        at = index.read([Lit(0) if d == dim else o[d] for d in range(x.rank)], rg)
-        return call("where", call("eq", at, IndexValue(o[dim])), _as(Const(value), value, ctx.dtype), x.read(o, rg))
-
-    return ctx.builder.emit(ctx.shape, ctx.dtype, body, hint=ctx.hint)

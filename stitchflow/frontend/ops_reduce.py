@@ -1,5 +1,5 @@
-"""Lowerings of reductions and of the composite ops built from them (softmax, norms), and of
-scatter-adds (how torch_geometric aggregates messages)."""
+"""Lowerings of reductions and of the composite ops built from them (softmax, norms). Scatters (reductions
+into computed positions) are in ops_scatter."""
 
 from __future__ import annotations
 
@@ -11,10 +11,9 @@ import torch.nn.functional as F
 from ..ir.errors import UnsupportedOpError
 from ..ir.expr import Cast, Const, IndexValue, call
 from ..ir.graph import Tag
-from ..ir.index import Gather
 from . import values as V
 from .ops_elementwise import cast
-from .registry import LowerCtx, compute_dtype, lowering, operand, refusal, upcast
+from .registry import LowerCtx, compute_dtype, lowering, refusal, upcast
 from .values import TensorValue
 
 
@@ -526,64 +525,6 @@ def lower_instance_norm(ctx, *args, **kwargs):
 @lowering("aten.instance_norm")
 def lower_aten_instance_norm(ctx, *args, **kwargs):
     return _instance_norm(ctx, _bound(ATEN_INSTANCE_NORM, args, kwargs))
-
-
-# ---------------------------------------------------------------- scatter-adds
-
-def _is_zero_constant(ctx, v: TensorValue) -> bool:
-    value = ctx.builder.param_values.get(v.base)
-    return value is not None and ctx.builder.is_whole(v) and not bool(value.any())
-
-
-def _scatter_add(ctx, base: TensorValue, out_index_of, src, loop_shape):
-    """base + scatter; the scatter node accumulates src over the loop at out_index_of(loop)."""
-    b = ctx.builder
-    acc = compute_dtype(ctx.dtype)
-    scattered = b.scatter(ctx.shape, acc, loop_shape, lambda o, r, rg: operand(src, o, loop_shape, rg),
-                          lambda o, rg: out_index_of(o, rg), hint=f"{ctx.hint}_scatter")
-    if _is_zero_constant(ctx, base):
-        if acc == ctx.dtype:
-            return scattered
-        return b.emit(ctx.shape, ctx.dtype, lambda o, r, rg: Cast(ctx.dtype, scattered.read(o, rg)), hint=ctx.hint)
-    return b.emit(ctx.shape, ctx.dtype, lambda o, r, rg: call("add", base.read(o, rg), scattered.read(o, rg)),
-                  hint=ctx.hint)
-
-
-@lowering(torch.scatter_add, "method:scatter_add", "method:scatter_add_", "aten.scatter_add", "aten.scatter_add_")
-def lower_scatter_add(ctx, base, dim, index, src):
-    dim = V.norm_dim(dim, base.rank)
-    if not isinstance(index, TensorValue):
-        index = ctx.builder.add_param("index", index)
-
-    def out_index(o, rg):
-        acc = index.access(o, rg)
-        return [Gather(acc.tensor, acc.indices) if d == dim else o[d] for d in range(base.rank)]
-
-    return _scatter_add(ctx, base, out_index, src, list(index.shape))
-
-
-@lowering(torch.index_add, "method:index_add", "method:index_add_", "aten.index_add", "aten.index_add_")
-def lower_index_add(ctx, base, dim, index, source, *, alpha=1):
-    if alpha != 1:
-        raise UnsupportedOpError("index_add", "alpha other than 1", ctx.hint)
-    dim = V.norm_dim(dim, base.rank)
-    if not isinstance(index, TensorValue):
-        index = ctx.builder.add_param("index", index)
-
-    def out_index(o, rg):
-        acc = index.access([o[dim]], rg)
-        return [Gather(acc.tensor, acc.indices) if d == dim else o[d] for d in range(base.rank)]
-
-    return _scatter_add(ctx, base, out_index, source, list(source.shape))
-
-
-@lowering("method:scatter_reduce", "method:scatter_reduce_", torch.scatter_reduce, "aten.scatter_reduce")
-def lower_scatter_reduce(ctx, base, dim, index, src, reduce, *, include_self=True):
-    if reduce != "sum":
-        raise UnsupportedOpError("scatter_reduce", f"reduce={reduce!r} (only 'sum')", ctx.hint)
-    if not include_self and not _is_zero_constant(ctx, base):
-        raise UnsupportedOpError("scatter_reduce", "include_self=False over a non-zero base", ctx.hint)
-    return lower_scatter_add(ctx, base, dim, index, src)
 
 
 @lowering(torch.prod, "method:prod", "aten.prod")

@@ -149,7 +149,7 @@ def lower_histc(ctx, x, bins=100, min=0, max=0, *, out=None):
     scatter-add of ones: bin = floor((x - min) · bins / (max - min)) in x's dtype, as eager's kernels compute it
     (CUDA's in integer arithmetic for integer x), max itself in the last bin. min = max (eager then takes the
     data's own range) is refused."""
-    from .ops_reduce import _scatter_add
+    from .ops_scatter import Writes, reduce_into
 
     if not isinstance(x, TensorValue):
         raise UnsupportedOpError("histc", "an input that is not a tensor", ctx.hint)
@@ -181,4 +181,4 @@ def lower_histc(ctx, x, bins=100, min=0, max=0, *, out=None):
         read = bin_at.access(o, rg)
         return [Gather(read.tensor, read.indices)]
 
-    return _scatter_add(ctx, zeros, out_index, counted, list(x.shape))
+    return reduce_into(ctx, zeros, Writes(tuple(x.shape), out_index, counted), "sum")

@@ -2,7 +2,9 @@
 
 A node is one index-notation equation, e.g. `Y[i,j] = sum_k A[i,k] * X[k,j]`: its output access,
 an elementwise body, an optional reduction (sum or max) over the variables that are not output
-variables, and the extent of every variable. A graph is a DAG of nodes over named tensors, like
+variables, and the extent of every variable. A scatter (an output index that is not plain variables,
+`out[dst[e], f] += msg[e, f]`) starts at its reduction's identity and combines every loop point's value
+into the position it names: by sum, product, maximum or minimum. A graph is a DAG of nodes over named tensors, like
 a jaxpr: inputs, parameters (constant tensors the program holds), equations, outputs.
 """
 
@@ -17,6 +19,8 @@ from .index import IndexExpr, Var, free_vars, gathered_tensors
 from .types import TensorType
 
 REDUCTIONS = ("sum", "max", "prod")
+SCATTER_REDUCTIONS = (*REDUCTIONS, "min")  # scatter_reduce's amin: a minimum kept at scattered positions
+SCATTER_OPS = {"sum": "+=", "max": "max=", "min": "min=", "prod": "*="}
 
 
 @dataclass(frozen=True)
@@ -42,7 +46,8 @@ class Node:
     group: str = ""  # the top-level submodule that called it ("" at the top level)
 
     def __post_init__(self):
-        if self.reduce is not None and self.reduce not in REDUCTIONS:
+        known = SCATTER_REDUCTIONS if self.is_scatter else REDUCTIONS
+        if self.reduce is not None and self.reduce not in known:
             raise ValueError(f"unknown reduction {self.reduce!r}")
         declared = {v for v, _ in self.dims}
         used = self.loop_vars_used
@@ -93,7 +98,7 @@ class Node:
 
     def __str__(self) -> str:
         lhs = f"{self.name}[{','.join(map(str, self.index))}]"
-        op = "+=" if self.is_scatter else "="
+        op = SCATTER_OPS[self.reduce] if self.is_scatter else "="
         red = f"{self.reduce}_{','.join(self.reduce_vars)} " if self.reduce and self.reduce_vars and not self.is_scatter else ""
         notes = [str(self.tag)] if self.tag else []
         if self.group:
@@ -142,7 +147,8 @@ class Graph:
             if len(n.index) != out_type.rank:
                 raise ShapeError(f"node {n.name}: {len(n.index)} indices for a rank-{out_type.rank} output")
             for i, size in zip(n.index, out_type.shape):
-                if isinstance(i, Var) and n.extents[i.name] != size:
+                # a scatter may write part of a dim (torch.scatter's index smaller than the output)
+                if isinstance(i, Var) and (n.extents[i.name] > size if n.is_scatter else n.extents[i.name] != size):
                     raise ShapeError(f"node {n.name}: variable {i} has extent {n.extents[i.name]}, output dim {size}")
             known.add(n.name)
         for o in self.outputs:

@@ -9,6 +9,7 @@ along the first output variable so that memory stays bounded.
 
 from __future__ import annotations
 
+import math
 from typing import Mapping, MutableMapping
 
 import torch
@@ -219,22 +220,43 @@ def _eval_range(node: Node, env, out_type: TensorType, loop: list[str], limits: 
     return value.to(out_type.dtype).contiguous()
 
 
+SCATTER_REDUCE = {"max": "amax", "min": "amin", "prod": "prod"}  # torch's names for the scatter's reductions
+
+
+def _scatter_identity(reduce: str, dtype: torch.dtype):
+    """What a scatter's output holds where nothing was written."""
+    if reduce == "prod":
+        return 1
+    if dtype.is_floating_point:
+        return -math.inf if reduce == "max" else math.inf
+    info = torch.iinfo(dtype)
+    return info.min if reduce == "max" else info.max
+
+
 def _scatter(node: Node, value, grid, env, out_type: TensorType) -> torch.Tensor:
-    if node.reduce != "sum":
-        raise StitchflowError(f"node {node.name}: only sum-accumulating scatters are supported")
     idx = tuple(evaluate(i, grid, env).expand(value.shape) for i in node.index)
-    acc = torch.promote_types(out_type.dtype, torch.float32) if out_type.dtype.is_floating_point else out_type.dtype
+    widen = node.reduce in ("sum", "prod") and out_type.dtype.is_floating_point
+    acc = torch.promote_types(out_type.dtype, torch.float32) if widen else out_type.dtype
+    if node.reduce != "sum":
+        out = torch.full(out_type.shape, _scatter_identity(node.reduce, acc), dtype=acc, device=value.device)
+        out.view(-1).scatter_reduce_(0, _flat_index(idx, out).reshape(-1), value.to(acc).reshape(-1),
+                                     SCATTER_REDUCE[node.reduce])
+        return out.to(out_type.dtype)
     out = torch.zeros(out_type.shape, dtype=acc, device=value.device)
     if torch.are_deterministic_algorithms_enabled() or not out.numel():
         out.index_put_(idx, value.to(acc), accumulate=True)
         return out.to(out_type.dtype)
     # One flat index and index_add_: on CUDA, index_put_'s accumulation sorts the indices first
     # (about 8x the time of the atomic adds index_add_ does).
-    flat = torch.zeros((), dtype=torch.int64, device=value.device)
+    out.view(-1).index_add_(0, _flat_index(idx, out).reshape(-1), value.to(acc).reshape(-1))
+    return out.to(out_type.dtype)
+
+
+def _flat_index(idx, out: torch.Tensor) -> torch.Tensor:
+    flat = torch.zeros((), dtype=torch.int64, device=out.device)
     for i, stride in zip(idx, out.stride()):
         flat = flat + i * stride
-    out.view(-1).index_add_(0, flat.reshape(-1), value.to(acc).reshape(-1))
-    return out.to(out_type.dtype)
+    return flat
 
 
 class _DenseView(dict):

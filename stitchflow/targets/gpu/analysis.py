@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ...ir.expr import Access, Call, Cast, Const, Read
-from ...ir.graph import Graph, Node
+from ...ir.graph import SCATTER_OPS, Graph, Node
 from ...ir.index import Lit, Mod, Sum, Var, rename
 from ...ir.unify import VarClasses
 
@@ -69,7 +69,7 @@ def is_contraction(node: Node) -> bool:
 def node_refusal(graph: Graph, node: Node) -> str | None:
     """Why `node` cannot be part of a generated kernel (None when it can)."""
     if node.is_scatter:
-        return "scatter-add (runs through torch)"
+        return f"scatter ({SCATTER_OPS[node.reduce]}, runs through torch)"
     if is_contraction(node):
         return "contraction / GEMM outside any fused chain (runs as torch's GEMM)"
     if node.reduce == "prod":
