@@ -135,6 +135,7 @@ class StitchflowModule(torch.nn.Module):
         # partitions of their own), which runs instead of the whole graph eagerly
         self.split: dict[tuple, fx.GraphModule] = {}
         self.traced_strides: list | None = None  # per input: the strides the FX graph was traced with
+        self.host_outputs: frozenset | None = None  # outputs eager made on the CPU, by position (traced_on_host)
 
     def forward(self, *args):
         return self._forward(self._call_for(args), args)
@@ -194,9 +195,22 @@ class StitchflowModule(torch.nn.Module):
 
     def _run(self, call: "_Call", args):
         if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-            return _RecomputedBackward.apply(self, call, *args)
+            return self._to_host(_RecomputedBackward.apply(self, call, *args))
         out = call.program(*[args[k] for k in call.free])
-        return self._eager_layouts(out, self.strides.get(call.key)) if self.read_eagerly else out
+        return self._to_host(self._eager_layouts(out, self.strides.get(call.key)) if self.read_eagerly else out)
+
+    def _to_host(self, out):
+        """`out` with the outputs eager made on the CPU moved there: a partition that makes CUDA tensors runs
+        on the GPU whole, where a mask or a position list it also makes stayed on the CPU in eager (Starcoder2's
+        sliding window), and the next graph was traced with it there."""
+        if self.host_outputs is None:
+            self.host_outputs = traced_on_host(self.gm)
+        if not self.host_outputs:
+            return out
+        if isinstance(out, torch.Tensor):
+            return out.cpu() if None in self.host_outputs else out
+        return type(out)(o.cpu() if k in self.host_outputs and isinstance(o, torch.Tensor) else o
+                         for k, o in enumerate(out))
 
     def _eager_layouts(self, out, strides):
         """`out` with the outputs that eager ops read in eager's strides: an ATen graph's next op
@@ -333,6 +347,22 @@ def traced_cuda_device(gm: fx.GraphModule) -> torch.device | None:
         if isinstance(value, torch.Tensor) and value.device.type == "cuda":
             return value.device
     return None
+
+
+def traced_on_host(gm: fx.GraphModule) -> frozenset:
+    """Positions of the outputs traced on the CPU (None: the single output) in a graph that also makes CUDA
+    tensors; empty where it makes none."""
+    if traced_cuda_device(gm) is None:
+        return frozenset()
+    outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+
+    def on_host(n) -> bool:
+        value = n.meta.get("val", n.meta.get("example_value")) if isinstance(n, fx.Node) else None
+        return isinstance(value, torch.Tensor) and value.device.type == "cpu"
+
+    if isinstance(outputs, (tuple, list)):
+        return frozenset(k for k, n in enumerate(outputs) if on_host(n))
+    return frozenset({None}) if on_host(outputs) else frozenset()
 
 
 def check_output_devices(gm: fx.GraphModule, out) -> None:

@@ -538,3 +538,33 @@ def test_indexing_by_a_tensor_made_in_the_graph_compiles():
     f = lambda x: (x * 2).flatten()[torch.tensor([0, 44, -1])].sum()  # noqa: E731
     x = torch.randn(5, 9)
     assert_close(torch.compile(f, backend="stitchflow")(x), f(x))
+
+
+def _mask_and_positions(x):
+    """A sliding-window mask made on x's device beside positions eager leaves on the CPU (Starcoder2's masks)."""
+    positions = torch.arange(x.shape[-1]) * 2
+    mask = (torch.arange(x.shape[-1], device=x.device)[:, None] >= torch.arange(x.shape[-1], device=x.device)) * x
+    return mask.softmax(-1), positions + 1
+
+
+def test_outputs_eager_made_on_the_cpu_are_found_by_their_traced_device():
+    """A partition that makes CUDA tensors compiles for the GPU whole; the outputs traced on the CPU leave there."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    gm = dynamo_graph(_mask_and_positions, torch.randn(4, 4))[0]
+    assert backend.traced_on_host(gm) == frozenset()  # nothing on CUDA: nothing moves
+    output = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    with FakeTensorMode():
+        output[0].meta["example_value"] = torch.empty(4, 4, device="cuda")
+    assert backend.traced_on_host(gm) == frozenset({1})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_outputs_eager_made_on_the_cpu_come_out_there():
+    x = torch.randn(6, 6, device="cuda")
+    backend.FALLBACKS.clear()
+    got, want = torch.compile(_mask_and_positions, backend="stitchflow")(x), _mask_and_positions(x)
+    assert [t.device.type for t in got] == ["cuda", "cpu"]
+    assert_close(got[0], want[0])
+    assert torch.equal(got[1], want[1])
+    assert not backend.FALLBACKS, backend.fallback_report()
