@@ -35,9 +35,11 @@ def _filled(ctx: LowerCtx, value):
 
 
 @factory(torch.zeros, torch.ones, torch.full, torch.empty, "aten.zeros", "aten.ones", "aten.full", "aten.empty",
-          "aten.scalar_tensor", torch.scalar_tensor)
+          "aten.scalar_tensor", torch.scalar_tensor, torch.empty_strided, "aten.empty_strided", torch.empty_permuted,
+          "aten.empty_permuted")
 def lower_filled(ctx: LowerCtx, *args, **kwargs):
-    """One value everywhere; `empty` holds whatever was there, taken to be zeros (as `empty_like`)."""
+    """One value everywhere; `empty` (strided or permuted: the IR has no layouts, and the backend hands an output
+    that eager ops read over in eager's strides) holds whatever was there, taken to be zeros (as `empty_like`)."""
     out = ctx.out
     if "empty" in str(ctx.node.target) or out.numel() == 0:
         return _filled(ctx, 0)

@@ -73,3 +73,21 @@ def test_positions_compile_through_the_backend_without_fallback():
     assert_close(out, model(x))
     assert backend.FALLBACKS == [], backend.fallback_report()
     assert backend.regions_executed() > 0
+
+
+def _filled_buffers(x):
+    """Buffers made in a layout of their own and then written whole (a MoE layer's output buffer, AOTAutograd's
+    empty_permuted): what they held before does not show."""
+    a = torch.empty_strided((x.shape[1], x.shape[0]), (1, x.shape[1]), device=x.device)
+    a[:] = x.T * 2
+    b = torch.ops.aten.empty_permuted((x.shape[0], x.shape[1]), (1, 0), device=x.device)
+    b[...] = x.relu()
+    return a.T + b
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_strided_and_permuted_empty_buffers_compile_without_fallback():
+    x = torch.randn(5, 7)
+    assert_close(stitchflow.compile(_filled_buffers, (x,))(x), _filled_buffers(x))
+    assert_close(torch.compile(_filled_buffers, backend="stitchflow")(x), _filled_buffers(x))
+    assert not backend.FALLBACKS, backend.fallback_report()
