@@ -169,10 +169,24 @@ def fuse_by_dependence(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[str]] |
     if any(_order_matters(n) or _indexed_by_an_eager_tensor(n) for n in gm.graph.nodes):
         return None
     copy = fx.GraphModule(gm, copied_graph(gm.graph))  # the user's graph stays whole for the fallback
+    _tensor_indexing_as_methods(copy.graph)
     partitioner = CapabilityBasedPartitioner(copy, _Lowerable(), allows_single_node_partition=True)
     fused = partitioner.fuse_partitions(partitioner.propose_partitions(), prefix="stitchflow_")
     names = [n.target for n in fused.graph.nodes if n.op == "call_module" and n.target.startswith("stitchflow_")]
     return fused, names
+
+
+def _tensor_indexing_as_methods(graph: fx.Graph) -> None:
+    """x[idx] as x.__getitem__(idx) where x is a tensor. torch.fx's partitioner takes any node all of whose users
+    are operator.getitem calls for a tuple and moves those calls into that node's partition: a graph input used
+    only as an index (a GAT's edge list, h[src] and h[dst]) has none, so x[src] left its partition while x and
+    the readers of x[src] stayed: a dependency cycle, and the whole graph ran eagerly. A tuple's items stay
+    operator.getitem, with their producer."""
+    for node in graph.nodes:
+        value = node.args[0].meta.get("val", node.args[0].meta.get("example_value")) \
+            if node.target is operator.getitem and isinstance(node.args[0], fx.Node) else None
+        if isinstance(value, torch.Tensor):
+            node.op, node.target = "call_method", "__getitem__"
 
 
 def _indexed_by_an_eager_tensor(node: fx.Node) -> bool:

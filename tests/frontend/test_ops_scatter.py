@@ -3,7 +3,8 @@ and index_reduce with every reduce, with and without the base) and overwrites (s
 index_copy, index_fill, x[idx] = v), on the reference and gpu targets, equal to eager on random shapes in float32
 and bfloat16, with indices from all distinct to mostly duplicates. Where several points write one position the
 last one wins, as in eager's CPU kernels and its deterministic mode. Through the backend: a static KV cache's
-index_copy_, a graph's max aggregation and a router's unsort compile with no fallback."""
+index_copy_, a graph's max aggregation, a graph attention layer's softmax over edges and a router's unsort compile
+with no fallback."""
 
 import math
 
@@ -159,6 +160,19 @@ def _max_aggregation(x, src, dst):
     return out + x
 
 
+def _attention_over_edges(x, w, att, src, dst):
+    """A graph attention layer (GAT) as torch_geometric writes it: each edge's score, a softmax over the edges
+    into each node (the maximum scattered, gathered back, exponentials summed by a scatter) and the weighted
+    messages summed into their targets."""
+    h = x @ w
+    score = torch.nn.functional.leaky_relu((h[src] * att[0]).sum(-1) + (h[dst] * att[1]).sum(-1), 0.2)
+    top = score.new_full((x.shape[0],), -torch.inf).scatter_reduce(0, dst, score, "amax", include_self=False)
+    weight = (score - top[dst]).exp()
+    total = weight.new_zeros(x.shape[0]).index_add(0, dst, weight)
+    alpha = weight / (total[dst] + 1e-16)
+    return torch.zeros_like(h).index_add(0, dst, h[src] * alpha[:, None]).relu()
+
+
 def _unsort(scores):
     """A router's unsort: the inverse permutation of a sort, written as inv[perm] = arange(n)."""
     perm = scores.argsort()
@@ -174,6 +188,10 @@ BACKEND_CASES = {
                                                      torch.randint(0, 10, (30,), generator=g),
                                                      torch.randint(0, 10, (30,), generator=g))),
     "unsort": (_unsort, lambda g: (torch.randn(40, generator=g),)),
+    "graph_attention": (_attention_over_edges, lambda g: (torch.randn(12, 6, generator=g), torch.randn(6, 8, generator=g),
+                                                          torch.randn(2, 8, generator=g),
+                                                          torch.randint(0, 12, (40,), generator=g),
+                                                          torch.randint(0, 12, (40,), generator=g))),
 }
 
 
