@@ -24,7 +24,7 @@ import torch
 
 from ..ir.errors import ShapeError, UnsupportedOpError
 from ..ir.expr import Cast, Const, Expr, IndexValue, call
-from ..ir.index import Gather, IndexExpr, Lit, add, floordiv, mod, scale
+from ..ir.index import Gather, IndexExpr, Lit, Var, add, floordiv, mod, scale
 from . import values as V
 from .registry import compute_dtype, lowering, sub_ctx
 from .values import TensorValue
@@ -326,3 +326,60 @@ def lower_index_put(ctx, x, indices, values, accumulate=False):
     values = V.expand(values, loop_shape) if isinstance(values, TensorValue) else values
     writes = Writes(loop_shape, position, values)
     return reduce_into(ctx, x, writes, "sum") if accumulate else overwrite(ctx, x, writes)
+
+
+MAX_MASKED_SCATTER_ROWS = 4096  # the count of earlier selected rows is a sum over earlier rows: n² work
+
+
+@lowering(torch.masked_scatter, "method:masked_scatter", "method:masked_scatter_", "aten.masked_scatter",
+          "aten.masked_scatter_")
+def lower_masked_scatter(ctx, x, mask, source):
+    """x with source's elements, in order, at the positions mask selects (a vision-language model's image features
+    written over its image tokens' embeddings). Where the mask repeats along x's trailing dims (a token mask
+    expanded over the hidden dim), a selected row's elements come from source at (earlier selected rows) x (row
+    size) + the place in the row: the count of earlier selected rows is a sum over rows, one small node."""
+    if not all(isinstance(v, TensorValue) for v in (x, mask, source)):
+        raise UnsupportedOpError("masked_scatter", "arguments that are not tensors", ctx.hint)
+    shape = list(ctx.shape)  # x and the mask broadcast together
+    x, mask = V.expand(x, shape), V.expand(mask, shape)
+    rows = _rows_of(mask, shape)
+    outer, inner = shape[:rows], shape[rows:]
+    n_rows, row_size = math.prod(outer), math.prod(inner)
+    if n_rows > MAX_MASKED_SCATTER_ROWS:
+        raise UnsupportedOpError("masked_scatter", f"a mask over {n_rows} rows (the count of earlier selected rows "
+                                                   f"is lowered for at most {MAX_MASKED_SCATTER_ROWS})", ctx.hint)
+    row_strides = [math.prod(outer[d + 1:]) for d in range(len(outer))]
+    inner_strides = [math.prod(inner[d + 1:]) for d in range(len(inner))]
+
+    def selected(row_coords, rg) -> Expr:
+        return mask.read(list(row_coords) + [Lit(0)] * len(inner), rg)
+
+    def earlier(o, r, rg):  # selected rows before row o[0]
+        coords = [mod(floordiv(r[0], s, rg), n, rg) for s, n in zip(row_strides, outer)]
+        return call("where", call("lt", IndexValue(r[0]), IndexValue(o[0])),
+                    Cast(torch.int64, selected(coords, rg)), Const(0))
+
+    before = ctx.builder.emit([n_rows], torch.int64, earlier, reduce="sum", red_shape=[n_rows],
+                              hint=f"{ctx.hint}_rows_before")
+    flat_source = V.reshape(source, [math.prod(source.shape)])
+
+    def body(o, r, rg):
+        row = add(*(scale(v, s) for v, s in zip(o[:rows], row_strides)))
+        place = add(*(scale(v, s) for v, s in zip(o[rows:], inner_strides)))
+        count = before.access([row], rg)
+        at = add(scale(Gather(count.tensor, count.indices), row_size), place)
+        value = _cast(flat_source.read([at], rg), source, ctx.dtype)
+        return call("where", mask.read(o, rg), value, x.read(o, rg))
+
+    return _combine(ctx, body)
+
+
+def _rows_of(mask: TensorValue, shape) -> int:
+    """How many leading dims of `shape` the mask varies along at most: the dims after them it repeats along."""
+    names = [f"_{d}" for d in range(len(shape))]
+    ranges = dict(zip(names, shape))
+    used = mask.access([Var(n) for n in names], ranges).vars
+    rows = len(shape)
+    while rows and names[rows - 1] not in used:
+        rows -= 1
+    return rows

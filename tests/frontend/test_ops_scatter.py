@@ -1,6 +1,6 @@
 """Scatters (frontend/ops_scatter.py): reductions into computed positions (scatter_add, index_add, scatter_reduce
 and index_reduce with every reduce, with and without the base) and overwrites (scatter with a source, index_put,
-index_copy, index_fill, x[idx] = v), on the reference and gpu targets, equal to eager on random shapes in float32
+index_copy, index_fill, x[idx] = v, masked_scatter), on the reference and gpu targets, equal to eager on random shapes in float32
 and bfloat16, with indices from all distinct to mostly duplicates. Where several points write one position the
 last one wins, as in eager's CPU kernels and its deterministic mode. Through the backend: a static KV cache's
 index_copy_, a graph's max aggregation, a graph attention layer's softmax over edges and a router's unsort compile
@@ -102,6 +102,34 @@ def test_overwrites_equal_eager_the_last_write_winning(name, target, n, m, f, di
     assert torch.equal(got, want), (got, want)
 
 
+def _merged_image_features(embeddings, ids, features):
+    """A vision-language model's merge: image features written over the image tokens' embeddings, in order."""
+    tokens = (ids == 3).unsqueeze(-1).expand_as(embeddings)
+    return embeddings.masked_scatter(tokens, features) * 2
+
+
+@pytest.mark.parametrize("target", ["reference", "gpu"])
+@settings(max_examples=6, deadline=None)
+@given(batch=st.integers(1, 3), length=st.integers(1, 12), width=st.integers(1, 6), density=st.sampled_from([0.0, 0.3, 1.0]))
+def test_masked_scatter_writes_the_source_in_order(target, batch, length, width, density):
+    """Fresh masks at each call (the count of earlier selected rows is computed, not traced), a mask expanded over
+    the hidden dim and an elementwise one."""
+    g = torch.Generator().manual_seed(batch * 100 + length * 10 + width)
+    embeddings = torch.randn(batch, length, width, generator=g)
+    features = torch.randn(batch * length * width + 2, generator=g)
+    prog = None
+    for _ in range(2):
+        ids = torch.where(torch.rand(batch, length, generator=g) < density, 3, 5)
+        args = (embeddings, ids, features)
+        if prog is None:
+            skip_unless_kernels_run(target)
+            prog = stitchflow.compile(_merged_image_features, args, target=target)
+        assert torch.equal(prog(*args), _merged_image_features(*args))
+    by_element = lambda x, s: x.masked_scatter(x > 0.5, s[: x.numel()] * 3)  # noqa: E731
+    assert torch.equal(stitchflow.compile(by_element, (embeddings, features), target=target)(embeddings, features),
+                       by_element(embeddings, features))
+
+
 def test_the_last_write_wins_as_in_deterministic_mode():
     x, v = torch.zeros(6), torch.arange(1.0, 9.0)
     rows = torch.tensor([3, 1, 3, 3, 0, 1, 5, 3])
@@ -192,6 +220,9 @@ BACKEND_CASES = {
                                                      torch.randint(0, 10, (30,), generator=g),
                                                      torch.randint(0, 10, (30,), generator=g))),
     "unsort": (_unsort, lambda g: (torch.randn(40, generator=g),)),
+    "image_features": (_merged_image_features, lambda g: (torch.randn(2, 9, 8, generator=g),
+                                                          torch.tensor([[5, 3, 3, 5, 5, 5, 3, 5, 5]] * 2),
+                                                          torch.randn(6, 8, generator=g))),
     "graph_attention": (_attention_over_edges, lambda g: (torch.randn(12, 6, generator=g), torch.randn(6, 8, generator=g),
                                                           torch.randn(2, 8, generator=g),
                                                           torch.randint(0, 12, (40,), generator=g),
