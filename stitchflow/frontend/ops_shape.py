@@ -255,7 +255,9 @@ def lower_metadata(ctx, *args, **kwargs):
     return ctx.out
 
 
-lowering("method:size", "method:dim", "method:numel", "method:stride", builtins.getattr, "aten.sym_size")(lower_metadata)
+# torch.Size(...) of sizes read so (a GAT layer's training graph): the sizes are static, so is the Size
+lowering("method:size", "method:dim", "method:numel", "method:stride", builtins.getattr, "aten.sym_size",
+         torch.Size)(lower_metadata)
 
 
 RETURN_FIELDS = {"values": 0, "indices": 1}
