@@ -234,7 +234,8 @@ def _scatter_identity(reduce: str, dtype: torch.dtype):
 
 
 def _scatter(node: Node, value, grid, env, out_type: TensorType) -> torch.Tensor:
-    idx = tuple(evaluate(i, grid, env).expand(value.shape) for i in node.index)
+    # (an index without a gathered tensor, a literal among them, evaluates on the CPU)
+    idx = tuple(evaluate(i, grid, env).to(value.device).expand(value.shape) for i in node.index)
     widen = node.reduce in ("sum", "prod") and out_type.dtype.is_floating_point
     acc = torch.promote_types(out_type.dtype, torch.float32) if widen else out_type.dtype
     if node.reduce != "sum":

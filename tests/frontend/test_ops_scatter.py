@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import stitchflow
+from stitchflow.ir.index import Gather
 from stitchflow import backend
 from conftest import assert_close, assert_close_to_truth, skip_unless_kernels_run
 
@@ -238,3 +239,20 @@ def test_scatters_compile_through_the_backend_without_fallbacks(name):
     compiled = torch.compile(fn, backend="stitchflow")
     assert_close(compiled(*args), fn(*args))
     assert not backend.FALLBACKS, backend.fallback_report()
+
+
+def test_a_scatter_whose_positions_are_literals_runs_where_its_values_are():
+    """Into a one-row tensor every write lands on row 0: the position is a literal, which the interpreter evaluates
+    on the CPU; the scatter must still run on its values' device (CUDA on the GPU target; meta stands in here)."""
+    from stitchflow.ir.interpret import eval_node
+
+    x, v, rows = torch.randn(1, 3), torch.randn(2, 3), torch.tensor([0, 0])
+    prog = stitchflow.compile(lambda x, v: torch.index_put(x, (rows,), v), (x, v))
+    graph = prog.graph
+    env = {name: torch.empty(graph.type_of[name].shape, dtype=graph.type_of[name].dtype, device="meta")
+           for name in (*graph.inputs, *graph.params)}
+    scatters = [n for n in graph.nodes if n.is_scatter]
+    assert scatters and all(not any(isinstance(i, Gather) for i in n.index) for n in scatters)
+    for node in graph.nodes:
+        env[node.name] = eval_node(node, env, graph.type_of[node.name])
+        assert env[node.name].device.type == "meta"

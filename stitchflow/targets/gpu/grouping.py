@@ -587,7 +587,9 @@ class TorchStep:
         except RuntimeError as err:  # the interpreter builds some index tensors on the CPU
             if "device" not in str(err):
                 raise
-            device = next(env[t].device for t in node.inputs if isinstance(env[t], torch.Tensor))
+            device = next((env[t].device for t in node.inputs if isinstance(env[t], torch.Tensor)), None)
+            if device is None:  # it reads no tensor: the error is not the CPU index tensors'
+                raise
             cpu = {t: env[t].cpu() for t in node.inputs}
             env[node.name] = eval_node(node, cpu, out_type).to(device)
 
