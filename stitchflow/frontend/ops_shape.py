@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import math
 import operator
 
 import torch
@@ -136,6 +137,30 @@ def lower_split(ctx, x, sizes_or_chunks, dim=0):
         pieces.append(V.slice_dim(x, dim, start, start + n, 1))
         start += n
     return tuple(pieces)
+
+
+@lowering(torch.meshgrid, torch._VF.meshgrid, "aten.meshgrid")  # (_VF: a traced call with a list)
+def lower_meshgrid(ctx, *tensors, indexing=None):
+    """Coordinate grids (a relative-position table's, BEiT's): grid k repeats tensor k along every other dim, a
+    broadcast view. "xy" indexing swaps the first two dims (the first tensor then runs along dim 1)."""
+    if len(tensors) == 1 and isinstance(tensors[0], (list, tuple)):
+        tensors = tuple(tensors[0])
+    if not all(isinstance(t, TensorValue) and t.rank <= 1 for t in tensors):
+        raise UnsupportedOpError("meshgrid", "arguments other than 0-d and 1-d tensors", ctx.hint)
+    if indexing not in (None, "ij", "xy"):
+        raise UnsupportedOpError("meshgrid", f"indexing={indexing!r}", ctx.hint)
+    dims = list(range(len(tensors)))
+    if indexing == "xy" and len(dims) >= 2:
+        dims[0], dims[1] = 1, 0  # where each tensor runs in the output
+    shape = [0] * len(tensors)
+    for t, d in zip(tensors, dims):
+        shape[d] = math.prod(t.shape)
+    grids = []
+    for t, d in zip(tensors, dims):
+        along = [1] * len(shape)
+        along[d] = shape[d]
+        grids.append(V.expand(V.reshape(t, along), shape))
+    return tuple(grids)
 
 
 @lowering(torch.unbind, "method:unbind", "aten.unbind")

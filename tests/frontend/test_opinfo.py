@@ -49,7 +49,7 @@ OPS = [
     "argsort", "msort", "kthvalue", "median", "prod", "cumprod", "cummax", "cummin", "logcumsumexp",
     "nansum", "nanmean", "clamp_min", "clamp_max", "aminmax", "erfc",
     "scatter", "scatter_add", "scatter_reduce", "index_put", "index_add", "index_copy", "index_fill", "index_reduce",
-    "masked_scatter",
+    "masked_scatter", "meshgrid",
 ]  # instance_norm's samples mostly update running statistics in place (refused by design; tests/frontend/test_ops)
 MIN_SUPPORTED = 0.5  # fraction of an op's samples that must compile
 # norms of order 1, 2 and inf are lowered; most samples ask for others (0, 3, -inf, "nuc"), refused with the reason
@@ -57,7 +57,7 @@ MIN_SUPPORTED_OF = {"norm": 0.2, "linalg.vector_norm": 0.2}
 
 
 # one lowering each, several index maps or weight tables: pad's modes, interpolate's modes
-EVERY_VARIANT = {"nn.functional.pad", "nn.functional.interpolate", "div", "scatter_reduce", "index_reduce"}
+EVERY_VARIANT = {"nn.functional.pad", "nn.functional.interpolate", "div", "scatter_reduce", "index_reduce", "meshgrid"}
 SAMPLE_DTYPE = {name: torch.int64 for name in ("bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not",
                                                "bitwise_left_shift", "bitwise_right_shift", "nn.functional.one_hot")}
 # else float32
