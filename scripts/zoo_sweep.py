@@ -24,6 +24,8 @@ import stitchflow.backend as backend
 VOCAB = 256
 DECODER = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                intermediate_size=256, vocab_size=VOCAB, max_position_embeddings=128)
+ENCODER = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256, vocab_size=VOCAB,
+               max_position_embeddings=128)
 HF = {  # architecture: config keywords (two layers, width 128)
     "LlamaForCausalLM": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                              intermediate_size=256, vocab_size=VOCAB, max_position_embeddings=128),
@@ -73,7 +75,33 @@ HF = {  # architecture: config keywords (two layers, width 128)
                         head_dim=32, expand=2, n_groups=1, chunk_size=16),
     "CLIPVisionModel": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                             image_size=64, patch_size=8),
+    # session 51
+    "LlamaForSequenceClassification": dict(DECODER, pad_token_id=0, num_labels=3),
+    "Qwen2MoeForCausalLM": dict(DECODER, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+                                shared_expert_intermediate_size=128, decoder_sparse_step=1),
+    "GraniteForCausalLM": dict(DECODER),
+    "CohereForCausalLM": dict(DECODER),
+    "StableLmForCausalLM": dict(DECODER),
+    "GPTBigCodeForCausalLM": dict(n_embd=128, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=128),
+    "GPTNeoForCausalLM": dict(hidden_size=128, num_layers=2, num_heads=4, vocab_size=VOCAB, max_position_embeddings=128,
+                              attention_types=[[["global", "local"], 1]], window_size=8),
+    "ElectraModel": dict(ENCODER, embedding_size=64),
+    "AlbertModel": dict(ENCODER, embedding_size=64),
+    "XLMRobertaModel": dict(ENCODER, max_position_embeddings=130),
+    "MPNetModel": dict(ENCODER, max_position_embeddings=130),
+    "FNetModel": dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256, vocab_size=VOCAB),
+    "ModernBertModel": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
+                            vocab_size=VOCAB, pad_token_id=0),
+    "OlmoeForCausalLM": dict(DECODER, num_experts=4, num_experts_per_tok=2),
+    "Dinov2Model": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, image_size=64, patch_size=8),
+    "SegformerModel": dict(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[32, 64],
+                           num_attention_heads=[1, 2], patch_sizes=[7, 3], strides=[4, 2]),
+    "BeitModel": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256, image_size=64,
+                      patch_size=8, use_relative_position_bias=True),
+    "SiglipVisionModel": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                              image_size=64, patch_size=8),
 }
+PIXELS = ("ViT", "Swin", "ConvNext", "CLIPVision", "Dinov2", "Segformer", "Beit", "SiglipVision")  # take images
 TORCHVISION = {"resnet18": {}, "mobilenet_v3_small": {}, "efficientnet_b0": {}, "convnext_tiny": {},
                "vit_b_16": dict(image_size=64), "swin_t": {}}
 DROPOUTS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "dropout", "attention_dropout", "resid_pdrop",
@@ -94,7 +122,7 @@ def hf_model(name: str):
 
 def hf_inputs(name: str, device):
     g = torch.Generator().manual_seed(1)
-    if name.startswith(("ViT", "Swin", "ConvNext", "CLIPVision")):
+    if name.startswith(PIXELS):
         return dict(pixel_values=torch.randn(2, 3, 64, 64, generator=g).to(device))
     kw = dict(input_ids=torch.randint(0, VOCAB, (2, 32), generator=g).to(device))
     if name.startswith(("T5", "Bart")):
