@@ -210,7 +210,7 @@ def _lower_call(gm, node: fx.Node, b: GraphBuilder, env, real, aliases):
     if inplace and isinstance(node.args[0], fx.Node):
         if node.args[0].op in ("placeholder", "get_attr") and isinstance(args[0][0], TensorValue):
             raise UnsupportedOpError(describe_target(node), "it mutates an input of the graph in place", node.name)
-        if _shares_memory(real, node.args[0], aliases.get(node.args[0], ())):
+        if _shares_memory(real, node.args[0], aliases.get(node.args[0], ())) and not _written_back(node):
             raise UnsupportedOpError(describe_target(node), "it writes a tensor that shares memory with another (a view, "
                                      "or a tensor viewed elsewhere): the IR's values are not aliased, so the write "
                                      "would not reach the other", node.name)
@@ -254,6 +254,17 @@ def _lower_call(gm, node: fx.Node, b: GraphBuilder, env, real, aliases):
         written.append(node)
         aliases[node] = written
     return value, out
+
+
+def _written_back(node: fx.Node) -> bool:
+    """x[key] += v (BEiT's relative-position table): Python reads the item, a view of x, adds to it in place and
+    assigns it back, x[key] = item, right after. That assignment carries the write to x in the IR too, so the add
+    may be a new value, provided nothing else reads the view."""
+    view, after = node.args[0], node.next
+    if not (isinstance(view, fx.Node) and view.target in (operator.getitem, "__getitem__") and len(view.users) == 1):
+        return False
+    return (after.target in (operator.setitem, "__setitem__") and after.args[0] is view.args[0]
+            and after.args[1] == view.args[1] and after.args[2] is node)
 
 
 def _shares_memory(real: dict, written: fx.Node, same=()) -> bool:

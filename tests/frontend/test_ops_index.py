@@ -102,7 +102,17 @@ def _twice(y, v):
     y[-1, :] = v[0] * 2
 
 
-SETITEMS = [_row, _columns, _strided, _last, _masked, _broadcast_rows, _twice]
+def _augmented(y, v):
+    """x[key] += v: Dynamo records the item read, an in-place add into that view, and the item assigned back."""
+    y[:, 0] += v[:, 1]
+    y[1:3] *= 2
+
+
+def _augmented_by_index(y, v):
+    y[torch.tensor([4, 1])] -= v[0]
+
+
+SETITEMS = [_row, _columns, _strided, _last, _masked, _broadcast_rows, _twice, _augmented, _augmented_by_index]
 
 
 @pytest.mark.parametrize("target", ["reference", "gpu"])
@@ -140,6 +150,23 @@ def test_a_write_into_a_view_is_refused_not_lost():
     backend.reset()
     torch._dynamo.reset()
     assert_close_to_truth(torch.compile(f, backend="stitchflow")(x), f, (x,))
+    assert "shares memory" in backend.fallback_report()
+
+
+def test_a_write_into_an_item_read_again_is_refused():
+    """y[0] += 1 is safe to take as a new value only because the item is assigned back right away; a view read
+    once more after its in-place write is not that, and stays refused."""
+    def f(x):
+        z = x * 2
+        row = z[0]
+        row += 1
+        return z, row * 3
+
+    x = torch.randn(3, 4)
+    backend.reset()
+    torch._dynamo.reset()
+    for got, want in zip(torch.compile(f, backend="stitchflow")(x), f(x)):
+        assert_close(got, want)
     assert "shares memory" in backend.fallback_report()
 
 
