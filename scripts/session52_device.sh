@@ -3,6 +3,7 @@
 # fix, nn's attention modules, torch_geometric's layers through the backend, masked_scatter, outputs made on the
 # host), then the zoo's bfloat16 inference of the architectures session 51 added. One call, each part bounded.
 export PYTHONPATH=.:tests:scripts TRITON_INTERPRET=0
+OUT=${OUT:-/tmp/out}
 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/frontend/test_ops_scatter.py tests/frontend/test_ops_mha.py \
   tests/test_backend.py -k "scatter or attention_modules or torch_geometric or eager_made or masked or not_lowered" \
   2>&1 | grep -E "^E  |FAILED|passed|failed" | head -30
