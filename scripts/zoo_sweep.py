@@ -100,6 +100,12 @@ HF = {  # architecture: config keywords (two layers, width 128)
                       patch_size=8, use_relative_position_bias=True),
     "SiglipVisionModel": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                               image_size=64, patch_size=8),
+    # a vision-language model: 16 image features per image written over its image tokens (masked_scatter)
+    "LlavaForConditionalGeneration": dict(
+        vision_config=dict(model_type="clip_vision_model", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, image_size=32, patch_size=8),
+        text_config=dict(DECODER, model_type="llama"), image_token_id=VOCAB - 1, vision_feature_layer=-1,
+        vision_feature_select_strategy="default"),
 }
 PIXELS = ("ViT", "Swin", "ConvNext", "CLIPVision", "Dinov2", "Segformer", "Beit", "SiglipVision")  # take images
 TORCHVISION = {"resnet18": {}, "mobilenet_v3_small": {}, "efficientnet_b0": {}, "convnext_tiny": {},
@@ -124,6 +130,10 @@ def hf_inputs(name: str, device):
     g = torch.Generator().manual_seed(1)
     if name.startswith(PIXELS):
         return dict(pixel_values=torch.randn(2, 3, 64, 64, generator=g).to(device))
+    if name.startswith("Llava"):  # 16 image tokens per sequence, one 32x32 image each
+        ids = torch.randint(0, VOCAB - 1, (2, 32), generator=g)
+        ids[:, 3:19] = VOCAB - 1
+        return dict(input_ids=ids.to(device), pixel_values=torch.randn(2, 3, 32, 32, generator=g).to(device))
     kw = dict(input_ids=torch.randint(0, VOCAB, (2, 32), generator=g).to(device))
     if name.startswith(("T5", "Bart")):
         kw["decoder_input_ids"] = torch.randint(0, VOCAB, (2, 16), generator=g).to(device)

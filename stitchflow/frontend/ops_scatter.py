@@ -342,25 +342,9 @@ def lower_masked_scatter(ctx, x, mask, source):
         raise UnsupportedOpError("masked_scatter", "arguments that are not tensors", ctx.hint)
     shape = list(ctx.shape)  # x and the mask broadcast together
     x, mask = V.expand(x, shape), V.expand(mask, shape)
-    rows = _rows_of(mask, shape)
-    outer, inner = shape[:rows], shape[rows:]
-    n_rows, row_size = math.prod(outer), math.prod(inner)
-    if n_rows > MAX_MASKED_SCATTER_ROWS:
-        raise UnsupportedOpError("masked_scatter", f"a mask over {n_rows} rows (the count of earlier selected rows "
-                                                   f"is lowered for at most {MAX_MASKED_SCATTER_ROWS})", ctx.hint)
-    row_strides = [math.prod(outer[d + 1:]) for d in range(len(outer))]
-    inner_strides = [math.prod(inner[d + 1:]) for d in range(len(inner))]
-
-    def selected(row_coords, rg) -> Expr:
-        return mask.read(list(row_coords) + [Lit(0)] * len(inner), rg)
-
-    def earlier(o, r, rg):  # selected rows before row o[0]
-        coords = [mod(floordiv(r[0], s, rg), n, rg) for s, n in zip(row_strides, outer)]
-        return call("where", call("lt", IndexValue(r[0]), IndexValue(o[0])),
-                    Cast(torch.int64, selected(coords, rg)), Const(0))
-
-    before = ctx.builder.emit([n_rows], torch.int64, earlier, reduce="sum", red_shape=[n_rows],
-                              hint=f"{ctx.hint}_rows_before")
+    rows, before = _rows_before(ctx, mask, shape)
+    row_strides, inner_strides = _strides(shape[:rows]), _strides(shape[rows:])
+    row_size = math.prod(shape[rows:])
     flat_source = V.reshape(source, [math.prod(source.shape)])
 
     def body(o, r, rg):
@@ -372,6 +356,71 @@ def lower_masked_scatter(ctx, x, mask, source):
         return call("where", mask.read(o, rg), value, x.read(o, rg))
 
     return _combine(ctx, body)
+
+
+@lowering("aten.masked_scatter_backward")
+def lower_masked_scatter_backward(ctx, grad, mask, sizes):
+    """The source's gradient: the selected elements of grad in order, then zeros (masked_select, padded to the
+    source's size). The j-th selected row is found as the row with j selected rows before it."""
+    shape = list(grad.shape)
+    mask = V.expand(mask, shape)
+    rows, before = _rows_before(ctx, mask, shape)
+    n_rows, row_size = math.prod(shape[:rows]), math.prod(shape[rows:])
+    row_strides = _strides(shape[:rows])
+
+    def selected_row(o, r, rg):  # 1 + the row holding the o[0]-th selected row, 0 past the last
+        coords = [mod(floordiv(r[0], s, rg), n, rg) for s, n in zip(row_strides, shape[:rows])]
+        hit = call("and", _selected(mask, coords, len(shape) - rows, rg),
+                   call("eq", before.read([r[0]], rg), IndexValue(o[0])))
+        return call("where", hit, IndexValue(add(r[0], 1)), Const(0))
+
+    chosen = ctx.builder.emit([n_rows], torch.int64, selected_row, reduce="sum", red_shape=[n_rows],
+                              hint=f"{ctx.hint}_rows")
+    flat_grad = V.reshape(grad, [math.prod(shape)])
+
+    def body(o, r, rg):
+        j, place = floordiv(o[0], row_size, rg), mod(o[0], row_size, rg)
+        pick = chosen.access([j], rg)
+        at = add(scale(Gather(pick.tensor, pick.indices), row_size), place, -row_size)
+        found = call("and", call("lt", IndexValue(j), Const(n_rows)), call("gt", chosen.read([j], rg), Const(0)))
+        return call("where", found, flat_grad.read([at], rg), _zero(ctx.dtype))
+
+    numel = math.prod(ctx.shape)
+    flat = ctx.builder.emit([numel], ctx.dtype, body, hint=ctx.hint)
+    return V.reshape(flat, list(ctx.shape))
+
+
+def _zero(dtype: torch.dtype) -> Const:
+    return Const(0.0 if dtype.is_floating_point else False if dtype == torch.bool else 0)
+
+
+def _strides(shape) -> list[int]:
+    return [math.prod(shape[d + 1:]) for d in range(len(shape))]
+
+
+def _selected(mask: TensorValue, row_coords, inner_rank: int, rg) -> Expr:
+    return mask.read(list(row_coords) + [Lit(0)] * inner_rank, rg)
+
+
+def _rows_before(ctx, mask: TensorValue, shape) -> tuple[int, TensorValue]:
+    """(rows, before): the mask varies along the first `rows` dims of `shape` at most, and before[r] counts the
+    selected rows ahead of row r (rows numbered row-major), a sum over rows."""
+    rows = _rows_of(mask, shape)
+    outer = shape[:rows]
+    n_rows = math.prod(outer)
+    if n_rows > MAX_MASKED_SCATTER_ROWS:
+        raise UnsupportedOpError(str(ctx.node.target), f"a mask over {n_rows} rows (the count of earlier selected "
+                                 f"rows is lowered for at most {MAX_MASKED_SCATTER_ROWS})", ctx.hint)
+    row_strides = _strides(outer)
+
+    def earlier(o, r, rg):
+        coords = [mod(floordiv(r[0], s, rg), n, rg) for s, n in zip(row_strides, outer)]
+        return call("where", call("lt", IndexValue(r[0]), IndexValue(o[0])),
+                    Cast(torch.int64, _selected(mask, coords, len(shape) - rows, rg)), Const(0))
+
+    before = ctx.builder.emit([n_rows], torch.int64, earlier, reduce="sum", red_shape=[n_rows],
+                              hint=f"{ctx.hint}_rows_before")
+    return rows, before
 
 
 def _rows_of(mask: TensorValue, shape) -> int:

@@ -256,3 +256,33 @@ def test_a_scatter_whose_positions_are_literals_runs_where_its_values_are():
     for node in graph.nodes:
         env[node.name] = eval_node(node, env, graph.type_of[node.name])
         assert env[node.name].device.type == "meta"
+
+
+def _merged_loss(embeddings, ids, features):
+    return (_merged_image_features(embeddings, ids, features).tanh() * torch.linspace(-1, 1, embeddings.shape[-1])).sum()
+
+
+def _elementwise_loss(x, source):
+    return x.masked_scatter(x > 0.3, source * 3).sin().sum()
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("target", ["reference", "gpu"])
+@pytest.mark.parametrize("case", ["rows", "rows_flat_source", "elements"])
+def test_masked_scatter_trains_through_the_backend(case, target):
+    """The source's gradient (aten.masked_scatter_backward: the selected elements of the output's gradient in
+    order, zeros after) compiles with the rest of the backward graph."""
+    skip_unless_kernels_run(target)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.tensor([[5, 3, 3, 5, 3], [3, 5, 5, 5, 5]])
+    fn, args = {
+        "rows": (_merged_loss, (torch.randn(2, 5, 4, generator=g), ids, torch.randn(6, 4, generator=g))),
+        "rows_flat_source": (_merged_loss, (torch.randn(2, 5, 4, generator=g), ids, torch.randn(30, generator=g))),
+        "elements": (_elementwise_loss, (torch.randn(4, 6, generator=g), torch.randn(30, generator=g))),
+    }[case]
+    leaves = [a.requires_grad_() for a in args if a.is_floating_point()]
+    want = torch.autograd.grad(fn(*args), leaves)
+    got = torch.autograd.grad(torch.compile(fn, backend="stitchflow", options={"target": target})(*args), leaves)
+    for a, b in zip(got, want):
+        assert_close(a, b)
+    assert not backend.FALLBACKS, backend.fallback_report()
