@@ -11,7 +11,7 @@ if [ "${1:-checks}" = "checks" ]; then
     tests/test_backend.py -k "scatter or attention_modules or torch_geometric or eager_made or masked or not_lowered" \
     2>&1 | grep -E "^E  |FAILED|passed|failed" | head -30
   NEW=LlamaForSequence,Qwen2Moe,Granite,Cohere,StableLm,GPTBigCode,GPTNeo,Electra,Albert,XLMRoberta,MPNet,FNet
-  NEW=$NEW,ModernBert,Olmoe,Dinov2,Segformer,Beit,SiglipVision
+  NEW=$NEW,ModernBert,Olmoe,Dinov2,Segformer,Beit,SiglipVision,Llava
   timeout 300 python3 scripts/zoo_sweep.py --only $NEW --dtypes bfloat16 2>&1 | grep -E "^ok|^MIS|^ERR|fallback:|/" | tail -45
 else
   timeout 560 python3 -m stitchflow.bench.gnn --out $OUT/g --markdown $OUT/G.md 2>&1 | tail -12
