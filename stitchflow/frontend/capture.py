@@ -263,8 +263,13 @@ def _written_back(node: fx.Node) -> bool:
     view, after = node.args[0], node.next
     if not (isinstance(view, fx.Node) and view.target in (operator.getitem, "__getitem__") and len(view.users) == 1):
         return False
-    return (after.target in (operator.setitem, "__setitem__") and after.args[0] is view.args[0]
-            and after.args[1] == view.args[1] and after.args[2] is node)
+    if after.target not in (operator.setitem, "__setitem__") or after.args[0] is not view.args[0] \
+            or after.args[2] is not node:
+        return False
+    try:  # keys of slices, ints and nodes compare by value; a constant tensor in a key gives no plain answer
+        return bool(after.args[1] == view.args[1])
+    except RuntimeError:
+        return False
 
 
 def _shares_memory(real: dict, written: fx.Node, same=()) -> bool:

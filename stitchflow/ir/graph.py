@@ -4,8 +4,8 @@ A node is one index-notation equation, e.g. `Y[i,j] = sum_k A[i,k] * X[k,j]`: it
 an elementwise body, an optional reduction (sum or max) over the variables that are not output
 variables, and the extent of every variable. A scatter (an output index that is not plain variables,
 `out[dst[e], f] += msg[e, f]`) starts at its reduction's identity and combines every loop point's value
-into the position it names: by sum, product, maximum or minimum. A graph is a DAG of nodes over named tensors, like
-a jaxpr: inputs, parameters (constant tensors the program holds), equations, outputs.
+into the position it names: by sum, product, maximum or minimum. A graph is a DAG of nodes over named
+tensors, like a jaxpr: inputs, parameters (constant tensors the program holds), equations, outputs.
 """
 
 from __future__ import annotations
