@@ -26,6 +26,7 @@ from ..ir.errors import ShapeError, UnsupportedOpError
 from ..ir.expr import Cast, Const, Expr, IndexValue, call
 from ..ir.index import Gather, IndexExpr, Lit, Var, add, floordiv, mod, scale
 from . import values as V
+from .ops_index import _as
 from .registry import compute_dtype, lowering, sub_ctx
 from .values import TensorValue
 
@@ -131,7 +132,7 @@ def overwrite(ctx, base: TensorValue, writes: Writes) -> TensorValue:
         single = writes.source
         value = writes.value([Lit(0)] * single.rank, {}) if isinstance(single, TensorValue) else writes.value([], {})
         return _combine(ctx, lambda o, r, rg: call("where", call("gt", count.read(o, rg), Const(0)),
-                                                  _cast(value, writes.source, ctx.dtype), base.read(o, rg)))
+                                                  _as(value, writes.source, ctx.dtype), base.read(o, rg)))
     strides = [math.prod(writes.shape[k + 1:]) for k in range(len(writes.shape))]
     last = _scatter(ctx, writes, "max", torch.int64,
                     lambda o, rg: IndexValue(add(*(scale(v, s) for v, s in zip(o, strides)), 1)), "last")
@@ -141,14 +142,9 @@ def overwrite(ctx, base: TensorValue, writes: Writes) -> TensorValue:
         flat = add(Gather(read.tensor, read.indices), -1)
         coords = [mod(floordiv(flat, s, rg), n, rg) for s, n in zip(strides, writes.shape)]
         return call("where", call("gt", last.read(o, rg), Const(0)),
-                    _cast(writes.value(coords, rg), writes.source, ctx.dtype), base.read(o, rg))
+                    _as(writes.value(coords, rg), writes.source, ctx.dtype), base.read(o, rg))
 
     return _combine(ctx, body)
-
-
-def _cast(e: Expr, source, dtype: torch.dtype) -> Expr:
-    """The value written, in the target's dtype (eager casts it on the write)."""
-    return e if isinstance(source, TensorValue) and source.dtype == dtype else Cast(dtype, e)
 
 
 # ---------------------------------------------------------------- where each op writes
@@ -171,10 +167,14 @@ def _scalar_as_vector(lower):
     return lowered
 
 
+def _index_tensor(ctx, index) -> TensorValue:
+    """The index as a value: a graph tensor as it is, a constant one as a parameter."""
+    return index if isinstance(index, TensorValue) else ctx.builder.add_param("index", index)
+
+
 def _along(ctx, dim: int, index) -> tuple[TensorValue, IndexFn]:
     """scatter's map: loop point o writes at o with coordinate `dim` replaced by index[o]."""
-    if not isinstance(index, TensorValue):
-        index = ctx.builder.add_param("index", index)
+    index = _index_tensor(ctx, index)
 
     def at(o, rg):
         acc = index.access(o, rg)
@@ -185,8 +185,7 @@ def _along(ctx, dim: int, index) -> tuple[TensorValue, IndexFn]:
 
 def _by_list(ctx, dim: int, index, rank: int) -> IndexFn:
     """index_add's map: loop point o writes at o with coordinate `dim` replaced by index[o[dim]]."""
-    if not isinstance(index, TensorValue):
-        index = ctx.builder.add_param("index", index)
+    index = _index_tensor(ctx, index)
 
     def at(o, rg):
         acc = index.access([o[dim]], rg) if index.rank else index.access([], rg)
@@ -241,7 +240,7 @@ def _one_hot_write(ctx, x, dim, index, value):
     where(index[..., 0, ...] == coordinate, value, x), elementwise."""
     def body(o, r, rg):
         at = index.read([Lit(0) if d == dim else o[d] for d in range(x.rank)], rg)
-        return call("where", call("eq", at, IndexValue(o[dim])), _cast(Const(value), value, ctx.dtype), x.read(o, rg))
+        return call("where", call("eq", at, IndexValue(o[dim])), _as(Const(value), value, ctx.dtype), x.read(o, rg))
 
     return ctx.builder.emit(ctx.shape, ctx.dtype, body, hint=ctx.hint)
 
@@ -352,7 +351,7 @@ def lower_masked_scatter(ctx, x, mask, source):
         place = add(*(scale(v, s) for v, s in zip(o[rows:], inner_strides)))
         count = before.access([row], rg)
         at = add(scale(Gather(count.tensor, count.indices), row_size), place)
-        value = _cast(flat_source.read([at], rg), source, ctx.dtype)
+        value = _as(flat_source.read([at], rg), source, ctx.dtype)
         return call("where", mask.read(o, rg), value, x.read(o, rg))
 
     return _combine(ctx, body)
