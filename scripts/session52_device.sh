@@ -7,6 +7,7 @@
 export PYTHONPATH=.:tests:scripts TRITON_INTERPRET=0
 OUT=${OUT:-/tmp/out}
 if [ "${1:-checks}" = "checks" ]; then
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/targets/gpu/test_scatter_stores.py 2>&1 | grep -E "^E  |FAILED|passed|failed" | head -20
   timeout 240 python3 -m pytest -q -p no:cacheprovider tests/frontend/test_ops_scatter.py tests/frontend/test_ops_mha.py \
     tests/test_backend.py -k "scatter or attention_modules or torch_geometric or eager_made or masked or not_lowered" \
     2>&1 | grep -E "^E  |FAILED|passed|failed" | head -30

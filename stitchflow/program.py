@@ -18,7 +18,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .frontend.capture import Captured, capture, rebuild_outputs, symbolic_trace
-from .ir.errors import ShapeError, StitchflowError
+from .ir.errors import ShapeError, StitchflowError, UnsupportedOpError
 from .ir.graph import Graph, Region
 from .planner.regions import regions_for
 from .replay import GraphReplay
@@ -251,23 +251,45 @@ def capture_model(model, example_inputs: Sequence[Any], formats: Mapping | None 
         try:
             gm = symbolic_trace(model)
         except Exception as err:  # tracing raises many kinds of errors; say which and try export
-            if any(isinstance(x, torch.Tensor) and x.layout != torch.strided for x in example_inputs):
+            if _any_sparse(example_inputs):
                 raise StitchflowError(f"cannot trace the model symbolically ({err}); sparse inputs need a traceable "
                                       "model") from err
             log.info("symbolic tracing failed (%s); trying torch.export", err)
-    if gm is None:
-        gm = _export(model, example_inputs, example_kwargs)
-        example_inputs = (*example_inputs, *(example_kwargs or {}).values())
-        param_formats = {k: v for k, v in param_formats.items() if hasattr(gm, k.split(".")[0])}
     depth = getattr(model, "partial_depth", 1)
-    return capture(gm, example_inputs, input_formats=input_formats, param_formats=param_formats, partial_depth=depth)
+
+    def lower(graph_module: torch.fx.GraphModule) -> Captured:
+        inputs, formats = example_inputs, param_formats
+        if getattr(graph_module, "_stitchflow_exported", False):  # keyword inputs follow the positional ones
+            inputs = (*example_inputs, *(example_kwargs or {}).values())
+            formats = {k: v for k, v in param_formats.items() if hasattr(graph_module, k.split(".")[0])}
+        return capture(graph_module, inputs, input_formats=input_formats, param_formats=formats, partial_depth=depth)
+
+    try:
+        return lower(gm if gm is not None else _export(model, example_inputs, example_kwargs))
+    except UnsupportedOpError as err:
+        # a write through a view (row = z[0]; row += 1) has no IR form, but torch.export's functionalization
+        # rewrites it as select_scatter and kin; sparse inputs cannot take that road
+        if "shares memory" not in err.reason or _any_sparse(example_inputs):
+            raise
+        log.info("%s; trying torch.export, which functionalizes writes through views", err)
+    return lower(_export(model, example_inputs, example_kwargs, functionalize=True))
 
 
-def _export(model, args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> torch.fx.GraphModule:
+def _any_sparse(inputs: Sequence[Any]) -> bool:
+    return any(isinstance(x, torch.Tensor) and x.layout != torch.strided for x in inputs)
+
+
+def _export(model, args: Sequence[Any], kwargs: Mapping[str, Any] | None,
+            functionalize: bool = False) -> torch.fx.GraphModule:
+    """torch.export's graph; `functionalize` rewrites in-place ops (a write through a view becomes
+    select_scatter and kin) without decomposing anything else."""
     module = model if isinstance(model, torch.nn.Module) else _AsModule(model)
     _register_output_pytrees(module)
     try:
-        return torch.export.export(module, tuple(args), dict(kwargs) if kwargs else None).module()
+        program = torch.export.export(module, tuple(args), dict(kwargs) if kwargs else None)
+        gm = (program.run_decompositions({}) if functionalize else program).module()
+        gm._stitchflow_exported = True
+        return gm
     except RuntimeError as export_err:
         if "which is not a known type" not in str(export_err):
             raise

@@ -24,7 +24,7 @@ from ..ir.graph import Graph
 from ..ir.types import Format, TensorType, format_of_tensor, parse_format
 from . import ops_activations, ops_attention, ops_conv, ops_elementwise, ops_factory, ops_index, ops_linalg, ops_losses, ops_mha, ops_pool, ops_reduce, ops_resize, ops_scan, ops_scatter, ops_shape, ops_sort, ops_stats, ops_trig, ops_views  # noqa: F401  (register lowerings)
 from .builder import GraphBuilder
-from .registry import (FACTORIES, LOWERINGS, VALUES_UNCHANGED, LowerCtx, bind_arguments, describe_target, early_refusal,
+from .registry import (FACTORIES, IN_PLACE_OPERATORS, LOWERINGS, VALUES_UNCHANGED, LowerCtx, bind_arguments, describe_target, early_refusal,
                        is_inplace, key_of)
 
 # In-place methods and aten ops lower like their functional forms; capture rebinds the mutated value.
@@ -54,12 +54,38 @@ class Captured:
     layouts: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
+class _InPlaceProxy(fx.Proxy):
+    """torch.fx's Proxy has no in-place operators, so Python runs `row += 1` as `row = row + 1`: when row is
+    a view (row = z[0]) the write to z is lost without a word; nor has it item assignment. These record
+    operator.iadd and its kin, and operator.setitem, as Dynamo does; capture then treats them as the
+    in-place ops they are (or refuses, naming why)."""
+
+
+def _in_place_operator(op):
+    def method(self, other):
+        return self.tracer.create_proxy("call_function", op, (self, other), {})
+    return method
+
+
+def _set_item(self, key, value):
+    self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
+
+
+_InPlaceProxy.__setitem__ = _set_item
+for _name in ("iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior", "ixor", "ilshift",
+              "irshift", "imatmul"):
+    setattr(_InPlaceProxy, f"__{_name}__", _in_place_operator(getattr(operator, _name)))
+
+
 class FullTracer(fx.Tracer):
     """Symbolic tracer that inlines every submodule, so only functional ops reach the IR while
     each node still records the module stack (used for per-layer fusion)."""
 
     def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
         return False
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _InPlaceProxy(node, self)
 
 
 def symbolic_trace(model: torch.nn.Module | Any) -> fx.GraphModule:
@@ -206,7 +232,8 @@ def _lower_call(gm, node: fx.Node, b: GraphBuilder, env, real, aliases):
     why = early_refusal(node)
     if why:
         raise UnsupportedOpError(describe_target(node), why, node.name)
-    inplace = is_inplace(node)
+    # n += 1 on a traced size is Python's, not a write
+    inplace = is_inplace(node) and not (node.target in IN_PLACE_OPERATORS and _is_number(real_args[0]))
     if inplace and isinstance(node.args[0], fx.Node):
         if node.args[0].op in ("placeholder", "get_attr") and isinstance(args[0][0], TensorValue):
             raise UnsupportedOpError(describe_target(node), "it mutates an input of the graph in place", node.name)
@@ -277,6 +304,10 @@ def _shares_memory(real: dict, written: fx.Node, same=()) -> bool:
     changes z in eager; so does x.contiguous().add_(1), whose operand is x itself)? Judged on the example
     run's real tensors; `same` are the nodes naming the written tensor through earlier in-place results."""
     return _aliases(real.get(written), [t for key, t in real.items() if key is not written and key not in same])
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float, bool, torch.SymInt, torch.SymFloat))
 
 
 def _any_value(args) -> bool:

@@ -131,9 +131,22 @@ def catalog() -> list[dict]:
     return sorted(rows.values(), key=lambda r: (r["family"], r["op"]))
 
 
+# Tensor methods Dynamo may record by their operator names (torch 2.11 writes x == y as x.__eq__(y)), as the
+# methods they stand for; the reflected ones (__radd__) swap their operands and are not among them.
+DUNDER_METHODS = {
+    "__eq__": "eq", "__ne__": "ne", "__lt__": "lt", "__le__": "le", "__gt__": "gt", "__ge__": "ge", "__abs__": "abs",
+    "__neg__": "neg", "__add__": "add", "__sub__": "sub", "__mul__": "mul", "__truediv__": "div",
+    "__floordiv__": "floor_divide", "__mod__": "remainder", "__pow__": "pow", "__matmul__": "matmul",
+    "__and__": "bitwise_and", "__or__": "bitwise_or", "__xor__": "bitwise_xor", "__invert__": "bitwise_not",
+    "__lshift__": "bitwise_left_shift", "__rshift__": "bitwise_right_shift"}
+
+
 def key_of(node: fx.Node):
     if node.op == "call_method":
-        return f"method:{node.target}"
+        name = node.target
+        if f"method:{name}" not in LOWERINGS and name in DUNDER_METHODS:
+            name = DUNDER_METHODS[name]
+        return f"method:{name}"
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
         return f"aten.{target.overloadpacket.__name__}"

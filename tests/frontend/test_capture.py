@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import stitchflow
 from stitchflow import backend
 from conftest import assert_close
 
@@ -206,3 +207,62 @@ def test_detach_in_place_is_the_identity_and_leaves_the_caller_tensor_alone():
         assert_close(prog(x), x * 2 + 1)
     assert_close(torch.compile(_detached_in_place, backend="stitchflow")(x.detach()), x.detach() * 2 + 1)
     assert "detach_" not in backend.fallback_report()
+
+
+def _write_through_a_row(z):
+    z = z * 2
+    row = z[0]
+    row += 1  # torch.fx's own Proxy ran this as row = row + 1: z's write was lost without a word
+    return z
+
+
+def _add_into_a_slice(z):
+    t = z * 1
+    t[:, 1:] += 3  # getitem, iadd, setitem: the item assigned back carries the write
+    return t
+
+
+def _grow_a_size(z):
+    n = z.shape[1]
+    n += 1  # Python's += on a traced size, not a write
+    return z.new_zeros(n) + z.sum()
+
+
+def _scale_in_place(z):
+    y = z.clone()
+    y *= 2
+    y -= 1
+    return y
+
+
+@pytest.mark.parametrize("f", [_write_through_a_row, _add_into_a_slice, _grow_a_size, _scale_in_place])
+def test_augmented_assignments_keep_their_writes(f):
+    """Symbolic tracing records x += v as operator.iadd (and x[k] = v as operator.setitem), as Dynamo does; a
+    write through a view then takes torch.export's functionalized graph."""
+    x = torch.randn(3, 4)
+    assert_close(stitchflow.compile(f, (x.clone(),))(x.clone()), f(x.clone()))
+
+
+def test_an_augmented_assignment_to_an_input_is_refused():
+    """x += 1 on an input changes the caller's tensor in eager, which a program does not: refused, naming why."""
+    def bump(z):
+        z += 1
+        return z * 2
+
+    with pytest.raises(stitchflow.StitchflowError, match="mutates an input"):
+        stitchflow.compile(bump, (torch.randn(3, 4),))
+
+
+def test_operator_methods_lower_as_the_methods_they_stand_for():
+    """torch 2.11's Dynamo records x == y as x.__eq__(y) (and abs(x) as x.__abs__()): those had no lowering,
+    so GCN's self-loop mask and LLaVA's image-token mask fell back to eager on the H100."""
+    graph = torch.fx.Graph()
+    x, y = graph.placeholder("x"), graph.placeholder("y")
+    same = graph.call_method("__eq__", (graph.call_method("__abs__", (x,)), y))
+    graph.output(graph.call_method("__mul__", (same, graph.call_method("__truediv__", (x, y)))))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    a, b = torch.randn(4, 5), torch.randn(4, 5).abs() + 0.5
+    b[0] = a[0].abs()
+    out = backend.stitchflow_backend(gm, [a, b])(a, b)
+    assert_close(out[0] if isinstance(out, (tuple, list)) else out, gm(a, b))
+    assert backend.FALLBACKS == [], backend.fallback_report()

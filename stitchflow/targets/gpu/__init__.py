@@ -9,7 +9,9 @@ same activations (attention's Q, K, V projections) run as one grouped launch (si
 (softmax of masked, scaled Q·Kᵀ, times V; attention.py) becomes one block-sparse kernel that
 skips the tiles its constant mask drops; runs of
 elementwise, broadcast and reduction nodes become one generated kernel each (grouping.py,
-codegen.py); other GEMMs, scatters and other sparse nodes run through torch. With TRITON_INTERPRET=1
+codegen.py); a scatter (a graph network's sum of messages) is stored atomically by the kernel that makes
+its values (scatter_stores.py; options["scatter_stores"] = False leaves scatters to torch); other GEMMs,
+products and other sparse nodes run through torch. With TRITON_INTERPRET=1
 the same kernels run on CPU tensors. options["chains"] = False leaves GEMMs to torch;
 options["sibling_gemms"] = False runs GEMMs that share A one by one. A sparse
 product followed by a narrowing GEMM, (S·X)·W, is computed as S·(X·W) (reassociate.py;
@@ -54,6 +56,7 @@ from .prefetch import prefetch as prefetch_compiles
 from .reassociate import find_reassociations, reassociate
 from .rewrites import gather_one_hots, sink_widening_casts, unroll_small_sums, window_scatters
 from .siblings import SiblingGemms, match_siblings
+from .scatter_stores import split_scatter_bodies
 from .spmm import SpmmStep, sparse_product
 from .runtime import LAUNCHES, GroupKernel, interpreting
 
@@ -97,6 +100,8 @@ class GpuTarget:
     def compile_region(self, graph: Graph, region: Region, params: dict, options: dict, examples=None):
         options = dict(options or {})
         graph = window_scatters(fold_iotas(graph, params), params)
+        if options.get("scatter_stores", True):
+            graph, region = split_scatter_bodies(graph, region)
         graph = sink_widening_casts(unroll_small_sums(gather_one_hots(graph)))
         if options.get("reassociate", True):
             found = find_reassociations(graph, set(region.nodes))
@@ -235,7 +240,7 @@ class GpuTarget:
         steps = []
         if not region.nodes:
             return steps
-        for kind, nodes, extra in split_region(graph, region):
+        for kind, nodes, extra in split_region(graph, region, options.get("scatter_stores", True)):
             if kind == "kernel":
                 names = {n.name for n in nodes}
                 for plans in pack(extra):

@@ -99,6 +99,7 @@ class PartPlan:
     big_elem_bytes: int = 4
     cross_parallel: bool = False  # a large tensor is contiguous along the innermost parallel class
     online: dict = None  # sum reduction -> the max it is rescaled by (online softmax)
+    scatters: tuple = ()  # (value, scatter node): the value is stored into the scatter's output (scatter_stores)
 
     @property
     def transposed(self) -> bool:

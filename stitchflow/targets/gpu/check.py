@@ -14,6 +14,8 @@ import torch
 
 from ...ir.errors import KernelMismatch
 from ...ir.interpret import eval_node
+from .codegen import part_nodes
+from .scatter_stores import stored
 
 # an output's error against a float64 evaluation may be this many times the reference
 # interpreter's own (in the output's dtype), plus this share of the output's largest magnitude
@@ -23,7 +25,7 @@ CHECK_RATIO, CHECK_FLOOR = 4.0, {torch.float64: 1e-12, torch.float32: 1e-6, torc
 def _reference(kernel, env, wide: bool) -> dict:
     """The kernel's nodes evaluated by the reference interpreter from `env`'s inputs (and the
     producers a kernel inlines that nobody stored); `wide`: floating tensors in float64."""
-    graph, ours = kernel.graph, {n.name for p in kernel.plans for n in p.nodes}
+    graph, ours = kernel.graph, {n.name for p in kernel.plans for n in part_nodes(p)}
     ref = {name: (value.double() if wide and isinstance(value, torch.Tensor) and value.is_floating_point() else value)
            for name, value in env.items() if name not in ours}
 
@@ -52,7 +54,7 @@ def check_outputs(kernel, launch, env) -> None:
     torch, so checked calls are slow."""
     ref, truth = _reference(kernel, env, wide=False), None
     for plan in kernel.plans:
-        for name in plan.outputs:
+        for name in stored(plan):
             got, want = env[name], ref[name]
             if not want.dtype.is_floating_point:
                 if not torch.equal(got, want):

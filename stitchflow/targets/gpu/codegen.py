@@ -33,6 +33,7 @@ from .codegen_welford import WelfordStitching, phase_stages, phased_riding
 from .emit import LOW_PRECISION, BodyEmitter, Scope, Source, Val, is_literal, carried, contiguous_strides, kind_of, to_dtype
 from .codegen_header import header
 from .gluon_dialect import GluonRefusal, blocked_layout, to_gluon
+from .scatter_stores import ATOMICS, identity, index_in, stored
 from .mapping import Config, Planes, n_chunks, plane_geometry, programs, split_len
 
 @dataclass(frozen=True)
@@ -52,6 +53,17 @@ class KernelSpec:
     # a persistent cooperative grid: launched with CUDA's cooperative attribute, so the driver runs
     # every program at once or refuses the launch
     cooperative: bool = False
+    # outputs that scatters combine into atomically, with the value they start at (scatter_stores)
+    fills: tuple[tuple[str, float | int], ...] = ()
+
+
+def _spread(off: Val, value: Val) -> Val:
+    """The address of a block stored where the address spans fewer tile axes than the value (a 0-d output):
+    the lanes share it."""
+    if not value.deps - off.deps:
+        return off
+    spread = " + ".join(f"0 * {d}" for d in sorted(value.deps - off.deps))
+    return Val(f"{off.code} + {spread}", off.kind, off.deps | value.deps)
 
 
 def _ident(name: str) -> str:
@@ -149,14 +161,29 @@ class PartKernel(SplitStitching, TmaStitching, WelfordStitching):
 
     def store(self, name: str, value: Val, scope: Scope) -> None:
         node = self.nodes[name]
+        scatter = dict(self.plan.scatters).get(name)
+        if scatter is not None:
+            self.store_scattered(scatter, value, scope)
+            return
         off = self.body.offset(name, node.index, node, scope)
         dtype = self.graph.type_of[name].dtype
         code = value.code if dtype == torch.bool or is_literal(value) else to_dtype(value.code, dtype, self.interpret)
-        if value.deps - off.deps:  # a block stored where the address spans less (a 0-d output): lanes share it
-            spread = " + ".join(f"0 * {d}" for d in sorted(value.deps - off.deps))
-            off = Val(f"{off.code} + {spread}", off.kind, off.deps | value.deps)
+        off = _spread(off, value)
         mask = self.mask(off.deps, scope)
         self.src.emit(f"tl.store({self.arg[name]} + {off.code}, {code}{', mask=' + mask if mask else ''})")
+
+    def store_scattered(self, scatter, value: Val, scope: Scope) -> None:
+        """The value combined atomically into the scatter's output where the scatter puts it (scatter_stores);
+        a position out of the output's range is dropped, as a masked lane."""
+        value_node = self.nodes[scatter.body.access.tensor]
+        checks: list = []
+        off = self.body.offset(scatter.name, index_in(scatter, value_node), value_node, scope, checks)
+        off = _spread(off, value)  # every lane adds its own value (atomics broadcast a number themselves)
+        dtype = self.graph.type_of[scatter.name].dtype
+        code = value.code if is_literal(value) else to_dtype(value.code, dtype, self.interpret)
+        mask = " & ".join(filter(None, [self.mask(off.deps, scope), *checks]))
+        self.src.emit(f"{ATOMICS[scatter.reduce]}({self.arg[scatter.name]} + {off.code}, {code}"
+                      f"{', mask=' + mask if mask else ''}, sem='relaxed')")
 
     # ------------------------------------------------------------ program structure
     def emit(self) -> None:
@@ -539,8 +566,10 @@ def build_kernel(graph: Graph, parts: list[tuple[PartPlan, Config]], strides: di
         plan, cfg = parts[0]
         source = to_gluon(source, blocked_layout(cfg.BP, cfg.num_warps, plan.big_elem_bytes, plan.p_contiguous))
     cooperative = any(c.coop and c.persistent for _, c in parts)
+    fills = tuple((scatter.name, identity(scatter.reduce, graph.type_of[scatter.name].dtype))
+                  for plan, _ in parts for _, scatter in plan.scatters)
     return KernelSpec(source, name, tuple(inputs), tuple(outputs), tuple(buffers), sum(grids), n_phases, warps,
-                      group, tuple(tma), gluon, cooperative)
+                      group, tuple(tma), gluon, cooperative, fills)
 
 
 def _streamed_inputs(graph: Graph, parts, arg: dict, strides: dict, interpret: bool, wide: bool,
@@ -613,9 +642,14 @@ def kernel_inputs(graph: Graph, nodes, group_names: set) -> list[str]:
 
 
 def _io(graph: Graph, parts, group_names: set) -> tuple[list[str], list[str]]:
-    inputs = kernel_inputs(graph, [n for plan, _ in parts for n in plan.nodes], group_names)
-    outputs = [o for plan, _ in parts for o in plan.outputs]
+    inputs = kernel_inputs(graph, [n for plan, _ in parts for n in part_nodes(plan)], group_names)
+    outputs = [o for plan, _ in parts for o in stored(plan)]
     return inputs, outputs
+
+
+def part_nodes(plan: PartPlan) -> tuple:
+    """The part's nodes and the scatters it stores (whose indices read tensors of their own)."""
+    return (*plan.nodes, *(scatter for _, scatter in plan.scatters))
 
 
 def _needs_int64(graph: Graph, tensors, strides: dict) -> bool:

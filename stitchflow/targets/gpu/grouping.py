@@ -27,6 +27,7 @@ from .batched_gemm import contiguous, plan_bmm, row_padded, run_bmm
 from .conv import match_conv
 from .emit import inline_body
 from .mapping import programs, unsplit_config
+from .scatter_stores import attach_scatters
 
 log = logging.getLogger("stitchflow.gpu")
 
@@ -128,8 +129,10 @@ def in_phases(graph: Graph, nodes: list[Node]) -> list[Node]:
     return order
 
 
-def split_region(graph: Graph, region: Region) -> list[tuple[str, list[Node], list[PartPlan] | str]]:
-    """Steps of a region: ("kernel", nodes, plans) or ("torch", [node], reason)."""
+def split_region(graph: Graph, region: Region, scatter_stores: bool = True
+                 ) -> list[tuple[str, list[Node], list[PartPlan] | str]]:
+    """Steps of a region: ("kernel", nodes, plans) or ("torch", [node], reason). `scatter_stores`: the
+    kernel that makes a scatter's values stores them into its output atomically (scatter_stores.py)."""
     nodes = in_phases(graph, [graph.node_of[n] for n in region.nodes if n in graph.node_of])  # rewrites drop dead nodes
     steps: list = []
     current: list[Node] = []
@@ -170,7 +173,8 @@ def split_region(graph: Graph, region: Region) -> list[tuple[str, list[Node], li
     flush()
     steps = unpack_starved(graph, defer_elementwise(graph, steps))
     # again: an unpacked part leaves behind the elementwise work it read (a group norm gradient's product)
-    return [_final(graph, s) for s in defer_elementwise(graph, steps)]
+    steps = [_final(graph, s) for s in defer_elementwise(graph, steps)]
+    return attach_scatters(graph, steps) if scatter_stores else steps
 
 
 def defer_elementwise(graph: Graph, steps: list) -> list:

@@ -30,7 +30,8 @@ from ...ir.paths import cache_root
 from . import cluster_planes
 from .check import check_outputs
 from .analysis import PartPlan
-from .codegen import KernelSpec, build_kernel, kernel_inputs
+from .codegen import KernelSpec, build_kernel, kernel_inputs, part_nodes
+from .scatter_stores import stored
 from .compiles import COMPILE_DEADLINE_S, precompile, submit
 from .mapping import Config, candidates, max_coop_split, resident_per_sm, unsplit_config
 
@@ -151,8 +152,12 @@ class Launch:
         """(kernel arguments, the outputs among them (freshly allocated), the device)."""
         spec = self.spec
         ins = [env[t] for t in spec.inputs]
-        device = ins[0].device if ins else torch.device("cuda")
-        outs = [torch.empty(shape, dtype=dt, device=device) for shape, dt in self.out_specs]
+        device = _kernel_device(ins)
+        if any(x.device != device for x in ins):  # eager mixes a host constant with CUDA tensors; a kernel cannot
+            ins = [x.to(device) for x in ins]
+        fills = dict(spec.fills)  # scatters' outputs start at their reduction's identity
+        outs = [torch.full(shape, fills[t], dtype=dt, device=device) if t in fills else
+                torch.empty(shape, dtype=dt, device=device) for t, (shape, dt) in zip(spec.outputs, self.out_specs)]
         args = ins + outs + (self._buffers(device) if spec.buffers else [])
         args += [tma_descriptor(env[t], box, view) for t, box, view in spec.tma]
         return args, outs, device
@@ -226,6 +231,14 @@ class Launch:
                              f"{kernel.n_regs} registers per thread leave {per_sm} per SM")
 
 
+def _kernel_device(inputs: list) -> torch.device:
+    """Where a kernel runs: its inputs' device; a CUDA one where eager mixed host tensors in (MPNet's relative
+    position buckets, made on the host and moved by the model itself only later)."""
+    if not inputs:
+        return torch.device("cuda")
+    return next((x.device for x in inputs if x.device.type != "cpu"), inputs[0].device)
+
+
 def _raw_stream(device) -> int:
     """The current stream's handle (torch.cuda.current_stream(device).cuda_stream costs 9 µs a call,
     this 0.2: measured by scripts/launch_path_probe.py)."""
@@ -279,7 +292,7 @@ class GroupKernel:
         # parts only inlined elsewhere have no program of their own: one working part is not packed (it may split)
         self.packed = sum(1 for p in plans if p.outputs) > 1
         self.group_names = group_names
-        self.inputs = kernel_inputs(graph, [n for p in plans for n in p.nodes], group_names)
+        self.inputs = kernel_inputs(graph, [n for p in plans for n in part_nodes(p)], group_names)
         self._built: dict = {}
         self._prefetched: dict = {}  # signature -> (configs, launches) whose compiles prefetch queued
         self.tuned_us: float | None = None
@@ -308,7 +321,7 @@ class GroupKernel:
     def _evaluated(self, env) -> set[str]:
         """The nodes a call evaluates without kernels: the parts' own, and the producers of the group
         that their kernels would inline (a part kept only to be inlined stores nothing)."""
-        needed, todo = set(), [n.name for p in self.plans for n in p.nodes]
+        needed, todo = set(), [n.name for p in self.plans for n in part_nodes(p)]
         while todo:
             name = todo.pop()
             if name not in needed:
@@ -327,6 +340,8 @@ class GroupKernel:
         if not any(p.outputs for p in self.plans):  # nothing stored (argmax's unused peak): nothing to launch
             return
         first = env[self.inputs[0]] if self.inputs else None
+        if first is not None and first.device.type == "cpu":  # where eager mixes in host tensors: the device's
+            first = next((env[t] for t in self.inputs if env[t].device.type != "cpu"), first)
         # no GPU and no interpreter, or nothing read (an arange, an identity: torch makes them where the
         # program's tensors are, which a kernel with no inputs would not know)
         if first is None or (first.device.type == "cpu" and not interpreting()):
@@ -353,13 +368,15 @@ class GroupKernel:
         """(the configs, the strides, whether on a GPU, the config to run untimed or None to tune, the
         tuning key or None). `device`: the tensors' device (`env` may hold meta tensors: see prefetch)."""
         strides = {t: s for t, s, _, _ in sig}
-        on_gpu = bool(sig) and sig[0][2] == "cuda" and not interpreting()
+        on_gpu = any(kind == "cuda" for _, _, kind, _ in sig) and not interpreting()
         sms = _sms(device) if on_gpu else 132
         no_streaming = None  # streamed pieces are Gluon kernels for sm_90 and later, fed by 16-byte-aligned TMA
         if not on_gpu or torch.cuda.get_device_capability(device)[0] < 9:
             no_streaming = "need a Hopper GPU (sm_90 or later)"
         elif not all(aligned for _, _, _, aligned in sig):
             no_streaming = "need inputs whose base is 16-byte aligned (TMA)"
+        elif any(kind != "cuda" for _, _, kind, _ in sig):
+            no_streaming = "need every input on the device (TMA)"
         # a part with no outputs launches nothing: one config stands for it
         spaces = [self._space(p, sms, no_streaming)[:None if p.outputs else 1] for p in self.plans]
         variants = max(len(s) for s in spaces)
@@ -379,7 +396,7 @@ class GroupKernel:
         return configs, strides, on_gpu, cached if cached is not None and cached < len(configs) else None, key
 
     def _build(self, env, sig) -> Launch:
-        configs, strides, on_gpu, pick, key = self._choice(env, sig, env[sig[0][0]].device)
+        configs, strides, on_gpu, pick, key = self._choice(env, sig, _kernel_device([env[t] for t in self.inputs]))
         made = self._prefetched.pop(sig, ((), ()))  # configs and launches compiling since prefetch
         made = {tuple(cfgs): launch for cfgs, launch in zip(*made) if launch is not None}
         if pick is not None:
@@ -410,7 +427,7 @@ class GroupKernel:
         launches = [None if cfgs[0].cluster else self._launch_or_none(cfgs, strides, on_gpu) for cfgs in wanted]
         self._prefetched[sig] = (wanted, launches)
         for p in self.plans:
-            for name in p.outputs:
+            for name in stored(p):
                 ty = self.graph.type_of[name]
                 env[name] = torch.empty(ty.shape, dtype=ty.dtype, device=env[self.inputs[0]].device)
         return submit([launch for launch in launches if launch is not None], env) if on_gpu else 0
@@ -421,7 +438,8 @@ class GroupKernel:
         pinned Triton config) none."""
         wanted = self.options.get("cluster")
         pinned = any(k in self.options for k in PINS)
-        if wanted is False or (pinned and not wanted) or len(self.plans) > 1 or not self.plans[0].reductions:
+        if wanted is False or (pinned and not wanted) or len(self.plans) > 1 or not self.plans[0].reductions \
+                or self.plans[0].scatters:
             return configs
         why = cluster_planes.unavailable(device) if device is not None else "cluster planes need a CUDA device"
         plans, refusals = ([], [why]) if why else cluster_planes.cluster_plans(self.graph, self.plans[0], strides)
@@ -455,7 +473,7 @@ class GroupKernel:
     def _traffic(self, env) -> int:
         """Bytes the kernel reads (its inputs, once) and writes (its outputs)."""
         read = sum(env[t].numel() * env[t].element_size() for t in self.inputs)
-        types = [self.graph.type_of[o] for p in self.plans for o in p.outputs]
+        types = [self.graph.type_of[o] for p in self.plans for o in stored(p)]
         return read + sum(math.prod(t.shape) * t.dtype.itemsize for t in types)
 
     def _cache_key(self, sig, device_name: str) -> str:
@@ -463,11 +481,11 @@ class GroupKernel:
         its position, so that kernels alike but for names (a ResNet's repeated blocks, the layers of a
         transformer) share one timing run."""
         names = {t: f"%in{k}" for k, t in enumerate(self.inputs)}
-        for n in (n for p in self.plans for n in p.nodes):
+        for n in (n for p in self.plans for n in part_nodes(p)):
             names.setdefault(n.name, f"%{len(names)}")
         # a node's notes (its tag's id, the module it came from) do not change the kernel
         text = "\n".join(_IDENT.sub(lambda m: names.get(m.group(0), m.group(0)), str(n).split("  # ")[0])
-                         + str(self.graph.type_of[n.name]) for p in self.plans for n in p.nodes)
+                         + str(self.graph.type_of[n.name]) for p in self.plans for n in part_nodes(p))
         shape = tuple(rest for _, *rest in sig)
         return hashlib.sha256(f"{CODEGEN_VERSION}|{device_name}|{shape}|{text}".encode()).hexdigest()[:32]
 

@@ -1,0 +1,127 @@
+"""Scatters stored by the kernel that makes their values: out[dst[e], f] += msg[e, f] as atomic adds.
+
+A graph network's message passing gathers features along edges, computes a message per edge and sums
+(or takes the maximum of) the messages into each edge's target. The gathers and the message are
+elementwise work that a generated kernel does in one pass; the scatter used to run after it through
+torch, which read the stored messages back (index_add_). Here the kernel that computes a message
+stores it where the scatter would put it, with an atomic add (maximum, minimum) into the scatter's
+output, which starts at the reduction's identity: the messages never reach memory.
+
+Legality: the scatter reads one value of the kernel over all of its loop variables, in that value's
+own iteration space (a plain read), no one else reads that value, the part that computes it
+stores it per element (not a per-row value), and the positions it scatters to were stored before
+the kernel runs (an index computed in the same kernel is not in memory yet). Atomic float adds land in any order, as torch's
+index_add_ on CUDA; in deterministic mode (torch.use_deterministic_algorithms) the scatter stays
+with torch, whose interpreter path sorts the indices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from ...ir.expr import Access, Read
+from ...ir.graph import Graph, Node, Region
+from ...ir.index import IndexExpr, Var, gathered_tensors, rename
+
+# the reductions Triton has an atomic for, and the dtypes whose atomics both Triton and its interpreter take
+ATOMICS = {"sum": "tl.atomic_add", "max": "tl.atomic_max", "min": "tl.atomic_min"}
+ATOMIC_DTYPES = (torch.float32, torch.int32, torch.int64)
+
+
+def identity(reduce: str, dtype: torch.dtype) -> float | int:
+    """What a scatter's output holds where nothing lands."""
+    if reduce == "sum":
+        return 0
+    if dtype.is_floating_point:
+        return -math.inf if reduce == "max" else math.inf
+    info = torch.iinfo(dtype)
+    return info.min if reduce == "max" else info.max
+
+
+def scatter_refusal(graph: Graph, scatter: Node) -> str | None:
+    """Why `scatter` cannot be stored atomically by the kernel of its value (None: it can), apart from
+    where that value is computed."""
+    if scatter.reduce not in ATOMICS:
+        return f"no atomic {scatter.reduce} in Triton"
+    if graph.type_of[scatter.name].dtype not in ATOMIC_DTYPES:
+        return f"atomics on {graph.type_of[scatter.name].dtype} are not generated"
+    if torch.are_deterministic_algorithms_enabled():
+        return "deterministic algorithms asked for: atomics land in any order"
+    body = scatter.body
+    if not (isinstance(body, Read) and body.access.is_plain and body.access.vars == set(scatter.extents)):
+        return "its body is not a plain read of one value over all its variables"
+    return None
+
+
+def split_scatter_bodies(graph: Graph, region: Region) -> tuple[Graph, Region]:
+    """Each scatter of the region whose body is more than a plain read of a node's value gets its body as a
+    node of its own (the message, just before it), which joins a generated kernel; the scatter then reads
+    it plainly and may be stored by that kernel."""
+    nodes, types, order = [], dict(graph.types), []
+    inside = set(region.nodes)
+    for node in graph.nodes:
+        # a plain read of another node's value: that node is the message (a read of an input gets a copy)
+        plain = isinstance(node.body, Read) and node.body.access.is_plain and node.body.access.tensor in graph.node_of
+        if node.name not in inside or not node.is_scatter or node.reduce not in ATOMICS or plain:
+            nodes.append(node)
+            continue
+        variables = tuple(Var(v) for v, _ in node.dims)
+        message = f"{node.name}_message"
+        types[message] = dataclasses.replace(graph.type_of[node.name], shape=tuple(n for _, n in node.dims))
+        nodes.append(Node(message, variables, node.body, node.dims, origin=node.origin, group=node.group))
+        nodes.append(dataclasses.replace(node, body=Read(Access(message, variables))))
+        order.append(node.name)
+    if not order:
+        return graph, region
+    names = [m for name in region.nodes for m in ((f"{name}_message", name) if name in order else (name,))]
+    graph = dataclasses.replace(graph, nodes=tuple(nodes), types=tuple(types.items()))
+    return graph, dataclasses.replace(region, nodes=tuple(names))
+
+
+def index_in(scatter: Node, value: Node) -> tuple[IndexExpr, ...]:
+    """The scatter's output index in the variables of the node whose value it reads."""
+    names = {read.name: own.name for read, own in zip(scatter.body.access.indices, value.index)}
+    return tuple(rename(i, names) for i in scatter.index)
+
+
+def attach_scatters(graph: Graph, steps: list) -> list:
+    """Steps with each scatter that a kernel step can store taken into that step's plan of its value:
+    ("torch", [scatter], why) steps go, their plans gain (value, scatter) in `scatters`."""
+    made_by = {}  # value -> (step index, plan index)
+    step_of = {}  # node -> the step that computes it
+    for k, (kind, nodes, extra) in enumerate(steps):
+        step_of.update({n.name: k for n in nodes})
+        if kind == "kernel":
+            for p, plan in enumerate(extra):
+                for name in plan.outputs:
+                    made_by[name] = (k, p)
+    taken, steps = set(), [list(s) for s in steps]
+    for k, (kind, nodes, _) in enumerate(steps):
+        scatter = nodes[0]
+        if kind != "torch" or not scatter.is_scatter or scatter_refusal(graph, scatter):
+            continue
+        value = scatter.body.access.tensor
+        if value not in made_by or graph.consumers[value] != (scatter.name,) or value in graph.outputs:
+            continue
+        at, p = made_by[value]
+        # the kernel loads the positions from memory: an earlier step must have stored them
+        if any(step_of.get(t, -1) >= at for i in scatter.index for t in gathered_tensors(i)):
+            continue
+        plan = steps[at][2][p]
+        producer = graph.node_of[value]
+        if value in plan.row_level or not all(isinstance(i, Var) for i in producer.index):
+            continue
+        plans = list(steps[at][2])
+        plans[p] = dataclasses.replace(plan, scatters=(*plan.scatters, (value, scatter)))
+        steps[at][2] = plans
+        taken.add(k)
+    return [tuple(s) for k, s in enumerate(steps) if k not in taken]
+
+
+def stored(plan) -> tuple[str, ...]:
+    """What a part writes: its outputs, with each value a scatter takes replaced by the scatter's output."""
+    into = {value: scatter.name for value, scatter in plan.scatters}
+    return tuple(into.get(o, o) for o in plan.outputs)

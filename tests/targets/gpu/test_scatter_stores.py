@@ -1,0 +1,198 @@
+"""Scatters stored atomically by the kernel that computes their values (scatter_stores.py): message passing
+(gather, message, sum or maximum into the targets) as one generated kernel, against eager over shapes, edge
+counts with repeated and missing targets, and every reduction with an atomic; and the cases that stay with
+torch, each with its reason. Runs under TRITON_INTERPRET=1 on CPU tensors, and on CUDA where there is one."""
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import stitchflow
+from stitchflow.ir.index import gathered_tensors
+from stitchflow.targets.gpu.grouping import TorchStep
+from stitchflow.targets.gpu.runtime import GroupKernel
+
+from conftest import assert_close, skip_unless_kernels_run
+
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _kernels_run():
+    skip_unless_kernels_run()
+
+
+def edges(nodes: int, count: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    src, dst = torch.randint(0, nodes, (count,), generator=g), torch.randint(0, nodes, (count,), generator=g)
+    return src.to(DEVICE), dst.to(DEVICE), torch.rand(count, generator=g).to(DEVICE)
+
+
+def compiled(fn, inputs, **options):
+    return stitchflow.compile(fn, inputs, target="gpu", fusion="auto", options={"autotune": False, **options})
+
+
+def steps(prog) -> list:
+    return [s for c in prog.compiled for s in c.steps]
+
+
+def scatters_through_torch(prog) -> list[str]:
+    return [s.node.name for s in steps(prog) if isinstance(s, TorchStep) and s.node.is_scatter]
+
+
+def stored_scatters(prog) -> list[str]:
+    return [sc.name for s in steps(prog) if isinstance(s, GroupKernel) for p in s.plans for _, sc in p.scatters]
+
+
+@settings(max_examples=12, deadline=None)
+@given(nodes=st.integers(1, 40), count=st.integers(1, 300), features=st.integers(1, 37), seed=st.integers(0, 99))
+def test_gcn_messages_are_summed_by_the_kernel_that_makes_them(nodes, count, features, seed):
+    src, dst, w = edges(nodes, count, seed)
+    x = torch.randn(nodes, features, device=DEVICE)
+
+    def propagate(x, src, dst, w):
+        messages = torch.relu(x[src] * w[:, None]) + 1
+        return torch.zeros(nodes, features, device=x.device).index_add(0, dst, messages) * 2
+
+    prog = compiled(propagate, (x, src, dst, w))
+    assert scatters_through_torch(prog) == [] and len(stored_scatters(prog)) == 1
+    assert_close(prog(x, src, dst, w), propagate(x, src, dst, w))
+    x2, (src2, dst2, w2) = torch.randn_like(x), edges(nodes, count, seed + 1)  # fresh inputs, same shapes
+    assert_close(prog(x2, src2, dst2, w2), propagate(x2, src2, dst2, w2))
+
+
+@pytest.mark.parametrize("reduce", ["sum", "amax", "amin", "mean"])
+@pytest.mark.parametrize("include_self", [True, False])
+def test_scatter_reduce_with_every_atomic(reduce, include_self):
+    src, dst, w = edges(23, 150, 3)
+    x = torch.randn(23, 12, device=DEVICE)
+    base = torch.randn(23, 12, device=DEVICE)
+
+    def aggregate(x, base, src, dst):
+        index = dst[:, None].expand(-1, 12)
+        return base.scatter_reduce(0, index, x[src] * 3, reduce, include_self=include_self)
+
+    prog = compiled(aggregate, (x, base, src, dst))
+    assert scatters_through_torch(prog) == []
+    assert_close(prog(x, base, src, dst), aggregate(x, base, src, dst))
+
+
+def test_a_scatter_whose_body_computes_gets_its_message_node():
+    src, dst, w = edges(30, 200, 5)
+    x = torch.randn(30, 9, device=DEVICE)
+
+    def add_scaled(x, src, dst):  # index_add's alpha and the gather land in the scatter's own body
+        return torch.zeros(30, 9, device=x.device).index_add(0, dst, x.index_select(0, src), alpha=0.5)
+
+    prog = compiled(add_scaled, (x, src, dst))
+    assert scatters_through_torch(prog) == [] and stored_scatters(prog)
+    assert_close(prog(x, src, dst), add_scaled(x, src, dst))
+
+
+def test_degrees_scatter_a_constant_with_no_feature_axis():
+    src, dst, w = edges(17, 80, 7)
+
+    def degree(w, dst):
+        ones = torch.ones_like(w)
+        return torch.zeros(17, device=w.device).index_add(0, dst, ones) + torch.zeros(17, device=w.device).index_add(0, dst, w)
+
+    prog = compiled(degree, (w, dst))
+    assert scatters_through_torch(prog) == []
+    assert_close(prog(w, dst), degree(w, dst))
+
+
+def test_what_stays_with_torch_says_why():
+    src, dst, w = edges(20, 100, 9)
+    x = torch.randn(20, 8, device=DEVICE)
+
+    def prod(x, src, dst):  # no atomic product
+        return torch.ones(20, 8, device=x.device).index_reduce(0, dst, x[src], "prod")
+
+    prog = compiled(prod, (x, src, dst))
+    assert scatters_through_torch(prog) and not stored_scatters(prog)
+    assert_close(prog(x, src, dst), prod(x, src, dst))
+
+    def shared(x, src, dst):  # the message is an output too: it is stored, and the scatter reads it back
+        m = x[src] * 2
+        return torch.zeros(20, 8, device=x.device).index_add(0, dst, m), m
+
+    prog = compiled(shared, (x, src, dst))
+    assert scatters_through_torch(prog) and not stored_scatters(prog)
+    for got, want in zip(prog(x, src, dst), shared(x, src, dst)):
+        assert_close(got, want)
+
+    def double(x, src, dst):  # no float64 atomics generated
+        return torch.zeros(20, 8, device=x.device, dtype=torch.float64).index_add(0, dst, x[src].double() * 2)
+
+    prog = compiled(double, (x, src, dst))
+    assert scatters_through_torch(prog) and not stored_scatters(prog)
+    assert_close(prog(x, src, dst), double(x, src, dst))
+
+
+def test_bfloat16_messages_are_summed_in_float32_atomics():
+    src, dst, w = edges(20, 100, 13)
+    x = torch.randn(20, 8, device=DEVICE)
+
+    def half(x, src, dst):  # the scatter accumulates in float32, then rounds once
+        return torch.zeros(20, 8, device=x.device, dtype=torch.bfloat16).index_add(0, dst, x[src].bfloat16() * 2)
+
+    prog = compiled(half, (x, src, dst))
+    assert stored_scatters(prog) and not scatters_through_torch(prog)
+    assert_close(prog(x, src, dst), half(x, src, dst))
+
+
+def test_deterministic_mode_keeps_scatters_with_torch():
+    src, dst, w = edges(20, 100, 11)
+    x = torch.randn(20, 8, device=DEVICE)
+
+    def propagate(x, src, dst):
+        return torch.zeros(20, 8, device=x.device).index_add(0, dst, x[src] * 2)
+
+    torch.use_deterministic_algorithms(True)
+    try:
+        prog = compiled(propagate, (x, src, dst))
+        assert scatters_through_torch(prog) and not stored_scatters(prog)
+        assert torch.equal(prog(x, src, dst), prog(x, src, dst))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert stored_scatters(compiled(propagate, (x, src, dst))) and not stored_scatters(
+        compiled(propagate, (x, src, dst), scatter_stores=False))
+
+
+def test_positions_computed_in_the_same_kernel_stay_with_torch():
+    """The kernel loads a scatter's positions from memory: positions its own kernel computes are not there yet."""
+    x = torch.randn(40, 6, device=DEVICE)
+
+    def bucket(x):
+        slot = (x[:, 0].abs() * 3).long() % 7
+        return torch.zeros(7, 6, device=x.device).index_add(0, slot, x * 2)
+
+    prog = compiled(bucket, (x,))
+    assert_close(prog(x), bucket(x))
+    kernels = [s for s in steps(prog) if isinstance(s, GroupKernel)]
+    for kernel in kernels:  # a kernel storing the scatter does not compute its positions
+        for plan in kernel.plans:
+            for _, scatter in plan.scatters:
+                assert not {t for i in scatter.index for t in gathered_tensors(i)} & kernel.group_names
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("conv", ["gcn", "sage_max", "gat"])
+def test_torch_geometric_layers_store_their_aggregations(conv):
+    """torch_geometric's message passing through the backend on the gpu target: sums, maxima and GAT's softmax
+    over incoming edges (a scatter max, then a scatter sum) are stored by the kernels of their messages."""
+    pytest.importorskip("torch_geometric")
+    from stitchflow import backend
+    from test_backend import GraphNet
+
+    torch.manual_seed(0)
+    model = GraphNet(conv).eval().to(DEVICE)
+    x, edge_index = torch.randn(40, 12, device=DEVICE), torch.randint(0, 40, (2, 150), device=DEVICE)
+    compiled = torch.compile(model, backend="stitchflow", options={"target": "gpu", "autotune": False})
+    with torch.no_grad():
+        assert_close(compiled(x, edge_index), model(x, edge_index))
+    programs = [p for m in backend.COMPILED for p in m.programs.values() if p]
+    assert any(stored_scatters(p) for p in programs)
+    assert not backend.FALLBACKS, backend.fallback_report()
