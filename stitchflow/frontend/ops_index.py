@@ -120,7 +120,7 @@ def lower_cross(ctx, a, b, dim=None):
 def lower_setitem(ctx, x, key, value):
     """x[key] = value, as a new value of x (capture rebinds x to it; a write into a view of another tensor is
     refused there). Keys of ints, slices and an ellipsis: where(the point is selected, value at the point's
-    place in the selection, x). A boolean mask of x's shape with a scalar: where(mask, value, x)."""
+    place in the selection, x). A boolean mask over leading dims with one value for all: where(mask, value, x)."""
     if not isinstance(x, TensorValue):
         raise UnsupportedOpError("setitem", "the target is not a tensor", ctx.hint)
     tensor_keys = _tensor_keys(key)
@@ -128,10 +128,7 @@ def lower_setitem(ctx, x, key, value):
         from .ops_scatter import lower_index_put
         return lower_index_put(ctx, x, tensor_keys, value)
     if isinstance(key, TensorValue):
-        if key.dtype != torch.bool or key.shape != x.shape or (isinstance(value, TensorValue) and value.rank > 0):
-            raise UnsupportedOpError("setitem", "a boolean mask other than one of the target's shape set to a "
-                                                "scalar (the count it selects depends on the data)", ctx.hint)
-        return elementwise(ctx, lambda m, a, v: call("where", m, _as(v, value, ctx.dtype), a), key, x, value)
+        return set_masked(ctx, x, key, value)
     keys = _basic_keys(ctx, key, x.rank)
     selected = [len(range(*k.indices(n))) for k, n in zip(keys, x.shape) if isinstance(k, slice)]
     if 0 in selected:  # writes nothing (the gradient of a split's empty piece)
@@ -166,6 +163,28 @@ def lower_setitem(ctx, x, key, value):
         return call("where", chosen, new, x.read(o, rg))
 
     return ctx.builder.emit(ctx.shape, ctx.dtype, body, hint=ctx.hint, tag=ctx.builder.new_tag("setitem"))
+
+
+def set_masked(ctx, x: TensorValue, mask: TensorValue, value, accumulate: bool = False):
+    """x[mask] = value (accumulate: x[mask] += value) with a boolean mask over x's leading dims and a value every
+    selected element (or trailing slice) takes alike: where(mask, value, x). A value with one entry per
+    selected element has as many as the mask holds Trues, which the data decides."""
+    rest = x.shape[mask.rank:]
+    if isinstance(value, TensorValue) and value.rank > len(rest) and math.prod(value.shape[:value.rank - len(rest)]) == 1:
+        value = V.reshape(value, value.shape[value.rank - len(rest):])  # x[mask] = torch.tensor([v])
+    fits = not isinstance(value, TensorValue) or (value.rank <= len(rest) and all(
+        v in (1, n) for v, n in zip(reversed(value.shape), reversed(rest))))
+    if mask.dtype != torch.bool or tuple(x.shape[:mask.rank]) != tuple(mask.shape) or not fits:
+        raise UnsupportedOpError("setitem", "a boolean mask over other than the target's leading dims, or a value "
+                                 "with one entry per selected element (the count it selects depends on the data)",
+                                 ctx.hint)
+    for _ in rest:
+        mask = V.unsqueeze(mask, mask.rank)
+
+    def body(m, a, v):
+        new = _as(call("add", a, v) if accumulate else v, value, ctx.dtype)
+        return call("where", m, new, a)
+    return elementwise(ctx, body, V.expand(mask, x.shape), x, value)
 
 
 def _tensor_keys(key) -> list | None:

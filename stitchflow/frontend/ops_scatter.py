@@ -305,8 +305,12 @@ def lower_index_put(ctx, x, indices, values, accumulate=False):
     if at != list(range(at[0], at[-1] + 1)):
         raise UnsupportedOpError("index_put", "index tensors apart (eager moves their dims first)", ctx.hint)
     tensors = [indices[d] for d in at]
+    if len(tensors) == 1 and at == [0] and tensors[0].dtype == torch.bool:  # x[mask] = v, x[mask] += v
+        from .ops_index import set_masked
+        return set_masked(ctx, x, tensors[0], values, accumulate)
     if any(i.dtype == torch.bool for i in tensors):
-        raise UnsupportedOpError("index_put", "a boolean mask index (its count depends on the data)", ctx.hint)
+        raise UnsupportedOpError("index_put", "a boolean mask index among others, or after a whole dim",
+                                 ctx.hint)
     try:
         shape = list(torch.broadcast_shapes(*(tuple(i.shape) for i in tensors)))
     except RuntimeError as err:

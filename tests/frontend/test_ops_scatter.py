@@ -51,7 +51,19 @@ OVERWRITES = {
                                                                       x[:, :1] * src[:, 0]),
     "index_copy": lambda x, src, rows: x.index_copy(0, rows, src),
     "index_fill": lambda x, src, rows: x.index_fill(1, rows % x.shape[1], 5.0),
+    # a boolean mask over the leading dims with one value for every selected row or element
+    "masked_rows_vector": lambda x, src, rows: torch.index_put(x, (x[:, 0] > 0,), src[0] * 2),
+    "masked_elements_added": lambda x, src, rows: torch.index_put(x, (x > 0,), torch.tensor([1.5], dtype=x.dtype),
+                                                                  accumulate=True),
+    "masked_setitem": lambda x, src, rows: _set_rows_where_positive(x, src),
 }
+
+
+def _set_rows_where_positive(x, src):
+    y = x * 1
+    y[x[:, 0] > 0] = src[0]
+    return y
+
 REDUCTIONS = _reduce_cases()
 
 
@@ -171,9 +183,9 @@ def test_refusals_name_the_problem():
     flags, rows = torch.tensor([True, False, True]), torch.tensor([0, 0, 2])
     with pytest.raises(stitchflow.StitchflowError, match="over booleans"):
         stitchflow.compile(lambda f: f.scatter_reduce(0, rows, f, "amax"), (flags,))
-    x = torch.randn(3, 4)
-    with pytest.raises(stitchflow.StitchflowError, match="a boolean mask index"):
-        stitchflow.compile(lambda x: torch.index_put(x, (x[:, 0] > 0,), torch.tensor(1.0)), (x,))
+    x = torch.tensor([[1.0, 2.0], [-1.0, 0.5], [3.0, -2.0]])  # two rows selected: two rows of values
+    with pytest.raises(stitchflow.StitchflowError, match="one entry per selected element"):
+        stitchflow.compile(lambda x: torch.index_put(x, (x[:, 0] > 0,), torch.ones(2, 2)), (x,))
 
 
 # ---------------------------------------------------------------- through the backend
