@@ -50,10 +50,16 @@ def scatter_refusal(graph: Graph, scatter: Node) -> str | None:
         return f"atomics on {graph.type_of[scatter.name].dtype} are not generated"
     if torch.are_deterministic_algorithms_enabled():
         return "deterministic algorithms asked for: atomics land in any order"
-    body = scatter.body
-    if not (isinstance(body, Read) and body.access.is_plain and body.access.vars == set(scatter.extents)):
-        return "its body is not a plain read of one value over all its variables"
+    if not reads_a_message(graph, scatter):
+        return "its body is not a plain read of one node's value over all its variables"
     return None
+
+
+def reads_a_message(graph: Graph, scatter: Node) -> bool:
+    """Is the scatter's body a plain read, over all its variables, of another node's value (its message)?"""
+    body = scatter.body
+    return (isinstance(body, Read) and body.access.is_plain and body.access.vars == set(scatter.extents)
+            and body.access.tensor in graph.node_of)
 
 
 def split_scatter_bodies(graph: Graph, region: Region) -> tuple[Graph, Region]:
@@ -63,9 +69,8 @@ def split_scatter_bodies(graph: Graph, region: Region) -> tuple[Graph, Region]:
     nodes, types, order = [], dict(graph.types), []
     inside = set(region.nodes)
     for node in graph.nodes:
-        # a plain read of another node's value: that node is the message (a read of an input gets a copy)
-        plain = isinstance(node.body, Read) and node.body.access.is_plain and node.body.access.tensor in graph.node_of
-        if node.name not in inside or not node.is_scatter or node.reduce not in ATOMICS or plain:
+        # (a read of an input, or of a value broadcast over some variables, gets a message node too)
+        if node.name not in inside or not node.is_scatter or node.reduce not in ATOMICS or reads_a_message(graph, node):
             nodes.append(node)
             continue
         variables = tuple(Var(v) for v, _ in node.dims)

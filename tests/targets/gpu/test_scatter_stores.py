@@ -196,3 +196,16 @@ def test_torch_geometric_layers_store_their_aggregations(conv):
     programs = [p for m in backend.COMPILED for p in m.programs.values() if p]
     assert any(stored_scatters(p) for p in programs)
     assert not backend.FALLBACKS, backend.fallback_report()
+
+
+def test_a_value_broadcast_over_the_features_is_scattered_through_its_message():
+    src, dst, w = edges(25, 120, 17)
+    x = torch.randn(25, 6, device=DEVICE)
+
+    def weighted(x, w, dst):
+        scale = w.exp()  # one per edge, scattered into every feature of its target
+        return x + torch.zeros(25, 6, device=x.device).index_add(0, dst, scale[:, None].expand(-1, 6))
+
+    prog = compiled(weighted, (x, w, dst))
+    assert scatters_through_torch(prog) == [] and stored_scatters(prog)
+    assert_close(prog(x, w, dst), weighted(x, w, dst))
