@@ -223,10 +223,10 @@ def _eval_range(node: Node, env, out_type: TensorType, loop: list[str], limits: 
 SCATTER_REDUCE = {"max": "amax", "min": "amin", "prod": "prod"}  # torch's names for the scatter's reductions
 
 
-def _scatter_identity(reduce: str, dtype: torch.dtype):
+def scatter_identity(reduce: str, dtype: torch.dtype):
     """What a scatter's output holds where nothing was written."""
-    if reduce == "prod":
-        return 1
+    if reduce in ("sum", "prod"):
+        return int(reduce == "prod")
     if dtype.is_floating_point:
         return -math.inf if reduce == "max" else math.inf
     info = torch.iinfo(dtype)
@@ -239,7 +239,7 @@ def _scatter(node: Node, value, grid, env, out_type: TensorType) -> torch.Tensor
     widen = node.reduce in ("sum", "prod") and out_type.dtype.is_floating_point
     acc = torch.promote_types(out_type.dtype, torch.float32) if widen else out_type.dtype
     if node.reduce != "sum":
-        out = torch.full(out_type.shape, _scatter_identity(node.reduce, acc), dtype=acc, device=value.device)
+        out = torch.full(out_type.shape, scatter_identity(node.reduce, acc), dtype=acc, device=value.device)
         out.view(-1).scatter_reduce_(0, _flat_index(idx, out).reshape(-1), value.to(acc).reshape(-1),
                                      SCATTER_REDUCE[node.reduce])
         return out.to(out_type.dtype)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ...ir.graph import Graph
+from ...ir.interpret import scatter_identity
 from .analysis import PartPlan
 from .codegen_split import SplitStitching
 from .codegen_tma import TmaStitching
@@ -33,7 +34,7 @@ from .codegen_welford import WelfordStitching, phase_stages, phased_riding
 from .emit import LOW_PRECISION, BodyEmitter, Scope, Source, Val, is_literal, carried, contiguous_strides, kind_of, to_dtype
 from .codegen_header import header
 from .gluon_dialect import GluonRefusal, blocked_layout, to_gluon
-from .scatter_stores import ATOMICS, identity, index_in, stored
+from .scatter_stores import ATOMICS, index_in, stored
 from .mapping import Config, Planes, n_chunks, plane_geometry, programs, split_len
 
 @dataclass(frozen=True)
@@ -566,7 +567,7 @@ def build_kernel(graph: Graph, parts: list[tuple[PartPlan, Config]], strides: di
         plan, cfg = parts[0]
         source = to_gluon(source, blocked_layout(cfg.BP, cfg.num_warps, plan.big_elem_bytes, plan.p_contiguous))
     cooperative = any(c.coop and c.persistent for _, c in parts)
-    fills = tuple((scatter.name, identity(scatter.reduce, graph.type_of[scatter.name].dtype))
+    fills = tuple((scatter.name, scatter_identity(scatter.reduce, graph.type_of[scatter.name].dtype))
                   for plan, _ in parts for _, scatter in plan.scatters)
     return KernelSpec(source, name, tuple(inputs), tuple(outputs), tuple(buffers), sum(grids), n_phases, warps,
                       group, tuple(tma), gluon, cooperative, fills)

@@ -18,7 +18,6 @@ with torch, whose interpreter path sorts the indices.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 
@@ -29,16 +28,6 @@ from ...ir.index import IndexExpr, Var, gathered_tensors, rename
 # the reductions Triton has an atomic for, and the dtypes whose atomics both Triton and its interpreter take
 ATOMICS = {"sum": "tl.atomic_add", "max": "tl.atomic_max", "min": "tl.atomic_min"}
 ATOMIC_DTYPES = (torch.float32, torch.int32, torch.int64)
-
-
-def identity(reduce: str, dtype: torch.dtype) -> float | int:
-    """What a scatter's output holds where nothing lands."""
-    if reduce == "sum":
-        return 0
-    if dtype.is_floating_point:
-        return -math.inf if reduce == "max" else math.inf
-    info = torch.iinfo(dtype)
-    return info.min if reduce == "max" else info.max
 
 
 def scatter_refusal(graph: Graph, scatter: Node) -> str | None:
@@ -94,7 +83,8 @@ def index_in(scatter: Node, value: Node) -> tuple[IndexExpr, ...]:
 
 def attach_scatters(graph: Graph, steps: list) -> list:
     """Steps with each scatter that a kernel step can store taken into that step's plan of its value:
-    ("torch", [scatter], why) steps go, their plans gain (value, scatter) in `scatters`."""
+    ("torch", [scatter], why) steps go, their plans gain (value, scatter) in `scatters`; a scatter that stays
+    says why in its step's reason."""
     made_by = {}  # value -> (step index, plan index)
     step_of = {}  # node -> the step that computes it
     for k, (kind, nodes, extra) in enumerate(steps):
@@ -104,26 +94,36 @@ def attach_scatters(graph: Graph, steps: list) -> list:
                 for name in plan.outputs:
                     made_by[name] = (k, p)
     taken, steps = set(), [list(s) for s in steps]
-    for k, (kind, nodes, _) in enumerate(steps):
+    for k, (kind, nodes, reason) in enumerate(steps):
         scatter = nodes[0]
-        if kind != "torch" or not scatter.is_scatter or scatter_refusal(graph, scatter):
+        if kind != "torch" or not scatter.is_scatter:
             continue
-        value = scatter.body.access.tensor
-        if value not in made_by or graph.consumers[value] != (scatter.name,) or value in graph.outputs:
+        why = scatter_refusal(graph, scatter) or _unattachable(graph, scatter, made_by, step_of, steps)
+        if why:
+            steps[k][2] = f"{reason}: {why}"
             continue
-        at, p = made_by[value]
-        # the kernel loads the positions from memory: an earlier step must have stored them
-        if any(step_of.get(t, -1) >= at for i in scatter.index for t in gathered_tensors(i)):
-            continue
-        plan = steps[at][2][p]
-        producer = graph.node_of[value]
-        if value in plan.row_level or not all(isinstance(i, Var) for i in producer.index):
-            continue
+        at, p = made_by[scatter.body.access.tensor]
         plans = list(steps[at][2])
-        plans[p] = dataclasses.replace(plan, scatters=(*plan.scatters, (value, scatter)))
+        plans[p] = dataclasses.replace(plans[p], scatters=(*plans[p].scatters, (scatter.body.access.tensor, scatter)))
         steps[at][2] = plans
         taken.add(k)
     return [tuple(s) for k, s in enumerate(steps) if k not in taken]
+
+
+def _unattachable(graph: Graph, scatter: Node, made_by: dict, step_of: dict, steps: list) -> str | None:
+    """Why no kernel step can store `scatter` (None: the one that makes its message can)."""
+    value = scatter.body.access.tensor
+    if value not in made_by:
+        return f"its message {value} is not made by a generated kernel"
+    if graph.consumers[value] != (scatter.name,) or value in graph.outputs:
+        return f"its message {value} is read elsewhere too, so it is stored anyway"
+    at, p = made_by[value]
+    # the kernel loads the positions from memory: an earlier step must have stored them
+    if any(step_of.get(t, -1) >= at for i in scatter.index for t in gathered_tensors(i)):
+        return "its positions are computed in the kernel of its message"
+    if value in steps[at][2][p].row_level or not all(isinstance(i, Var) for i in graph.node_of[value].index):
+        return f"its message {value} is a per-row value of its kernel"
+    return None
 
 
 def stored(plan) -> tuple[str, ...]:

@@ -42,6 +42,10 @@ def scatters_through_torch(prog) -> list[str]:
     return [s.node.name for s in steps(prog) if isinstance(s, TorchStep) and s.node.is_scatter]
 
 
+def why_through_torch(prog) -> str:
+    return "; ".join(s.reason for s in steps(prog) if isinstance(s, TorchStep) and s.node.is_scatter)
+
+
 def stored_scatters(prog) -> list[str]:
     return [sc.name for s in steps(prog) if isinstance(s, GroupKernel) for p in s.plans for _, sc in p.scatters]
 
@@ -111,7 +115,7 @@ def test_what_stays_with_torch_says_why():
         return torch.ones(20, 8, device=x.device).index_reduce(0, dst, x[src], "prod")
 
     prog = compiled(prod, (x, src, dst))
-    assert scatters_through_torch(prog) and not stored_scatters(prog)
+    assert "no atomic prod" in why_through_torch(prog) and not stored_scatters(prog)
     assert_close(prog(x, src, dst), prod(x, src, dst))
 
     def shared(x, src, dst):  # the message is an output too: it is stored, and the scatter reads it back
@@ -119,7 +123,7 @@ def test_what_stays_with_torch_says_why():
         return torch.zeros(20, 8, device=x.device).index_add(0, dst, m), m
 
     prog = compiled(shared, (x, src, dst))
-    assert scatters_through_torch(prog) and not stored_scatters(prog)
+    assert "read elsewhere too" in why_through_torch(prog) and not stored_scatters(prog)
     for got, want in zip(prog(x, src, dst), shared(x, src, dst)):
         assert_close(got, want)
 
@@ -127,7 +131,7 @@ def test_what_stays_with_torch_says_why():
         return torch.zeros(20, 8, device=x.device, dtype=torch.float64).index_add(0, dst, x[src].double() * 2)
 
     prog = compiled(double, (x, src, dst))
-    assert scatters_through_torch(prog) and not stored_scatters(prog)
+    assert "torch.float64 are not generated" in why_through_torch(prog) and not stored_scatters(prog)
     assert_close(prog(x, src, dst), double(x, src, dst))
 
 
@@ -153,7 +157,7 @@ def test_deterministic_mode_keeps_scatters_with_torch():
     torch.use_deterministic_algorithms(True)
     try:
         prog = compiled(propagate, (x, src, dst))
-        assert scatters_through_torch(prog) and not stored_scatters(prog)
+        assert "deterministic" in why_through_torch(prog) and not stored_scatters(prog)
         assert torch.equal(prog(x, src, dst), prog(x, src, dst))
     finally:
         torch.use_deterministic_algorithms(False)
@@ -171,6 +175,7 @@ def test_positions_computed_in_the_same_kernel_stay_with_torch():
 
     prog = compiled(bucket, (x,))
     assert_close(prog(x), bucket(x))
+    assert "positions are computed in the kernel of its message" in why_through_torch(prog)
     kernels = [s for s in steps(prog) if isinstance(s, GroupKernel)]
     for kernel in kernels:  # a kernel storing the scatter does not compute its positions
         for plan in kernel.plans:
