@@ -36,7 +36,7 @@ import math
 
 import torch
 
-from ...ir.graph import Graph, Region
+from ...ir.graph import SCATTER_OPS, Graph, Region
 from ...ir.activations import recognise_activations
 from ...ir.reshapes import unflatten_rows
 from . import chain_cost, chain_plans, cluster_planes
@@ -229,6 +229,10 @@ class GpuTarget:
         convs = _explain_convolutions(graph, regions, options)
         if convs:
             out += ["", "convolutions (torch's, i.e. cuDNN's, with the activations around them channels last):", *convs]
+        scatters = _explain_scatters(graph, regions)
+        if scatters:
+            out += ["", "scatters (stored atomically by the kernel that makes their messages, or through torch):",
+                    *scatters]
         clusters = _explain_cluster_planes(graph, regions)
         if clusters:
             out += ["", "plane and row statistics on thread-block clusters (Hopper; timed against the generated "
@@ -296,6 +300,26 @@ def _explain_tiles(graph: Graph, match, params: dict | None) -> list[str]:
     return [f"    mask folded: {kept:.1%} of {folded.s_q}x{folded.s_k} positions kept; at {DEFAULT_TILES.bm}x"
             f"{DEFAULT_TILES.bn} tiles {plan.visited} of {n_q * n_k} visited ({plan.partial} partial), the longest "
             f"query tile visits {plan.longest}"]
+
+
+def _explain_scatters(graph: Graph, regions) -> list[str]:
+    """Each scatter of a region: the kernel that stores it, or why torch runs it (scatter_stores.py)."""
+    lines = []
+    for region in regions:
+        if not any(graph.node_of[n].is_scatter for n in region.nodes if n in graph.node_of):
+            continue
+        split_graph, split = split_scatter_bodies(graph, region)
+        try:
+            steps = split_region(split_graph, split)
+        except Exception:  # explain never fails on a region the kernels split differently
+            continue
+        for kind, nodes, extra in steps:
+            if kind == "kernel":
+                lines += [f"  {region.name}: {scatter.name} ({SCATTER_OPS[scatter.reduce]}) stored by the kernel of "
+                          f"{value}" for plan in extra for value, scatter in plan.scatters]
+            elif nodes[0].is_scatter:
+                lines.append(f"  {region.name}: {nodes[0].name}: {extra}")
+    return lines
 
 
 def _explain_cluster_planes(graph: Graph, regions) -> list[str]:

@@ -214,3 +214,16 @@ def test_a_value_broadcast_over_the_features_is_scattered_through_its_message():
     prog = compiled(weighted, (x, w, dst))
     assert scatters_through_torch(prog) == [] and stored_scatters(prog)
     assert_close(prog(x, w, dst), weighted(x, w, dst))
+
+
+def test_explain_names_the_kernel_that_stores_each_scatter_or_why_torch_runs_it():
+    src, dst, w = edges(20, 100, 19)
+    x = torch.randn(20, 8, device=DEVICE)
+
+    def two(x, src, dst):
+        summed = torch.zeros(20, 8, device=x.device).index_add(0, dst, x[src] * 2)
+        return summed + torch.ones(20, 8, device=x.device).index_reduce(0, dst, x[src], "prod")
+
+    report = compiled(two, (x, src, dst)).explain()
+    assert "(+=) stored by the kernel of" in report
+    assert "no atomic prod in Triton" in report
