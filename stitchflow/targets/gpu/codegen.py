@@ -31,10 +31,10 @@ from .analysis import PartPlan
 from .codegen_split import SplitStitching
 from .codegen_tma import TmaStitching
 from .codegen_welford import WelfordStitching, phase_stages, phased_riding
-from .emit import LOW_PRECISION, BodyEmitter, Scope, Source, Val, is_literal, carried, contiguous_strides, kind_of, to_dtype
+from .emit import LOW_PRECISION, BodyEmitter, Scope, Source, Val, is_literal, carried, contiguous_strides, kind_of, spread_address, to_dtype
 from .codegen_header import header
 from .gluon_dialect import GluonRefusal, blocked_layout, to_gluon
-from .scatter_stores import ATOMICS, index_in, stored
+from .scatter_stores import ScatterStitching, stored
 from .mapping import Config, Planes, n_chunks, plane_geometry, programs, split_len
 
 @dataclass(frozen=True)
@@ -58,20 +58,11 @@ class KernelSpec:
     fills: tuple[tuple[str, float | int], ...] = ()
 
 
-def _spread(off: Val, value: Val) -> Val:
-    """The address of a block stored where the address spans fewer tile axes than the value (a 0-d output):
-    the lanes share it."""
-    if not value.deps - off.deps:
-        return off
-    spread = " + ".join(f"0 * {d}" for d in sorted(value.deps - off.deps))
-    return Val(f"{off.code} + {spread}", off.kind, off.deps | value.deps)
-
-
 def _ident(name: str) -> str:
     return "".join(ch if ch.isalnum() else "_" for ch in name)
 
 
-class PartKernel(SplitStitching, TmaStitching, WelfordStitching):
+class PartKernel(SplitStitching, TmaStitching, WelfordStitching, ScatterStitching):
     """Builds the body of one part's @triton.jit function."""
 
     def __init__(self, graph: Graph, plan: PartPlan, cfg: Config, arg: dict, strides: dict, src: Source,
@@ -169,22 +160,9 @@ class PartKernel(SplitStitching, TmaStitching, WelfordStitching):
         off = self.body.offset(name, node.index, node, scope)
         dtype = self.graph.type_of[name].dtype
         code = value.code if dtype == torch.bool or is_literal(value) else to_dtype(value.code, dtype, self.interpret)
-        off = _spread(off, value)
+        off = spread_address(off, value)
         mask = self.mask(off.deps, scope)
         self.src.emit(f"tl.store({self.arg[name]} + {off.code}, {code}{', mask=' + mask if mask else ''})")
-
-    def store_scattered(self, scatter, value: Val, scope: Scope) -> None:
-        """The value combined atomically into the scatter's output where the scatter puts it (scatter_stores);
-        a position out of the output's range is dropped, as a masked lane."""
-        value_node = self.nodes[scatter.body.access.tensor]
-        checks: list = []
-        off = self.body.offset(scatter.name, index_in(scatter, value_node), value_node, scope, checks)
-        off = _spread(off, value)  # every lane adds its own value (atomics broadcast a number themselves)
-        dtype = self.graph.type_of[scatter.name].dtype
-        code = value.code if is_literal(value) else to_dtype(value.code, dtype, self.interpret)
-        mask = " & ".join(filter(None, [self.mask(off.deps, scope), *checks]))
-        self.src.emit(f"{ATOMICS[scatter.reduce]}({self.arg[scatter.name]} + {off.code}, {code}"
-                      f"{', mask=' + mask if mask else ''}, sem='relaxed')")
 
     # ------------------------------------------------------------ program structure
     def emit(self) -> None:

@@ -487,6 +487,15 @@ class BodyEmitter:
         return Val(self.k.src.let(code), kind, frozenset(deps))
 
 
+def spread_address(off: Val, value: Val) -> Val:
+    """The address of a block stored where the address spans fewer tile axes than the value (a 0-d output):
+    the lanes share it."""
+    if not value.deps - off.deps:
+        return off
+    spread = " + ".join(f"0 * {d}" for d in sorted(value.deps - off.deps))
+    return Val(f"{off.code} + {spread}", off.kind, off.deps | value.deps)
+
+
 def _divides(e) -> bool:
     """Whether index `e` holds a floor division or a remainder (its address repeats or wraps)."""
     if isinstance(e, (Div, Mod)):

@@ -24,6 +24,7 @@ import torch
 from ...ir.expr import Access, Read
 from ...ir.graph import Graph, Node, Region
 from ...ir.index import IndexExpr, Var, gathered_tensors, rename
+from .emit import Scope, Val, is_literal, spread_address, to_dtype
 
 # the reductions Triton has an atomic for, and the dtypes whose atomics both Triton and its interpreter take
 ATOMICS = {"sum": "tl.atomic_add", "max": "tl.atomic_max", "min": "tl.atomic_min"}
@@ -130,3 +131,20 @@ def stored(plan) -> tuple[str, ...]:
     """What a part writes: its outputs, with each value a scatter takes replaced by the scatter's output."""
     into = {value: scatter.name for value, scatter in plan.scatters}
     return tuple(into.get(o, o) for o in plan.outputs)
+
+
+class ScatterStitching:
+    """The part kernel's store of a message a scatter takes (mixed into codegen.PartKernel)."""
+
+    def store_scattered(self, scatter, value: Val, scope: Scope) -> None:
+        """The value combined atomically into the scatter's output where the scatter puts it (scatter_stores);
+        a position out of the output's range is dropped, as a masked lane."""
+        value_node = self.nodes[scatter.body.access.tensor]
+        checks: list = []
+        off = self.body.offset(scatter.name, index_in(scatter, value_node), value_node, scope, checks)
+        off = spread_address(off, value)  # every lane adds its own value (atomics broadcast a number themselves)
+        dtype = self.graph.type_of[scatter.name].dtype
+        code = value.code if is_literal(value) else to_dtype(value.code, dtype, self.interpret)
+        mask = " & ".join(filter(None, [self.mask(off.deps, scope), *checks]))
+        self.src.emit(f"{ATOMICS[scatter.reduce]}({self.arg[scatter.name]} + {off.code}, {code}"
+                      f"{', mask=' + mask if mask else ''}, sem='relaxed')")
