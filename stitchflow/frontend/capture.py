@@ -232,8 +232,8 @@ def _lower_call(gm, node: fx.Node, b: GraphBuilder, env, real, aliases):
     why = early_refusal(node)
     if why:
         raise UnsupportedOpError(describe_target(node), why, node.name)
-    # n += 1 on a traced size is Python's, not a write
-    inplace = is_inplace(node) and not (node.target in IN_PLACE_OPERATORS and _is_number(real_args[0]))
+    # n += 1 on a traced size, or shape += (1,), is Python's, not a write
+    inplace = is_inplace(node) and not (node.target in IN_PLACE_OPERATORS and not isinstance(real_args[0], torch.Tensor))
     if inplace and isinstance(node.args[0], fx.Node):
         if node.args[0].op in ("placeholder", "get_attr") and isinstance(args[0][0], TensorValue):
             raise UnsupportedOpError(describe_target(node), "it mutates an input of the graph in place", node.name)
@@ -304,10 +304,6 @@ def _shares_memory(real: dict, written: fx.Node, same=()) -> bool:
     changes z in eager; so does x.contiguous().add_(1), whose operand is x itself)? Judged on the example
     run's real tensors; `same` are the nodes naming the written tensor through earlier in-place results."""
     return _aliases(real.get(written), [t for key, t in real.items() if key is not written and key not in same])
-
-
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float, bool, torch.SymInt, torch.SymFloat))
 
 
 def _any_value(args) -> bool:

@@ -223,9 +223,10 @@ def _add_into_a_slice(z):
 
 
 def _grow_a_size(z):
-    n = z.shape[1]
+    n, shape = z.shape[1], z.shape
     n += 1  # Python's += on a traced size, not a write
-    return z.new_zeros(n) + z.sum()
+    shape += (1,)  # nor on a traced shape
+    return z.new_zeros(n) + z.reshape(shape).sum()
 
 
 def _scale_in_place(z):
