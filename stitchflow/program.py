@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .frontend.capture import Captured, capture, rebuild_outputs, symbolic_trace
+from .frontend.capture import Captured, capture, inverse_permutation, rebuild_outputs, symbolic_trace
 from .ir.errors import ShapeError, StitchflowError, UnsupportedOpError
 from .ir.graph import Graph, Region
 from .planner.regions import regions_for
@@ -92,8 +92,21 @@ class Program:
 
     def _forward(self, inputs):
         if self._replay is not None and self._replay.applies(inputs):
-            return self.outputs_of(self._replay(inputs))
-        return self.outputs_of(self._run(self._bind(inputs)))
+            env = self._replay(inputs)
+        else:
+            env = self._run(self._bind(inputs))
+        self._write_inputs(inputs, env)
+        return self.outputs_of(env)
+
+    def _write_inputs(self, inputs, env: Mapping[str, torch.Tensor]) -> None:
+        """The inputs the model writes in place (x += 1, cache[pos] = k) get the values they end with, as in
+        eager, after the call computed them all."""
+        for pos, name in self.captured.input_writes:
+            value = env[name]
+            if name in self.captured.layouts:
+                value = value.permute(inverse_permutation(self.captured.layouts[name]))
+            with torch.no_grad():
+                inputs[pos].copy_(value)
 
     def outputs_of(self, env: Mapping[str, torch.Tensor]):
         """The caller's outputs, in the structure the model returns them, from the graph's values in
@@ -262,7 +275,8 @@ def capture_model(model, example_inputs: Sequence[Any], formats: Mapping | None 
         if getattr(graph_module, "_stitchflow_exported", False):  # keyword inputs follow the positional ones
             inputs = (*example_inputs, *(example_kwargs or {}).values())
             formats = {k: v for k, v in param_formats.items() if hasattr(graph_module, k.split(".")[0])}
-        return capture(graph_module, inputs, input_formats=input_formats, param_formats=formats, partial_depth=depth)
+        return capture(graph_module, inputs, input_formats=input_formats, param_formats=formats, partial_depth=depth,
+                       input_writes=True)
 
     try:
         return lower(gm if gm is not None else _export(model, example_inputs, example_kwargs))
@@ -370,6 +384,9 @@ class _RecomputedBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, prog: Program, inputs: tuple, structure: dict, *tracked):
         ctx.prog, ctx.inputs = prog, inputs
+        # inputs the model writes in place, as they came: the recomputation starts from them, not from the
+        # values the forward left in the caller's tensors
+        ctx.before = {pos: inputs[pos].detach().clone() for pos, _ in prog.captured.input_writes}
         ctx.save_for_backward(*tracked)
         leaves, structure["spec"] = tree_flatten(prog._forward(inputs))
         structure["leaves"] = leaves  # non-tensor leaves go back in place after apply
@@ -382,8 +399,10 @@ class _RecomputedBackward(torch.autograd.Function):
         tracked = ctx.saved_tensors
         fresh = {}  # id of a tracked input -> its detached stand-in for the recomputation
         inputs = []
-        for x in ctx.inputs:
-            if isinstance(x, torch.Tensor) and x.requires_grad and not isinstance(x, torch.nn.Parameter):
+        for pos, x in enumerate(ctx.inputs):
+            if pos in ctx.before:
+                inputs.append(ctx.before[pos].clone())
+            elif isinstance(x, torch.Tensor) and x.requires_grad and not isinstance(x, torch.nn.Parameter):
                 fresh[id(x)] = x.detach().requires_grad_()
                 inputs.append(fresh[id(x)])
             else:

@@ -52,6 +52,9 @@ class Captured:
     # program reads such an input as x.permute(p) and hands such an output back as a view with the
     # model's axes, so only strides differ from the model's
     layouts: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # (input position, graph output): inputs the model writes in place (x += 1), and the value each ends with,
+    # which the program copies into the caller's tensor after a call (capture(..., input_writes=True))
+    input_writes: tuple[tuple[int, str], ...] = ()
 
 
 class _InPlaceProxy(fx.Proxy):
@@ -138,19 +141,24 @@ def capture(
     input_formats: Mapping[Any, str | Format] | None = None,
     param_formats: Mapping[str, str | Format] | None = None,
     partial_depth: int | str = 1,
+    input_writes: bool = False,
 ) -> Captured:
     """Lower `gm` to IR. `input_formats` maps input positions or names to format names
     (e.g. {0: "dcsr"}); `param_formats` maps parameter paths (e.g. "layer1.weight") likewise.
 
     Capture runs each node eagerly on the example inputs; the random number generators are put back
     afterwards, so that a random op (dropout in training, refused later) draws nothing of the caller's
-    stream: a seeded run through the eager fallback gives eager's masks from the first call."""
+    stream: a seeded run through the eager fallback gives eager's masks from the first call.
+
+    input_writes: an in-place write to an input (x += 1, cache[pos] = k) becomes the input's new value, which
+    the graph outputs and the caller copies back (Captured.input_writes); without, it is refused."""
     devices = sorted({x.device.index or 0 for x in example_inputs if isinstance(x, torch.Tensor) and x.is_cuda})
     with torch.random.fork_rng(devices=devices):
-        return _capture(gm, example_inputs, input_formats, param_formats, partial_depth)
+        return _capture(gm, example_inputs, input_formats, param_formats, partial_depth, input_writes)
 
 
-def _capture(gm, example_inputs, input_formats, param_formats, partial_depth: int | str) -> Captured:
+def _capture(gm, example_inputs, input_formats, param_formats, partial_depth: int | str,
+             input_writes: bool = False) -> Captured:
     input_formats = dict(input_formats or {})
     param_formats = dict(param_formats or {})
     b = GraphBuilder()
@@ -195,7 +203,7 @@ def _capture(gm, example_inputs, input_formats, param_formats, partial_depth: in
                 env[node] = value
             continue
         try:
-            env[node], real[node] = _lower_call(gm, node, b, env, real, aliases)
+            env[node], real[node] = _lower_call(gm, node, b, env, real, aliases, input_writes)
         except Exception as err:  # the node that refused (or hit a bug): the backend splits the graph around it
             if not getattr(err, "node", ""):
                 with contextlib.suppress(AttributeError):  # an exception type that takes no attributes
@@ -205,7 +213,8 @@ def _capture(gm, example_inputs, input_formats, param_formats, partial_depth: in
     if unused:
         raise StitchflowError(f"param_formats names parameters the model does not use: {sorted(unused)}")
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
-    return _finish(b, out_node, env, real, tuple(names))
+    written = [(pos, env[ph]) for pos, ph in enumerate(placeholders) if ph in aliases]
+    return _finish(b, out_node, env, real, tuple(names), written)
 
 
 def _traced_scalar(node: fx.Node, value) -> bool:
@@ -223,7 +232,7 @@ def _fetch_attr(gm: fx.GraphModule, target: str):
     return obj.detach() if isinstance(obj, torch.Tensor) else obj
 
 
-def _lower_call(gm, node: fx.Node, b: GraphBuilder, env, real, aliases):
+def _lower_call(gm, node: fx.Node, b: GraphBuilder, env, real, aliases, input_writes: bool = False):
     # map_arg also reaches nodes inside slices (x[..., n // 2:]), which pytree does not
     args = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
     real_args, real_kwargs = fx.node.map_arg((node.args, node.kwargs), real.__getitem__)
@@ -235,7 +244,8 @@ def _lower_call(gm, node: fx.Node, b: GraphBuilder, env, real, aliases):
     # n += 1 on a traced size, or shape += (1,), is Python's, not a write
     inplace = is_inplace(node) and not (node.target in IN_PLACE_OPERATORS and not isinstance(real_args[0], torch.Tensor))
     if inplace and isinstance(node.args[0], fx.Node):
-        if node.args[0].op in ("placeholder", "get_attr") and isinstance(args[0][0], TensorValue):
+        if node.args[0].op in ("placeholder", "get_attr") and isinstance(args[0][0], TensorValue) and not (
+                input_writes and node.args[0].op == "placeholder"):
             raise UnsupportedOpError(describe_target(node), "it mutates an input of the graph in place", node.name)
         if _shares_memory(real, node.args[0], aliases.get(node.args[0], ())) and not _written_back(node):
             raise UnsupportedOpError(describe_target(node), "it writes a tensor that shares memory with another (a view, "
@@ -336,7 +346,7 @@ def _check_shape(node, value, out):
         raise ShapeError(f"lowering of {node.name} gave shape {value.shape}, torch gives {tuple(out.shape)}")
 
 
-def _finish(b: GraphBuilder, out_node: fx.Node, env, real, names) -> Captured:
+def _finish(b: GraphBuilder, out_node: fx.Node, env, real, names, written=()) -> Captured:
     result = fx.node.map_arg(out_node.args[0], env.__getitem__)
     example = fx.node.map_arg(out_node.args[0], real.__getitem__)
     pytree_info = getattr(out_node.graph._codegen, "pytree_info", None)  # torch.export flattens outputs
@@ -365,9 +375,11 @@ def _finish(b: GraphBuilder, out_node: fx.Node, env, real, names) -> Captured:
             outputs.append(leaf)
         else:
             raise UnsupportedOpError("output", f"an output of type {type(leaf).__name__}")
+    writes = tuple((pos, b.materialize(value, hint="written").base) for pos, value in written)
+    writes = tuple((pos, name) for pos, name in writes if name not in b.inputs)  # x.add_(0) and kin write nothing
     names_out = [o if isinstance(o, str) else o[0] for o in outputs if isinstance(o, (str, tuple))]
-    graph = b.finish(list(dict.fromkeys(names_out)))
-    return Captured(graph, dict(b.param_values), (spec, outputs), names, example)
+    graph = b.finish(list(dict.fromkeys([*names_out, *(name for _, name in writes)])))
+    return Captured(graph, dict(b.param_values), (spec, outputs), names, example, input_writes=writes)
 
 
 def _aliases(t, tensors) -> bool:
@@ -388,16 +400,16 @@ def rebuild_outputs(captured: Captured, env: Mapping[str, torch.Tensor]):
 
     def leaf(o):
         if isinstance(o, str):
-            return env[o] if o not in layouts else env[o].permute(_inverse(layouts[o]))
+            return env[o] if o not in layouts else env[o].permute(inverse_permutation(layouts[o]))
         if isinstance(o, tuple):  # stored in an order that keeps the reshape a view (channels_last._view_last)
             t = env[o[0]]  # (reshape: a copy, never an error, should no order make it a view)
-            return t.view(o[1]) if o[0] not in layouts else t.permute(_inverse(layouts[o[0]])).reshape(o[1])
+            return t.view(o[1]) if o[0] not in layouts else t.permute(inverse_permutation(layouts[o[0]])).reshape(o[1])
         return o
 
     return tree_unflatten([leaf(o) for o in outputs], spec)
 
 
-def _inverse(perm: tuple[int, ...]) -> tuple[int, ...]:
+def inverse_permutation(perm: tuple[int, ...]) -> tuple[int, ...]:
     inverse = [0] * len(perm)
     for k, p in enumerate(perm):
         inverse[p] = k
