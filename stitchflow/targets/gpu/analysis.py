@@ -100,6 +100,7 @@ class PartPlan:
     cross_parallel: bool = False  # a large tensor is contiguous along the innermost parallel class
     online: dict = None  # sum reduction -> the max it is rescaled by (online softmax)
     scatters: tuple = ()  # (value, scatter node): the value is stored into the scatter's output (scatter_stores)
+    scatter_only: frozenset = frozenset()  # values no one reads but their scatters: not stored themselves
 
     @property
     def transposed(self) -> bool:

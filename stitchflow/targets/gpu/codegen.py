@@ -153,9 +153,10 @@ class PartKernel(SplitStitching, TmaStitching, WelfordStitching, ScatterStitchin
 
     def store(self, name: str, value: Val, scope: Scope) -> None:
         node = self.nodes[name]
-        scatter = dict(self.plan.scatters).get(name)
-        if scatter is not None:
-            self.store_scattered(scatter, value, scope)
+        for value_name, scatter in self.plan.scatters:
+            if value_name == name:
+                self.store_scattered(scatter, value, scope)
+        if name in self.plan.scatter_only:
             return
         off = self.body.offset(name, node.index, node, scope)
         dtype = self.graph.type_of[name].dtype

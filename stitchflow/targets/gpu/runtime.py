@@ -304,6 +304,8 @@ class GroupKernel:
         """`no_streaming`: why streamed pieces (tma, cp_async) cannot run here, or None."""
         override = {k: self.options[k] for k in PINS if k in self.options}
         space = candidates(plan, sms, override or None)
+        if plan.scatters and not no_streaming:  # Gluon's streamed pieces have no atomics here
+            no_streaming = "store scatters, whose atomics the streamed (Gluon) kernels do not emit"
         if no_streaming:
             if override and (override.get("tma") or override.get("cp_async")):
                 raise ValueError(f"streamed cooperative pieces (tma, cp_async) {no_streaming}")

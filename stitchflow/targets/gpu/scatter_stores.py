@@ -8,9 +8,10 @@ stores it where the scatter would put it, with an atomic add (maximum, minimum) 
 output, which starts at the reduction's identity: the messages never reach memory.
 
 Legality: the scatter reads one value of the kernel over all of its loop variables, in that value's
-own iteration space (a plain read), no one else reads that value, the part that computes it
-stores it per element (not a per-row value), and the positions it scatters to were stored before
-the kernel runs (an index computed in the same kernel is not in memory yet). Atomic float adds land in any order, as torch's
+own iteration space (a plain read; a value others read too is stored as well), and the positions it scatters to
+were stored before the kernel runs (an index computed in the same kernel is not in memory yet). The
+value may be per element or per row (a sum over features, GAT's edge scores): every config stores
+each of them once (a row's once its split pieces met), so each lands once. Atomic float adds land in any order, as torch's
 index_add_ on CUDA; in deterministic mode (torch.use_deterministic_algorithms) the scatter stays
 with torch, whose interpreter path sorts the indices.
 """
@@ -24,7 +25,7 @@ import torch
 from ...ir.expr import Access, Read
 from ...ir.graph import Graph, Node, Region
 from ...ir.index import IndexExpr, Var, gathered_tensors, rename
-from .emit import Scope, Val, is_literal, spread_address, to_dtype
+from .emit import TL_DTYPE, Scope, Val, is_literal, spread_address, to_dtype
 
 # the reductions Triton has an atomic for, and the dtypes whose atomics both Triton and its interpreter take
 ATOMICS = {"sum": "tl.atomic_add", "max": "tl.atomic_max", "min": "tl.atomic_min"}
@@ -103,12 +104,21 @@ def attach_scatters(graph: Graph, steps: list) -> list:
         if why:
             steps[k][2] = f"{reason}: {why}"
             continue
-        at, p = made_by[scatter.body.access.tensor]
+        value = scatter.body.access.tensor
+        at, p = made_by[value]
         plans = list(steps[at][2])
-        plans[p] = dataclasses.replace(plans[p], scatters=(*plans[p].scatters, (scatter.body.access.tensor, scatter)))
+        plans[p] = dataclasses.replace(plans[p], scatters=(*plans[p].scatters, (value, scatter)))
         steps[at][2] = plans
         taken.add(k)
+    for step in steps:  # a value that only its scatters read is not stored itself
+        if step[0] == "kernel":
+            step[2] = [dataclasses.replace(plan, scatter_only=_scatter_only(graph, plan)) for plan in step[2]]
     return [tuple(s) for k, s in enumerate(steps) if k not in taken]
+
+
+def _scatter_only(graph: Graph, plan) -> frozenset:
+    mine = {scatter.name for _, scatter in plan.scatters}
+    return frozenset(v for v, _ in plan.scatters if v not in graph.outputs and set(graph.consumers[v]) <= mine)
 
 
 def _unattachable(graph: Graph, scatter: Node, made_by: dict, step_of: dict, steps: list) -> str | None:
@@ -116,21 +126,18 @@ def _unattachable(graph: Graph, scatter: Node, made_by: dict, step_of: dict, ste
     value = scatter.body.access.tensor
     if value not in made_by:
         return f"its message {value} is not made by a generated kernel"
-    if graph.consumers[value] != (scatter.name,) or value in graph.outputs:
-        return f"its message {value} is read elsewhere too, so it is stored anyway"
     at, p = made_by[value]
     # the kernel loads the positions from memory: an earlier step must have stored them
     if any(step_of.get(t, -1) >= at for i in scatter.index for t in gathered_tensors(i)):
         return "its positions are computed in the kernel of its message"
-    if value in steps[at][2][p].row_level or not all(isinstance(i, Var) for i in graph.node_of[value].index):
-        return f"its message {value} is a per-row value of its kernel"
+    if not all(isinstance(i, Var) for i in graph.node_of[value].index):
+        return f"its message {value} is stored through index arithmetic"
     return None
 
 
 def stored(plan) -> tuple[str, ...]:
-    """What a part writes: its outputs, with each value a scatter takes replaced by the scatter's output."""
-    into = {value: scatter.name for value, scatter in plan.scatters}
-    return tuple(into.get(o, o) for o in plan.outputs)
+    """What a part writes: its outputs but those only scatters read, then the scatters' outputs."""
+    return (*(o for o in plan.outputs if o not in plan.scatter_only), *(scatter.name for _, scatter in plan.scatters))
 
 
 class ScatterStitching:
@@ -142,9 +149,14 @@ class ScatterStitching:
         value_node = self.nodes[scatter.body.access.tensor]
         checks: list = []
         off = self.body.offset(scatter.name, index_in(scatter, value_node), value_node, scope, checks)
-        off = spread_address(off, value)  # every lane adds its own value (atomics broadcast a number themselves)
+        off = spread_address(off, value)  # every lane adds its own value
         dtype = self.graph.type_of[scatter.name].dtype
+        # the value and the mask made as wide as the addresses by arithmetic: Triton's interpreter lands a
+        # broadcast [1, 1] value or mask (tl.broadcast_to's too) on the first address of a [1, n] block only
+        shape = f"[{self.cfg.BP if 'p' in off.deps else 1}, {self.cfg.BL if 'l' in off.deps else 1}]"
         code = value.code if is_literal(value) else to_dtype(value.code, dtype, self.interpret)
+        code = f"({code} + tl.zeros({shape}, {TL_DTYPE[dtype]}))"
         mask = " & ".join(filter(None, [self.mask(off.deps, scope), *checks]))
+        mask = f"({mask}) & tl.full({shape}, 1, tl.int1)" if mask else ""
         self.src.emit(f"{ATOMICS[scatter.reduce]}({self.arg[scatter.name]} + {off.code}, {code}"
                       f"{', mask=' + mask if mask else ''}, sem='relaxed')")

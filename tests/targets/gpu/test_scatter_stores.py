@@ -118,14 +118,6 @@ def test_what_stays_with_torch_says_why():
     assert "no atomic prod" in why_through_torch(prog) and not stored_scatters(prog)
     assert_close(prog(x, src, dst), prod(x, src, dst))
 
-    def shared(x, src, dst):  # the message is an output too: it is stored, and the scatter reads it back
-        m = x[src] * 2
-        return torch.zeros(20, 8, device=x.device).index_add(0, dst, m), m
-
-    prog = compiled(shared, (x, src, dst))
-    assert "read elsewhere too" in why_through_torch(prog) and not stored_scatters(prog)
-    for got, want in zip(prog(x, src, dst), shared(x, src, dst)):
-        assert_close(got, want)
 
     def double(x, src, dst):  # no float64 atomics generated
         return torch.zeros(20, 8, device=x.device, dtype=torch.float64).index_add(0, dst, x[src].double() * 2)
@@ -133,6 +125,21 @@ def test_what_stays_with_torch_says_why():
     prog = compiled(double, (x, src, dst))
     assert "torch.float64 are not generated" in why_through_torch(prog) and not stored_scatters(prog)
     assert_close(prog(x, src, dst), double(x, src, dst))
+
+
+def test_a_message_read_elsewhere_is_stored_and_scattered_by_one_kernel():
+    src, dst, w = edges(20, 100, 9)
+    x = torch.randn(20, 8, device=DEVICE)
+
+    def shared(x, src, dst):  # the messages are an output too, and two scatters read them
+        m = x[src] * 2
+        summed = torch.zeros(20, 8, device=x.device).index_add(0, dst, m)
+        return summed, m, torch.zeros(20, 8, device=x.device).scatter_reduce(0, dst[:, None].expand(-1, 8), m, "amax")
+
+    prog = compiled(shared, (x, src, dst))
+    assert len(stored_scatters(prog)) == 2 and not scatters_through_torch(prog)
+    for got, want in zip(prog(x, src, dst), shared(x, src, dst)):
+        assert_close(got, want)
 
 
 def test_bfloat16_messages_are_summed_in_float32_atomics():
@@ -227,3 +234,28 @@ def test_explain_names_the_kernel_that_stores_each_scatter_or_why_torch_runs_it(
     report = compiled(two, (x, src, dst)).explain()
     assert "(+=) stored by the kernel of" in report
     assert "no atomic prod in Triton" in report
+
+
+PINNED = [{}, {"block_p": 1, "block_l": 2}, {"block_p": 16, "block_l": 4}, {"block_p": 4, "block_l": 2, "split": 3},
+          {"persistent": 3}, {"num_warps": 1}]
+
+
+@pytest.mark.parametrize("pins", PINNED, ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()) or "first")
+def test_every_config_stores_each_message_once(pins):
+    """Atomics count every store: a config that stored a value twice (a row's split pieces each storing it) would
+    double it. Edge scores (a sum over features per edge: a per-row value), their maximum per target, and the
+    messages weighted by them, summed into the targets, under pinned tilings, splits and persistent grids."""
+    src, dst, w = edges(19, 130, 23)
+    x = torch.randn(19, 10, device=DEVICE)
+    att = torch.randn(10, device=DEVICE)
+
+    def attention(x, att, src, dst):
+        score = (x[src] * att).sum(-1)  # one per edge
+        top = torch.full((19,), -1e9, device=x.device).scatter_reduce(0, dst, score, "amax")
+        weight = (score - top[dst]).exp()
+        return torch.zeros(19, 10, device=x.device).index_add(0, dst, x[src] * weight[:, None]), top
+
+    prog = compiled(attention, (x, att, src, dst), **pins)
+    assert len(stored_scatters(prog)) == 2, why_through_torch(prog)
+    for got, want in zip(prog(x, att, src, dst), attention(x, att, src, dst)):
+        assert_close(got, want)
