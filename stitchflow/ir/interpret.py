@@ -17,7 +17,7 @@ import torch
 from .errors import StitchflowError
 from .expr import Access, Call, Cast, Const, Expr, IndexValue, OPS, Read
 from .graph import Graph, Node
-from .index import Var, evaluate
+from .index import evaluate
 from .types import TensorType
 
 CHUNK_ELEMENTS = 1 << 25  # bound on one chunk's iteration space
