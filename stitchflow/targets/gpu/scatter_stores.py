@@ -8,12 +8,13 @@ stores it where the scatter would put it, with an atomic add (maximum, minimum) 
 output, which starts at the reduction's identity: the messages never reach memory.
 
 Legality: the scatter reads one value of the kernel over all of its loop variables, in that value's
-own iteration space (a plain read; a value others read too is stored as well), and the positions it scatters to
-were stored before the kernel runs (an index computed in the same kernel is not in memory yet). The
-value may be per element or per row (a sum over features, GAT's edge scores): every config stores
-each of them once (a row's once its split pieces met), so each lands once. Atomic float adds land in any order, as torch's
-index_add_ on CUDA; in deterministic mode (torch.use_deterministic_algorithms) the scatter stays
-with torch, whose interpreter path sorts the indices.
+own iteration space (a plain read; a value that others read too is stored as well), and the positions
+it scatters to were stored before the kernel runs (an index computed in the same kernel is not in
+memory yet). The value may be per element or per row (a sum over features, GAT's edge scores): every
+config stores each of them once (a row's once its split pieces met), so each lands once. Atomic float
+adds land in any order, as torch's index_add_ on CUDA; in deterministic mode
+(torch.use_deterministic_algorithms) the scatter stays with torch, whose interpreter path sorts the
+indices.
 """
 
 from __future__ import annotations
