@@ -144,6 +144,9 @@ class Launch:
         # (STITCHFLOW_GLUON_JIT=1 keeps them on the JIT's path)
         self.fast_ok = not interpreting() and not (spec.gluon and os.environ.get("STITCHFLOW_GLUON_JIT") == "1")
         self.resident_checked = False
+        # positions of inputs on the host where the others are on the device (the group's signature fixes each
+        # input's device type): None until a call on real tensors found them
+        self.host_inputs: tuple | None = None
         self.counters: dict = {}  # (device, stream) -> the scratch and row counters (see _buffers)
         # the interpreter runs programs one at a time and takes no launch attributes
         self.launch_options = {"launch_cooperative_grid": True} if spec.cooperative and not interpreting() else {}
@@ -152,9 +155,15 @@ class Launch:
         """(kernel arguments, the outputs among them (freshly allocated), the device)."""
         spec = self.spec
         ins = [env[t] for t in spec.inputs]
-        device = _kernel_device(ins)
-        if any(x.device != device for x in ins):  # eager mixes a host constant with CUDA tensors; a kernel cannot
-            ins = [x.to(device) for x in ins]
+        if self.host_inputs is None or self.host_inputs:  # found once: each call would cost host time
+            device = _kernel_device(ins)
+            host = tuple(k for k, x in enumerate(ins) if x.device != device)
+            if device.type != "meta":  # (prefetch's meta tensors say nothing of where the call's will be)
+                self.host_inputs = host
+            for k in host:  # eager mixes a host constant into CUDA ops; a kernel cannot
+                ins[k] = ins[k].to(device)
+        else:
+            device = ins[0].device if ins else torch.device("cuda")
         fills = dict(spec.fills)  # scatters' outputs start at their reduction's identity
         outs = [torch.full(shape, fills[t], dtype=dt, device=device) if t in fills else
                 torch.empty(shape, dtype=dt, device=device) for t, (shape, dt) in zip(spec.outputs, self.out_specs)]
