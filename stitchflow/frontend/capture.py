@@ -24,8 +24,8 @@ from ..ir.graph import Graph
 from ..ir.types import Format, TensorType, format_of_tensor, parse_format
 from . import ops_activations, ops_attention, ops_conv, ops_elementwise, ops_factory, ops_index, ops_linalg, ops_losses, ops_mha, ops_pool, ops_reduce, ops_resize, ops_scan, ops_scatter, ops_shape, ops_sort, ops_stats, ops_trig, ops_views  # noqa: F401  (register lowerings)
 from .builder import GraphBuilder
-from .registry import (FACTORIES, IN_PLACE_OPERATORS, LOWERINGS, VALUES_UNCHANGED, LowerCtx, bind_arguments, describe_target, early_refusal,
-                       is_inplace, key_of)
+from .registry import (FACTORIES, IN_PLACE_OPERATORS, LOWERINGS, VALUES_UNCHANGED, LowerCtx, bind_arguments,
+                       describe_target, early_refusal, is_inplace, key_of)
 
 # In-place methods and aten ops lower like their functional forms; capture rebinds the mutated value.
 # (torch.export keeps aten's in-place overloads, such as T5's aten.add_, in the graphs it hands over.)
@@ -242,7 +242,8 @@ def _lower_call(gm, node: fx.Node, b: GraphBuilder, env, real, aliases, input_wr
     if why:
         raise UnsupportedOpError(describe_target(node), why, node.name)
     # n += 1 on a traced size, or shape += (1,), is Python's, not a write
-    inplace = is_inplace(node) and not (node.target in IN_PLACE_OPERATORS and not isinstance(real_args[0], torch.Tensor))
+    inplace = is_inplace(node) and not (node.target in IN_PLACE_OPERATORS
+                                        and not isinstance(real_args[0], torch.Tensor))
     if inplace and isinstance(node.args[0], fx.Node):
         if node.args[0].op in ("placeholder", "get_attr") and isinstance(args[0][0], TensorValue) and not (
                 input_writes and node.args[0].op == "placeholder"):

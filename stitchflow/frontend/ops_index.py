@@ -170,8 +170,9 @@ def set_masked(ctx, x: TensorValue, mask: TensorValue, value, accumulate: bool =
     selected element (or trailing slice) takes alike: where(mask, value, x). A value with one entry per
     selected element has as many as the mask holds Trues, which the data decides."""
     rest = x.shape[mask.rank:]
-    if isinstance(value, TensorValue) and value.rank > len(rest) and math.prod(value.shape[:value.rank - len(rest)]) == 1:
-        value = V.reshape(value, value.shape[value.rank - len(rest):])  # x[mask] = torch.tensor([v])
+    extra = value.rank - len(rest) if isinstance(value, TensorValue) else 0
+    if extra > 0 and math.prod(value.shape[:extra]) == 1:
+        value = V.reshape(value, value.shape[extra:])  # x[mask] = torch.tensor([v])
     fits = not isinstance(value, TensorValue) or (value.rank <= len(rest) and all(
         v in (1, n) for v, n in zip(reversed(value.shape), reversed(rest))))
     if mask.dtype != torch.bool or tuple(x.shape[:mask.rank]) != tuple(mask.shape) or not fits:

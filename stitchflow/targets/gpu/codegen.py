@@ -31,7 +31,8 @@ from .analysis import PartPlan
 from .codegen_split import SplitStitching
 from .codegen_tma import TmaStitching
 from .codegen_welford import WelfordStitching, phase_stages, phased_riding
-from .emit import LOW_PRECISION, BodyEmitter, Scope, Source, Val, is_literal, carried, contiguous_strides, kind_of, spread_address, to_dtype
+from .emit import (LOW_PRECISION, BodyEmitter, Scope, Source, Val, is_literal, carried, contiguous_strides, kind_of,
+                   spread_address, to_dtype)
 from .codegen_header import header
 from .gluon_dialect import GluonRefusal, blocked_layout, to_gluon
 from .scatter_stores import ScatterStitching, stored

@@ -100,7 +100,8 @@ def test_degrees_scatter_a_constant_with_no_feature_axis():
 
     def degree(w, dst):
         ones = torch.ones_like(w)
-        return torch.zeros(17, device=w.device).index_add(0, dst, ones) + torch.zeros(17, device=w.device).index_add(0, dst, w)
+        zeros = torch.zeros(17, device=w.device)
+        return zeros.index_add(0, dst, ones) + zeros.index_add(0, dst, w)
 
     prog = compiled(degree, (w, dst))
     assert scatters_through_torch(prog) == []
