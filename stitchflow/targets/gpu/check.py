@@ -14,8 +14,7 @@ import torch
 
 from ...ir.errors import KernelMismatch
 from ...ir.interpret import eval_node
-from .codegen import part_nodes
-from .scatter_stores import stored
+from .scatter_stores import part_nodes, stored
 
 # an output's error against a float64 evaluation may be this many times the reference
 # interpreter's own (in the output's dtype), plus this share of the output's largest magnitude

@@ -35,7 +35,7 @@ from .emit import (LOW_PRECISION, BodyEmitter, Scope, Source, Val, is_literal, c
                    spread_address, to_dtype)
 from .codegen_header import header
 from .gluon_dialect import GluonRefusal, blocked_layout, to_gluon
-from .scatter_stores import ScatterStitching, stored
+from .scatter_stores import ScatterStitching, part_nodes, stored
 from .mapping import Config, Planes, n_chunks, plane_geometry, programs, split_len
 
 @dataclass(frozen=True)
@@ -626,11 +626,6 @@ def _io(graph: Graph, parts, group_names: set) -> tuple[list[str], list[str]]:
     inputs = kernel_inputs(graph, [n for plan, _ in parts for n in part_nodes(plan)], group_names)
     outputs = [o for plan, _ in parts for o in stored(plan)]
     return inputs, outputs
-
-
-def part_nodes(plan: PartPlan) -> tuple:
-    """The part's nodes and the scatters it stores (whose indices read tensors of their own)."""
-    return (*plan.nodes, *(scatter for _, scatter in plan.scatters))
 
 
 def _needs_int64(graph: Graph, tensors, strides: dict) -> bool:

@@ -30,8 +30,8 @@ from ...ir.paths import cache_root
 from . import cluster_planes
 from .check import check_outputs
 from .analysis import PartPlan
-from .codegen import KernelSpec, build_kernel, kernel_inputs, part_nodes
-from .scatter_stores import stored
+from .codegen import KernelSpec, build_kernel, kernel_inputs
+from .scatter_stores import part_nodes, stored
 from .compiles import COMPILE_DEADLINE_S, precompile, submit
 from .mapping import Config, candidates, max_coop_split, resident_per_sm, unsplit_config
 

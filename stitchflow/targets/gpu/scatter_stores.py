@@ -136,6 +136,11 @@ def _unattachable(graph: Graph, scatter: Node, made_by: dict, step_of: dict, ste
     return None
 
 
+def part_nodes(plan) -> tuple:
+    """The part's nodes and the scatters it stores (whose indices read tensors of their own)."""
+    return (*plan.nodes, *(scatter for _, scatter in plan.scatters))
+
+
 def stored(plan) -> tuple[str, ...]:
     """What a part writes: its outputs but those only scatters read, then the scatters' outputs."""
     return (*(o for o in plan.outputs if o not in plan.scatter_only), *(scatter.name for _, scatter in plan.scatters))
