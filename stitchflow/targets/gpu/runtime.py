@@ -137,7 +137,9 @@ class Launch:
     def __init__(self, graph: Graph, spec: KernelSpec, title: str):
         self.graph, self.spec, self.title = graph, spec, title
         self.module = load_source(spec.source)
-        self.out_specs = [(graph.type_of[t].shape, graph.type_of[t].dtype) for t in spec.outputs]
+        # (shape, dtype, the value a scatter's output starts at or None) per output
+        fills = dict(spec.fills)
+        self.out_specs = [(graph.type_of[t].shape, graph.type_of[t].dtype, fills.get(t)) for t in spec.outputs]
         self.grid = (spec.grid,)
         self.fast: list | None = None  # one compiled-kernel runner per phase
         # Gluon kernels too: the compiled kernel's launcher turns each TensorDescriptor into a tensor map
@@ -164,9 +166,8 @@ class Launch:
                 ins[k] = ins[k].to(device)
         else:
             device = ins[0].device if ins else torch.device("cuda")
-        fills = dict(spec.fills)  # scatters' outputs start at their reduction's identity
-        outs = [torch.full(shape, fills[t], dtype=dt, device=device) if t in fills else
-                torch.empty(shape, dtype=dt, device=device) for t, (shape, dt) in zip(spec.outputs, self.out_specs)]
+        outs = [torch.empty(shape, dtype=dt, device=device) if fill is None else
+                torch.full(shape, fill, dtype=dt, device=device) for shape, dt, fill in self.out_specs]
         args = ins + outs + (self._buffers(device) if spec.buffers else [])
         args += [tma_descriptor(env[t], box, view) for t, box, view in spec.tma]
         return args, outs, device
@@ -240,12 +241,14 @@ class Launch:
                              f"{kernel.n_regs} registers per thread leave {per_sm} per SM")
 
 
+def _kernel_input(inputs: list) -> torch.Tensor:
+    """The input whose device a kernel runs on: the first, or the first off the host where eager mixed host
+    tensors in (MPNet's relative-position buckets, made on the host and moved by the model itself only later)."""
+    return next((x for x in inputs if x.device.type != "cpu"), inputs[0])
+
+
 def _kernel_device(inputs: list) -> torch.device:
-    """Where a kernel runs: its inputs' device; a CUDA one where eager mixed host tensors in (MPNet's relative
-    position buckets, made on the host and moved by the model itself only later)."""
-    if not inputs:
-        return torch.device("cuda")
-    return next((x.device for x in inputs if x.device.type != "cpu"), inputs[0].device)
+    return _kernel_input(inputs).device if inputs else torch.device("cuda")
 
 
 def _raw_stream(device) -> int:
@@ -351,8 +354,8 @@ class GroupKernel:
         if not any(p.outputs for p in self.plans):  # nothing stored (argmax's unused peak): nothing to launch
             return
         first = env[self.inputs[0]] if self.inputs else None
-        if first is not None and first.device.type == "cpu":  # where eager mixes in host tensors: the device's
-            first = next((env[t] for t in self.inputs if env[t].device.type != "cpu"), first)
+        if first is not None:  # where eager mixes host tensors in: a device tensor
+            first = _kernel_input([env[t] for t in self.inputs])
         # no GPU and no interpreter, or nothing read (an arange, an identity: torch makes them where the
         # program's tensors are, which a kernel with no inputs would not know)
         if first is None or (first.device.type == "cpu" and not interpreting()):
