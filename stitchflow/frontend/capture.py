@@ -22,7 +22,9 @@ from ..ir.errors import ShapeError, StitchflowError, UnsupportedOpError
 from ..ir.expr import Const
 from ..ir.graph import Graph
 from ..ir.types import Format, TensorType, format_of_tensor, parse_format
-from . import ops_activations, ops_attention, ops_conv, ops_elementwise, ops_factory, ops_index, ops_linalg, ops_losses, ops_mha, ops_pool, ops_reduce, ops_resize, ops_scan, ops_scatter, ops_shape, ops_sort, ops_stats, ops_trig, ops_views  # noqa: F401  (register lowerings)
+from . import (ops_activations, ops_attention, ops_conv, ops_elementwise, ops_factory, ops_grouped,  # noqa: F401
+               ops_index, ops_linalg, ops_losses, ops_mha, ops_pool, ops_reduce, ops_resize, ops_scan, ops_scatter,
+               ops_shape, ops_sort, ops_stats, ops_trig, ops_views)  # (register lowerings)
 from .builder import GraphBuilder
 from .registry import (FACTORIES, IN_PLACE_OPERATORS, LOWERINGS, VALUES_UNCHANGED, LowerCtx, bind_arguments,
                        describe_target, early_refusal, is_inplace, key_of)

@@ -452,34 +452,35 @@ def test_gqa_head_split_and_merge_heads_read_operands_as_views(monkeypatch):
     merge_heads (k // 128 // 4, k // 128 % 4, k % 128) are strided views (the merged K split
     into digits), not index gathers."""
     from stitchflow.apps import APPS
-    from stitchflow.targets.gpu import grouping
+    from stitchflow.ir.index import Div, Mod
+    from stitchflow.targets.gpu import contraction
 
     def no_gather(*args, **kwargs):
         raise AssertionError("operand gathered through index tensors")
 
-    monkeypatch.setattr(grouping, "_gather_index", no_gather)
+    monkeypatch.setattr(contraction, "_gather_index", no_gather)
     model, inputs = APPS["llama"].build(size="small")
     prog = stitchflow.compile(model, inputs, target="gpu", fusion="auto")
     with torch.no_grad():
         out, ref = prog(*inputs), model(*inputs)
     assert relative_error(as_tuple(out)[0], as_tuple(ref)[0]) <= 1e-5
     merged = [s for s in _torch_steps(prog) if any(
-        isinstance(i, grouping.Div) for a in s.node.accesses for i in a.indices)]
+        isinstance(i, Div) for a in s.node.accesses for i in a.indices)]
     assert merged
     for s in merged:
-        split = grouping._radix_digits(s.node)
+        split = contraction._radix_digits(s.node)
         assert split is not s.node and not any(
-            isinstance(x, (grouping.Div, grouping.Mod)) for a in split.accesses for i in a.indices
-            for x in grouping._atoms(i))
+            isinstance(x, (Div, Mod)) for a in split.accesses for i in a.indices
+            for x in contraction._atoms(i))
 
 
 def test_flattened_batch_rows_of_an_aten_mm_are_views_not_gathers(monkeypatch):
     """ATen's linear is mm over x.view(B * S, D) (AOTAutograd's graphs, stitchflow.compile's export):
     the output row i is read as x[i // S, i % S, k]; i is split into digits that index the output
     in its place, so the operand is a view; the same for the weight gradient's x^T @ dy (k // S)."""
-    from stitchflow.targets.gpu import grouping
+    from stitchflow.targets.gpu import contraction
 
-    monkeypatch.setattr(grouping, "_gather_index", lambda *a, **k: (_ for _ in ()).throw(AssertionError("gathered")))
+    monkeypatch.setattr(contraction, "_gather_index", lambda *a, **k: (_ for _ in ()).throw(AssertionError("gathered")))
 
     def f(x, w, dy):
         flat = (x * 2).view(-1, x.shape[-1])
