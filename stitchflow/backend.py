@@ -238,8 +238,9 @@ class StitchflowModule(torch.nn.Module):
         target = self.target or ("gpu" if device is not None or any(isinstance(a, torch.Tensor) and a.is_cuda
                                                                     for a in args) else "reference")
         try:
-            captured = capture(self.gm, self._as_traced(args))  # the IR has no layouts; eager's example values do
-            bound = {k: a for k, a in enumerate(args) if k not in self.moved and _static_address(a)}
+            captured = self._capture(args)
+            written = {k for k, _ in captured.input_writes}  # written back into the caller's tensor: not bound
+            bound = {k: a for k, a in enumerate(args) if k not in self.moved and k not in written and _static_address(a)}
             layouts = self._layout_options(captured, args, bound)
             examples = dict(zip(captured.graph.inputs, [a for a in args if isinstance(a, torch.Tensor)]))
             captured = bind_inputs(captured, args, bound)
@@ -260,6 +261,17 @@ class StitchflowModule(torch.nn.Module):
                 why += f"; {err.node} runs eagerly, the rest of the partition compiles around it"
             _record(f"{self.name}: {why}")
             return None, {}, []
+
+    def _capture(self, args) -> Captured:
+        """The partition's graph lowered on its example values (the IR has no layouts; eager's example values do).
+        An input it writes in place (a cache's copy_, x += 1) becomes a value the program copies back into the
+        caller's tensor after each call, unless that input requires grad: autograd would not see the write, so
+        the capture is redone to refuse it (and the partition splits around the write)."""
+        traced = self._as_traced(args)
+        captured = capture(self.gm, traced, input_writes=True)
+        if any(isinstance(args[k], torch.Tensor) and args[k].requires_grad for k, _ in captured.input_writes):
+            captured = capture(self.gm, traced)
+        return captured
 
     def _layout_options(self, captured: Captured, args, bound: dict) -> dict:
         """The program's options on layouts at the partition's boundary: its free outputs by IR name, those
@@ -298,7 +310,9 @@ class _RecomputedBackward(torch.autograd.Function):
         ctx.module, ctx.n = module, len(args)
         ctx.tensor_at = [k for k, a in enumerate(args) if isinstance(a, torch.Tensor)]
         ctx.others = {k: a for k, a in enumerate(args) if not isinstance(a, torch.Tensor)}
-        ctx.save_for_backward(*(args[k] for k in ctx.tensor_at))
+        # inputs the program writes in place, as they came: the recomputation starts from them
+        written = {call.free[k] for k, _ in call.program.captured.input_writes}
+        ctx.save_for_backward(*(args[k].detach().clone() if k in written else args[k] for k in ctx.tensor_at))
         out = call.program(*[args[k] for k in call.free])
         ctx.single = isinstance(out, torch.Tensor)
         outs = (out,) if ctx.single else tuple(out)
@@ -434,8 +448,10 @@ def bind_inputs(captured: Captured, args, bound: dict) -> Captured:
     graph = dataclasses.replace(captured.graph, inputs=tuple(n for n in captured.graph.inputs if n not in moved),
                                 params=captured.graph.params + tuple(moved))
     names = tuple(n for k, n in enumerate(captured.input_names) if k not in bound)
+    free = [k for k in range(len(args)) if k not in bound]  # the program's inputs: the arguments left
+    writes = tuple((free.index(k), name) for k, name in captured.input_writes)
     return dataclasses.replace(captured, graph=graph, param_values={**captured.param_values, **moved},
-                               input_names=names)
+                               input_names=names, input_writes=writes)
 
 
 def _eager_write_through_an_alias(gm: fx.GraphModule) -> str | None:

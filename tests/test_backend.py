@@ -294,7 +294,8 @@ def test_a_partition_captures_its_example_inputs_in_the_strides_it_was_traced_wi
     for node, val in zip((n for n in gm.graph.nodes if n.op == "placeholder"), (x, w)):
         node.meta["val"] = torch.empty_like(val)
     seen, original = [], backend.capture
-    monkeypatch.setattr(backend, "capture", lambda g, args: seen.append([a.stride() for a in args]) or original(g, args))
+    monkeypatch.setattr(backend, "capture", lambda g, args, **kw: seen.append([a.stride() for a in args])
+                        or original(g, args, **kw))
     module = backend.StitchflowModule(gm, "reference", "auto", "partition")
     last = w.contiguous(memory_format=torch.channels_last)
     assert_close(module(x, last), F.group_norm(F.conv2d(x, w, padding=1), 2))

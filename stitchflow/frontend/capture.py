@@ -250,7 +250,7 @@ def _lower_call(gm, node: fx.Node, b: GraphBuilder, env, real, aliases, input_wr
         if node.args[0].op in ("placeholder", "get_attr") and isinstance(args[0][0], TensorValue) and not (
                 input_writes and node.args[0].op == "placeholder"):
             raise UnsupportedOpError(describe_target(node), "it mutates an input of the graph in place", node.name)
-        if _shares_memory(real, node.args[0], aliases.get(node.args[0], ())) and not _written_back(node):
+        if _shares_memory(real, node.args[0], aliases.get(node.args[0], ()), node) and not _written_back(node):
             raise UnsupportedOpError(describe_target(node), "it writes a tensor that shares memory with another (a view, "
                                      "or a tensor viewed elsewhere): the IR's values are not aliased, so the write "
                                      "would not reach the other", node.name)
@@ -312,11 +312,22 @@ def _written_back(node: fx.Node) -> bool:
         return False
 
 
-def _shares_memory(real: dict, written: fx.Node, same=()) -> bool:
-    """Does the tensor an in-place op writes share storage with another value of the graph (z[0].add_(1)
-    changes z in eager; so does x.contiguous().add_(1), whose operand is x itself)? Judged on the example
-    run's real tensors; `same` are the nodes naming the written tensor through earlier in-place results."""
-    return _aliases(real.get(written), [t for key, t in real.items() if key is not written and key not in same])
+def _shares_memory(real: dict, written: fx.Node, same=(), writer: fx.Node | None = None) -> bool:
+    """Does the tensor an in-place op writes share storage with another value of the graph that can see the write
+    (z[0].add_(1) changes z in eager; so does x.contiguous().add_(1), whose operand is x itself)? Judged on the
+    example run's real tensors; `same` are the nodes naming the written tensor through earlier in-place results.
+    A sharer that no node after the `writer` reads, and that is neither the caller's (an input, a parameter) nor
+    returned, cannot: `t = torch.tensor(n).to("cpu"); t.add_(32)` writes the constant `to` returned as it is."""
+    t = real.get(written)
+    sharers = [key for key, o in real.items() if key is not written and key not in same and _aliases(t, [o])]
+    if writer is None or not sharers:
+        return bool(sharers)
+    later = set()
+    node = writer.next
+    while node.op != "root":
+        later.add(node)
+        node = node.next
+    return any(s.op in ("placeholder", "get_attr") or any(u in later for u in s.users) for s in sharers)
 
 
 def _any_value(args) -> bool:

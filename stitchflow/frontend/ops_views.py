@@ -224,7 +224,7 @@ def lower_as_strided_scatter(ctx, x, src, size, stride, storage_offset=None):
     return cast(ctx, V.reshape(V.expand(src, [int(n) for n in size]), x.shape), ctx.dtype)
 
 
-@lowering("aten.copy")
+@lowering("aten.copy", "method:copy_")
 def lower_copy(ctx, x, src, non_blocking=False):
-    """The functional copy: src broadcast to x's shape, in x's dtype."""
+    """The functional copy (and x.copy_(src), which capture rebinds): src broadcast to x's shape, in x's dtype."""
     return cast(ctx, V.expand(src, x.shape), ctx.dtype)

@@ -65,6 +65,19 @@ def test_a_write_through_a_method_that_returns_its_tensor_reaches_it(f):
     assert "shares memory" in backend.fallback_report()
 
 
+def test_a_write_to_a_value_whose_other_names_are_dead_compiles():
+    """`to` of a tensor already on the device returns it: the write reaches the constant too, but nothing reads the
+    constant after it (Mamba's cache length), so the write is a new value like any other."""
+    def f(x):
+        t = torch.ones(3).to(x.device)
+        t.add_(x)
+        return t * 2
+
+    x = torch.randn(3)
+    assert_close(torch.compile(f, backend="stitchflow")(x), f(x))
+    assert backend.FALLBACKS == [], backend.fallback_report()
+
+
 def test_tensor_where_takes_the_tensor_as_the_value():
     a, b = torch.randn(4, 5), torch.randn(4, 5)
     assert_close(torch.compile(lambda a, b: a.where(a > b, b), backend="stitchflow")(a, b), torch.maximum(a, b))
