@@ -22,9 +22,9 @@ from ..ir.errors import ShapeError, StitchflowError, UnsupportedOpError
 from ..ir.expr import Const
 from ..ir.graph import Graph
 from ..ir.types import Format, TensorType, format_of_tensor, parse_format
-from . import (ops_activations, ops_attention, ops_conv, ops_elementwise, ops_factory, ops_grouped,  # noqa: F401
-               ops_index, ops_linalg, ops_losses, ops_mha, ops_pool, ops_reduce, ops_resize, ops_scan, ops_scatter,
-               ops_shape, ops_sort, ops_stats, ops_trig, ops_views)  # (register lowerings)
+from . import (ops_activations, ops_attention, ops_conv, ops_elementwise, ops_factory, ops_fft,  # noqa: F401
+               ops_grouped, ops_index, ops_linalg, ops_losses, ops_mha, ops_pool, ops_reduce, ops_resize, ops_scan,
+               ops_scatter, ops_shape, ops_sort, ops_stats, ops_trig, ops_views)  # (register lowerings)
 from .builder import GraphBuilder
 from .registry import (FACTORIES, IN_PLACE_OPERATORS, LOWERINGS, VALUES_UNCHANGED, LowerCtx, bind_arguments,
                        describe_target, early_refusal, is_inplace, key_of)
@@ -279,6 +279,9 @@ def _lower_call(gm, node: fx.Node, b: GraphBuilder, env, real, aliases, input_wr
     fn = LOWERINGS.get(key)
     if fn is None:
         raise UnsupportedOpError(describe_target(node), "no lowering to the IR", node.name)
+    if not getattr(fn, "takes_complex", False) and _complex_value(args):
+        raise UnsupportedOpError(describe_target(node), "it takes a complex value (of the Fourier transforms, only "
+                                 ".real, .imag and view_as_real are lowered)", node.name)
     ctx = LowerCtx(b, node, out, real_args=tuple(real_args), real=real)
     call_args, call_kwargs = bind_arguments(node, fn, *args)  # torch.mul(x, other=2): `other` by position
     try:
@@ -330,9 +333,15 @@ def _shares_memory(real: dict, written: fx.Node, same=(), writer: fx.Node | None
     return any(s.op in ("placeholder", "get_attr") or any(u in later for u in s.users) for s in sharers)
 
 
+def _complex_value(args) -> bool:
+    found = []
+    fx.node.map_aggregate(args, lambda a: found.append(a) if isinstance(a, ops_fft.ComplexValue) else a)
+    return bool(found)
+
+
 def _any_value(args) -> bool:
     found = []
-    fx.node.map_aggregate(args, lambda a: found.append(a) if isinstance(a, TensorValue) else a)
+    fx.node.map_aggregate(args, lambda a: found.append(a) if isinstance(a, (TensorValue, ops_fft.ComplexValue)) else a)
     return bool(found)
 
 

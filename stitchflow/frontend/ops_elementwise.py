@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from ..ir.activations import BODIES
 from ..ir.errors import UnsupportedOpError
 from ..ir.expr import Cast, Const, call
-from .registry import LOW_PRECISION, LowerCtx, lowering, operand, upcast
+from .ops_fft import ComplexValue, takes_complex
+from .registry import LOW_PRECISION, LowerCtx, lowering, operand, sub_ctx, upcast
 from . import values as V
 from .values import TensorValue
 
@@ -401,7 +402,17 @@ def cast(ctx, x, dtype: torch.dtype):
 
 
 @lowering("method:to", "aten._to_copy", "aten.to")
+@takes_complex
 def lower_to(ctx, x, *args, **kwargs):
+    if ctx.dtype.is_complex:  # a real tensor made complex (AOTAutograd's graphs, before a Fourier transform)
+        real = ctx.dtype.to_real()
+        if isinstance(x, ComplexValue) and x.real.dtype == real:
+            return x
+        if isinstance(x, TensorValue):
+            return ComplexValue(cast(sub_ctx(ctx, x.shape, real, "real"), x, real), None)
+        raise UnsupportedOpError("to", f"{ctx.dtype} from {getattr(x, 'real', x).dtype}", ctx.hint)
+    if isinstance(x, ComplexValue):
+        raise UnsupportedOpError("to", f"a complex value to {ctx.dtype} (its imaginary part dropped)", ctx.hint)
     return cast(ctx, x, ctx.dtype)
 
 

@@ -13,6 +13,7 @@ from ..ir.errors import ShapeError, UnsupportedOpError
 from ..ir.expr import Const, IndexValue, call
 from ..ir.index import add
 from . import values as V
+from .ops_fft import ComplexValue, part, takes_complex
 from .registry import LowerCtx, lowering, refusal
 from .values import TensorValue
 
@@ -289,7 +290,10 @@ RETURN_FIELDS = {"values": 0, "indices": 1}
 
 
 @lowering(builtins.getattr)
+@takes_complex
 def lower_getattr(ctx, x, name):
+    if name in ("real", "imag") and isinstance(x, (ComplexValue, TensorValue)):
+        return part(ctx, x, name)
     if name in ("T", "mT") and isinstance(x, TensorValue):
         return V.transpose(x, -2, -1) if name == "mT" or x.rank == 2 else V.permute(x, list(reversed(range(x.rank))))
     if isinstance(x, tuple) and name in RETURN_FIELDS:  # torch.return_types: max(dim).values, .indices

@@ -44,11 +44,13 @@ class ChainSpec:
 
 
 def dense_contraction(graph: Graph, node: Node) -> Contraction | None:
-    """A contraction whose activations are stored dense: a sparse A (a graph's adjacency, after
-    reassociate.py put it first) is a sparse product, not a GEMM."""
+    """A contraction whose activations are stored dense, in float32 or narrower: a sparse A (a graph's adjacency,
+    after reassociate.py put it first) is a sparse product, not a GEMM."""
     c = _contraction(graph, node)
     if c is None or not graph.type_of[c.a].format.is_dense:
         return None
+    if torch.float64 in {graph.type_of[t].dtype for t in (c.a, c.w, node.name)}:
+        return None  # the Triton GEMMs multiply in float32 at most; float64 stays with torch's (cuBLAS's DGEMM)
     return c if all(reads_whole(graph, node, a) for a in reads(node.body) if a.tensor == c.w) else None
 
 

@@ -316,3 +316,19 @@ def test_explain_ranks_the_chain_plans_and_says_why_a_kind_is_missing():
     assert "1. " in text and "no wgmma plan: 16-bit operands only" in text
     prog.options["gpu_profile"] = "NVIDIA A100-SXM4-80GB"
     assert "no wgmma plan: needs a Hopper GPU" in prog.explain()
+
+
+def test_float64_chains_and_siblings_stay_with_torchs_gemms():
+    """The Triton GEMMs multiply in float32 at most: a float64 GEMM with an epilogue, and GEMMs of one input, run
+    as torch's (exact) instead of as a chain or a grouped launch."""
+    g = torch.Generator().manual_seed(0)
+    x, w1, w2 = (torch.randn(36, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    w1, w2 = w1[:16], w2[:16]
+
+    def f(x, w1, w2):
+        return (x @ w1).relu() + x @ w2
+
+    prog = stitchflow.compile(f, (x, w1, w2), target="gpu", fusion="auto")
+    out = prog(x, w1, w2)
+    assert (out - f(x, w1, w2)).abs().max().item() < 1e-12
+    assert not any(run.chains or run.siblings for run in prog._compiled)

@@ -1,0 +1,80 @@
+"""Fourier transforms of real tensors as DFT contractions (frontend/ops_fft.py) on the reference and gpu targets:
+every transform, direction and norm against torch.fft on inputs other than the compile's examples; ATen's forms
+(AOTAutograd's `_fft_c2c` on a tensor made complex, `view_as_complex` of a gradient); an FNet-style token mixer
+trained through the backend with no fallback; and the refusals, each naming its problem."""
+
+import pytest
+import torch
+
+import stitchflow
+from stitchflow import backend
+from stitchflow.ir.errors import UnsupportedOpError
+from conftest import assert_close, skip_unless_kernels_run
+
+aten = torch.ops.aten
+
+CASES = {
+    "fftn_real": lambda x: torch.fft.fftn(x, dim=(1, 2)).real * 2,
+    "fft_imag_plus_fft2_real": lambda x: torch.fft.fft(x).imag + torch.real(torch.fft.fft2(x)),
+    "ifft_ortho": lambda x: torch.fft.ifft(x, dim=1, norm="ortho").real,
+    "fftn_all_forward_norm": lambda x: torch.fft.fftn(x, norm="forward").imag,
+    "ifftn_of_fftn": lambda x: torch.fft.ifftn(torch.fft.fftn(x, dim=(0, 2)), dim=(0, 2)).real,
+    "view_as_real": lambda x: torch.view_as_real(torch.fft.fft(x, dim=0)).flatten(-2),
+    "real_of_a_real_tensor": lambda x: x.real + 1,
+}
+
+
+@pytest.mark.parametrize("target", ["reference", "gpu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_transforms_equal_torch_fft(name, dtype, target):
+    skip_unless_kernels_run(target)
+    g = torch.Generator().manual_seed(len(name))
+    example, x = (torch.randn(3, 12, 7, generator=g, dtype=dtype) for _ in range(2))
+    prog = stitchflow.compile(CASES[name], (example,), target=target, fusion="auto")
+    assert_close(prog(x), CASES[name](x))
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2])
+@pytest.mark.parametrize("forward", [True, False])
+def test_atens_complex_transform_matches_every_normalization(mode, forward):
+    def f(t):
+        z = aten._fft_c2c(aten.view_as_complex(t), [0, 1], mode, forward)
+        return aten.view_as_real(z)
+
+    g = torch.Generator().manual_seed(mode)
+    t, example = torch.randn(6, 5, 2, generator=g), torch.randn(6, 5, 2, generator=g)
+    assert_close(stitchflow.compile(f, (example,))(t), f(t))
+
+
+def test_an_fnet_mixer_trains_through_the_backend(fresh_dynamo):
+    """AOTAutograd's forward makes the input complex (`_to_copy`) and transforms it; its backward transforms the
+    gradient made complex (`view_as_complex`): both compile."""
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+
+    def step(model, x):
+        mixed = torch.fft.fftn(model(x), dim=(1, 2)).real
+        return torch.nn.functional.layer_norm(mixed + x, (8,)).square().sum()
+
+    x = torch.randn(2, 10, 8)
+    step(torch.compile(layer, backend="stitchflow"), x)  # warm: the compiled module's own call
+    ours = torch.compile(lambda x: step(layer, x), backend="stitchflow")
+    ours(x).backward()
+    grads = [p.grad.clone() for p in layer.parameters()]
+    layer.zero_grad()
+    step(layer, x).backward()
+    for got, want in zip(grads, (p.grad for p in layer.parameters())):
+        assert_close(got, want)
+    assert not backend.FALLBACKS, backend.fallback_report()
+
+
+def test_a_complex_value_anywhere_else_is_refused_with_the_reason(fresh_dynamo):
+    x = torch.randn(4, 6)
+    out = torch.compile(lambda x: torch.fft.fft(x) * 2, backend="stitchflow")(x)
+    assert_close(out, torch.fft.fft(x) * 2)
+    assert "complex value" in backend.fallback_report()
+    with pytest.raises(UnsupportedOpError, match="zero padding or truncation"):
+        stitchflow.compile(lambda x: torch.fft.fft(x, n=8).real, (x,))
+    with pytest.raises(UnsupportedOpError, match="float32 or float64"):
+        stitchflow.compile(lambda x: torch.fft.fft(x).real, (x.to(torch.int64),))
