@@ -145,6 +145,8 @@ class Program:
         tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
         layouts = self.captured.layouts
         for name, value in zip(graph.inputs, tensors):
+            if value.is_complex():  # the graph takes its real and imaginary parts, (..., 2) (capture)
+                value = torch.view_as_real(value.resolve_conj())
             if name in layouts:
                 value = value.permute(layouts[name])
             expected = graph.type_of[name]

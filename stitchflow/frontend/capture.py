@@ -22,9 +22,9 @@ from ..ir.errors import ShapeError, StitchflowError, UnsupportedOpError
 from ..ir.expr import Const
 from ..ir.graph import Graph
 from ..ir.types import Format, TensorType, format_of_tensor, parse_format
-from . import (ops_activations, ops_attention, ops_conv, ops_elementwise, ops_factory, ops_fft,  # noqa: F401
-               ops_grouped, ops_index, ops_linalg, ops_losses, ops_mha, ops_pool, ops_reduce, ops_resize, ops_scan,
-               ops_scatter, ops_shape, ops_sort, ops_stats, ops_trig, ops_views)  # (register lowerings)
+from . import (ops_activations, ops_attention, ops_complex, ops_conv, ops_elementwise, ops_factory,  # noqa: F401
+               ops_fft, ops_grouped, ops_index, ops_linalg, ops_losses, ops_mha, ops_pool, ops_reduce, ops_resize,
+               ops_scan, ops_scatter, ops_shape, ops_sort, ops_stats, ops_trig, ops_views)  # (register lowerings)
 from .builder import GraphBuilder
 from .registry import (FACTORIES, IN_PLACE_OPERATORS, LOWERINGS, VALUES_UNCHANGED, LowerCtx, bind_arguments,
                        describe_target, early_refusal, is_inplace, key_of)
@@ -180,6 +180,9 @@ def _capture(gm, example_inputs, input_formats, param_formats, partial_depth: in
         if isinstance(value, torch.Tensor):
             if value.numel() == 0:
                 raise ShapeError(f"input {ph.target} is empty {tuple(value.shape)}; zero-size tensors are not supported")
+            if value.is_complex():  # the program takes it as view_as_real's (..., 2) real tensor (Program._bind)
+                env[ph] = ops_complex.from_pairs(b.add_input(ph.target, ops_complex.pairs_type(value)))
+                continue
             spec = input_formats.get(pos, input_formats.get(ph.target))
             ttype = TensorType(tuple(value.shape), value.dtype, _format_for(spec, value))
             env[ph] = b.add_input(ph.target, ttype)
@@ -197,6 +200,9 @@ def _capture(gm, example_inputs, input_formats, param_formats, partial_depth: in
                 env[node] = value
             elif _traced_scalar(node, value):  # x * torch.tensor(2.0) under symbolic tracing: a number, as eager
                 env[node] = b.emit((), value.dtype, lambda o, r, rg, v=value.item(): Const(v), hint=node.name)
+            elif isinstance(value, torch.Tensor) and value.is_complex():
+                env[node] = ops_complex.from_pairs(b.add_param(node.target, ops_complex.as_pairs(value)))
+                used_params.add(node.target)
             elif isinstance(value, torch.Tensor):
                 spec = param_formats.get(node.target)
                 env[node] = b.add_param(node.target, value, _format_for(spec, value) if spec else None)
@@ -279,11 +285,13 @@ def _lower_call(gm, node: fx.Node, b: GraphBuilder, env, real, aliases, input_wr
     fn = LOWERINGS.get(key)
     if fn is None:
         raise UnsupportedOpError(describe_target(node), "no lowering to the IR", node.name)
-    if not getattr(fn, "takes_complex", False) and _complex_value(args):
-        raise UnsupportedOpError(describe_target(node), "it takes a complex value (of the Fourier transforms, only "
-                                 ".real, .imag and view_as_real are lowered)", node.name)
+    if not getattr(fn, "takes_complex", False) and ops_complex.any_complex(args):
+        fn = ops_complex.COMPLEX_LOWERINGS.get(key) or ops_complex.partwise(key, fn)
+        if fn is None:
+            raise UnsupportedOpError(describe_target(node), "it takes a complex value (lowered: Fourier transforms, "
+                                     "conj, products, sums, abs, views, .real, .imag, view_as_real)", node.name)
     ctx = LowerCtx(b, node, out, real_args=tuple(real_args), real=real)
-    call_args, call_kwargs = bind_arguments(node, fn, *args)  # torch.mul(x, other=2): `other` by position
+    call_args, call_kwargs = bind_arguments(node, getattr(fn, "binds_as", fn), *args)  # torch.mul(x, other=2): `other` by position
     try:
         value = fn(ctx, *call_args, **call_kwargs)
     except StitchflowError:
@@ -333,15 +341,10 @@ def _shares_memory(real: dict, written: fx.Node, same=(), writer: fx.Node | None
     return any(s.op in ("placeholder", "get_attr") or any(u in later for u in s.users) for s in sharers)
 
 
-def _complex_value(args) -> bool:
-    found = []
-    fx.node.map_aggregate(args, lambda a: found.append(a) if isinstance(a, ops_fft.ComplexValue) else a)
-    return bool(found)
-
-
 def _any_value(args) -> bool:
     found = []
-    fx.node.map_aggregate(args, lambda a: found.append(a) if isinstance(a, (TensorValue, ops_fft.ComplexValue)) else a)
+    fx.node.map_aggregate(args, lambda a: found.append(a) if isinstance(a, (TensorValue, ops_complex.ComplexValue))
+                          else a)
     return bool(found)
 
 
@@ -394,6 +397,8 @@ def _finish(b: GraphBuilder, out_node: fx.Node, env, real, names, written=()) ->
                 # reach the input
                 out = b.emit(leaf.shape, leaf.dtype, lambda o, r, rg, leaf=leaf: leaf.read(o, rg), hint="out").base
             outputs.append(out)
+        elif isinstance(leaf, ops_complex.ComplexValue):  # stored as view_as_real's pairs, handed out as complex
+            outputs.append((ops_complex.to_pairs(b, leaf).base, leaf.shape, "complex"))
         elif leaf is None or isinstance(leaf, (int, float, bool)):
             outputs.append(leaf)
         else:
@@ -424,6 +429,8 @@ def rebuild_outputs(captured: Captured, env: Mapping[str, torch.Tensor]):
     def leaf(o):
         if isinstance(o, str):
             return env[o] if o not in layouts else env[o].permute(inverse_permutation(layouts[o]))
+        if isinstance(o, tuple) and o[2:] == ("complex",):  # (..., 2) real and imaginary parts
+            return torch.view_as_complex(env[o[0]])
         if isinstance(o, tuple):  # stored in an order that keeps the reshape a view (channels_last._view_last)
             t = env[o[0]]  # (reshape: a copy, never an error, should no order make it a view)
             return t.view(o[1]) if o[0] not in layouts else t.permute(inverse_permutation(layouts[o[0]])).reshape(o[1])

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from ..ir.activations import BODIES
 from ..ir.errors import UnsupportedOpError
 from ..ir.expr import Cast, Const, call
-from .ops_fft import ComplexValue, takes_complex
+from .ops_complex import ComplexValue, takes_complex
 from .registry import LOW_PRECISION, LowerCtx, lowering, operand, sub_ctx, upcast
 from . import values as V
 from .values import TensorValue

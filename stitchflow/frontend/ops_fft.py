@@ -1,111 +1,121 @@
-"""Discrete Fourier transforms of real tensors (torch.fft.fft, fft2, fftn and their inverses), as FNet mixes tokens:
-each transformed dim is a product with the DFT's cosine and sine matrices (parameters), out[k] = sum_n x[n] ·
-e^(∓2πi·kn/N), which the gpu target runs as GEMMs (FNet's authors ran it so on TPUs). O(N²) per dim where an FFT is
-O(N log N): for the short dims of a model (a sequence, a hidden width) a tensor-core GEMM is the faster of the two.
+"""Discrete Fourier transforms of real tensors and of complex values made of them (torch.fft's fft, ifft, rfft,
+irfft and their 2-d and n-d forms; ATen's _fft_c2c, _fft_r2c and _fft_c2r as AOTAutograd writes them): each transformed dim
+is a product with the DFT's cosine and sine matrices (parameters), out[k] = sum_n x[n] · e^(∓2πi·kn/N), which the gpu
+target runs as GEMMs (FNet's authors ran its token mixing so on TPUs). O(N²) per dim where an FFT is O(N log N): for
+the short dims of a model (a sequence, a hidden width, an image's side) a tensor-core GEMM is the faster of the two.
 
-The IR is real, so a complex result lives in the frontend only, as a ComplexValue of its two parts; `.real`,
-`.imag`, torch.real / torch.imag and view_as_real take it back to tensors, and any other op that meets it is refused
-with that reason (capture checks `takes_complex`). Inputs are real float32 or float64; `n` / `s` other than the dims'
-own sizes (zero padding, truncation) are refused.
+A transform of length n reads the first min(n, L) entries of a dim of L (zero padding past L, truncation below it);
+rfft keeps the n//2 + 1 non-negative frequencies, irfft weighs them as the Hermitian spectrum they stand for (twice,
+but for the zero and Nyquist frequencies) and returns the real signal. Complex results are ComplexValues
+(ops_complex.py).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from ..ir.errors import UnsupportedOpError
-from ..ir.expr import Const, IndexValue, call
+from ..ir.expr import call
 from . import values as V
+from .ops_complex import ComplexValue, as_complex, takes_complex
 from .registry import LowerCtx, lowering
 from .values import TensorValue
 
 NORMS = ("backward", "ortho", "forward")
 
 
-@dataclass(frozen=True)
-class ComplexValue:
-    """A complex tensor as its real and imaginary parts; `imag` None is zero (a real tensor's transform input)."""
-
-    real: TensorValue
-    imag: TensorValue | None
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.real.shape
-
-
-def takes_complex(fn):
-    """Marks a lowering that accepts ComplexValue arguments (capture refuses them for every other)."""
-    fn.takes_complex = True
-    return fn
-
-
-def _dft_matrices(ctx: LowerCtx, n: int, dtype: torch.dtype, inverse: bool, norm: str | None):
-    """(cos, ±sin) matrices of the transform along a dim of n, its normalisation folded in: the forward transform
-    multiplies by cos - i·sin, the inverse by cos + i·sin."""
+def _scale(n: int, inverse: bool, norm: str | None, ctx: LowerCtx) -> float:
     norm = norm or "backward"
     if norm not in NORMS:
         raise UnsupportedOpError("fft", f"norm={norm!r}", ctx.hint)
-    made = ctx.builder.__dict__.setdefault("dft_matrices", {})  # one pair per size for all of a model's layers
-    key = (n, dtype, inverse, norm)
+    if norm == "ortho":
+        return 1 / math.sqrt(n)
+    return 1 / n if (norm == "backward") == inverse else 1.0
+
+
+def _matrices(ctx: LowerCtx, kind: str, n: int, cols: int, dtype: torch.dtype, inverse: bool, norm):
+    """(cos, ±sin) of a transform of length n over `cols` inputs, its scale folded in: e^(∓iθ) = cos ∓ i·sin, so
+    the sine matrix carries the direction's sign. kind "c2c": n outputs; "r2c": the n//2 + 1 non-negative
+    frequencies; "c2r": n outputs from `cols` frequencies, each weighted as its conjugate partner adds to it."""
+    made = ctx.builder.__dict__.setdefault("dft_matrices", {})  # one pair per transform for all of a model's layers
+    key = (kind, n, cols, dtype, inverse, norm)
     if key in made:
         return made[key]
-    scaled = {"backward": inverse, "forward": not inverse}.get(norm)
-    scale = 1 / math.sqrt(n) if norm == "ortho" else (1 / n if scaled else 1.0)
-    k = torch.arange(n, dtype=torch.float64)
-    angle = 2 * math.pi * torch.outer(k, k).remainder(n) / n  # k·n mod N keeps the angles small and exact
-    cos, sin = torch.cos(angle) * scale, torch.sin(angle) * scale * (1 if inverse else -1)
-    made[key] = (ctx.builder.add_param(f"dft_cos{n}", cos.to(dtype)), ctx.builder.add_param(f"dft_sin{n}", sin.to(dtype)))
+    rows = n // 2 + 1 if kind == "r2c" else n
+    out_at, in_at = torch.arange(rows, dtype=torch.float64), torch.arange(cols, dtype=torch.float64)
+    angle = 2 * math.pi * torch.outer(out_at, in_at).remainder(n) / n  # k·n mod N keeps the angles exact
+    weight = _scale(n, inverse, norm, ctx)
+    if kind == "c2r":
+        twice = torch.full((cols,), 2.0, dtype=torch.float64)
+        twice[0] = 1.0
+        if n % 2 == 0 and cols > n // 2:
+            twice[n // 2] = 1.0
+        weight = weight * twice
+    cos, sin = torch.cos(angle) * weight, torch.sin(angle) * weight * (1 if inverse else -1)
+    made[key] = (ctx.builder.add_param(f"dft_cos{n}", cos.to(dtype)),
+                 ctx.builder.add_param(f"dft_sin{n}", sin.to(dtype)))
     return made[key]
 
 
 def _along(ctx: LowerCtx, matrix: TensorValue, x: TensorValue, dim: int, hint: str) -> TensorValue:
-    """out[.., k, ..] = sum_n matrix[k, n] · x[.., n, ..]: one contraction (a GEMM on the gpu target)."""
+    """out[.., k, ..] = sum_n matrix[k, n] · x[.., n, ..] over the matrix's columns: one contraction (a GEMM on
+    the gpu target)."""
+    rows, cols = matrix.shape
+    shape = list(x.shape)
+    shape[dim] = rows
+
     def body(o, r, rg):
         at = list(o)
         at[dim] = r[0]
         return call("mul", matrix.read([o[dim], r[0]], rg), x.read(at, rg))
 
-    return ctx.builder.emit(x.shape, x.dtype, body, reduce="sum", red_shape=(x.shape[dim],), hint=hint)
+    return ctx.builder.emit(shape, x.dtype, body, reduce="sum", red_shape=(cols,), hint=hint)
 
 
 def _combine(ctx: LowerCtx, op: str, a: TensorValue, b: TensorValue, hint: str) -> TensorValue:
     return ctx.builder.emit(a.shape, a.dtype, lambda o, r, rg: call(op, a.read(o, rg), b.read(o, rg)), hint=hint)
 
 
-def _transform_dim(ctx: LowerCtx, z: ComplexValue, dim: int, inverse: bool, norm) -> ComplexValue:
-    """(a + ib)(C + iS) = (aC - bS) + i(aS + bC), with S the sign-carrying sine matrix."""
-    cos, sin = _dft_matrices(ctx, z.shape[dim], z.real.dtype, inverse, norm)
-    ac, as_ = _along(ctx, cos, z.real, dim, f"{ctx.hint}_re"), _along(ctx, sin, z.real, dim, f"{ctx.hint}_im")
+def _transform_dim(ctx: LowerCtx, z: ComplexValue, dim: int, n: int, kind: str, inverse: bool, norm):
+    """(a + ib)(C + iS) = (aC - bS) + i(aS + bC); a "c2r" transform keeps the real part alone."""
+    cols = min(n // 2 + 1 if kind == "c2r" else n, z.shape[dim])
+    cos, sin = _matrices(ctx, kind, n, cols, z.real.dtype, inverse, norm)
+    re, im = f"{ctx.hint}_re", f"{ctx.hint}_im"
+    ac = _along(ctx, cos, z.real, dim, re)
+    bs = _along(ctx, sin, z.imag, dim, re) if z.imag is not None else None
+    if kind == "c2r":
+        return ac if bs is None else _combine(ctx, "sub", ac, bs, re)
+    as_ = _along(ctx, sin, z.real, dim, im)
     if z.imag is None:
         return ComplexValue(ac, as_)
-    bc, bs = _along(ctx, cos, z.imag, dim, f"{ctx.hint}_re"), _along(ctx, sin, z.imag, dim, f"{ctx.hint}_im")
-    return ComplexValue(_combine(ctx, "sub", ac, bs, f"{ctx.hint}_re"), _combine(ctx, "add", as_, bc, f"{ctx.hint}_im"))
+    bc = _along(ctx, cos, z.imag, dim, im)
+    return ComplexValue(_combine(ctx, "sub", ac, bs, re), _combine(ctx, "add", as_, bc, im))
 
 
-def _transform(ctx: LowerCtx, x, dims, sizes, norm, inverse: bool) -> ComplexValue:
-    if isinstance(x, ComplexValue):
-        z = x
-    elif isinstance(x, TensorValue) and x.dtype in (torch.float32, torch.float64):
-        z = ComplexValue(x, None)
-    else:
-        raise UnsupportedOpError("fft", f"an input of {getattr(x, 'dtype', type(x).__name__)} (real float32 or "
-                                        "float64 tensors are taken)", ctx.hint)
+def _transform(ctx: LowerCtx, x, dims, sizes, norm, inverse: bool, real: str | None = None):
+    """The transform over `dims` (sizes: their lengths, None for the dims' own). real "r2c": the last dim's transform
+    keeps the non-negative frequencies (done first, on the real input); "c2r": the last dim's is the real inverse
+    (done last; its length defaults to 2·(L - 1))."""
+    z = as_complex(ctx, x, "fft")
     dims = [V.norm_dim(d, len(z.shape)) for d in dims]
-    if sizes is not None and [int(s) for s in sizes] != [z.shape[d] for d in dims]:
-        raise UnsupportedOpError("fft", f"sizes {list(sizes)} other than the dims' own (zero padding or truncation)",
-                                 ctx.hint)
-    for d in reversed(dims):
-        z = _transform_dim(ctx, z, d, inverse, norm)
+    if sizes is not None and len(sizes) != len(dims):
+        raise UnsupportedOpError("fft", f"{len(sizes)} sizes for {len(dims)} dims", ctx.hint)
+    lengths = [int(s) if s is not None and s != -1 else None for s in (sizes or [None] * len(dims))]
+    lengths = [n if n is not None else z.shape[d] for n, d in zip(lengths[:-1], dims[:-1])] + lengths[-1:]
+    if real == "r2c" and z.imag is not None:
+        raise UnsupportedOpError("rfft", "a complex input", ctx.hint)
+    last, n_last = dims[-1], lengths[-1]
+    if real == "r2c":
+        z = _transform_dim(ctx, z, last, n_last or z.shape[last], "r2c", inverse, norm)
+    for d, n in reversed(list(zip(dims[:-1], lengths[:-1]))):
+        z = _transform_dim(ctx, z, d, n, "c2c", inverse, norm)
+    if real == "c2r":
+        return _transform_dim(ctx, z, last, n_last or 2 * (z.shape[last] - 1), "c2r", inverse, norm)
+    if real is None:
+        z = _transform_dim(ctx, z, last, n_last or z.shape[last], "c2c", inverse, norm)
     return z
-
-
-def _dims(x, dim) -> list[int]:
-    rank = len(x.shape)
-    return list(range(rank)) if dim is None else [dim] if isinstance(dim, int) else list(dim)
 
 
 def _name(ctx) -> str:
@@ -113,27 +123,38 @@ def _name(ctx) -> str:
     return getattr(target, "__name__", str(target))
 
 
-@lowering(torch.fft.fft, torch.fft.ifft, "aten.fft_fft", "aten.fft_ifft")
+def _kind(name: str) -> tuple[bool, str | None]:
+    """(inverse, real kind) from the op's name: irfft is the real inverse, rfft the real forward."""
+    if "irfft" in name:
+        return True, "c2r"
+    if "rfft" in name:
+        return False, "r2c"
+    return "ifft" in name, None
+
+
+@lowering(torch.fft.fft, torch.fft.ifft, torch.fft.rfft, torch.fft.irfft, "aten.fft_fft", "aten.fft_ifft",
+          "aten.fft_rfft", "aten.fft_irfft")
 @takes_complex
 def lower_fft(ctx, x, n=None, dim=-1, norm=None, *, out=None):
-    return _transform(ctx, x, [dim], None if n is None else [n], norm, "ifft" in _name(ctx))
+    inverse, real = _kind(_name(ctx))
+    return _transform(ctx, x, [dim], [n], norm, inverse, real)
 
 
-@lowering(torch.fft.fft2, torch.fft.ifft2, torch.fft.fftn, torch.fft.ifftn, "aten.fft_fft2", "aten.fft_ifft2",
-          "aten.fft_fftn", "aten.fft_ifftn")
+@lowering(torch.fft.fft2, torch.fft.ifft2, torch.fft.fftn, torch.fft.ifftn, torch.fft.rfft2, torch.fft.irfft2,
+          torch.fft.rfftn, torch.fft.irfftn, "aten.fft_fft2", "aten.fft_ifft2", "aten.fft_fftn", "aten.fft_ifftn",
+          "aten.fft_rfft2", "aten.fft_irfft2", "aten.fft_rfftn", "aten.fft_irfftn")
 @takes_complex
 def lower_fftn(ctx, x, s=None, dim=None, norm=None, *, out=None):
     name = _name(ctx)
-    if dim is None and "2" in name:
-        dim = (-2, -1)
-    return _transform(ctx, x, _dims(x, dim if dim is not None or s is None else list(range(-len(s), 0))), s, norm,
-                      "ifft" in name)
-
-
+    if dim is None:
+        dim = (-2, -1) if "2" in name else list(range(-len(s), 0)) if s is not None else list(range(len(x.shape)))
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    inverse, real = _kind(name)
+    return _transform(ctx, x, dims, None if s is None else list(s), norm, inverse, real)
 
 
 def _aten_norm(normalization: int, forward: bool) -> str:
-    """ATen's mode as the torch.fft norm that gives it: 2 (1/n) is "forward" going forward, "backward" inverted."""
+    """ATen's mode (0 none, 1 1/sqrt(n), 2 1/n) as the torch.fft norm that gives it in that direction."""
     if normalization == 2:
         return "forward" if forward else "backward"
     if normalization == 1:
@@ -151,51 +172,13 @@ def lower_fft_c2c(ctx, z, dim, normalization, forward):
 @lowering("aten._fft_r2c")
 @takes_complex
 def lower_fft_r2c(ctx, x, dim, normalization, onesided):
-    if onesided:
-        raise UnsupportedOpError("_fft_r2c", "a one-sided (rfft) spectrum", ctx.hint)
-    return _transform(ctx, x, list(dim), None, _aten_norm(int(normalization), True), False)
+    return _transform(ctx, x, list(dim), None, _aten_norm(int(normalization), True), False,
+                      "r2c" if onesided else None)
 
 
-@lowering(torch.view_as_complex, "aten.view_as_complex")
+@lowering("aten._fft_c2r")
 @takes_complex
-def lower_view_as_complex(ctx, t):
-    """t[..., 0] + i·t[..., 1] (a gradient made complex for the transform's backward)."""
-    if not isinstance(t, TensorValue) or t.shape[-1] != 2:
-        raise UnsupportedOpError("view_as_complex", "a tensor whose last dim is not 2", ctx.hint)
-    return ComplexValue(V.select(t, -1, 0), V.select(t, -1, 1))
-
-
-def part(ctx, z, name: str):
-    """z.real or z.imag (builtins.getattr's lowering asks too)."""
-    if isinstance(z, TensorValue):  # .real of a real tensor is the tensor; its .imag is refused by torch itself
-        return z
-    if not isinstance(z, ComplexValue):
-        raise UnsupportedOpError(f".{name}", f"of a {type(z).__name__}", ctx.hint)
-    part = z.real if name == "real" else z.imag
-    if part is None:
-        return ctx.builder.emit(z.shape, z.real.dtype, lambda o, r, rg: Const(0.0), hint=ctx.hint)
-    return part
-
-
-@lowering(torch.real, "aten.real")
-@takes_complex
-def lower_real(ctx, z):
-    return part(ctx, z, "real")
-
-
-@lowering(torch.imag, "aten.imag")
-@takes_complex
-def lower_imag(ctx, z):
-    return part(ctx, z, "imag")
-
-
-@lowering(torch.view_as_real, "aten.view_as_real")
-@takes_complex
-def lower_view_as_real(ctx, z):
-    """out[..., 0] = real, out[..., 1] = imag."""
-    if not isinstance(z, ComplexValue):
-        raise UnsupportedOpError("view_as_real", f"of a {type(z).__name__}", ctx.hint)
-    real, imag = part(ctx, z, "real"), part(ctx, z, "imag")
-    return ctx.builder.emit((*z.shape, 2), z.real.dtype, lambda o, r, rg: call(
-        "where", call("eq", IndexValue(o[-1]), Const(0)), real.read(o[:-1], rg), imag.read(o[:-1], rg)),
-        hint=ctx.hint)
+def lower_fft_c2r(ctx, z, dim, normalization, last_dim_size):
+    dims = list(dim)
+    return _transform(ctx, z, dims, [None] * (len(dims) - 1) + [int(last_dim_size)],
+                      _aten_norm(int(normalization), False), True, "c2r")

@@ -13,7 +13,7 @@ from ..ir.errors import ShapeError, UnsupportedOpError
 from ..ir.expr import Const, IndexValue, call
 from ..ir.index import add
 from . import values as V
-from .ops_fft import ComplexValue, part, takes_complex
+from .ops_complex import ComplexValue, part, takes_complex
 from .registry import LowerCtx, lowering, refusal
 from .values import TensorValue
 

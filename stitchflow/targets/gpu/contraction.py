@@ -31,7 +31,7 @@ def _affine_layout(access, node: Node, names, shape, stride) -> tuple | None:
     """(sizes, strides, offset) of the read as a strided view of a tensor of `shape` and `stride`
     over `names`, when every index is affine in the variables and stays in range: head splits
     (128*h + d), grouped-query heads (4*g + h) and broadcasts then cost no copy. None when some
-    index is not affine (or is clamped)."""
+    index is not affine (or is clamped), or runs backwards."""
     strides = dict.fromkeys(names, 0)
     offset = 0
     for idx, size, step in zip(access.indices, shape, stride):
@@ -45,6 +45,8 @@ def _affine_layout(access, node: Node, names, shape, stride) -> tuple | None:
         offset += const * step
         for c, a in terms:
             strides[a.name] += c * step
+    if any(s < 0 for s in strides.values()):
+        return None  # a flipped read (x.flip(1)): torch's strided views take no negative strides
     return [node.extents[v] for v in names], [strides[v] for v in names], offset
 
 

@@ -449,6 +449,8 @@ class BodyEmitter:
             # per element. Only results under 2^-126 change (to 0): invisible in a sum of
             # exponentials (a softmax's has a term of 1) and in a half-precision result.
             return f"_ex2_approx({x} * 1.4426950408889634)"
+        if op == "sqrt" and result == torch.float64:
+            return f"tl.sqrt({x})"  # sqrt_rn is float32's; float64's square root is correctly rounded anyway
         if op != "tanh":
             return f"{UNARY_FLOAT[op]}({x})"
         return f"_tanh({x})"
