@@ -77,6 +77,17 @@ def _checked(ctx: LowerCtx, a, b, offs, what: str) -> None:
         raise ShapeError(f"{what}: inner dims differ, {tuple(a.shape)} and {tuple(b.shape)}")
 
 
+def _grouped_rows(ctx: LowerCtx, a: TensorValue, b: TensorValue, offs: TensorValue, tag) -> TensorValue:
+    """out[t, n] = sum_k a[t, k] * b[group[t], k, n], rows past offs[-1] zero."""
+    groups = offs.shape[0]
+    count = _group_counts(ctx, offs, a.shape[0], tag)
+    weight = V.gather_dim(b, 0, _groups(ctx, count, groups, tag))  # [t, k, n] = b[group[t], k, n]
+    out = ctx.builder.emit((a.shape[0], b.shape[2]), ctx.dtype, lambda o, r, rg: call(
+        "mul", a.read([o[0], r[0]], rg), weight.read([o[0], r[0], o[1]], rg)),
+        reduce="sum", red_shape=(a.shape[1],), hint=ctx.hint)
+    return _zero_past_groups(ctx, out, count, 0, groups)
+
+
 def grouped_mm(ctx: LowerCtx, a: TensorValue, b: TensorValue, offs: TensorValue | None, what: str) -> TensorValue:
     _checked(ctx, a, b, offs, what)
     if offs is None:
@@ -85,21 +96,11 @@ def grouped_mm(ctx: LowerCtx, a: TensorValue, b: TensorValue, offs: TensorValue 
     if (a.rank, b.rank) == (2, 3):
         if b.shape[0] != groups:
             raise ShapeError(f"{what}: {b.shape[0]} weights for {groups} groups")
-        count = _group_counts(ctx, offs, a.shape[0], tag)
-        weight = V.gather_dim(b, 0, _groups(ctx, count, groups, tag))  # [t, k, n] = b[group[t], k, n]
-        out = ctx.builder.emit((a.shape[0], b.shape[2]), ctx.dtype, lambda o, r, rg: call(
-            "mul", a.read([o[0], r[0]], rg), weight.read([o[0], r[0], o[1]], rg)),
-            reduce="sum", red_shape=(a.shape[1],), hint=ctx.hint)
-        return _zero_past_groups(ctx, out, count, 0, groups)
-    if (a.rank, b.rank) == (3, 2):
+        return _grouped_rows(ctx, a, b, offs, tag)
+    if (a.rank, b.rank) == (3, 2):  # the rows form of the transposed product: outᵀ[n, m] = bᵀ[n, :] · a[group[n]]ᵀ
         if a.shape[0] != groups:
             raise ShapeError(f"{what}: {a.shape[0]} groups of mat_a for {groups} offsets")
-        count = _group_counts(ctx, offs, b.shape[1], tag)
-        left = V.gather_dim(a, 0, _groups(ctx, count, groups, tag))  # [n, m, k] = a[group[n], m, k]
-        out = ctx.builder.emit((a.shape[1], b.shape[1]), ctx.dtype, lambda o, r, rg: call(
-            "mul", left.read([o[1], o[0], r[0]], rg), b.read([r[0], o[1]], rg)),
-            reduce="sum", red_shape=(a.shape[2],), hint=ctx.hint)
-        return _zero_past_groups(ctx, out, count, 1, groups)
+        return V.transpose(_grouped_rows(ctx, V.transpose(b, 0, 1), V.transpose(a, 1, 2), offs, tag), 0, 1)
     count = _group_counts(ctx, offs, a.shape[1], tag)
     member = ctx.builder.emit((groups, a.shape[1]), a.dtype, lambda o, r, rg: call(
         "where", call("eq", count.read([o[1]], rg), IndexValue(o[0])), Const(1.0), Const(0.0)),
