@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..ir.errors import ShapeError
+from ..ir.errors import ShapeError, UnsupportedOpError
 from ..ir.expr import Expr, Read
 from ..ir.graph import Graph, Node, Tag
 from ..ir.index import Var
@@ -52,12 +52,14 @@ class GraphBuilder:
 
     # declarations -----------------------------------------------------------
     def add_input(self, hint: str, ttype: TensorType) -> TensorValue:
+        _real(ttype.dtype, hint)
         name = self.fresh(hint)
         self.inputs.append(name)
         self.types[name] = ttype
         return identity(name, ttype.shape, ttype.dtype)
 
     def add_param(self, hint: str, value: torch.Tensor, fmt: Format | None = None) -> TensorValue:
+        _real(value.dtype, hint)
         name = self.fresh(hint)
         self.params.append(name)
         self.param_values[name] = value
@@ -81,6 +83,7 @@ class GraphBuilder:
         fmt: Format | None = None,
     ) -> TensorValue:
         """Add `out[out_vars] (reduce)= body(out_vars, red_vars, ranges)` and return its value."""
+        _real(dtype, hint)
         shape = tuple(int(s) for s in shape)
         out_vars = loop_vars(len(shape), OUT_NAMES)
         red_vars = loop_vars(len(red_shape), RED_NAMES, [v.name for v in out_vars])
@@ -150,3 +153,10 @@ class GraphBuilder:
         kept = {n.name for n in nodes}
         types = tuple((name, t) for name, t in self.types.items() if name in kept or name not in self.node_names)
         return Graph(tuple(self.inputs), tuple(self.params), tuple(reversed(nodes)), tuple(outputs), types).validate()
+
+
+def _real(dtype: torch.dtype, hint: str) -> None:
+    """The IR is real: complex values are pairs of real tensors in the frontend (ops_complex.py), never IR tensors."""
+    if dtype.is_complex:
+        raise UnsupportedOpError(hint, f"a {dtype} tensor in the IR (complex values are lowered as pairs of real "
+                                       "tensors where an op knows how)")

@@ -279,17 +279,20 @@ def _lower_call(gm, node: fx.Node, b: GraphBuilder, env, real, aliases, input_wr
         real[name] = out
     key = key_of(node) if node.op != "call_module" else None
     if not depends and key not in FACTORIES:  # no graph tensor flows in: fold to a constant
-        return (b.add_param("const", out) if isinstance(out, torch.Tensor) else out), out
+        if isinstance(out, torch.Tensor):
+            return (ops_complex.constant(b, out) if out.is_complex() else b.add_param("const", out)), out
+        return out, out
     if node.op == "call_module":
         raise UnsupportedOpError(f"module {node.target}", "leaf modules are not traced into", node.name)
     fn = LOWERINGS.get(key)
     if fn is None:
         raise UnsupportedOpError(describe_target(node), "no lowering to the IR", node.name)
     if not getattr(fn, "takes_complex", False) and ops_complex.any_complex(args):
-        fn = ops_complex.COMPLEX_LOWERINGS.get(key) or ops_complex.partwise(key, fn)
+        fn = ops_complex.COMPLEX_LOWERINGS.get(key) or ops_complex.partwise(key, fn) or ops_complex.bilinear(key, fn)
         if fn is None:
             raise UnsupportedOpError(describe_target(node), "it takes a complex value (lowered: Fourier transforms, "
-                                     "conj, products, sums, abs, views, .real, .imag, view_as_real)", node.name)
+                                     "conj, products, sums, abs, views, matmul and einsum, .real, .imag, "
+                                     "view_as_real)", node.name)
     ctx = LowerCtx(b, node, out, real_args=tuple(real_args), real=real)
     call_args, call_kwargs = bind_arguments(node, getattr(fn, "binds_as", fn), *args)  # torch.mul(x, other=2): `other` by position
     try:

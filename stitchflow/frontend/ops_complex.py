@@ -62,7 +62,7 @@ PARTWISE = {name: _FIRST for name in (
     "roll", "movedim", "chunk", "split", "unbind", "repeat", "detach", "sum", "mean", "index_select", "gather",
     "take_along_dim", "expand_as", "view_as", "reshape_as")}
 PARTWISE.update({"cat": _FIRST, "stack": _FIRST, "concat": _FIRST, "concatenate": _FIRST, "slice_scatter": (0, 1),
-                 "select_scatter": (0, 1), "copy": (0, 1)})
+                 "select_scatter": (0, 1), "copy": (0, 1), "setitem": (0, 2), "__setitem__": (0, 2)})
 
 
 def _op_name(key) -> str:
@@ -92,6 +92,48 @@ def partwise(key, fn):
 
     run.takes_complex, run.binds_as = True, fn
     return run
+
+
+BILINEAR = frozenset({"einsum", "matmul", "mm", "bmm", "__matmul__", "tensordot", "linear"})
+
+
+def bilinear(key, fn):
+    """A product linear in each of two complex operands through its real lowering: (ar + i·ai)·(br + i·bi) =
+    (ar·br - ai·bi) + i(ar·bi + ai·br), each term one real product (an einsum: a GEMM on the gpu target). None where
+    the op is not BILINEAR."""
+    if fn is None or _op_name(key) not in BILINEAR:
+        return None
+
+    def run(ctx, *args, **kwargs):
+        positions = [k for k, a in enumerate(args) if isinstance(a, (ComplexValue, TensorValue))]
+        if len(positions) != 2 or any_complex(kwargs):
+            raise UnsupportedOpError(_op_name(key), "complex operands other than two tensors", ctx.hint)
+        (ar, ai), (br, bi) = (_parts(args[k]) for k in positions)
+        dtype = _real_dtype(ctx)
+
+        def product(a, b, step):
+            if a is None or b is None:
+                return None
+            call_args = list(args)
+            call_args[positions[0]], call_args[positions[1]] = a, b
+            return fn(_part_ctx(ctx, dtype, step), *call_args, **kwargs)
+
+        real = _difference(ctx, product(ar, br, "rr"), product(ai, bi, "ii"), "sub")
+        imag = _difference(ctx, product(ar, bi, "ri"), product(ai, br, "ir"), "add")
+        return ComplexValue(real, imag)
+
+    run.takes_complex, run.binds_as = True, fn
+    return run
+
+
+def _difference(ctx: LowerCtx, a, b, op: str):
+    """a op b over two products' values (None: a zero term)."""
+    if b is None:
+        return a
+    if a is None:
+        return b if op == "add" else ctx.builder.emit(b.shape, b.dtype, lambda o, r, rg: call("neg", b.read(o, rg)),
+                                                      hint=ctx.hint)
+    return ctx.builder.emit(a.shape, a.dtype, lambda o, r, rg: call(op, a.read(o, rg), b.read(o, rg)), hint=ctx.hint)
 
 
 def any_imaginary(args) -> bool:
@@ -178,6 +220,11 @@ def to_pairs(builder, z: ComplexValue, hint: str = "pairs") -> TensorValue:
 def from_pairs(t: TensorValue) -> ComplexValue:
     """t[..., 0] + i·t[..., 1] (how a complex value enters a graph: view_as_real of its input)."""
     return ComplexValue(V.select(t, -1, 0), V.select(t, -1, 1))
+
+
+def constant(builder, value: torch.Tensor) -> ComplexValue:
+    """A complex constant (folded, or made by a factory), held as its pairs."""
+    return from_pairs(builder.add_param("const", as_pairs(value).clone()))
 
 
 def pairs_type(value: torch.Tensor) -> TensorType:

@@ -11,6 +11,7 @@ import torch.fx as fx
 from ..ir.errors import UnsupportedOpError
 from ..ir.expr import Cast, Const, IndexValue, call
 from ..ir.index import add, scale
+from .ops_complex import ComplexValue, constant
 from .ops_elementwise import cast
 from .registry import LowerCtx, describe_target, factory
 from .values import TensorValue
@@ -20,6 +21,8 @@ EXACT_FLOAT_IOTA = 2 ** 24
 
 
 def _constant_input(ctx: LowerCtx):
+    if ctx.out.dtype.is_complex:
+        return constant(ctx.builder, ctx.out)
     return ctx.builder.add_param("const", ctx.out)
 
 
@@ -41,6 +44,10 @@ def lower_filled(ctx: LowerCtx, *args, **kwargs):
     """One value everywhere; `empty` (strided or permuted: the IR has no layouts, and the backend hands an output
     that eager ops read over in eager's strides) holds whatever was there, taken to be zeros (as `empty_like`)."""
     out = ctx.out
+    if out.dtype.is_complex and not bool(out.any()) or "empty" in str(ctx.node.target) and out.dtype.is_complex:
+        real = ctx.out.dtype.to_real()  # zeros: a real part of zeros, no imaginary part
+        return ComplexValue(_filled(LowerCtx(ctx.builder, ctx.node, torch.empty(out.shape, dtype=real,
+                                                                                  device="meta")), 0), None)
     if "empty" in str(ctx.node.target) or out.numel() == 0:
         return _filled(ctx, 0)
     first = out.reshape(-1)[0]

@@ -14,6 +14,7 @@ from ..ir.expr import Const, IndexValue, call
 from ..ir.index import add
 from . import values as V
 from .ops_complex import ComplexValue, part, takes_complex
+from .ops_complex import constant as complex_constant
 from .registry import LowerCtx, lowering, refusal
 from .values import TensorValue
 
@@ -266,14 +267,17 @@ def lower_stack(ctx: LowerCtx, tensors, dim=0):
 @lowering(
     "method:new_zeros", "method:new_ones", "method:new_full", "method:new_empty", torch.zeros_like,
     torch.ones_like, torch.full_like, torch.empty_like, "aten.zeros_like", "aten.ones_like", "aten.full_like",
-    "aten.new_zeros", "aten.new_ones", "aten.new_full", "aten.new_empty", "aten.empty_like",
+    "aten.new_zeros", "aten.new_ones", "aten.new_full", "aten.new_empty", "aten.empty_like", "aten.new_empty_strided",
+    "method:new_empty_strided",
 )
+@takes_complex
 def lower_new_constant(ctx, x, *args, **kwargs):
-    """Creation ops whose value does not depend on the data: captured as constants."""
+    """Creation ops whose value does not depend on the data: captured as constants (empty ones as zeros; the IR
+    has no layouts, so new_empty_strided's strides are the backend's to restore)."""
     out = ctx.out
     if "empty" in str(ctx.node.target):
         out = torch.zeros_like(out)
-    return ctx.builder.add_param("const", out)
+    return complex_constant(ctx.builder, out) if out.is_complex() else ctx.builder.add_param("const", out)
 
 
 def lower_metadata(ctx, *args, **kwargs):

@@ -102,6 +102,56 @@ def test_an_fft_convolution_trains_through_the_backend(fresh_dynamo):
     assert not backend.FALLBACKS, backend.fallback_report()
 
 
+class SpectralConv2d(torch.nn.Module):
+    """A Fourier neural operator's layer: the lowest modes of the input's spectrum mixed across channels by complex
+    weights (complex einsums), written into a spectrum of zeros, transformed back."""
+
+    def __init__(self, cin: int, cout: int, modes: int):
+        super().__init__()
+        self.modes, self.cout = modes, cout
+        self.w1 = torch.nn.Parameter(torch.rand(cin, cout, modes, modes, dtype=torch.cfloat) / (cin * cout))
+        self.w2 = torch.nn.Parameter(torch.rand(cin, cout, modes, modes, dtype=torch.cfloat) / (cin * cout))
+
+    def forward(self, x):
+        b, _, h, w = x.shape
+        m = self.modes
+        x_ft = torch.fft.rfft2(x)
+        out_ft = torch.zeros(b, self.cout, h, w // 2 + 1, dtype=torch.cfloat)
+        out_ft[:, :, :m, :m] = torch.einsum("bixy,ioxy->boxy", x_ft[:, :, :m, :m], self.w1)
+        out_ft[:, :, -m:, :m] = torch.einsum("bixy,ioxy->boxy", x_ft[:, :, -m:, :m], self.w2)
+        return torch.fft.irfft2(out_ft, s=(h, w))
+
+
+class FourierBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.spectral, self.pointwise = SpectralConv2d(4, 4, 3), torch.nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        return torch.nn.functional.gelu(self.spectral(x) + self.pointwise(x))
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+def test_a_fourier_neural_operator_block_compiles_whole(train, fresh_dynamo):
+    """Complex parameters, a complex factory, complex einsums, item assignment into a complex spectrum: no
+    fallback, forward or backward."""
+    torch.manual_seed(0)
+    ours, theirs = FourierBlock(), FourierBlock()
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(2, 4, 10, 12)
+    with torch.set_grad_enabled(train):
+        out = torch.compile(ours, backend="stitchflow")(x)
+        ref = theirs(x)
+    assert_close(out, ref)
+    if train:
+        out.square().sum().backward()
+        ref.square().sum().backward()
+        for got, want in zip(ours.parameters(), theirs.parameters()):
+            assert_close(torch.view_as_real(got.grad) if got.grad.is_complex() else got.grad,
+                         torch.view_as_real(want.grad) if want.grad.is_complex() else want.grad)
+    assert not backend.FALLBACKS, backend.fallback_report()
+
+
 def test_complex_inputs_parameters_and_outputs_pass_as_pairs(fresh_dynamo):
     """A complex tensor enters a program as view_as_real's real tensor and leaves as a complex one again."""
     w = torch.randn(6, 5, dtype=torch.complex64)
