@@ -338,6 +338,20 @@ def lower_complex_abs(ctx, z):
         [(1, call("mul", re, re)), (1, None if im is None else call("mul", im, im))])), real, imag)
 
 
+@lowering(torch.polar, "aten.polar")
+def lower_polar(ctx, magnitude, angle, *, out=None):
+    """magnitude · e^(i·angle): rotary embeddings' frequencies (torchtitan's freqs_cis)."""
+    dtype = _real_dtype(ctx)
+    return ComplexValue(_elementwise(ctx, dtype, lambda m, a: call("mul", m, call("cos", a)), magnitude, angle),
+                        _elementwise(ctx, dtype, lambda m, a: call("mul", m, call("sin", a)), magnitude, angle))
+
+
+@lowering(torch.complex, "aten.complex")
+def lower_complex(ctx, real, imag, *, out=None):
+    dtype = _real_dtype(ctx)
+    return ComplexValue(_elementwise(ctx, dtype, lambda x: x, real), _elementwise(ctx, dtype, lambda x: x, imag))
+
+
 @lowering(torch.conj, torch.conj_physical, "method:conj", "method:conj_physical", "aten.conj", "aten._conj",
           "aten.conj_physical", "method:resolve_conj", "aten.resolve_conj", torch.resolve_conj)
 @takes_complex
