@@ -287,12 +287,13 @@ def _lower_call(gm, node: fx.Node, b: GraphBuilder, env, real, aliases, input_wr
     fn = LOWERINGS.get(key)
     if fn is None:
         raise UnsupportedOpError(describe_target(node), "no lowering to the IR", node.name)
-    if not getattr(fn, "takes_complex", False) and ops_complex.any_complex(args):
+    complex_out = isinstance(out, torch.Tensor) and out.is_complex()  # 1j * x: complex from real operands
+    if not getattr(fn, "takes_complex", False) and (complex_out or ops_complex.any_complex(args)):
         fn = ops_complex.COMPLEX_LOWERINGS.get(key) or ops_complex.partwise(key, fn) or ops_complex.bilinear(key, fn)
         if fn is None:
-            raise UnsupportedOpError(describe_target(node), "it takes a complex value (lowered: Fourier transforms, "
-                                     "conj, products, sums, abs, views, matmul and einsum, .real, .imag, "
-                                     "view_as_real)", node.name)
+            raise UnsupportedOpError(describe_target(node), "it takes or makes a complex value (lowered: Fourier "
+                                     "transforms, conj, arithmetic, exp, abs, views, matmul and einsum, .real, "
+                                     ".imag, view_as_real)", node.name)
     ctx = LowerCtx(b, node, out, real_args=tuple(real_args), real=real)
     call_args, call_kwargs = bind_arguments(node, getattr(fn, "binds_as", fn), *args)  # torch.mul(x, other=2): `other` by position
     try:

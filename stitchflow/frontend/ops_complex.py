@@ -1,9 +1,9 @@
 """Complex values in the frontend. The IR is real, so a complex tensor made inside a graph (a Fourier transform's
 result, a real tensor made complex) is a ComplexValue of its two real parts while capture lowers the graph. What takes
-it back to tensors: `.real`, `.imag`, torch.real / torch.imag, view_as_real, abs; what keeps it complex: conj, products,
-sums and differences with complex, real or scalar operands (each part an elementwise node), and the views and copies
-that act on each part alike (`partwise`: slicing, permutes, reshapes, ...). Any other op that meets a ComplexValue is
-refused by capture with that reason (`takes_complex` marks the lowerings that accept one, and COMPLEX_LOWERINGS holds
+it back to tensors: `.real`, `.imag`, torch.real / torch.imag, view_as_real, abs; what keeps it complex: conj,
+products, sums, differences, quotients, negation and exp with complex, real or scalar operands (each part an
+elementwise node), matmul and einsum (four real products, `bilinear`), and the views, reductions and scatters that
+act on each part alike (`partwise`). Any other op that meets a ComplexValue is refused by capture with that reason (`takes_complex` marks the lowerings that accept one, and COMPLEX_LOWERINGS holds
 the complex forms of arithmetic whose real lowering lives elsewhere). A complex graph input or parameter enters as
 view_as_real's (..., 2) real tensor, and a complex output leaves as one that the program views as complex again.
 """
@@ -330,6 +330,45 @@ def lower_complex_sub(ctx, a, b, *, alpha=1, out=None):
     return _add(ctx, a, b, -1, alpha)
 
 
+@complex_lowering(operator.truediv, torch.div, torch.true_divide, "method:div", "aten.div", operator.itruediv,
+                  "method:div_")
+def lower_complex_div(ctx, a, b, *, rounding_mode=None, out=None):
+    """a / b = a · conj(b) / |b|²; by a real divisor, each part divided."""
+    if rounding_mode is not None:
+        raise UnsupportedOpError("div", f"rounding_mode={rounding_mode!r} with complex operands", ctx.hint)
+    (ar, ai), (br, bi) = _parts(a), _parts(b)
+    dtype = _real_dtype(ctx)
+    if bi is None:
+        real = _elementwise(ctx, dtype, lambda x, y: call("div", x, y), ar, br)
+        return ComplexValue(real, None if ai is None else _elementwise(ctx, dtype, lambda x, y: call("div", x, y),
+                                                                       ai, br))
+    norm = _elementwise(ctx, dtype, lambda x, y: call("add", call("mul", x, x), call("mul", y, y)), br, bi)
+    real = _elementwise(ctx, dtype, lambda ar, ai, br, bi, n: call("div", _sum_of(
+        [(1, _prod(ar, br)), (1, _prod(ai, bi))]), n), ar, ai, br, bi, norm)
+    imag = _elementwise(ctx, dtype, lambda ar, ai, br, bi, n: call("div", _sum_of(
+        [(1, _prod(ai, br)), (-1, _prod(ar, bi))]), n), ar, ai, br, bi, norm)
+    return ComplexValue(real, imag)
+
+
+@complex_lowering(torch.exp, "method:exp", "aten.exp")
+def lower_complex_exp(ctx, z, *, out=None):
+    """e^(a + ib) = e^a (cos b + i·sin b)."""
+    real, imag = _parts(z)
+    dtype = _real_dtype(ctx)
+    if imag is None:
+        return ComplexValue(_elementwise(ctx, dtype, lambda a: call("exp", a), real), None)
+    return ComplexValue(_elementwise(ctx, dtype, lambda a, b: call("mul", call("exp", a), call("cos", b)), real, imag),
+                        _elementwise(ctx, dtype, lambda a, b: call("mul", call("exp", a), call("sin", b)), real, imag))
+
+
+@complex_lowering(operator.neg, torch.neg, "method:neg", "aten.neg")
+def lower_complex_neg(ctx, z, *, out=None):
+    real, imag = _parts(z)
+    dtype = _real_dtype(ctx)
+    return ComplexValue(_elementwise(ctx, dtype, lambda a: call("neg", a), real),
+                        None if imag is None else _elementwise(ctx, dtype, lambda b: call("neg", b), imag))
+
+
 @complex_lowering(torch.abs, "method:abs", "aten.abs", operator.abs)
 def lower_complex_abs(ctx, z):
     """|z| = sqrt(re² + im²): a spectrum's magnitude, a real tensor."""
@@ -339,6 +378,7 @@ def lower_complex_abs(ctx, z):
 
 
 @lowering(torch.polar, "aten.polar")
+@takes_complex
 def lower_polar(ctx, magnitude, angle, *, out=None):
     """magnitude · e^(i·angle): rotary embeddings' frequencies (torchtitan's freqs_cis)."""
     dtype = _real_dtype(ctx)
@@ -347,6 +387,7 @@ def lower_polar(ctx, magnitude, angle, *, out=None):
 
 
 @lowering(torch.complex, "aten.complex")
+@takes_complex
 def lower_complex(ctx, real, imag, *, out=None):
     dtype = _real_dtype(ctx)
     return ComplexValue(_elementwise(ctx, dtype, lambda x: x, real), _elementwise(ctx, dtype, lambda x: x, imag))

@@ -11,7 +11,7 @@ import torch.fx as fx
 from ..ir.errors import UnsupportedOpError
 from ..ir.expr import Cast, Const, IndexValue, call
 from ..ir.index import add, scale
-from .ops_complex import ComplexValue, constant
+from .ops_complex import ComplexValue, constant, takes_complex
 from .ops_elementwise import cast
 from .registry import LowerCtx, describe_target, factory
 from .values import TensorValue
@@ -40,6 +40,7 @@ def _filled(ctx: LowerCtx, value):
 @factory(torch.zeros, torch.ones, torch.full, torch.empty, "aten.zeros", "aten.ones", "aten.full", "aten.empty",
           "aten.scalar_tensor", torch.scalar_tensor, torch.empty_strided, "aten.empty_strided", torch.empty_permuted,
           "aten.empty_permuted")
+@takes_complex
 def lower_filled(ctx: LowerCtx, *args, **kwargs):
     """One value everywhere; `empty` (strided or permuted: the IR has no layouts, and the backend hands an output
     that eager ops read over in eager's strides) holds whatever was there, taken to be zeros (as `empty_like`)."""
