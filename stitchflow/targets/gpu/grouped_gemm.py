@@ -14,6 +14,7 @@ group over the offsets (a host sync, as transformers' fallback does).
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 
@@ -23,6 +24,7 @@ from ...ir.index import Gather, Var
 from .analysis import factor_access, product_factors
 from .contraction import dense_operand
 
+log = logging.getLogger("stitchflow.gpu.grouped")
 GROUP_TAG = "grouped_mm"  # frontend/ops_grouped.py's tag on the nodes that make groups
 GROUP_VAR = "_group"
 
@@ -81,10 +83,30 @@ class GroupedGemm:
         return t.permute([names.index(v) for v in want])
 
 
+def _library(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor | None:
+    """torch._grouped_mm's product, or None where it does not take these operands (its layout rules are the
+    kernels'; the loop of GEMMs then runs, and the refusal is logged once per reason)."""
+    if not _library_grouped(a, b, out_dtype):
+        return None
+    try:
+        return torch._grouped_mm(_column_or_row_major(a), _column_or_row_major(b), offs=ends.to(torch.int32))
+    except RuntimeError as err:
+        reason = str(err).splitlines()[0]
+        if reason not in _REFUSED:
+            _REFUSED.add(reason)
+            log.info("torch._grouped_mm refused %s x %s (%s); a loop of GEMMs runs instead", tuple(a.shape),
+                     tuple(b.shape), reason)
+        return None
+
+
+_REFUSED: set = set()
+
+
 def grouped_rows(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """out[rows of group e] = x[those rows] @ w[e]; `ends` the groups' cumulative ends (the last takes every row)."""
-    if _library_grouped(x, w, out_dtype):
-        return torch._grouped_mm(x.contiguous(), _column_or_row_major(w), offs=ends.to(torch.int32))
+    found = _library(x.contiguous(), w, ends, out_dtype)
+    if found is not None:
+        return found
     out = x.new_empty((x.shape[0], w.shape[2]), dtype=out_dtype)
     compute = _compute_dtype(x, w, out_dtype)
     start = 0
@@ -98,8 +120,9 @@ def grouped_rows(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, out_dtype
 
 def grouped_reduction(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """out[e] = a[:, group e's columns] @ b[group e's rows]; an empty group's product is zero."""
-    if _library_grouped(a, b, out_dtype):
-        return torch._grouped_mm(_column_or_row_major(a), _column_or_row_major(b), offs=ends.to(torch.int32))
+    found = _library(a, b, ends, out_dtype)
+    if found is not None:
+        return found
     out = a.new_zeros((ends.numel(), a.shape[0], b.shape[1]), dtype=out_dtype)
     compute = _compute_dtype(a, b, out_dtype)
     start = 0
