@@ -81,3 +81,18 @@ def test_helpers_loop_over_groups_empty_ones_included():
     a, b = torch.randn(6, 9, generator=g), torch.randn(9, 4, generator=g)
     out = grouped_reduction(a, b, torch.tensor([0, 4, 7]), torch.float32)
     assert_close(out, torch.stack([torch.zeros(6, 4), a[:, :4] @ b[:4], a[:, 4:7] @ b[4:7]]))
+
+
+def test_a_layout_the_library_refuses_runs_the_loop(monkeypatch):
+    """torch._grouped_mm's layout rules are its kernels': a refusal costs speed, not the call."""
+    from stitchflow.targets.gpu import grouped_gemm
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("strides should be multiple of 16 bytes")
+
+    monkeypatch.setattr(grouped_gemm, "_library_grouped", lambda *args: True)
+    monkeypatch.setattr(torch, "_grouped_mm", refuse)
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(7, 5, generator=g), torch.randn(2, 5, 3, generator=g)
+    out = grouped_rows(x, w, torch.tensor([3, 7]), torch.float32)
+    assert_close(out, torch.cat([x[:3] @ w[0], x[3:] @ w[1]]))
