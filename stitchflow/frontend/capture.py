@@ -372,7 +372,8 @@ def _call(gm, node: fx.Node, args, kwargs):
 
 
 def _check_shape(node, value, out):
-    if isinstance(value, TensorValue) and isinstance(out, torch.Tensor) and tuple(out.shape) != value.shape:
+    if isinstance(value, (TensorValue, ops_complex.ComplexValue)) and isinstance(out, torch.Tensor) \
+            and tuple(out.shape) != value.shape:
         raise ShapeError(f"lowering of {node.name} gave shape {value.shape}, torch gives {tuple(out.shape)}")
 
 
