@@ -51,6 +51,7 @@ from .chain_match import chain_shape, match_chains, match_gemm_epilogues
 from .chains import compile_chain
 from .channels_last import channels_last, channels_last_layouts
 from .conv import match_conv, region_convolutions
+from .grouped_gemm import match_grouped_gemm
 from .grouping import TorchStep, fold_iotas, split_region
 from .prefetch import prefetch as prefetch_compiles
 from .reassociate import find_reassociations, reassociate
@@ -233,6 +234,12 @@ class GpuTarget:
         if scatters:
             out += ["", "scatters (stored atomically by the kernel that makes their messages, or through torch):",
                     *scatters]
+        found = [(region.name, name, match_grouped_gemm(graph, graph.node_of[name])) for region in regions
+                 for name in region.nodes if name in graph.node_of]
+        grouped = [f"  {region}: {name}: {call.describe()}" for region, name, call in found if call is not None]
+        if grouped:
+            out += ["", "grouped GEMMs (a mixture of experts' products: torch._grouped_mm on CUDA in bfloat16, a loop "
+                    "of GEMMs over the groups elsewhere):", *grouped]
         clusters = _explain_cluster_planes(graph, regions)
         if clusters:
             out += ["", "plane and row statistics on thread-block clusters (Hopper; timed against the generated "

@@ -41,6 +41,11 @@ class GroupedGemm:
     count: int  # number of groups
     member_axis: int = 1  # the member mask's axis along the jagged variable
 
+    def describe(self) -> str:
+        if self.kind == "jagged":
+            return f"{self.count} groups along the reduction {self.jagged} (a weight gradient), members {self.groups}"
+        return f"{self.count} groups of {self.jagged}, each its weight's product, groups {self.groups}"
+
     def __call__(self, env, out_dtype: torch.dtype, cache: dict) -> torch.Tensor:
         factors = product_factors(self.node.body)
         device = env[self.groups].device

@@ -410,5 +410,5 @@ class TorchStep:
         if self.conv is not None:
             return f"torch({self.node.name}: {self.conv})"
         if self.grouped is not None:
-            return f"torch({self.node.name}: grouped GEMM over {self.grouped.count} groups of {self.grouped.jagged})"
+            return f"torch({self.node.name}: grouped GEMM, {self.grouped.describe()})"
         return f"torch({self.node.name}: {self.reason})"

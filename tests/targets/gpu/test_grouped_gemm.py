@@ -70,6 +70,7 @@ def test_each_form_is_one_grouped_step(form):
     (step,) = [s for s in _steps(prog) if s.grouped is not None]
     assert step.grouped.kind == ("jagged" if form == "jagged" else "gathered")
     assert step.grouped.count == 3
+    assert f"{step.node.name}: 3 groups" in prog.explain()
 
 
 def test_helpers_loop_over_groups_empty_ones_included():
