@@ -47,7 +47,7 @@ def test_mixture_of_experts_runs_grouped_gemms_without_gathering_weights(dtype, 
     args = tuple(t.to(DEVICE) for t in (x, chosen, weights, gate_up, down))
     prog = stitchflow.compile(moe_experts, args, target="gpu", fusion="auto")
     grouped = [s for s in _steps(prog) if s.grouped is not None]
-    assert len(grouped) == 2 and all("grouped GEMM over 4 groups" in str(s) for s in grouped)
+    assert len(grouped) == 2 and all("grouped GEMM, 4 groups" in str(s) for s in grouped)
 
     def gathered(access, *rest):  # the tokens' rows may be gathered, an expert's weights never
         assert access.tensor not in ("gate_up", "down"), "expert weights gathered per row"
