@@ -10,6 +10,7 @@ view_as_real's (..., 2) real tensor, and a complex output leaves as one that the
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 
@@ -375,6 +376,22 @@ def lower_complex_abs(ctx, z):
     real, imag = _parts(z)
     return _elementwise(ctx, ctx.dtype, lambda re, im: call("sqrt", _sum_of(
         [(1, call("mul", re, re)), (1, None if im is None else call("mul", im, im))])), real, imag)
+
+
+@lowering(torch.angle, "method:angle", "aten.angle")
+@takes_complex
+def lower_angle(ctx, z, *, out=None):
+    """The argument atan2(imag, real): a spectrum's phase; a real tensor's is π where it is negative (NaN stays)."""
+    if isinstance(z, ComplexValue):
+        real, imag = z.real, z.imag
+        if imag is None:
+            return _elementwise(ctx, ctx.dtype, lambda a: call("where", call("lt", a, Const(0.0)), Const(math.pi),
+                                                                call("mul", a, Const(0.0))), real)
+        return _elementwise(ctx, ctx.dtype, lambda a, b: call("atan2", b, a), real, imag)
+    if not isinstance(z, TensorValue) or not z.dtype.is_floating_point:
+        raise UnsupportedOpError("angle", f"of {getattr(z, 'dtype', type(z).__name__)}", ctx.hint)
+    return _elementwise(ctx, ctx.dtype, lambda a: call("where", call("lt", a, Const(0.0)), Const(math.pi),
+                                                        call("mul", a, Const(0.0))), z)
 
 
 @lowering(torch.polar, "aten.polar")

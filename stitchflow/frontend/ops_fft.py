@@ -45,7 +45,8 @@ def _matrices(ctx: LowerCtx, kind: str, n: int, cols: int, dtype: torch.dtype, i
         return made[key]
     rows = n // 2 + 1 if kind == "r2c" else n
     out_at, in_at = torch.arange(rows, dtype=torch.float64), torch.arange(cols, dtype=torch.float64)
-    angle = 2 * math.pi * torch.outer(out_at, in_at).remainder(n) / n  # k·n mod N keeps the angles exact
+    turns = torch.outer(out_at, in_at).remainder(n)  # k·n mod N keeps the angles small
+    angle = 2 * math.pi * turns / n
     weight = _scale(n, inverse, norm, ctx)
     if kind == "c2r":
         twice = torch.full((cols,), 2.0, dtype=torch.float64)
@@ -53,7 +54,13 @@ def _matrices(ctx: LowerCtx, kind: str, n: int, cols: int, dtype: torch.dtype, i
         if n % 2 == 0 and cols > n // 2:
             twice[n // 2] = 1.0
         weight = weight * twice
-    cos, sin = torch.cos(angle) * weight, torch.sin(angle) * weight * (1 if inverse else -1)
+    cos, sin = torch.cos(angle), torch.sin(angle)
+    # multiples of π/2 exactly, as FFT libraries have them: a real signal's zero and Nyquist frequencies then have
+    # imaginary parts of exactly zero (their phase is 0 or π, not a rounding error's ±π)
+    half, quarter = (2 * turns).remainder(n) == 0, (4 * turns).remainder(n) == 0
+    cos = torch.where(half, cos.round(), torch.where(quarter, 0.0, cos))
+    sin = torch.where(half, 0.0, torch.where(quarter, sin.round(), sin))
+    cos, sin = cos * weight, sin * weight * (1 if inverse else -1) + 0.0  # + 0.0: no negative zeros
     made[key] = (ctx.builder.add_param(f"dft_cos{n}", cos.to(dtype)),
                  ctx.builder.add_param(f"dft_sin{n}", sin.to(dtype)))
     return made[key]

@@ -62,6 +62,7 @@ CASES = {
     "rotary": lambda x: rotary(x, frequencies(x.shape[-1], x.shape[1])),
     "exp_of_i_theta": lambda x: torch.view_as_real(torch.exp(1j * x) / (x.abs() + 1) - torch.exp(torch.complex(
         x, x.flip(-1)))),
+    "phase": lambda x: torch.angle(torch.complex(x, x.flip(0))) + torch.angle(x) + torch.angle(torch.fft.fft(x, dim=1)),
     "quotient_and_negation": lambda x: torch.view_as_real(-torch.complex(x, x + 1) / torch.complex(x.abs() + 1, x)),
 }
 
