@@ -127,3 +127,11 @@ def lower_tensor(ctx: LowerCtx, data, *args, **kwargs):
         return e
 
     return ctx.builder.emit(ctx.shape, ctx.dtype, lambda o, r, rg: entry(data, o, rg, 0), hint=ctx.hint)
+
+
+@factory(torch.hann_window, torch.hamming_window, torch.blackman_window, torch.bartlett_window, torch.kaiser_window,
+         "aten.hann_window", "aten.hamming_window", "aten.blackman_window", "aten.bartlett_window",
+         "aten.kaiser_window")
+def lower_window(ctx: LowerCtx, *args, **kwargs):
+    """A spectral window (an stft's): a constant of the program."""
+    return _constant_input(ctx)

@@ -1,8 +1,9 @@
 """Discrete Fourier transforms of real tensors and of complex values made of them (torch.fft's fft, ifft, rfft,
-irfft and their 2-d and n-d forms; ATen's _fft_c2c, _fft_r2c and _fft_c2r as AOTAutograd writes them): each transformed dim
-is a product with the DFT's cosine and sine matrices (parameters), out[k] = sum_n x[n] · e^(∓2πi·kn/N), which the gpu
-target runs as GEMMs (FNet's authors ran its token mixing so on TPUs). O(N²) per dim where an FFT is O(N log N): for
-the short dims of a model (a sequence, a hidden width, an image's side) a tensor-core GEMM is the faster of the two.
+irfft and their 2-d and n-d forms, torch.stft; ATen's _fft_c2c, _fft_r2c and _fft_c2r as AOTAutograd writes them):
+each transformed dim is a product with the DFT's cosine and sine matrices (parameters), out[k] = sum_n x[n] ·
+e^(∓2πi·kn/N), which the gpu target runs as GEMMs (FNet's authors ran its token mixing so on TPUs). O(N²) per dim
+where an FFT is O(N log N): for the short dims of a model (a sequence, a hidden width, an image's side, an audio
+frame) a tensor-core GEMM is the faster of the two.
 
 A transform of length n reads the first min(n, L) entries of a dim of L (zero padding past L, truncation below it);
 rfft keeps the n//2 + 1 non-negative frequencies, irfft weighs them as the Hermitian spectrum they stand for (twice,
@@ -17,7 +18,7 @@ import math
 import torch
 
 from ..ir.errors import UnsupportedOpError
-from ..ir.expr import call
+from ..ir.expr import Const, IndexValue, call
 from . import values as V
 from .ops_complex import ComplexValue, as_complex, takes_complex
 from .registry import LowerCtx, lowering
@@ -189,3 +190,33 @@ def lower_fft_c2r(ctx, z, dim, normalization, last_dim_size):
     dims = list(dim)
     return _transform(ctx, z, dims, [None] * (len(dims) - 1) + [int(last_dim_size)],
                       _aten_norm(int(normalization), False), True, "c2r")
+
+
+@lowering(torch.stft, torch.functional.stft, "aten.stft")
+@takes_complex
+def lower_stft(ctx, x, n_fft, hop_length=None, win_length=None, window=None, center=True, pad_mode="reflect",
+               normalized=False, onesided=None, return_complex=None, align_to_window=None):
+    """The short-time transform as its parts: the signal padded by n_fft // 2 at both ends (center), cut into frames
+    every hop (unfold: a view), each frame times the window (centred in n_fft), each frame's transform (one-sided for
+    a real signal), frequencies before frames."""
+    from .ops_conv import pad
+    from .ops_index import lower_unfold
+
+    if not return_complex:
+        raise UnsupportedOpError("stft", "return_complex=False (a real view of the spectrum; torch deprecates it)",
+                                 ctx.hint)
+    if not isinstance(x, TensorValue) or x.rank not in (1, 2) or x.dtype not in (torch.float32, torch.float64):
+        raise UnsupportedOpError("stft", "a signal other than a real 1-d or 2-d float tensor", ctx.hint)
+    hop, width = hop_length or n_fft // 4, win_length or n_fft
+    signal = pad(ctx, x, [(n_fft // 2, n_fft // 2)], pad_mode, hint=f"{ctx.hint}_padded") if center else x
+    frames = lower_unfold(ctx, signal, -1, n_fft, hop)
+    if window is not None:
+        left = (n_fft - width) // 2
+        frames = ctx.builder.emit(frames.shape, frames.dtype, lambda o, r, rg: call("where", call(
+            "and", call("ge", IndexValue(o[-1]), Const(left)), call("lt", IndexValue(o[-1]), Const(left + width))),
+            call("mul", frames.read(o, rg), window.read([V.add(o[-1], -left)], rg)), Const(0.0)),
+            hint=f"{ctx.hint}_windowed")
+    one_sided = onesided if onesided is not None else True
+    spectrum = _transform(ctx, frames, [-1], None, "ortho" if normalized else "backward", False,
+                          "r2c" if one_sided else None)
+    return ComplexValue(*(None if p is None else V.transpose(p, -1, -2) for p in (spectrum.real, spectrum.imag)))

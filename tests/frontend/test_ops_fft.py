@@ -152,6 +152,41 @@ def test_a_fourier_neural_operator_block_compiles_whole(train, fresh_dynamo):
     assert not backend.FALLBACKS, backend.fallback_report()
 
 
+STFTS = {
+    "hann_magnitude": lambda x: torch.stft(x, 16, hop_length=4, window=torch.hann_window(16), return_complex=True).abs(),
+    "short_window": lambda x: torch.stft(x, 16, hop_length=5, win_length=10, window=torch.hamming_window(10),
+                                         return_complex=True).real,
+    "uncentred_normalized": lambda x: torch.stft(x, 12, hop_length=3, center=False, normalized=True,
+                                                 window=torch.ones(12), return_complex=True).imag,
+    "one_dimensional_power": lambda x: torch.stft(x[0], 8, window=torch.hann_window(8),
+                                                  return_complex=True).abs() ** 2,
+    "two_sided": lambda x: torch.stft(x, 8, onesided=False, window=torch.hann_window(8), return_complex=True).real,
+}
+
+
+@pytest.mark.parametrize("target", ["reference", "gpu"])
+@pytest.mark.parametrize("name", sorted(STFTS))
+def test_short_time_transforms_equal_torch_stft(name, target):
+    skip_unless_kernels_run(target)
+    g = torch.Generator().manual_seed(len(name))
+    example, x = (torch.randn(2, 100, generator=g) for _ in range(2))
+    prog = stitchflow.compile(STFTS[name], (example,), target=target, fusion="auto")
+    assert_close(prog(x), STFTS[name](x))
+
+
+def test_a_log_mel_spectrogram_compiles_whole(fresh_dynamo):
+    """An audio front end (Whisper's features): stft, power, a mel filter bank as a matrix, log."""
+    mel = torch.rand(10, 33)
+
+    def features(audio):
+        power = torch.stft(audio, 64, hop_length=16, window=torch.hann_window(64), return_complex=True).abs() ** 2
+        return torch.log10(torch.clamp(mel @ power, min=1e-10))
+
+    audio = torch.randn(2, 400)
+    assert_close(torch.compile(features, backend="stitchflow")(audio), features(audio))
+    assert not backend.FALLBACKS, backend.fallback_report()
+
+
 def test_complex_inputs_parameters_and_outputs_pass_as_pairs(fresh_dynamo):
     """A complex tensor enters a program as view_as_real's real tensor and leaves as a complex one again."""
     w = torch.randn(6, 5, dtype=torch.complex64)
