@@ -220,3 +220,18 @@ def lower_stft(ctx, x, n_fft, hop_length=None, win_length=None, window=None, cen
     spectrum = _transform(ctx, frames, [-1], None, "ortho" if normalized else "backward", False,
                           "r2c" if one_sided else None)
     return ComplexValue(*(None if p is None else V.transpose(p, -1, -2) for p in (spectrum.real, spectrum.imag)))
+
+
+@lowering(torch.fft.fftshift, torch.fft.ifftshift, "aten.fft_fftshift", "aten.fft_ifftshift")
+@takes_complex
+def lower_fftshift(ctx, x, dim=None):
+    """The zero frequency moved to the middle (a roll by n // 2; ifftshift rolls back by -(n // 2)), each part."""
+    from .ops_views import lower_roll
+
+    rank = len(x.shape)
+    dims = list(range(rank)) if dim is None else [dim] if isinstance(dim, int) else list(dim)
+    sign = -1 if "ifftshift" in _name(ctx) else 1
+    shifts = [sign * (x.shape[d] // 2) for d in dims]
+    if not isinstance(x, ComplexValue):
+        return lower_roll(ctx, x, shifts, dims)
+    return ComplexValue(*(None if p is None else lower_roll(ctx, p, shifts, dims) for p in (x.real, x.imag)))

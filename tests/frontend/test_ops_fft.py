@@ -28,6 +28,7 @@ CASES = {
     "irfft_default_length": lambda x: torch.fft.irfft(torch.fft.rfft(x, dim=1), dim=1),
     "irfft2_of_scaled_rfft2": lambda x: torch.fft.irfft2(torch.fft.rfft2(x) * 2, s=x.shape[-2:]),
     "rfftn_ortho": lambda x: torch.fft.rfftn(x, norm="ortho").imag,
+    "centred_spectrum": lambda x: torch.fft.fftshift(torch.fft.fft2(x)).abs() + torch.fft.ifftshift(x, dim=1),
     "fft_padded": lambda x: torch.fft.fft(x, n=9, dim=1).real,
     "complex_sums": lambda x: (torch.fft.fft(x) - torch.fft.fft(x * 2) + 1.5).imag + (torch.fft.fft(x) + x).real,
     "correlation_by_conj": lambda x: torch.fft.irfft(torch.fft.rfft(x, dim=1) * torch.conj(torch.fft.rfft(x.flip(1),
