@@ -19,6 +19,7 @@ import torch
 
 from ..ir.errors import UnsupportedOpError
 from ..ir.expr import Const, IndexValue, call
+from ..ir.index import add, scale
 from . import values as V
 from .ops_complex import ComplexValue, as_complex, takes_complex
 from .registry import LowerCtx, lowering
@@ -235,3 +236,57 @@ def lower_fftshift(ctx, x, dim=None):
     if not isinstance(x, ComplexValue):
         return lower_roll(ctx, x, shifts, dims)
     return ComplexValue(*(None if p is None else lower_roll(ctx, p, shifts, dims) for p in (x.real, x.imag)))
+
+
+@lowering(torch.istft, "aten.istft")
+@takes_complex
+def lower_istft(ctx, z, n_fft, hop_length=None, win_length=None, window=None, center=True, normalized=False,
+                onesided=None, length=None, return_complex=False):
+    """stft's inverse: each frame's inverse transform times the window, overlapped and added, divided by the
+    overlapped squared window (its envelope), the centring padding cut off. The overlap-add is a sum over the frames
+    that reach a sample (reads masked where a frame does not), a reduction rather than a scatter."""
+    if return_complex:
+        raise UnsupportedOpError("istft", "return_complex=True (a complex signal)", ctx.hint)
+    spectrum = as_complex(ctx, z, "istft")
+    if len(spectrum.shape) not in (2, 3):
+        raise UnsupportedOpError("istft", f"a spectrum of rank {len(spectrum.shape)}", ctx.hint)
+    hop, width = hop_length or n_fft // 4, win_length or n_fft
+    by_frame = ComplexValue(*(None if p is None else V.transpose(p, -1, -2) for p in (spectrum.real, spectrum.imag)))
+    one_sided = onesided if onesided is not None else spectrum.shape[-2] != n_fft
+    norm = "ortho" if normalized else "backward"
+    frames = (_transform(ctx, by_frame, [-1], [n_fft], norm, True, "c2r") if one_sided
+              else _transform(ctx, by_frame, [-1], None, norm, True).real)  # (..., frames, n_fft)
+    dtype, count = frames.dtype, frames.shape[-2]
+    left = (n_fft - width) // 2
+
+    def taper(offset, rg):
+        """The window centred in n_fft at a frame's position `offset` (0 outside the window)."""
+        at = IndexValue(offset)
+        inside = call("and", call("ge", at, Const(left)), call("lt", at, Const(left + width)))
+        value = window.read([add(offset, -left)], rg) if window is not None else Const(1.0)
+        return call("where", inside, value, Const(0.0))
+
+    lead = list(frames.shape[:-2])
+    total = n_fft + hop * (count - 1)
+    start = n_fft // 2 if center else 0
+    size = length if length is not None else total - 2 * start
+    if start + size > total:
+        raise UnsupportedOpError("istft", f"length {length} past the {total - start} samples the frames cover",
+                                 ctx.hint)
+
+    def overlap(term, lead_vars):
+        """out[..., t] = sum_f term(f, t - f·hop) over the frames f that reach sample t (of the uncut signal)."""
+        def body(o, r, rg):
+            offset = add(o[-1], start, scale(r[0], -hop))  # the sample's position inside frame r[0]
+            at = IndexValue(offset)
+            reaches = call("and", call("ge", at, Const(0)), call("lt", at, Const(n_fft)))
+            return call("where", reaches, term(o[:lead_vars], r[0], offset, rg), Const(0.0))
+        return body
+
+    signal = ctx.builder.emit((*lead, size), dtype, overlap(lambda lo, f, offset, rg: call(
+        "mul", frames.read([*lo, f, offset], rg), taper(offset, rg)), len(lead)), reduce="sum", red_shape=(count,),
+        hint=f"{ctx.hint}_overlap")
+    envelope = ctx.builder.emit((size,), dtype, overlap(lambda lo, f, offset, rg: call(
+        "mul", taper(offset, rg), taper(offset, rg)), 0), reduce="sum", red_shape=(count,), hint=f"{ctx.hint}_envelope")
+    return ctx.builder.emit((*lead, size), dtype, lambda o, r, rg: call(
+        "div", signal.read(o, rg), envelope.read([o[-1]], rg)), hint=ctx.hint)
