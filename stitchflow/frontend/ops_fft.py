@@ -26,6 +26,7 @@ from .registry import LowerCtx, lowering
 from .values import TensorValue
 
 NORMS = ("backward", "ortho", "forward")
+MAX_DFT = 4096  # a transform's two matrices hold 2·N² values: 128 MiB in float32 at 4096, 2 GiB at 16384
 
 
 def _scale(n: int, inverse: bool, norm: str | None, ctx: LowerCtx) -> float:
@@ -41,6 +42,9 @@ def _matrices(ctx: LowerCtx, kind: str, n: int, cols: int, dtype: torch.dtype, i
     """(cos, ±sin) of a transform of length n over `cols` inputs, its scale folded in: e^(∓iθ) = cos ∓ i·sin, so
     the sine matrix carries the direction's sign. kind "c2c": n outputs; "r2c": the n//2 + 1 non-negative
     frequencies; "c2r": n outputs from `cols` frequencies, each weighted as its conjugate partner adds to it."""
+    if n > MAX_DFT:
+        raise UnsupportedOpError("fft", f"a transform of length {n}: its DFT matrices would hold 2·{n}² values "
+                                        f"(taken up to {MAX_DFT}; longer ones run as torch's FFT)", ctx.hint)
     made = ctx.builder.__dict__.setdefault("dft_matrices", {})  # one pair per transform for all of a model's layers
     key = (kind, n, cols, dtype, inverse, norm)
     if key in made:

@@ -253,5 +253,7 @@ def test_a_complex_value_anywhere_else_is_refused_with_the_reason(fresh_dynamo):
     assert_close(out, torch.fft.fft(x).sin().real)
     assert "takes or makes a complex value" in backend.fallback_report()
 
+    with pytest.raises(UnsupportedOpError, match="transform of length 8192"):
+        stitchflow.compile(lambda x: torch.fft.rfft(x, n=8192).real, (x,))
     with pytest.raises(UnsupportedOpError, match="float32 or float64"):
         stitchflow.compile(lambda x: torch.fft.fft(x).real, (x.to(torch.int64),))
