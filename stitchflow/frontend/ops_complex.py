@@ -383,16 +383,13 @@ def lower_complex_abs(ctx, z):
 @takes_complex
 def lower_angle(ctx, z, *, out=None):
     """The argument atan2(imag, real): a spectrum's phase; a real tensor's is π where it is negative (NaN stays)."""
-    if isinstance(z, ComplexValue):
-        real, imag = z.real, z.imag
-        if imag is None:
-            return _elementwise(ctx, ctx.dtype, lambda a: call("where", call("lt", a, Const(0.0)), Const(math.pi),
-                                                                call("mul", a, Const(0.0))), real)
-        return _elementwise(ctx, ctx.dtype, lambda a, b: call("atan2", b, a), real, imag)
-    if not isinstance(z, TensorValue) or not z.dtype.is_floating_point:
-        raise UnsupportedOpError("angle", f"of {getattr(z, 'dtype', type(z).__name__)}", ctx.hint)
+    if isinstance(z, ComplexValue) and z.imag is not None:
+        return _elementwise(ctx, ctx.dtype, lambda a, b: call("atan2", b, a), z.real, z.imag)
+    real = z.real if isinstance(z, ComplexValue) else z
+    if not isinstance(real, TensorValue) or not real.dtype.is_floating_point:
+        raise UnsupportedOpError("angle", f"of {getattr(real, 'dtype', type(real).__name__)}", ctx.hint)
     return _elementwise(ctx, ctx.dtype, lambda a: call("where", call("lt", a, Const(0.0)), Const(math.pi),
-                                                        call("mul", a, Const(0.0))), z)
+                                                        call("mul", a, Const(0.0))), real)
 
 
 @lowering(torch.polar, "aten.polar")
