@@ -280,7 +280,7 @@ def _lower_call(gm, node: fx.Node, b: GraphBuilder, env, real, aliases, input_wr
     key = key_of(node) if node.op != "call_module" else None
     if not depends and key not in FACTORIES:  # no graph tensor flows in: fold to a constant
         if isinstance(out, torch.Tensor):
-            return (ops_complex.constant(b, out) if out.is_complex() else b.add_param("const", out)), out
+            return ops_complex.constant(b, out), out
         return out, out
     if node.op == "call_module":
         raise UnsupportedOpError(f"module {node.target}", "leaf modules are not traced into", node.name)

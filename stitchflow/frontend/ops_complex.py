@@ -120,22 +120,23 @@ def bilinear(key, fn):
             call_args[positions[0]], call_args[positions[1]] = a, b
             return fn(_part_ctx(ctx, dtype, step), *call_args, **kwargs)
 
-        real = _difference(ctx, product(ar, br, "rr"), product(ai, bi, "ii"), "sub")
-        imag = _difference(ctx, product(ar, bi, "ri"), product(ai, br, "ir"), "add")
+        real = combine(ctx, "sub", product(ar, br, "rr"), product(ai, bi, "ii"))
+        imag = combine(ctx, "add", product(ar, bi, "ri"), product(ai, br, "ir"))
         return ComplexValue(real, imag)
 
     run.takes_complex, run.binds_as = True, fn
     return run
 
 
-def _difference(ctx: LowerCtx, a, b, op: str):
-    """a op b over two products' values (None: a zero term)."""
+def combine(ctx: LowerCtx, op: str, a, b, hint: str | None = None):
+    """a op b (add or sub) elementwise over two values of one shape; None is a zero term."""
+    hint = hint or ctx.hint
     if b is None:
         return a
     if a is None:
         return b if op == "add" else ctx.builder.emit(b.shape, b.dtype, lambda o, r, rg: call("neg", b.read(o, rg)),
-                                                      hint=ctx.hint)
-    return ctx.builder.emit(a.shape, a.dtype, lambda o, r, rg: call(op, a.read(o, rg), b.read(o, rg)), hint=ctx.hint)
+                                                      hint=hint)
+    return ctx.builder.emit(a.shape, a.dtype, lambda o, r, rg: call(op, a.read(o, rg), b.read(o, rg)), hint=hint)
 
 
 def any_imaginary(args) -> bool:
@@ -194,9 +195,7 @@ def part(ctx: LowerCtx, z, name: str) -> TensorValue:
     if not isinstance(z, ComplexValue):
         raise UnsupportedOpError(f".{name}", f"of a {type(z).__name__}", ctx.hint)
     value = z.real if name == "real" else z.imag
-    if value is None:
-        return ctx.builder.emit(z.shape, z.real.dtype, lambda o, r, rg: Const(0.0), hint=ctx.hint)
-    return value
+    return _zeros_like(ctx, z.real) if value is None else value
 
 
 @lowering(torch.real, "aten.real")
@@ -224,9 +223,11 @@ def from_pairs(t: TensorValue) -> ComplexValue:
     return ComplexValue(V.select(t, -1, 0), V.select(t, -1, 1))
 
 
-def constant(builder, value: torch.Tensor) -> ComplexValue:
-    """A complex constant (folded, or made by a factory), held as its pairs."""
-    return from_pairs(builder.add_param("const", as_pairs(value).clone()))
+def constant(builder, value: torch.Tensor) -> TensorValue | ComplexValue:
+    """A constant of the program (folded, or made by a factory); a complex one held as its pairs."""
+    if value.is_complex():
+        return from_pairs(builder.add_param("const", as_pairs(value).clone()))
+    return builder.add_param("const", value)
 
 
 def pairs_type(value: torch.Tensor) -> TensorType:

@@ -21,9 +21,7 @@ EXACT_FLOAT_IOTA = 2 ** 24
 
 
 def _constant_input(ctx: LowerCtx):
-    if ctx.out.dtype.is_complex:
-        return constant(ctx.builder, ctx.out)
-    return ctx.builder.add_param("const", ctx.out)
+    return constant(ctx.builder, ctx.out)
 
 
 def _literal(value, dtype: torch.dtype) -> Const:

@@ -21,7 +21,7 @@ from ..ir.errors import UnsupportedOpError
 from ..ir.expr import Const, IndexValue, call
 from ..ir.index import add, scale
 from . import values as V
-from .ops_complex import ComplexValue, as_complex, takes_complex
+from .ops_complex import ComplexValue, as_complex, combine, takes_complex
 from .registry import LowerCtx, lowering
 from .values import TensorValue
 
@@ -87,10 +87,6 @@ def _along(ctx: LowerCtx, matrix: TensorValue, x: TensorValue, dim: int, hint: s
     return ctx.builder.emit(shape, x.dtype, body, reduce="sum", red_shape=(cols,), hint=hint)
 
 
-def _combine(ctx: LowerCtx, op: str, a: TensorValue, b: TensorValue, hint: str) -> TensorValue:
-    return ctx.builder.emit(a.shape, a.dtype, lambda o, r, rg: call(op, a.read(o, rg), b.read(o, rg)), hint=hint)
-
-
 def _transform_dim(ctx: LowerCtx, z: ComplexValue, dim: int, n: int, kind: str, inverse: bool, norm):
     """(a + ib)(C + iS) = (aC - bS) + i(aS + bC); a "c2r" transform keeps the real part alone."""
     cols = min(n // 2 + 1 if kind == "c2r" else n, z.shape[dim])
@@ -99,12 +95,12 @@ def _transform_dim(ctx: LowerCtx, z: ComplexValue, dim: int, n: int, kind: str, 
     ac = _along(ctx, cos, z.real, dim, re)
     bs = _along(ctx, sin, z.imag, dim, re) if z.imag is not None else None
     if kind == "c2r":
-        return ac if bs is None else _combine(ctx, "sub", ac, bs, re)
+        return combine(ctx, "sub", ac, bs, re)
     as_ = _along(ctx, sin, z.real, dim, im)
     if z.imag is None:
         return ComplexValue(ac, as_)
     bc = _along(ctx, cos, z.imag, dim, im)
-    return ComplexValue(_combine(ctx, "sub", ac, bs, re), _combine(ctx, "add", as_, bc, im))
+    return ComplexValue(combine(ctx, "sub", ac, bs, re), combine(ctx, "add", as_, bc, im))
 
 
 def _transform(ctx: LowerCtx, x, dims, sizes, norm, inverse: bool, real: str | None = None):
@@ -129,6 +125,11 @@ def _transform(ctx: LowerCtx, x, dims, sizes, norm, inverse: bool, real: str | N
     if real is None:
         z = _transform_dim(ctx, z, last, n_last or z.shape[last], "c2c", inverse, norm)
     return z
+
+
+def _each_part(z: ComplexValue, fn) -> ComplexValue:
+    """fn (a view, a roll) of each part of z."""
+    return ComplexValue(fn(z.real), None if z.imag is None else fn(z.imag))
 
 
 def _name(ctx) -> str:
@@ -224,7 +225,7 @@ def lower_stft(ctx, x, n_fft, hop_length=None, win_length=None, window=None, cen
     one_sided = onesided if onesided is not None else True
     spectrum = _transform(ctx, frames, [-1], None, "ortho" if normalized else "backward", False,
                           "r2c" if one_sided else None)
-    return ComplexValue(*(None if p is None else V.transpose(p, -1, -2) for p in (spectrum.real, spectrum.imag)))
+    return _each_part(spectrum, lambda p: V.transpose(p, -1, -2))
 
 
 @lowering(torch.fft.fftshift, torch.fft.ifftshift, "aten.fft_fftshift", "aten.fft_ifftshift")
@@ -239,7 +240,7 @@ def lower_fftshift(ctx, x, dim=None):
     shifts = [sign * (x.shape[d] // 2) for d in dims]
     if not isinstance(x, ComplexValue):
         return lower_roll(ctx, x, shifts, dims)
-    return ComplexValue(*(None if p is None else lower_roll(ctx, p, shifts, dims) for p in (x.real, x.imag)))
+    return _each_part(x, lambda p: lower_roll(ctx, p, shifts, dims))
 
 
 @lowering(torch.istft, "aten.istft")
@@ -255,7 +256,7 @@ def lower_istft(ctx, z, n_fft, hop_length=None, win_length=None, window=None, ce
     if len(spectrum.shape) not in (2, 3):
         raise UnsupportedOpError("istft", f"a spectrum of rank {len(spectrum.shape)}", ctx.hint)
     hop, width = hop_length or n_fft // 4, win_length or n_fft
-    by_frame = ComplexValue(*(None if p is None else V.transpose(p, -1, -2) for p in (spectrum.real, spectrum.imag)))
+    by_frame = _each_part(spectrum, lambda p: V.transpose(p, -1, -2))
     one_sided = onesided if onesided is not None else spectrum.shape[-2] != n_fft
     norm = "ortho" if normalized else "backward"
     frames = (_transform(ctx, by_frame, [-1], [n_fft], norm, True, "c2r") if one_sided

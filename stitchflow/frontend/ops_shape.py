@@ -13,8 +13,7 @@ from ..ir.errors import ShapeError, UnsupportedOpError
 from ..ir.expr import Const, IndexValue, call
 from ..ir.index import add
 from . import values as V
-from .ops_complex import ComplexValue, part, takes_complex
-from .ops_complex import constant as complex_constant
+from .ops_complex import ComplexValue, constant, part, takes_complex
 from .registry import LowerCtx, lowering, refusal
 from .values import TensorValue
 
@@ -277,7 +276,7 @@ def lower_new_constant(ctx, x, *args, **kwargs):
     out = ctx.out
     if "empty" in str(ctx.node.target):
         out = torch.zeros_like(out)
-    return complex_constant(ctx.builder, out) if out.is_complex() else ctx.builder.add_param("const", out)
+    return constant(ctx.builder, out)
 
 
 def lower_metadata(ctx, *args, **kwargs):
