@@ -3,7 +3,7 @@ gathered, gate/up grouped GEMM, SiLU-gated product, down grouped GEMM, weighted 
 stitchflow, against eager and torch.compile on the same inputs, bf16, Qwen3-MoE-30B-A3B's widths (hidden 2048,
 128 experts of 768, top 8). Two rows per token count: the grouped GEMMs alone (sorted rows and offsets as inputs:
 stitchflow.compile, target gpu), and the whole layer through torch.compile(backend="stitchflow") (a sort longer
-than ops_sort.MAX_SORTED runs eagerly there, the rest compiles around it). Medians of CUDA-graph replays, L2
+than ops_sort.QUADRATIC_SORT is merge-ranked there). Medians of CUDA-graph replays, L2
 evicted clean before each (targets/gpu/timing.py); every answer checked against eager first. Not a test.
 
     PYTHONPATH=. python3 scripts/moe_probe.py [--tokens 16,128,1024] [--experts 128] [--top 8]

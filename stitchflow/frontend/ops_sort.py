@@ -1,8 +1,14 @@
-"""Sorting along a short dim (topk, sort, argsort, kthvalue, median, msort): each element's rank is a
-count over its row, rank[e] = #{f : x[f] comes before x[e]}, and the j-th output is the one element
-of rank j. Quadratic in the dim's length, so only short dims are taken: a mixture-of-experts router's
-top-k over its experts fuses with the softmax before it. Order is stable (equal values keep their
-order) and NaN sorts as the largest value, as torch's sort does."""
+"""Sorting along a dim (topk, sort, argsort, kthvalue, median, msort): each element's rank is a count
+over its row, rank[e] = #{f : x[f] comes before x[e]}, and the j-th output is the one element of rank
+j. Order is stable (equal values keep their order) and NaN sorts as the largest value, as torch's sort.
+
+A short dim (up to QUADRATIC_SORT) counts its ranks pairwise: n² work in reductions that fuse with what
+comes before (a mixture-of-experts router's top-k over its experts, after the softmax). A longer one is
+merge-ranked, as a GPU merge sort's last pass: the dim is cut into blocks of SORT_BLOCK, each block is
+ranked pairwise and put in order (a scatter of its positions), and an element's rank is its rank in its
+own block plus, for every other block, how many of that block's elements come before it: a binary search
+of the sorted block, one gather a step (n·SORT_BLOCK + n·(n / SORT_BLOCK)·log2(SORT_BLOCK) work). The
+sorted row is then a scatter of each element's position to its rank (a permutation) and a gather."""
 
 from __future__ import annotations
 
@@ -12,11 +18,13 @@ import torch
 
 from ..ir.errors import UnsupportedOpError
 from ..ir.expr import Cast, Const, IndexValue, call
+from ..ir.index import Gather, Lit, add, floordiv, mod, scale
 from . import values as V
 from .registry import LowerCtx, compute_dtype, lowering, upcast
 from .values import TensorValue
 
-MAX_SORTED = 1024  # the rank of n elements costs n^2 comparisons a row
+QUADRATIC_SORT = 1024  # dims up to this long are ranked pairwise (n² comparisons a row)
+SORT_BLOCK = 1024  # a longer dim's blocks (a power of two: the binary searches halve it)
 
 
 def _comes_before(a, b, ia, ib, descending: bool):
@@ -31,13 +39,9 @@ def _comes_before(a, b, ia, ib, descending: bool):
 
 
 def _checked_length(ctx: LowerCtx, x: TensorValue, dim: int, what: str) -> int:
-    n = x.shape[dim]
-    if n > MAX_SORTED:
-        raise UnsupportedOpError(what, f"{n} elements along dim {dim}: ranks are counted pairwise, which is taken up "
-                                       f"to {MAX_SORTED}", ctx.hint)
     if x.dtype == torch.bool or x.dtype.is_complex:
         raise UnsupportedOpError(what, f"{x.dtype} values", ctx.hint)
-    return n
+    return x.shape[dim]
 
 
 def _at(o, dim: int, position):
@@ -80,6 +84,80 @@ def _picked(ctx: LowerCtx, x: TensorValue, rank: TensorValue, dim: int, shape, r
     return values, indices
 
 
+# ---------------------------------------------------------------- long dims: merge ranks
+
+def _gathered(t: TensorValue, coords, rg):
+    """t's integer at coords, as an index."""
+    access = t.access(coords, rg)
+    return Gather(access.tensor, access.indices)
+
+
+def _merge_ranks(ctx: LowerCtx, x: TensorValue, dim: int, descending: bool, tag) -> TensorValue:
+    """int64 rank of each element of a long dim: its rank in its own block, plus for each other block how many
+    of its elements come before it (equal ones too where that block is earlier), found by binary search."""
+    n, block, b = x.shape[dim], SORT_BLOCK, ctx.builder
+    blocks = -(-n // block)
+
+    def value(coords, rg):
+        return upcast(x.read(coords, rg), x)
+
+    def own_block(o, r, rg):
+        j = add(o[dim], scale(mod(o[dim], block, rg), -1), r[0])
+        before = _comes_before(value(_at(o, dim, j), rg), value(o, rg), IndexValue(j), IndexValue(o[dim]), descending)
+        return call("where", call("and", call("lt", IndexValue(j), Const(n)), before), Const(1), Const(0))
+
+    local = b.emit(x.shape, torch.int64, own_block, reduce="sum", red_shape=[block], tag=tag,
+                   hint=f"{ctx.hint}_block_rank")
+    padded = _at(x.shape, dim, blocks * block)
+
+    def slot(o, rg):  # element o's place in its block's sorted run
+        return _at(o, dim, add(o[dim], scale(mod(o[dim], block, rg), -1), _gathered(local, o, rg)))
+
+    # a scatter from zeros: the last run's slots past the dim's end hold 0, and no search takes them
+    order = b.scatter(padded, torch.int64, list(x.shape), lambda o, r, rg: IndexValue(o[dim]), slot,
+                      hint=f"{ctx.hint}_block_order")
+    runs = b.emit(padded, x.dtype, lambda o, r, rg: x.read(_at(o, dim, _gathered(order, o, rg)), rg), tag=tag,
+                  hint=f"{ctx.hint}_runs")
+
+    def precedes(o, run, k, rg):
+        """The k-th of run `run` comes before element o (o: the element's coordinates)."""
+        at = add(scale(run, block), k)
+        earlier = _comes_before(upcast(runs.read(_at(o, dim, at), rg), x),
+                                value(o, rg), IndexValue(run), IndexValue(floordiv(o[dim], block, rg)), descending)
+        return call("and", call("lt", IndexValue(at), Const(n)), earlier)
+
+    found, step = None, block // 2  # found[o, c]: how many of run c come before o, at least (binary lifting)
+    while step:
+        def search(o, r, rg, found=found, step=step):
+            k = add(_gathered(found, o, rg) if found else 0, step - 1)
+            taken = call("where", precedes(list(o[:-1]), o[-1], k, rg), Const(step), Const(0))
+            return call("add", found.read(o, rg), taken) if found else taken
+        found = b.emit([*x.shape, blocks], torch.int64, search, tag=tag, hint=f"{ctx.hint}_search")
+        step //= 2
+
+    def before_in_other_runs(o, r, rg):
+        at = [*o, r[0]]
+        k = _gathered(found, at, rg) if found else Lit(0)
+        count = call("add", IndexValue(k), call("where", precedes(list(o), r[0], k, rg), Const(1), Const(0)))
+        return call("where", call("eq", IndexValue(r[0]), IndexValue(floordiv(o[dim], block, rg))), Const(0), count)
+
+    across = b.emit(x.shape, torch.int64, before_in_other_runs, reduce="sum", red_shape=[blocks], tag=tag,
+                    hint=f"{ctx.hint}_merged_rank")
+    return b.emit(x.shape, torch.int64, lambda o, r, rg: call("add", local.read(o, rg), across.read(o, rg)), tag=tag,
+                  hint=f"{ctx.hint}_rank")
+
+
+def _merged(ctx: LowerCtx, x: TensorValue, dim: int, descending: bool, tag):
+    """(values, int64 indices) of x sorted along a long dim: each position scattered to its rank, then gathered."""
+    b = ctx.builder
+    rank = _merge_ranks(ctx, x, dim, descending, tag)
+    source = b.scatter(x.shape, torch.int64, list(x.shape), lambda o, r, rg: IndexValue(o[dim]),
+                       lambda o, rg: _at(o, dim, _gathered(rank, o, rg)), hint=f"{ctx.hint}_index")
+    values = b.emit(x.shape, x.dtype, lambda o, r, rg: x.read(_at(o, dim, _gathered(source, o, rg)), rg), tag=tag,
+                    hint=ctx.hint)
+    return values, source
+
+
 def sorted_along(ctx: LowerCtx, x: TensorValue, dim: int, count: int, descending: bool, what: str):
     """(values, int64 indices) of the first `count` elements of x sorted along `dim`, that dim of size count."""
     if x.rank == 0:
@@ -88,6 +166,9 @@ def sorted_along(ctx: LowerCtx, x: TensorValue, dim: int, count: int, descending
     if _checked_length(ctx, x, dim, what) == 1:
         return x, _zeros_like(ctx, x)
     tag = ctx.builder.new_tag("sort")
+    if x.shape[dim] > QUADRATIC_SORT:
+        values, indices = _merged(ctx, x, dim, descending, tag)
+        return V.slice_dim(values, dim, 0, count, 1), V.slice_dim(indices, dim, 0, count, 1)
     rank = _ranks(ctx, x, dim, descending, tag)
     shape = list(x.shape)
     shape[dim] = count
@@ -144,7 +225,6 @@ def lower_median(ctx, x, dim=None, keepdim=False, *, out=None):
         values = x if keepdim else V.select(x, dim, 0)
         return values, _zeros_like(ctx, values)
     b, tag = ctx.builder, ctx.builder.new_tag("median")
-    rank = _ranks(ctx, x, dim, False, tag)
     shape = [1 if d == dim else size for d, size in enumerate(x.shape) if keepdim or d != dim]
 
     def row(o, e):
@@ -154,7 +234,22 @@ def lower_median(ctx, x, dim=None, keepdim=False, *, out=None):
                                                                                x.read(row(o, r[0]), rg)),
                                                                  Const(1.0), Const(0.0)),
                      reduce="sum", red_shape=[n], tag=tag, hint=f"{ctx.hint}_numbers")
+    if n > QUADRATIC_SORT:
+        return _long_median(ctx, x, dim, shape, row, numbers, tag)
+    rank = _ranks(ctx, x, dim, False, tag)
     middle = Const(float((n - 1) // 2))
     # sorted NaNs come after the numbers, the first NaN by position first: its rank is the count of numbers
     wanted = (lambda o, rg: call("where", call("lt", numbers.read(o, rg), Const(float(n))), numbers.read(o, rg), middle))
     return _picked(ctx, x, rank, dim, shape, row, wanted, tag)
+
+
+def _long_median(ctx, x, dim, shape, row, numbers, tag):
+    """The median of a long dim: the merged sort's element at (n - 1) // 2, or at the count of numbers (the
+    first NaN) where the row holds NaN."""
+    n, b = x.shape[dim], ctx.builder
+    values, indices = _merged(ctx, x, dim, False, tag)
+    position = b.emit(shape, torch.int64, lambda o, r, rg: call("where", call("lt", numbers.read(o, rg), Const(float(n))),
+                                                                Cast(torch.int64, numbers.read(o, rg)),
+                                                                Const((n - 1) // 2)), tag=tag, hint=f"{ctx.hint}_middle")
+    return tuple(b.emit(shape, t.dtype, lambda o, r, rg, t=t: t.read(row(o, _gathered(position, o, rg)), rg), tag=tag,
+                        hint=ctx.hint) for t in (values, indices))

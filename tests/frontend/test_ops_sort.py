@@ -1,14 +1,16 @@
-"""Sorting along short dims (topk, sort, argsort, msort, kthvalue, median) on the reference and gpu targets:
+"""Sorting (topk, sort, argsort, msort, kthvalue, median) on the reference and gpu targets, along short dims
+and along long ones (merge-ranked; small blocks here, so that short rows take that path too):
 values equal eager's; indices point at those values (eager leaves the order of ties unspecified, so
 they are checked by gathering, and equal eager's where a row has no ties). NaN sorts as the largest
 value, infinities and ties included."""
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import stitchflow
 from stitchflow import backend
+from stitchflow.frontend import ops_sort
 from conftest import assert_close, skip_unless_kernels_run
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -59,10 +61,30 @@ def test_sorts_equal_eager(name, target, rows, cols, dtype, specials):
     _check(tuple(t.cpu() for t in prog(x)), CASES[name](x.cpu()), x.cpu())
 
 
-def test_long_rows_are_refused_with_the_reason():
-    x = torch.randn(2, 2000)
-    with pytest.raises(stitchflow.StitchflowError, match="counted pairwise"):
-        stitchflow.compile(lambda x: torch.topk(x, 5), (x,))
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Rows past 8 elements are merge-ranked in blocks of 4 (3-8 blocks at the shapes below)."""
+    monkeypatch.setattr(ops_sort, "QUADRATIC_SORT", 8)
+    monkeypatch.setattr(ops_sort, "SORT_BLOCK", 4)
+
+
+@pytest.mark.parametrize("target", ["reference", "gpu"])
+@pytest.mark.parametrize("name", sorted(CASES))
+@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cols=st.integers(9, 30), dtype=st.sampled_from(["float32", "bfloat16", "int64"]), specials=st.booleans())
+def test_merge_ranked_sorts_equal_eager(small_blocks, name, target, cols, dtype, specials):
+    test_sorts_equal_eager.hypothesis.inner_test(name, target, 3, cols, dtype, specials)
+
+
+def test_a_long_row_sorts_with_the_default_blocks():
+    """A mixture-of-experts router's expert ids over 1500 tokens, two each (3000 > QUADRATIC_SORT): argsort
+    stable, as transformers groups the tokens by expert; ties are most of the row."""
+    experts = torch.randint(0, 8, (1500, 2), generator=torch.Generator().manual_seed(0))
+    prog = stitchflow.compile(lambda e: torch.argsort(e.flatten(), stable=True), (experts,))
+    assert torch.equal(prog(experts), torch.argsort(experts.flatten(), stable=True))
+    x = torch.randn(2, 2500)
+    prog = stitchflow.compile(lambda x: torch.topk(x, 5), (x,))
+    _check(prog(x), (*torch.topk(x, 5), -1), x)
 
 
 def test_a_mixture_of_experts_router_compiles_whole():
