@@ -22,9 +22,9 @@ from ..ir.errors import ShapeError, StitchflowError, UnsupportedOpError
 from ..ir.expr import Const
 from ..ir.graph import Graph
 from ..ir.types import Format, TensorType, format_of_tensor, parse_format
-from . import (ops_activations, ops_attention, ops_complex, ops_conv, ops_elementwise, ops_factory,  # noqa: F401
-               ops_fft, ops_grouped, ops_index, ops_linalg, ops_losses, ops_mha, ops_pool, ops_reduce, ops_resize,
-               ops_scan, ops_scatter, ops_shape, ops_sort, ops_stats, ops_trig, ops_views)  # (register lowerings)
+from . import (ops_activations, ops_attention, ops_complex, ops_complex_math, ops_conv, ops_elementwise,  # noqa: F401
+               ops_factory, ops_fft, ops_grouped, ops_index, ops_linalg, ops_losses, ops_mha, ops_pool, ops_reduce,
+               ops_resize, ops_scan, ops_scatter, ops_shape, ops_sort, ops_stats, ops_trig, ops_views)  # (lowerings)
 from .builder import GraphBuilder
 from .registry import (FACTORIES, IN_PLACE_OPERATORS, LOWERINGS, VALUES_UNCHANGED, LowerCtx, bind_arguments,
                        describe_target, early_refusal, is_inplace, key_of)
@@ -292,8 +292,9 @@ def _lower_call(gm, node: fx.Node, b: GraphBuilder, env, real, aliases, input_wr
         fn = ops_complex.COMPLEX_LOWERINGS.get(key) or ops_complex.partwise(key, fn) or ops_complex.bilinear(key, fn)
         if fn is None:
             raise UnsupportedOpError(describe_target(node), "it takes or makes a complex value (lowered: Fourier "
-                                     "transforms, conj, arithmetic, exp, abs, views, matmul and einsum, .real, "
-                                     ".imag, view_as_real)", node.name)
+                                     "transforms, conj, arithmetic, powers, exp, log, sqrt, trigonometric and "
+                                     "hyperbolic functions, sigmoid, abs, angle, views, where, sums, matmul and einsum, "
+                                     ".real, .imag, view_as_real)", node.name)
     ctx = LowerCtx(b, node, out, real_args=tuple(real_args), real=real)
     call_args, call_kwargs = bind_arguments(node, getattr(fn, "binds_as", fn), *args)  # torch.mul(x, other=2): `other` by position
     try:

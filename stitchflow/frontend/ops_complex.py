@@ -2,7 +2,7 @@
 result, a real tensor made complex) is a ComplexValue of its two real parts while capture lowers the graph. What takes
 it back to tensors: `.real`, `.imag`, torch.real / torch.imag, view_as_real, abs; what keeps it complex: conj,
 products, sums, differences, quotients, negation and exp with complex, real or scalar operands (each part an
-elementwise node), matmul and einsum (four real products, `bilinear`), and the views, reductions and scatters that
+elementwise node; the other elementary functions are in ops_complex_math.py), matmul and einsum (four real products, `bilinear`), and the views, reductions and scatters that
 act on each part alike (`partwise`). Any other op that meets a ComplexValue is refused by capture with that
 reason (`takes_complex` marks the lowerings that accept one, and COMPLEX_LOWERINGS holds the complex forms of
 arithmetic whose real lowering lives elsewhere). A complex graph input or parameter enters as
@@ -64,7 +64,8 @@ PARTWISE = {name: _FIRST for name in (
     "roll", "movedim", "chunk", "split", "unbind", "repeat", "detach", "sum", "mean", "index_select", "gather",
     "take_along_dim", "expand_as", "view_as", "reshape_as")}
 PARTWISE.update({"cat": _FIRST, "stack": _FIRST, "concat": _FIRST, "concatenate": _FIRST, "slice_scatter": (0, 1),
-                 "select_scatter": (0, 1), "copy": (0, 1), "setitem": (0, 2), "__setitem__": (0, 2)})
+                 "select_scatter": (0, 1), "copy": (0, 1), "setitem": (0, 2), "__setitem__": (0, 2),
+                 "where": (1, 2)})
 
 
 def _op_name(key) -> str:
@@ -82,7 +83,7 @@ def partwise(key, fn):
     def run(ctx, *args, **kwargs):
         if any_complex(([a for k, a in enumerate(args) if k not in data], kwargs)):
             raise UnsupportedOpError(_op_name(key), "a complex value where it takes indices or options", ctx.hint)
-        dtype = _real_dtype(ctx)
+        dtype = real_dtype(ctx)
         real = fn(_part_ctx(ctx, dtype, "re"), *_parts_of(ctx, args, data, "real"), **kwargs)
         if not any_imaginary([args[k] for k in data if k < len(args)]):
             imag = None
@@ -110,8 +111,8 @@ def bilinear(key, fn):
         positions = [k for k, a in enumerate(args) if isinstance(a, (ComplexValue, TensorValue))]
         if len(positions) != 2 or any_complex(kwargs):
             raise UnsupportedOpError(_op_name(key), "complex operands other than two tensors", ctx.hint)
-        (ar, ai), (br, bi) = (_parts(args[k]) for k in positions)
-        dtype = _real_dtype(ctx)
+        (ar, ai), (br, bi) = (parts(args[k]) for k in positions)
+        dtype = real_dtype(ctx)
 
         def product(a, b, step):
             if a is None or b is None:
@@ -154,6 +155,8 @@ def _parts_of(ctx: LowerCtx, args: tuple, data, which: str) -> list:
             return value if value is not None else _zeros_like(ctx, a.real)
         if isinstance(a, TensorValue) and which == "imag":
             return _zeros_like(ctx, a)
+        if isinstance(a, (int, float, complex)) and not isinstance(a, bool):  # x[i] = 2, where(m, 1j, z)
+            return complex(a).real if which == "real" else complex(a).imag
         return a
 
     return [fx.node.map_aggregate(a, pick) if k in data else a for k, a in enumerate(args)]
@@ -256,7 +259,7 @@ def lower_view_as_complex(ctx, t):
     return from_pairs(t)
 
 
-def _elementwise(ctx: LowerCtx, dtype: torch.dtype, fn, *operands) -> TensorValue:
+def part_node(ctx: LowerCtx, dtype: torch.dtype, fn, *operands) -> TensorValue:
     """One node over the eager result's shape: fn of the operands' broadcast reads (None stays None: a zero part)."""
     shape = ctx.shape
 
@@ -266,7 +269,7 @@ def _elementwise(ctx: LowerCtx, dtype: torch.dtype, fn, *operands) -> TensorValu
     return ctx.builder.emit(shape, dtype, body, hint=ctx.hint)
 
 
-def _parts(x):
+def parts(x):
     """(real, imaginary) of an operand: a ComplexValue's parts, a real tensor or scalar with no imaginary part."""
     if isinstance(x, ComplexValue):
         return x.real, x.imag
@@ -275,7 +278,7 @@ def _parts(x):
     return x, None
 
 
-def _real_dtype(ctx: LowerCtx) -> torch.dtype:
+def real_dtype(ctx: LowerCtx) -> torch.dtype:
     return ctx.dtype.to_real() if ctx.dtype.is_complex else ctx.dtype
 
 
@@ -300,13 +303,13 @@ def _zero_if_none(e):
 @complex_lowering(operator.mul, torch.mul, "method:mul", "aten.mul", operator.imul, "method:mul_")
 def lower_complex_mul(ctx, a, b, *, out=None):
     """(ar + i·ai)(br + i·bi) = (ar·br - ai·bi) + i(ar·bi + ai·br)."""
-    (ar, ai), (br, bi) = _parts(a), _parts(b)
-    dtype = _real_dtype(ctx)
-    real = _elementwise(ctx, dtype, lambda ar, ai, br, bi: _zero_if_none(_sum_of(
+    (ar, ai), (br, bi) = parts(a), parts(b)
+    dtype = real_dtype(ctx)
+    real = part_node(ctx, dtype, lambda ar, ai, br, bi: _zero_if_none(_sum_of(
         [(1, _prod(ar, br)), (-1, _prod(ai, bi))])), ar, ai, br, bi)
     if ai is None and bi is None:
         return ComplexValue(real, None)
-    imag = _elementwise(ctx, dtype, lambda ar, ai, br, bi: _zero_if_none(_sum_of(
+    imag = part_node(ctx, dtype, lambda ar, ai, br, bi: _zero_if_none(_sum_of(
         [(1, _prod(ar, bi)), (1, _prod(ai, br))])), ar, ai, br, bi)
     return ComplexValue(real, imag)
 
@@ -314,12 +317,12 @@ def lower_complex_mul(ctx, a, b, *, out=None):
 def _add(ctx, a, b, sign: int, alpha=1):
     if alpha != 1:
         raise UnsupportedOpError("add", f"alpha={alpha} with complex operands", ctx.hint)
-    (ar, ai), (br, bi) = _parts(a), _parts(b)
-    dtype = _real_dtype(ctx)
-    real = _elementwise(ctx, dtype, lambda x, y: _sum_of([(1, x), (sign, y)]), ar, br)
+    (ar, ai), (br, bi) = parts(a), parts(b)
+    dtype = real_dtype(ctx)
+    real = part_node(ctx, dtype, lambda x, y: _sum_of([(1, x), (sign, y)]), ar, br)
     if ai is None and bi is None:
         return ComplexValue(real, None)
-    imag = _elementwise(ctx, dtype, lambda x, y: _zero_if_none(_sum_of([(1, x), (sign, y)])), ai, bi)
+    imag = part_node(ctx, dtype, lambda x, y: _zero_if_none(_sum_of([(1, x), (sign, y)])), ai, bi)
     return ComplexValue(real, imag)
 
 
@@ -339,16 +342,16 @@ def lower_complex_div(ctx, a, b, *, rounding_mode=None, out=None):
     """a / b = a · conj(b) / |b|²; by a real divisor, each part divided."""
     if rounding_mode is not None:
         raise UnsupportedOpError("div", f"rounding_mode={rounding_mode!r} with complex operands", ctx.hint)
-    (ar, ai), (br, bi) = _parts(a), _parts(b)
-    dtype = _real_dtype(ctx)
+    (ar, ai), (br, bi) = parts(a), parts(b)
+    dtype = real_dtype(ctx)
     if bi is None:
-        real = _elementwise(ctx, dtype, lambda x, y: call("div", x, y), ar, br)
-        return ComplexValue(real, None if ai is None else _elementwise(ctx, dtype, lambda x, y: call("div", x, y),
+        real = part_node(ctx, dtype, lambda x, y: call("div", x, y), ar, br)
+        return ComplexValue(real, None if ai is None else part_node(ctx, dtype, lambda x, y: call("div", x, y),
                                                                        ai, br))
-    norm = _elementwise(ctx, dtype, lambda x, y: call("add", call("mul", x, x), call("mul", y, y)), br, bi)
-    real = _elementwise(ctx, dtype, lambda ar, ai, br, bi, n: call("div", _sum_of(
+    norm = part_node(ctx, dtype, lambda x, y: call("add", call("mul", x, x), call("mul", y, y)), br, bi)
+    real = part_node(ctx, dtype, lambda ar, ai, br, bi, n: call("div", _sum_of(
         [(1, _prod(ar, br)), (1, _prod(ai, bi))]), n), ar, ai, br, bi, norm)
-    imag = _elementwise(ctx, dtype, lambda ar, ai, br, bi, n: call("div", _sum_of(
+    imag = part_node(ctx, dtype, lambda ar, ai, br, bi, n: call("div", _sum_of(
         [(1, _prod(ai, br)), (-1, _prod(ar, bi))]), n), ar, ai, br, bi, norm)
     return ComplexValue(real, imag)
 
@@ -356,27 +359,27 @@ def lower_complex_div(ctx, a, b, *, rounding_mode=None, out=None):
 @complex_lowering(torch.exp, "method:exp", "aten.exp")
 def lower_complex_exp(ctx, z, *, out=None):
     """e^(a + ib) = e^a (cos b + i·sin b)."""
-    real, imag = _parts(z)
-    dtype = _real_dtype(ctx)
+    real, imag = parts(z)
+    dtype = real_dtype(ctx)
     if imag is None:
-        return ComplexValue(_elementwise(ctx, dtype, lambda a: call("exp", a), real), None)
-    return ComplexValue(_elementwise(ctx, dtype, lambda a, b: call("mul", call("exp", a), call("cos", b)), real, imag),
-                        _elementwise(ctx, dtype, lambda a, b: call("mul", call("exp", a), call("sin", b)), real, imag))
+        return ComplexValue(part_node(ctx, dtype, lambda a: call("exp", a), real), None)
+    return ComplexValue(part_node(ctx, dtype, lambda a, b: call("mul", call("exp", a), call("cos", b)), real, imag),
+                        part_node(ctx, dtype, lambda a, b: call("mul", call("exp", a), call("sin", b)), real, imag))
 
 
 @complex_lowering(operator.neg, torch.neg, "method:neg", "aten.neg")
 def lower_complex_neg(ctx, z, *, out=None):
-    real, imag = _parts(z)
-    dtype = _real_dtype(ctx)
-    return ComplexValue(_elementwise(ctx, dtype, lambda a: call("neg", a), real),
-                        None if imag is None else _elementwise(ctx, dtype, lambda b: call("neg", b), imag))
+    real, imag = parts(z)
+    dtype = real_dtype(ctx)
+    return ComplexValue(part_node(ctx, dtype, lambda a: call("neg", a), real),
+                        None if imag is None else part_node(ctx, dtype, lambda b: call("neg", b), imag))
 
 
 @complex_lowering(torch.abs, "method:abs", "aten.abs", operator.abs)
 def lower_complex_abs(ctx, z):
     """|z| = sqrt(re² + im²): a spectrum's magnitude, a real tensor."""
-    real, imag = _parts(z)
-    return _elementwise(ctx, ctx.dtype, lambda re, im: call("sqrt", _sum_of(
+    real, imag = parts(z)
+    return part_node(ctx, ctx.dtype, lambda re, im: call("sqrt", _sum_of(
         [(1, call("mul", re, re)), (1, None if im is None else call("mul", im, im))])), real, imag)
 
 
@@ -385,11 +388,11 @@ def lower_complex_abs(ctx, z):
 def lower_angle(ctx, z, *, out=None):
     """The argument atan2(imag, real): a spectrum's phase; a real tensor's is π where it is negative (NaN stays)."""
     if isinstance(z, ComplexValue) and z.imag is not None:
-        return _elementwise(ctx, ctx.dtype, lambda a, b: call("atan2", b, a), z.real, z.imag)
+        return part_node(ctx, ctx.dtype, lambda a, b: call("atan2", b, a), z.real, z.imag)
     real = z.real if isinstance(z, ComplexValue) else z
     if not isinstance(real, TensorValue) or not real.dtype.is_floating_point:
         raise UnsupportedOpError("angle", f"of {getattr(real, 'dtype', type(real).__name__)}", ctx.hint)
-    return _elementwise(ctx, ctx.dtype, lambda a: call("where", call("lt", a, Const(0.0)), Const(math.pi),
+    return part_node(ctx, ctx.dtype, lambda a: call("where", call("lt", a, Const(0.0)), Const(math.pi),
                                                         call("mul", a, Const(0.0))), real)
 
 
@@ -397,20 +400,20 @@ def lower_angle(ctx, z, *, out=None):
 @takes_complex
 def lower_polar(ctx, magnitude, angle, *, out=None):
     """magnitude · e^(i·angle): rotary embeddings' frequencies (torchtitan's freqs_cis)."""
-    dtype = _real_dtype(ctx)
-    return ComplexValue(_elementwise(ctx, dtype, lambda m, a: call("mul", m, call("cos", a)), magnitude, angle),
-                        _elementwise(ctx, dtype, lambda m, a: call("mul", m, call("sin", a)), magnitude, angle))
+    dtype = real_dtype(ctx)
+    return ComplexValue(part_node(ctx, dtype, lambda m, a: call("mul", m, call("cos", a)), magnitude, angle),
+                        part_node(ctx, dtype, lambda m, a: call("mul", m, call("sin", a)), magnitude, angle))
 
 
 @lowering(torch.complex, "aten.complex")
 @takes_complex
 def lower_complex(ctx, real, imag, *, out=None):
-    dtype = _real_dtype(ctx)
-    return ComplexValue(_elementwise(ctx, dtype, lambda x: x, real), _elementwise(ctx, dtype, lambda x: x, imag))
+    dtype = real_dtype(ctx)
+    return ComplexValue(part_node(ctx, dtype, lambda x: x, real), part_node(ctx, dtype, lambda x: x, imag))
 
 
 @lowering(torch.conj, torch.conj_physical, "method:conj", "method:conj_physical", "aten.conj", "aten._conj",
-          "aten.conj_physical", "method:resolve_conj", "aten.resolve_conj", torch.resolve_conj)
+          "aten.conj_physical", "aten._conj_physical", "method:resolve_conj", "aten.resolve_conj", torch.resolve_conj)
 @takes_complex
 def lower_conj(ctx, z):
     """The conjugate (a real tensor's is itself); resolve_conj changes nothing of the value."""

@@ -22,7 +22,7 @@ LARGE = 2.0 ** 28
 SINH_FAR = 9.0
 
 
-def _negative(a):
+def is_negative(a):
     """a < 0, counting -0 (1 / -0 is -inf)."""
     return call("or", call("lt", a, _c(0.0)), call("and", call("eq", a, _c(0.0)), call("lt", call("div", _c(1.0), a), _c(0.0))))
 
@@ -41,14 +41,14 @@ def _half_exponential_squared(a):
     return call("mul", call("mul", h, _c(0.5)), h)
 
 
-def _sinh(a):
+def sinh_expr(a):
     e = call("expm1", call("abs", a))
     near = call("mul", _c(0.5), call("add", e, call("div", e, call("add", e, _c(1.0)))))
     far = _half_exponential_squared(a)
     return _with_sign_of(a, call("where", call("lt", call("abs", a), _c(SINH_FAR)), near, far))
 
 
-def _cosh(a):
+def cosh_expr(a):
     h = call("exp", call("mul", call("abs", a), _c(0.5)))
     return call("add", _half_exponential_squared(a), call("div", _c(0.5), call("mul", h, h)))
 
@@ -97,7 +97,7 @@ def _sinc(a):
     return call("where", call("eq", a, _c(0.0)), _c(1.0), call("div", call("sin", px), px))
 
 
-for _name, _formula in {"tan": _tan, "sinh": _sinh, "cosh": _cosh, "asin": _asin, "acos": _acos, "atan": _atan,
+for _name, _formula in {"tan": _tan, "sinh": sinh_expr, "cosh": cosh_expr, "asin": _asin, "acos": _acos, "atan": _atan,
                         "asinh": _asinh, "acosh": _acosh, "atanh": _atanh}.items():
     _alias = "arc" + _name[1:]  # torch.arcsin is torch.asin
     _keys = (getattr(torch, _name), f"method:{_name}", f"aten.{_name}")
@@ -117,7 +117,7 @@ def lower_atan2(ctx, y, x, *, out=None):
 @lowering(torch.copysign, "method:copysign", "aten.copysign")
 def lower_copysign(ctx, a, b):
     """|a| with b's sign bit (-0 counts as negative; floats out, as torch, for integer operands)."""
-    return elementwise(ctx, lambda x, y: call("where", _negative(y), call("neg", call("abs", x)), call("abs", x)),
+    return elementwise(ctx, lambda x, y: call("where", is_negative(y), call("neg", call("abs", x)), call("abs", x)),
                        a, b, upcast_reads=True)
 
 
@@ -125,7 +125,7 @@ def lower_copysign(ctx, a, b):
 def lower_signbit(ctx, x):
     if not x.dtype.is_floating_point:
         return elementwise(ctx, lambda a: call("lt", a, Const(0)), x)
-    return elementwise(ctx, _negative, x)
+    return elementwise(ctx, is_negative, x)
 
 
 # erfc(x) = t exp(-x^2 + P(t)), t = 1 / (1 + x/2), for x >= 0: Numerical Recipes' erfcc (Press et al., 2nd ed.,

@@ -1,0 +1,209 @@
+"""Elementary functions of complex values (ops_complex.py's pairs of real parts): log, sqrt, reciprocal, powers,
+the trigonometric and hyperbolic functions, sigmoid and sgn, each as two real formulas over the parts a + ib.
+Formulas are the textbook ones, arranged not to overflow or divide by zero where torch's results are finite:
+sqrt takes the larger of its two half-angle parts directly and divides for the other, tanh and tan take their
+limit once the exponential dominates, and a power of a small integer or one half is a product or a root.
+What torch leaves to the C library at its branch cuts (the sign of a zero part) follows C99's conventions
+where it costs nothing (sqrt of -4 - 0i is -2i)."""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+
+from ..ir.expr import Const, call
+from .ops_complex import ComplexValue, complex_lowering, lower_complex_exp, lower_complex_mul, part_node, parts, \
+    real_dtype
+from .ops_trig import cosh_expr, is_negative, sinh_expr
+
+# past |x| = 20, tanh(x + iy)'s real part is ±1 and its imaginary part under 1e-17 in float64: the limit, where the
+# formula's cosh(2x) would overflow past |x| = 44
+TANH_FAR = 20.0
+
+
+def _c(v: float) -> Const:
+    return Const(v)
+
+
+def _pair(ctx, z, real_of, imag_of) -> ComplexValue:
+    """A complex result whose parts are real_of(a, b) and imag_of(a, b) of z's parts (an absent one 0)."""
+    a, b = parts(z)
+    dtype = real_dtype(ctx)
+
+    def at(fn):
+        return lambda a, b: fn(a, _c(0.0) if b is None else b)
+
+    return ComplexValue(part_node(ctx, dtype, at(real_of), a, b), part_node(ctx, dtype, at(imag_of), a, b))
+
+
+def _modulus(a, b):
+    return call("sqrt", call("add", call("mul", a, a), call("mul", b, b)))
+
+
+@complex_lowering(torch.log, "method:log", "aten.log")
+def lower_complex_log(ctx, z, *, out=None):
+    """log z = log|z| + i·arg z (log 0 = -inf + 0i)."""
+    return _pair(ctx, z, lambda a, b: call("log", _modulus(a, b)), lambda a, b: call("atan2", b, a))
+
+
+def _scaled(scale: float):
+    def lower(ctx, z, *, out=None):
+        return _pair(ctx, z, lambda a, b: call("mul", call("log", _modulus(a, b)), _c(scale)),
+                     lambda a, b: call("mul", call("atan2", b, a), _c(scale)))
+    return lower
+
+
+complex_lowering(torch.log2, "method:log2", "aten.log2")(_scaled(1 / math.log(2)))
+complex_lowering(torch.log10, "method:log10", "aten.log10")(_scaled(1 / math.log(10)))
+
+
+def _root_parts(a, b):
+    """(re, im) of the principal sqrt: t = sqrt((|z| + |a|) / 2) is the larger part, b / 2t the other."""
+    t = call("sqrt", call("mul", call("add", _modulus(a, b), call("abs", a)), _c(0.5)))
+    other = call("div", call("abs", b), call("mul", call("where", call("eq", t, _c(0.0)), _c(1.0), t), _c(2.0)))
+    right = call("ge", a, _c(0.0))
+    real = call("where", right, t, other)
+    imag = call("where", right, other, t)
+    return real, call("where", is_negative(b), call("neg", imag), imag)
+
+
+@complex_lowering(torch.sqrt, "method:sqrt", "aten.sqrt")
+def lower_complex_sqrt(ctx, z, *, out=None):
+    return _pair(ctx, z, lambda a, b: _root_parts(a, b)[0], lambda a, b: _root_parts(a, b)[1])
+
+
+def _inverse_parts(a, b):
+    """1 / (a + ib) = (a - ib) / |z|², scaled by the larger part so that |z|² neither overflows nor underflows."""
+    big = call("max", call("abs", a), call("abs", b))
+    s = call("where", call("eq", big, _c(0.0)), _c(1.0), big)
+    x, y = call("div", a, s), call("div", b, s)
+    norm = call("mul", call("add", call("mul", x, x), call("mul", y, y)), s)
+    real = call("where", call("eq", norm, _c(0.0)), _c(math.inf), call("div", x, norm))  # 1 / 0 is inf + nan·i
+    return real, call("neg", call("div", y, norm))
+
+
+@complex_lowering(torch.reciprocal, "method:reciprocal", "aten.reciprocal")
+def lower_complex_reciprocal(ctx, z, *, out=None):
+    return _pair(ctx, z, lambda a, b: _inverse_parts(a, b)[0], lambda a, b: _inverse_parts(a, b)[1])
+
+
+@complex_lowering(torch.rsqrt, "method:rsqrt", "aten.rsqrt")
+def lower_complex_rsqrt(ctx, z, *, out=None):
+    return lower_complex_reciprocal(ctx, lower_complex_sqrt(ctx, z))
+
+
+@complex_lowering(torch.square, "method:square", "aten.square")
+def lower_complex_square(ctx, z, *, out=None):
+    return lower_complex_mul(ctx, z, z)
+
+
+@complex_lowering(operator.pow, torch.pow, "method:pow", "aten.pow")
+def lower_complex_pow(ctx, base, exponent, *, out=None):
+    """base ** exponent: small integer and half powers as products and roots; a real exponent p in polar form,
+    |z|^p·e^(i·p·arg z); a complex one as exp(w·log z)."""
+    if isinstance(exponent, (int, float)) and not isinstance(exponent, bool):
+        p = float(exponent)
+        if p == 0.0:
+            return _pair(ctx, base, lambda a, b: _c(1.0), lambda a, b: call("mul", b, _c(0.0)))
+        if p in (1.0, 2.0, 3.0):
+            out = base
+            for _ in range(int(p) - 1):
+                out = lower_complex_mul(ctx, out, base)
+            return out if p > 1 else _pair(ctx, base, lambda a, b: a, lambda a, b: b)
+        special = {-1.0: lower_complex_reciprocal, 0.5: lower_complex_sqrt, -0.5: lower_complex_rsqrt}
+        if p in special:
+            return special[p](ctx, base)
+
+        def magnitude(a, b):
+            return call("exp", call("mul", call("log", _modulus(a, b)), _c(p)))
+
+        return _pair(ctx, base, lambda a, b: call("mul", magnitude(a, b), call("cos", call("mul", call("atan2", b, a), _c(p)))),
+                     lambda a, b: call("mul", magnitude(a, b), call("sin", call("mul", call("atan2", b, a), _c(p)))))
+    power = lower_complex_exp(ctx, lower_complex_mul(ctx, exponent, lower_complex_log(ctx, base)))
+    a, b = parts(base)  # 0 ** w is 0 where Re w > 0, as torch (exp(w · log 0) is NaN)
+    w = parts(exponent)[0]
+
+    def at_zero(part):
+        def fn(a, b, w, r):
+            zero = call("and", call("eq", a, _c(0.0)), call("eq", _c(0.0) if b is None else b, _c(0.0)))
+            return call("where", call("and", zero, call("gt", w, _c(0.0))), _c(0.0), r)
+        return part_node(ctx, real_dtype(ctx), fn, a, b, w, part)
+
+    return ComplexValue(at_zero(power.real), at_zero(power.imag))
+
+
+# ---------------------------------------------------------------- trigonometric and hyperbolic
+
+@complex_lowering(torch.sin, "method:sin", "aten.sin")
+def lower_complex_sin(ctx, z, *, out=None):
+    """sin(a + ib) = sin a cosh b + i cos a sinh b."""
+    return _pair(ctx, z, lambda a, b: call("mul", call("sin", a), cosh_expr(b)),
+                 lambda a, b: call("mul", call("cos", a), sinh_expr(b)))
+
+
+@complex_lowering(torch.cos, "method:cos", "aten.cos")
+def lower_complex_cos(ctx, z, *, out=None):
+    """cos(a + ib) = cos a cosh b - i sin a sinh b."""
+    return _pair(ctx, z, lambda a, b: call("mul", call("cos", a), cosh_expr(b)),
+                 lambda a, b: call("neg", call("mul", call("sin", a), sinh_expr(b))))
+
+
+@complex_lowering(torch.sinh, "method:sinh", "aten.sinh")
+def lower_complex_sinh(ctx, z, *, out=None):
+    """sinh(a + ib) = sinh a cos b + i cosh a sin b."""
+    return _pair(ctx, z, lambda a, b: call("mul", sinh_expr(a), call("cos", b)),
+                 lambda a, b: call("mul", cosh_expr(a), call("sin", b)))
+
+
+@complex_lowering(torch.cosh, "method:cosh", "aten.cosh")
+def lower_complex_cosh(ctx, z, *, out=None):
+    """cosh(a + ib) = cosh a cos b + i sinh a sin b."""
+    return _pair(ctx, z, lambda a, b: call("mul", cosh_expr(a), call("cos", b)),
+                 lambda a, b: call("mul", sinh_expr(a), call("sin", b)))
+
+
+def _tanh_parts(a, b):
+    """tanh(a + ib) = (sinh 2a + i sin 2b) / (cosh 2a + cos 2b); ±1 + 0i once |a| passes TANH_FAR."""
+    a2, b2 = call("mul", a, _c(2.0)), call("mul", b, _c(2.0))
+    far = call("gt", call("abs", a), _c(TANH_FAR))
+    denominator = call("add", cosh_expr(a2), call("cos", b2))
+    sign = call("where", call("lt", a, _c(0.0)), _c(-1.0), _c(1.0))
+    return (call("where", far, sign, call("div", sinh_expr(a2), denominator)),
+            call("where", far, call("mul", call("sin", b2), _c(0.0)), call("div", call("sin", b2), denominator)))
+
+
+@complex_lowering(torch.tanh, "method:tanh", "aten.tanh")
+def lower_complex_tanh(ctx, z, *, out=None):
+    return _pair(ctx, z, lambda a, b: _tanh_parts(a, b)[0], lambda a, b: _tanh_parts(a, b)[1])
+
+
+@complex_lowering(torch.tan, "method:tan", "aten.tan")
+def lower_complex_tan(ctx, z, *, out=None):
+    """tan z = -i·tanh(iz): with tanh(-b + ia) = (x, y), tan(a + ib) = y - ix."""
+    return _pair(ctx, z, lambda a, b: _tanh_parts(call("neg", b), a)[1],
+                 lambda a, b: call("neg", _tanh_parts(call("neg", b), a)[0]))
+
+
+@complex_lowering(torch.sigmoid, "method:sigmoid", "aten.sigmoid")
+def lower_complex_sigmoid(ctx, z, *, out=None):
+    """1 / (1 + e^-z), e^-z = e^-a (cos b - i sin b)."""
+    def denominator(a, b):
+        e = call("exp", call("neg", a))
+        return call("add", _c(1.0), call("mul", e, call("cos", b))), call("neg", call("mul", e, call("sin", b)))
+
+    return _pair(ctx, z, lambda a, b: _inverse_parts(*denominator(a, b))[0],
+                 lambda a, b: _inverse_parts(*denominator(a, b))[1])
+
+
+@complex_lowering(torch.sgn, "method:sgn", "aten.sgn")
+def lower_complex_sgn(ctx, z, *, out=None):
+    """z / |z|, 0 at 0."""
+    def part(pick):
+        def fn(a, b):
+            r = _modulus(a, b)
+            return call("where", call("eq", r, _c(0.0)), _c(0.0), call("div", pick(a, b), r))
+        return fn
+
+    return _pair(ctx, z, part(lambda a, b: a), part(lambda a, b: b))
