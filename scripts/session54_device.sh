@@ -4,7 +4,8 @@
 #       kernels (and torch_geometric's layers with them), operator methods (x.__eq__, as torch 2.11's Dynamo
 #       records x == y), host tensors mixed into CUDA kernels (MPNet), session 53's grouped GEMMs and written
 #       inputs, session 53's Fourier transforms and complex values, then MPNet, ModernBERT, LLaVA and the four
-#       mixtures of experts in bfloat16, FNet and Mamba in float32 (inference and training)
+#       mixtures of experts in bfloat16, FNet and Mamba in float32 (inference and training); session 54's blocked
+#       scans, merge-ranked sorts and complex functions
 #   bash scripts/session54_device.sh gnn    -- the GNN bench, one case at a time, with its torch_geometric runners
 #   bash scripts/session54_device.sh moe    -- session 53's grouped GEMMs timed: scripts/moe_probe.py
 export PYTHONPATH=.:tests:scripts TRITON_INTERPRET=0
@@ -13,8 +14,9 @@ if [ "${1:-checks}" = "checks" ]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/targets/gpu/test_scatter_stores.py tests/frontend/test_capture.py \
     tests/frontend/test_ops_scatter.py tests/test_backend.py tests/test_backend_partition.py \
     tests/frontend/test_ops_grouped.py tests/targets/gpu/test_grouped_gemm.py tests/test_backend_writes.py \
-    tests/frontend/test_ops_fft.py tests/frontend/test_ops_complex.py \
-    -k "stores or scatter or operator_methods or augmented or torch_geometric or masked or refus or grouped or writ or transforms or complex or rotary or fourier or fft or pairs" \
+    tests/frontend/test_ops_fft.py tests/frontend/test_ops_complex.py tests/frontend/test_ops_complex_math.py \
+    tests/frontend/test_ops_scan.py tests/frontend/test_ops_sort.py \
+    -k "stores or scatter or operator_methods or augmented or torch_geometric or masked or refus or grouped or writ or transforms or complex or rotary or fourier or fft or pairs or blocked or merge or long or gpu" \
     2>&1 | grep -E "^E  |FAILED|passed|failed" | head -30
   timeout 240 python3 scripts/zoo_sweep.py --only MPNet,ModernBert,Llava,Mixtral,Qwen2Moe,Qwen3Moe,Olmoe --dtypes bfloat16 2>&1 | grep -E "^ok|^MIS|^ERR|fallback:|/" | tail -20
   timeout 120 python3 scripts/zoo_sweep.py --only FNet,Mamba --dtypes float32 --train 2>&1 | grep -E "^ok|^MIS|^ERR|fallback:|/" | tail -8
