@@ -8,6 +8,7 @@
 #       scans, merge-ranked sorts and complex functions
 #   bash scripts/session54_device.sh gnn    -- the GNN bench, one case at a time, with its torch_geometric runners
 #   bash scripts/session54_device.sh moe    -- session 53's grouped GEMMs timed: scripts/moe_probe.py
+#   bash scripts/session54_device.sh long   -- session 54's long sorts and scans, and the DFT GEMMs, timed
 export PYTHONPATH=.:tests:scripts TRITON_INTERPRET=0
 OUT=${OUT:-/tmp/out}
 if [ "${1:-checks}" = "checks" ]; then
@@ -20,6 +21,8 @@ if [ "${1:-checks}" = "checks" ]; then
     2>&1 | grep -E "^E  |FAILED|passed|failed" | head -30
   timeout 240 python3 scripts/zoo_sweep.py --only MPNet,ModernBert,Llava,Mixtral,Qwen2Moe,Qwen3Moe,Olmoe --dtypes bfloat16 2>&1 | grep -E "^ok|^MIS|^ERR|fallback:|/" | tail -20
   timeout 120 python3 scripts/zoo_sweep.py --only FNet,Mamba --dtypes float32 --train 2>&1 | grep -E "^ok|^MIS|^ERR|fallback:|/" | tail -8
+elif [ "$1" = "long" ]; then
+  timeout 500 python3 scripts/long_ops_probe.py 2>&1 | grep -E "^\||device|Error|error" | tail -14
 elif [ "$1" = "moe" ]; then
   timeout 500 python3 scripts/moe_probe.py --tokens 16,128,1024 2>&1 | grep -E "^\||device|Error|error" | tail -12
 else
