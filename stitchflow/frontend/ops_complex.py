@@ -65,7 +65,11 @@ PARTWISE = {name: _FIRST for name in (
     "take_along_dim", "expand_as", "view_as", "reshape_as")}
 PARTWISE.update({"cat": _FIRST, "stack": _FIRST, "concat": _FIRST, "concatenate": _FIRST, "slice_scatter": (0, 1),
                  "select_scatter": (0, 1), "copy": (0, 1), "setitem": (0, 2), "__setitem__": (0, 2),
-                 "where": (1, 2)})
+                 "where": (1, 2), "masked_fill": (0, 2), "index_copy": (0, 3), "index_add": (0, 3),
+                 "index_put": (0, 2), "scatter": (0, 3), "scatter_add": (0, 3), "diff": (0, 3, 4)})
+PARTWISE.update({name: _FIRST for name in (
+    "diagonal", "fliplr", "flipud", "tril", "triu", "tile", "unfold", "tensor_split", "cumsum", "nan_to_num",
+    "hsplit", "vsplit", "swapaxes", "swapdims", "moveaxis", "diag_embed")})
 
 
 def _op_name(key) -> str:
@@ -81,9 +85,10 @@ def partwise(key, fn):
         return None
 
     def run(ctx, *args, **kwargs):
-        if any_complex(([a for k, a in enumerate(args) if k not in data], kwargs)):
+        if any_complex(([a for k, a in enumerate(args) if k not in data], kwargs), numbers=True):
             raise UnsupportedOpError(_op_name(key), "a complex value where it takes indices or options", ctx.hint)
         dtype = real_dtype(ctx)
+        kwargs = {k: v.to_real() if isinstance(v, torch.dtype) and v.is_complex else v for k, v in kwargs.items()}
         real = fn(_part_ctx(ctx, dtype, "re"), *_parts_of(ctx, args, data, "real"), **kwargs)
         if not any_imaginary([args[k] for k in data if k < len(args)]):
             imag = None
@@ -97,7 +102,8 @@ def partwise(key, fn):
     return run
 
 
-BILINEAR = frozenset({"einsum", "matmul", "mm", "bmm", "__matmul__", "tensordot", "linear"})
+BILINEAR = frozenset({"einsum", "matmul", "mm", "bmm", "__matmul__", "tensordot", "linear", "outer", "ger", "inner",
+                      "dot", "mv", "kron"})
 
 
 def bilinear(key, fn):
@@ -176,9 +182,11 @@ def _part_ctx(ctx: LowerCtx, dtype: torch.dtype, step: str) -> LowerCtx:
     return LowerCtx(ctx.builder, ctx.node, meta, step)
 
 
-def any_complex(args) -> bool:
+def any_complex(args, numbers: bool = False) -> bool:
+    """Any complex value among args (and, with numbers, any Python complex number)?"""
+    kinds = (ComplexValue, complex) if numbers else ComplexValue
     found = []
-    fx.node.map_aggregate(args, lambda a: found.append(a) if isinstance(a, ComplexValue) else a)
+    fx.node.map_aggregate(args, lambda a: found.append(a) if isinstance(a, kinds) else a)
     return bool(found)
 
 
@@ -279,7 +287,9 @@ def parts(x):
 
 
 def real_dtype(ctx: LowerCtx) -> torch.dtype:
-    return ctx.dtype.to_real() if ctx.dtype.is_complex else ctx.dtype
+    """The eager result's real counterpart (of its first piece, for chunk, split and unbind)."""
+    out = ctx.out if isinstance(ctx.out, torch.Tensor) else ctx.out[0]
+    return out.dtype.to_real() if out.dtype.is_complex else out.dtype
 
 
 def _sum_of(terms):
@@ -315,8 +325,8 @@ def lower_complex_mul(ctx, a, b, *, out=None):
 
 
 def _add(ctx, a, b, sign: int, alpha=1):
-    if alpha != 1:
-        raise UnsupportedOpError("add", f"alpha={alpha} with complex operands", ctx.hint)
+    if alpha != 1:  # a + alpha·b, alpha·b a complex product
+        b = lower_complex_mul(ctx, b, alpha)
     (ar, ai), (br, bi) = parts(a), parts(b)
     dtype = real_dtype(ctx)
     real = part_node(ctx, dtype, lambda x, y: _sum_of([(1, x), (sign, y)]), ar, br)
@@ -375,12 +385,24 @@ def lower_complex_neg(ctx, z, *, out=None):
                         None if imag is None else part_node(ctx, dtype, lambda b: call("neg", b), imag))
 
 
+def modulus(a, b):
+    """|a + ib| scaled by the larger part, as hypot: neither overflows where |z| is finite nor underflows; inf where
+    either part is infinite (even with a NaN beside it), NaN where a part is NaN otherwise."""
+    big, small = call("max", call("abs", a), call("abs", b)), call("min", call("abs", a), call("abs", b))
+    ratio = call("div", small, call("where", call("eq", big, Const(0.0)), Const(1.0), big))
+    scaled = call("mul", big, call("sqrt", call("add", Const(1.0), call("mul", ratio, ratio))))
+    infinite = call("or", call("eq", call("abs", a), Const(math.inf)), call("eq", call("abs", b), Const(math.inf)))
+    nan = call("or", call("ne", a, a), call("ne", b, b))
+    return call("where", infinite, Const(math.inf), call("where", nan, Const(math.nan), scaled))
+
+
 @complex_lowering(torch.abs, "method:abs", "aten.abs", operator.abs)
 def lower_complex_abs(ctx, z):
-    """|z| = sqrt(re² + im²): a spectrum's magnitude, a real tensor."""
+    """|z|: a spectrum's magnitude, a real tensor."""
     real, imag = parts(z)
-    return part_node(ctx, ctx.dtype, lambda re, im: call("sqrt", _sum_of(
-        [(1, call("mul", re, re)), (1, None if im is None else call("mul", im, im))])), real, imag)
+    if imag is None:
+        return part_node(ctx, ctx.dtype, lambda re: call("abs", re), real)
+    return part_node(ctx, ctx.dtype, modulus, real, imag)
 
 
 @lowering(torch.angle, "method:angle", "aten.angle")

@@ -1,5 +1,6 @@
 """Elementary functions of complex values (ops_complex.py's pairs of real parts): log, sqrt, reciprocal, powers,
-the trigonometric and hyperbolic functions, sigmoid and sgn, each as two real formulas over the parts a + ib.
+the trigonometric and hyperbolic functions, sigmoid, sgn, exp2, expm1 and log1p, each as two real formulas over the
+parts a + ib; isnan, isinf and isfinite; vdot; vector norms (of the moduli).
 Formulas are the textbook ones, arranged not to overflow or divide by zero where torch's results are finite:
 sqrt takes the larger of its two half-angle parts directly and divides for the other, tanh and tan take their
 limit once the exponential dominates, and a power of a small integer or one half is a product or a root.
@@ -14,8 +15,9 @@ import operator
 import torch
 
 from ..ir.expr import Const, call
-from .ops_complex import ComplexValue, complex_lowering, lower_complex_exp, lower_complex_mul, part_node, parts, \
-    real_dtype
+from .ops_complex import ComplexValue, bilinear, complex_lowering, lower_complex_abs, lower_complex_exp, \
+    lower_complex_mul, lower_conj, modulus, part_node, parts, real_dtype
+from .registry import LOWERINGS, sub_ctx
 from .ops_trig import cosh_expr, is_negative, sinh_expr
 
 # past |x| = 20, tanh(x + iy)'s real part is ±1 and its imaginary part under 1e-17 in float64: the limit, where the
@@ -38,19 +40,15 @@ def _pair(ctx, z, real_of, imag_of) -> ComplexValue:
     return ComplexValue(part_node(ctx, dtype, at(real_of), a, b), part_node(ctx, dtype, at(imag_of), a, b))
 
 
-def _modulus(a, b):
-    return call("sqrt", call("add", call("mul", a, a), call("mul", b, b)))
-
-
 @complex_lowering(torch.log, "method:log", "aten.log")
 def lower_complex_log(ctx, z, *, out=None):
     """log z = log|z| + i·arg z (log 0 = -inf + 0i)."""
-    return _pair(ctx, z, lambda a, b: call("log", _modulus(a, b)), lambda a, b: call("atan2", b, a))
+    return _pair(ctx, z, lambda a, b: call("log", modulus(a, b)), lambda a, b: call("atan2", b, a))
 
 
 def _scaled(scale: float):
     def lower(ctx, z, *, out=None):
-        return _pair(ctx, z, lambda a, b: call("mul", call("log", _modulus(a, b)), _c(scale)),
+        return _pair(ctx, z, lambda a, b: call("mul", call("log", modulus(a, b)), _c(scale)),
                      lambda a, b: call("mul", call("atan2", b, a), _c(scale)))
     return lower
 
@@ -61,7 +59,7 @@ complex_lowering(torch.log10, "method:log10", "aten.log10")(_scaled(1 / math.log
 
 def _root_parts(a, b):
     """(re, im) of the principal sqrt: t = sqrt((|z| + |a|) / 2) is the larger part, b / 2t the other."""
-    t = call("sqrt", call("mul", call("add", _modulus(a, b), call("abs", a)), _c(0.5)))
+    t = call("sqrt", call("mul", call("add", modulus(a, b), call("abs", a)), _c(0.5)))
     other = call("div", call("abs", b), call("mul", call("where", call("eq", t, _c(0.0)), _c(1.0), t), _c(2.0)))
     right = call("ge", a, _c(0.0))
     real = call("where", right, t, other)
@@ -117,7 +115,7 @@ def lower_complex_pow(ctx, base, exponent, *, out=None):
             return special[p](ctx, base)
 
         def magnitude(a, b):
-            return call("exp", call("mul", call("log", _modulus(a, b)), _c(p)))
+            return call("exp", call("mul", call("log", modulus(a, b)), _c(p)))
 
         return _pair(ctx, base, lambda a, b: call("mul", magnitude(a, b), call("cos", call("mul", call("atan2", b, a), _c(p)))),
                      lambda a, b: call("mul", magnitude(a, b), call("sin", call("mul", call("atan2", b, a), _c(p)))))
@@ -202,8 +200,68 @@ def lower_complex_sgn(ctx, z, *, out=None):
     """z / |z|, 0 at 0."""
     def part(pick):
         def fn(a, b):
-            r = _modulus(a, b)
+            r = modulus(a, b)
             return call("where", call("eq", r, _c(0.0)), _c(0.0), call("div", pick(a, b), r))
         return fn
 
     return _pair(ctx, z, part(lambda a, b: a), part(lambda a, b: b))
+
+
+# ---------------------------------------------------------------- exponentials near zero, tests, norms
+
+@complex_lowering(torch.exp2, "method:exp2", "aten.exp2")
+def lower_complex_exp2(ctx, z, *, out=None):
+    return lower_complex_exp(ctx, lower_complex_mul(ctx, z, math.log(2.0)))
+
+
+@complex_lowering(torch.expm1, "method:expm1", "aten.expm1")
+def lower_complex_expm1(ctx, z, *, out=None):
+    """e^z - 1 = (expm1(a)·cos b - 2·sin²(b/2)) + i·e^a·sin b: no cancellation near 0."""
+    def real(a, b):
+        half = call("sin", call("mul", b, _c(0.5)))
+        return call("sub", call("mul", call("expm1", a), call("cos", b)), call("mul", _c(2.0), call("mul", half, half)))
+
+    return _pair(ctx, z, real, lambda a, b: call("mul", call("exp", a), call("sin", b)))
+
+
+@complex_lowering(torch.log1p, "method:log1p", "aten.log1p")
+def lower_complex_log1p(ctx, z, *, out=None):
+    """log(1 + z): near 0 the real part is log1p(2a + a² + b²) / 2 (no cancellation), elsewhere log|1 + z|."""
+    def real(a, b):
+        near = call("mul", call("log1p", call("add", call("mul", a, call("add", a, _c(2.0))), call("mul", b, b))),
+                    _c(0.5))
+        small = call("lt", call("add", call("abs", a), call("abs", b)), _c(0.5))
+        return call("where", small, near, call("log", modulus(call("add", a, _c(1.0)), b)))
+
+    return _pair(ctx, z, real, lambda a, b: call("atan2", b, call("add", a, _c(1.0))))
+
+
+def _test(either: bool, test):
+    """A boolean test of a complex value: of either part (isnan, isinf) or of both (isfinite)."""
+    def lower(ctx, z):
+        a, b = parts(z)
+        if b is None:
+            return part_node(ctx, torch.bool, test, a)
+        return part_node(ctx, torch.bool, lambda a, b: call("or" if either else "and", test(a), test(b)), a, b)
+    return lower
+
+
+complex_lowering(torch.isnan, "method:isnan", "aten.isnan")(_test(True, lambda a: call("ne", a, a)))
+complex_lowering(torch.isinf, "method:isinf", "aten.isinf")(
+    _test(True, lambda a: call("eq", call("abs", a), _c(math.inf))))
+complex_lowering(torch.isfinite, "method:isfinite", "aten.isfinite")(
+    _test(False, lambda a: call("and", call("eq", a, a), call("ne", call("abs", a), _c(math.inf)))))
+
+
+@complex_lowering(torch.vdot, "method:vdot", "aten.vdot")
+def lower_complex_vdot(ctx, a, b):
+    """Σ conj(a)·b: the dot product of the conjugate, four real products."""
+    dot = bilinear(torch.dot, LOWERINGS[torch.dot])
+    return dot(ctx, lower_conj(ctx, a), b)
+
+
+@complex_lowering(torch.norm, "method:norm", torch.linalg.vector_norm, "aten.linalg_vector_norm", "aten.norm")
+def lower_complex_norm(ctx, z, *args, **kwargs):
+    """A vector norm of complex values is the norm of their moduli."""
+    moduli = lower_complex_abs(sub_ctx(ctx, z.shape, real_dtype(ctx), "abs"), z)
+    return LOWERINGS[torch.linalg.vector_norm](ctx, moduli, *args, **kwargs)

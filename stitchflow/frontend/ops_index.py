@@ -73,8 +73,11 @@ def lower_unfold(ctx, x, dimension, size, step):
 
 @lowering(torch.diff, "method:diff", "aten.diff")
 def lower_diff(ctx, x, n=1, dim=-1, prepend=None, append=None):
-    """x[1:] - x[:-1] along dim, n times (not equal, for bool), after prepend and append are joined on."""
+    """x[1:] - x[:-1] along dim, n times (not equal, for bool), after prepend and append are joined on; n = 0 is x
+    itself, without them (as torch)."""
     dim = V.norm_dim(dim, x.rank)
+    if n == 0:
+        return x
     parts = [p for p in (prepend, x, append) if p is not None]
     if len(parts) > 1:
         parts = [p if isinstance(p, TensorValue) and p.rank == x.rank else _broadcast_part(ctx, p, x, dim) for p in parts]

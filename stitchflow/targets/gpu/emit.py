@@ -373,6 +373,11 @@ class BodyEmitter:
         if kind_op == "logic":
             bools = [a.code if a.kind == "b" else f"({a.code} != 0)" for a in args]
             text = f"({bools[0]} == 0)" if op == "not" else f"({bools[0]} {OPS[op].infix} {bools[1]})"
+            if op != "not" and bool(args[0].deps) != bool(args[1].deps):
+                # a scalar's truth beside a tile's as a select: Triton's interpreter refuses `tile & scalar` of
+                # booleans (a scalar tensor's comparison), the compiler takes either
+                scalar, tile = bools if not args[0].deps else bools[::-1]
+                text = f"tl.where({scalar}, {tile}, False)" if op == "and" else f"tl.where({scalar}, True, {tile})"
             return self._let(text, "b", deps)
         if op == "where":
             c, a, b = args

@@ -62,3 +62,13 @@ def test_expm1_and_log1p_near_the_largest_float32():
     f = lambda x, y: (torch.expm1(x), torch.log1p(y))  # noqa: E731
     for got, want in zip(stitchflow.compile(f, (x, y), target="gpu")(x, y), f(x, y)):
         torch.testing.assert_close(got, want)
+
+
+def test_a_scalar_truth_beside_a_tiles():
+    """`(x > 0) & (s[0] > 0)`: one element's boolean (a scalar load) beside a tile's. Triton's interpreter refused
+    `tile & scalar` of booleans; the kernel selects instead."""
+    fn = lambda x, s: torch.where((x > 0) & (s[0] > 0), x, -1.0) + torch.where((x < 0) | (s[1] < 0), 1.0, 0.0)  # noqa: E731
+    x, s = torch.randn(3, 7, generator=torch.Generator().manual_seed(0)), torch.tensor([0.5, -0.5])
+    prog = stitchflow.compile(fn, (x, s), target="gpu", fusion="full")  # the comparisons inside the tile's kernel
+    for scalars in (s, -s):
+        assert torch.equal(prog(x, scalars), fn(x, scalars))
