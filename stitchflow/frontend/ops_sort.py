@@ -18,7 +18,7 @@ import torch
 
 from ..ir.errors import UnsupportedOpError
 from ..ir.expr import Cast, Const, IndexValue, call
-from ..ir.index import Gather, Lit, add, floordiv, mod, scale
+from ..ir.index import Gather, add, floordiv, mod, scale
 from . import values as V
 from .registry import LowerCtx, compute_dtype, lowering, upcast
 from .values import TensorValue
@@ -92,6 +92,22 @@ def _gathered(t: TensorValue, coords, rg):
     return Gather(access.tensor, access.indices)
 
 
+def counted_prefix(ctx: LowerCtx, shape, length: int, holds, tag=None) -> TensorValue:
+    """int64 count, for each o of `shape`, of the k in [0, length) where holds(o, k, rg), which must hold on a
+    prefix (a sorted run's elements before a value): binary lifting, one node a halving, each a gather at the
+    count so far (log2(length) + 1 nodes, not `length` comparisons)."""
+    found, step = None, 1 << (length.bit_length() - 1)
+    while step:
+        def lift(o, r, rg, found=found, step=step):
+            k = add(_gathered(found, o, rg) if found else 0, step - 1)  # read clamped where k passes the end
+            taken = call("and", call("lt", IndexValue(k), Const(length)), holds(list(o), k, rg))
+            taken = call("where", taken, Const(step), Const(0))
+            return call("add", found.read(o, rg), taken) if found else taken
+        found = ctx.builder.emit(list(shape), torch.int64, lift, tag=tag, hint=f"{ctx.hint}_search")
+        step //= 2
+    return found
+
+
 def _merge_ranks(ctx: LowerCtx, x: TensorValue, dim: int, descending: bool, tag) -> TensorValue:
     """int64 rank of each element of a long dim: its rank in its own block, plus for each other block how many
     of its elements come before it (equal ones too where that block is earlier), found by binary search."""
@@ -126,20 +142,12 @@ def _merge_ranks(ctx: LowerCtx, x: TensorValue, dim: int, descending: bool, tag)
                                 value(o, rg), IndexValue(run), IndexValue(floordiv(o[dim], block, rg)), descending)
         return call("and", call("lt", IndexValue(at), Const(n)), earlier)
 
-    found, step = None, block // 2  # found[o, c]: how many of run c come before o, at least (binary lifting)
-    while step:
-        def search(o, r, rg, found=found, step=step):
-            k = add(_gathered(found, o, rg) if found else 0, step - 1)
-            taken = call("where", precedes(list(o[:-1]), o[-1], k, rg), Const(step), Const(0))
-            return call("add", found.read(o, rg), taken) if found else taken
-        found = b.emit([*x.shape, blocks], torch.int64, search, tag=tag, hint=f"{ctx.hint}_search")
-        step //= 2
+    # found[o, c]: how many of run c come before element o
+    found = counted_prefix(ctx, [*x.shape, blocks], block, lambda o, k, rg: precedes(list(o[:-1]), o[-1], k, rg), tag)
 
     def before_in_other_runs(o, r, rg):
-        at = [*o, r[0]]
-        k = _gathered(found, at, rg) if found else Lit(0)
-        count = call("add", IndexValue(k), call("where", precedes(list(o), r[0], k, rg), Const(1), Const(0)))
-        return call("where", call("eq", IndexValue(r[0]), IndexValue(floordiv(o[dim], block, rg))), Const(0), count)
+        own = call("eq", IndexValue(r[0]), IndexValue(floordiv(o[dim], block, rg)))
+        return call("where", own, Const(0), found.read([*o, r[0]], rg))
 
     across = b.emit(x.shape, torch.int64, before_in_other_runs, reduce="sum", red_shape=[blocks], tag=tag,
                     hint=f"{ctx.hint}_merged_rank")
@@ -253,3 +261,51 @@ def _long_median(ctx, x, dim, shape, row, numbers, tag):
                                                                 Const((n - 1) // 2)), tag=tag, hint=f"{ctx.hint}_middle")
     return tuple(b.emit(shape, t.dtype, lambda o, r, rg, t=t: t.read(row(o, _gathered(position, o, rg)), rg), tag=tag,
                         hint=ctx.hint) for t in (values, indices))
+
+
+# ---------------------------------------------------------------- insertion points
+
+@lowering(torch.searchsorted, "aten.searchsorted")
+def lower_searchsorted(ctx, sorted_sequence, values, *, out_int32=False, right=False, side=None, sorter=None,
+                       out=None):
+    """Where each value would be inserted into its row of the sorted sequence (the last dim; a 1-d sequence serves
+    every value): how many of the row's elements come before it, those below it (side "left") or not above it
+    ("right"). A NaN value goes last, as in torch; NaN elements sort last, as torch.sort puts them (torch's own
+    search lands among them where its probes happen to fall)."""
+    if side is not None:
+        right = side == "right"
+    return _insertion_points(ctx, sorted_sequence, values, right, sorter, "searchsorted")
+
+
+@lowering(torch.bucketize, "aten.bucketize")
+def lower_bucketize(ctx, values, boundaries, *, out_int32=False, right=False, out=None):
+    """The bucket of each value among 1-d sorted boundaries: searchsorted's insertion point (right=False counts the
+    boundaries below the value)."""
+    return _insertion_points(ctx, boundaries, values, right, None, "bucketize")
+
+
+def _insertion_points(ctx: LowerCtx, sequence, values, right: bool, sorter, what: str) -> TensorValue:
+    if not isinstance(sequence, TensorValue) or sequence.rank == 0:
+        raise UnsupportedOpError(what, "a sequence that is not a tensor of at least one dim", ctx.hint)
+    if sequence.dtype == torch.bool or sequence.dtype.is_complex:
+        raise UnsupportedOpError(what, f"a sequence of {sequence.dtype}", ctx.hint)
+    length, rows = sequence.shape[-1], sequence.rank > 1
+    if sorter is not None and not isinstance(sorter, TensorValue):
+        sorter = ctx.builder.add_param("sorter", sorter)
+
+    def holds(o, k, rg):  # element k of o's row comes before the value at o
+        row = list(o[:-1]) if rows else []
+        if sorter is not None:
+            k = _gathered(sorter, [*row, k], rg)
+        element = upcast(sequence.read([*row, k], rg), sequence)
+        value = upcast(values.read(o, rg), values) if isinstance(values, TensorValue) else Const(values)
+        return call("or", call("le" if right else "lt", element, value), call("ne", value, value))
+
+    if length <= QUADRATIC_SORT:  # a count over the row, fused with what comes next
+        count = ctx.builder.emit(ctx.shape, ctx.dtype, lambda o, r, rg: call("where", holds(o, r[0], rg), Const(1),
+                                                                             Const(0)),
+                                 reduce="sum", red_shape=[length], hint=ctx.hint)
+        return count
+    found = counted_prefix(ctx, ctx.shape, length, holds)
+    return found if ctx.dtype == torch.int64 else ctx.builder.emit(
+        ctx.shape, ctx.dtype, lambda o, r, rg: Cast(ctx.dtype, found.read(o, rg)), hint=ctx.hint)

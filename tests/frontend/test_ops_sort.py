@@ -106,3 +106,38 @@ def test_a_mixture_of_experts_router_compiles_whole():
     assert_close(weights, ref_weights)
     assert torch.equal(experts, ref_experts)
     assert backend.FALLBACKS == [], backend.fallback_report()
+
+
+BOUNDARIES = torch.tensor([-1.0, 0.0, 0.0, 0.5, 2.0])
+SEARCHES = {
+    "searchsorted_left": lambda s, v, order: torch.searchsorted(s, v),
+    "searchsorted_right_int32": lambda s, v, order: torch.searchsorted(s, v, side="right", out_int32=True),
+    "searchsorted_one_row": lambda s, v, order: torch.searchsorted(s[0], v, right=True),
+    "searchsorted_scalar": lambda s, v, order: torch.searchsorted(s[1], 0.3),
+    "searchsorted_sorter": lambda s, v, order: torch.searchsorted(s.gather(-1, order.argsort(-1)), v, sorter=order),
+    "searchsorted_integers": lambda s, v, order: torch.searchsorted((s.clamp(-5, 5) * 4).long(), (v * 4).long()),
+    "bucketize": lambda s, v, order: torch.bucketize(v, BOUNDARIES),
+    "bucketize_right": lambda s, v, order: torch.bucketize(v, BOUNDARIES, right=True, out_int32=True),
+}
+
+
+@pytest.mark.parametrize("target", ["reference", "gpu"])
+@pytest.mark.parametrize("blocks", ["counted", "searched"])
+@pytest.mark.parametrize("name", sorted(SEARCHES))
+def test_insertion_points_equal_eager(name, blocks, target, monkeypatch):
+    """A row of up to QUADRATIC_SORT is counted in one reduction; a longer one binary-searched (made short here)."""
+    skip_unless_kernels_run(target)
+    if blocks == "searched":
+        monkeypatch.setattr(ops_sort, "QUADRATIC_SORT", 4)
+    g = torch.Generator().manual_seed(len(name))
+    seq = torch.randn(3, 11, generator=g).sort(-1).values
+    seq[0, 3], seq[1, -1] = seq[0, 4], float("inf")  # a tie, an infinity
+    values = torch.randn(3, 6, generator=g)
+    values[0, 0], values[1, 1], values[2, 2] = seq[0, 4], float("nan"), -float("inf")  # on a tie, NaN, -inf
+    order = torch.randperm(11, generator=g).repeat(3, 1)
+    if name == "searchsorted_integers":
+        values = values.nan_to_num(0.0, 3.0, -3.0)
+    inputs = tuple(t.to(DEVICE) for t in (seq, values, order)) if target == "gpu" else (seq, values, order)
+    prog = stitchflow.compile(SEARCHES[name], inputs, target=target)
+    out, ref = prog(*inputs).cpu(), SEARCHES[name](seq, values, order)
+    assert out.dtype == ref.dtype and torch.equal(out, ref)

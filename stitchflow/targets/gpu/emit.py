@@ -13,6 +13,7 @@ import ast
 from ...ir.errors import TargetError
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -546,10 +547,15 @@ def _as_int(v: Val) -> Val:
 NAMED_CONSTANTS = {"INF": float("inf"), "NEG_INF": float("-inf"), "NAN": float("nan")}
 
 
+NUMBER_TEXT = re.compile(r"\(-?\d+(\.\d*)?([eE][-+]?\d+)?\)")
+
+
 def is_literal(v: Val) -> bool:
     """A constant, as `const` writes one: a parenthesized number, True or False, or a named infinity or
-    NaN (a constexpr in the kernel, which has no .to())."""
-    return not v.deps and (v.code.startswith("(") or v.code in NAMED_CONSTANTS or v.code in ("True", "False"))
+    NaN (a constexpr in the kernel, which has no .to()); not a scalar's expression, which has no tile
+    dependence either (`(x5 < (0.3))` of a scalar load)."""
+    return not v.deps and (NUMBER_TEXT.fullmatch(v.code) is not None or v.code in NAMED_CONSTANTS
+                           or v.code in ("True", "False"))
 
 
 def literal_value(v: Val) -> float | int | bool:
