@@ -93,15 +93,12 @@ def _as_function(info, sample):
     return call, [leaves[i] for i in tensor_pos]
 
 
-@pytest.mark.parametrize("target", ["reference", "gpu"])
-@pytest.mark.parametrize("info", _opinfos(), ids=_id)
-def test_opinfo_samples(info, target):
-    """On the reference target most samples of each op must compile; on the gpu target (generated Triton
-    kernels, on CPU tensors under the interpreter) the same samples must give eager's answer or a refusal."""
-    if target == "gpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the gpu target runs on CPU tensors only under TRITON_INTERPRET=1")
+def run_samples(info, dtype: torch.dtype, target: str, check) -> tuple[int, int]:
+    """Each of the op's samples compiled for `target`: it gives eager's answer (check(actual, expected) per output)
+    or is refused with a StitchflowError; zero-size samples are refused with that error. Returns (compiled,
+    counted)."""
     supported = total = 0
-    for sample in info.sample_inputs("cpu", SAMPLE_DTYPE.get(info.name, torch.float32)):
+    for sample in info.sample_inputs("cpu", dtype):
         fn, tensors = _as_function(info, sample)
         if any(t.dim() == 0 and t.requires_grad for t in tensors):
             continue
@@ -123,9 +120,20 @@ def test_opinfo_samples(info, target):
             continue
         actual = prog(*tensors)
         for a, e in zip([actual] if isinstance(expected, torch.Tensor) else actual, outs):
-            assert_close(a, e)
+            check(a, e)
         supported += 1
     assert total > 0
+    return supported, total
+
+
+@pytest.mark.parametrize("target", ["reference", "gpu"])
+@pytest.mark.parametrize("info", _opinfos(), ids=_id)
+def test_opinfo_samples(info, target):
+    """On the reference target most samples of each op must compile; on the gpu target (generated Triton
+    kernels, on CPU tensors under the interpreter) the same samples must give eager's answer or a refusal."""
+    if target == "gpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the gpu target runs on CPU tensors only under TRITON_INTERPRET=1")
+    supported, total = run_samples(info, SAMPLE_DTYPE.get(info.name, torch.float32), target, assert_close)
     if target == "gpu":
         return  # what the reference target supports is counted there
     wanted = MIN_SUPPORTED_OF.get(info.name, MIN_SUPPORTED)

@@ -9,8 +9,7 @@ import pytest
 import torch
 from torch.testing._internal.common_methods_invocations import op_db
 
-import stitchflow
-from test_opinfo import _as_function
+from test_opinfo import run_samples
 
 COMPLEX_OPS = [
     "add", "sub", "mul", "div", "neg", "pow", "square", "reciprocal", "exp", "exp2", "expm1", "log", "log2", "log10",
@@ -43,25 +42,7 @@ def test_complex_opinfo_samples(info, target):
     if target == "gpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the gpu target runs on CPU tensors only under TRITON_INTERPRET=1")
     dtype = torch.float32 if info.name in REAL_INPUTS else torch.complex64
-    supported = total = 0
-    for sample in info.sample_inputs("cpu", dtype):
-        fn, tensors = _as_function(info, sample)
-        try:
-            expected = fn(*tensors)
-        except Exception:
-            continue
-        outs = [expected] if isinstance(expected, torch.Tensor) else list(expected)
-        if not all(isinstance(o, torch.Tensor) for o in outs) or any(t.numel() == 0 for t in [*tensors, *outs]):
-            continue  # zero-size tensors: refused by design (tests/frontend/test_opinfo.py)
-        total += 1
-        try:
-            prog = stitchflow.compile(fn, tensors, target=target)
-        except stitchflow.StitchflowError:
-            continue
-        actual = prog(*tensors)
-        for a, e in zip([actual] if isinstance(expected, torch.Tensor) else actual, outs):
-            torch.testing.assert_close(a, e, **TOL, equal_nan=True)
-        supported += 1
-    assert total > 0
+    supported, total = run_samples(info, dtype, target, lambda a, e: torch.testing.assert_close(a, e, **TOL,
+                                                                                               equal_nan=True))
     if target == "reference":
         assert supported / total >= MIN_SUPPORTED, f"{info.name}: only {supported}/{total} samples supported"
