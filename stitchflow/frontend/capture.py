@@ -292,9 +292,9 @@ def _lower_call(gm, node: fx.Node, b: GraphBuilder, env, real, aliases, input_wr
         fn = ops_complex.COMPLEX_LOWERINGS.get(key) or ops_complex.partwise(key, fn) or ops_complex.bilinear(key, fn)
         if fn is None:
             raise UnsupportedOpError(describe_target(node), "it takes or makes a complex value (lowered: Fourier "
-                                     "transforms, conj, arithmetic, powers, exp, log, sqrt, trigonometric and "
-                                     "hyperbolic functions, sigmoid, abs, angle, views, where, sums, matmul and einsum, "
-                                     ".real, .imag, view_as_real)", node.name)
+                                     "transforms, conj, arithmetic, powers, exp, log, sqrt, the trigonometric and "
+                                     "hyperbolic functions and their inverses, sigmoid, abs, angle, views, where, "
+                                     "sums, products, matmul and einsum, .real, .imag, view_as_real)", node.name)
     ctx = LowerCtx(b, node, out, real_args=tuple(real_args), real=real)
     call_args, call_kwargs = bind_arguments(node, getattr(fn, "binds_as", fn), *args)  # torch.mul(x, other=2): `other` by position
     try:

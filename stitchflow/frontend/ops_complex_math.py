@@ -15,8 +15,10 @@ import operator
 import torch
 
 from ..ir.expr import Const, call
-from .ops_complex import ComplexValue, bilinear, complex_lowering, lower_complex_abs, lower_complex_exp, \
-    lower_complex_mul, lower_conj, modulus, part_node, parts, real_dtype
+from ..ir.errors import UnsupportedOpError
+from .ops_complex import ComplexValue, bilinear, complex_lowering, lower_complex_abs, lower_complex_add, \
+    lower_complex_exp, lower_complex_mul, lower_complex_neg, lower_complex_sub, lower_conj, modulus, part_node, parts, \
+    real_dtype
 from .registry import LOWERINGS, sub_ctx
 from .ops_trig import cosh_expr, is_negative, sinh_expr
 
@@ -265,3 +267,117 @@ def lower_complex_norm(ctx, z, *args, **kwargs):
     """A vector norm of complex values is the norm of their moduli."""
     moduli = lower_complex_abs(sub_ctx(ctx, z.shape, real_dtype(ctx), "abs"), z)
     return LOWERINGS[torch.linalg.vector_norm](ctx, moduli, *args, **kwargs)
+
+
+# ---------------------------------------------------------------- products
+
+def _polar_reduction(ctx, z, product, total, what: str) -> ComplexValue:
+    """A product of complex values in polar form: the product of the moduli times e^(i·the sum of the angles)
+    (`product` and `total` lower a real product and sum over z's shape into ctx's)."""
+    if not isinstance(z, ComplexValue):
+        raise UnsupportedOpError(what, "a product whose input is not a complex value", ctx.hint)
+    a, b = parts(z)
+    dtype = real_dtype(ctx)
+    whole = sub_ctx(ctx, z.shape, dtype, "polar")
+    moduli = part_node(whole, dtype, lambda a, b: modulus(a, _c(0.0) if b is None else b), a, b)
+    angles = part_node(whole, dtype, lambda a, b: call("atan2", _c(0.0) if b is None else b, a), a, b)
+    reduced = sub_ctx(ctx, ctx.shape, dtype, "parts")
+    magnitude, angle = product(reduced, moduli), total(reduced, angles)
+    return ComplexValue(part_node(ctx, dtype, lambda m, t: call("mul", m, call("cos", t)), magnitude, angle),
+                        part_node(ctx, dtype, lambda m, t: call("mul", m, call("sin", t)), magnitude, angle))
+
+
+def _no_complex_dtype(kwargs: dict) -> dict:
+    return {k: (v.to_real() if isinstance(v, torch.dtype) and v.is_complex else v) for k, v in kwargs.items()}
+
+
+@complex_lowering(torch.prod, "method:prod", "aten.prod")
+def lower_complex_prod(ctx, z, *args, **kwargs):
+    """The product over dims (all by default) in polar form (zero where a factor is zero)."""
+    kwargs = _no_complex_dtype(kwargs)
+    return _polar_reduction(ctx, z, lambda c, m: LOWERINGS[torch.prod](c, m, *args, **kwargs),
+                            lambda c, t: LOWERINGS[torch.sum](c, t, *args, **kwargs), "prod")
+
+
+@complex_lowering(torch.cumprod, "method:cumprod", "aten.cumprod")
+def lower_complex_cumprod(ctx, z, dim, **kwargs):
+    """Running products in polar form: the running product of the moduli, the running sum of the angles."""
+    kwargs = _no_complex_dtype(kwargs)
+    return _polar_reduction(ctx, z, lambda c, m: LOWERINGS[torch.cumprod](c, m, dim, **kwargs),
+                            lambda c, t: LOWERINGS[torch.cumsum](c, t, dim, **kwargs), "cumprod")
+
+
+# ---------------------------------------------------------------- inverse trigonometric and hyperbolic
+
+def _add_number(ctx, z, number: complex):
+    a, b = parts(z)
+    dtype = real_dtype(ctx)
+    real = part_node(ctx, dtype, lambda a: call("add", a, _c(number.real)), a)
+    imag = b if not number.imag else part_node(ctx, dtype, lambda b: call("add", _c(0.0) if b is None else b,
+                                                                       _c(number.imag)), b)
+    return ComplexValue(real, imag)
+
+
+def _times_i(ctx, z, sign: int = 1):
+    """±i·z = ∓b ± i·a."""
+    a, b = parts(z)
+    dtype = real_dtype(ctx)
+    real = part_node(ctx, dtype, lambda b: call("mul", _c(0.0) if b is None else b, _c(-float(sign))), b)
+    return ComplexValue(real, part_node(ctx, dtype, lambda a: call("mul", a, _c(float(sign))), a))
+
+
+def _odd(ctx, z, fn):
+    """fn(z) for an odd fn evaluated on the half-plane Re z >= 0 (fn(z) = -fn(-z)), where its formula does not
+    cancel."""
+    a, b = parts(z)
+    dtype = real_dtype(ctx)
+
+    def flipped(x, a):
+        return call("where", call("lt", a, _c(0.0)), call("neg", x), x)
+
+    b = b if b is not None else part_node(ctx, dtype, lambda a: call("mul", a, _c(0.0)), a)
+    right = ComplexValue(part_node(ctx, dtype, flipped, a, a), part_node(ctx, dtype, flipped, b, a))
+    out = fn(right)
+    return ComplexValue(part_node(ctx, dtype, flipped, out.real, a), part_node(ctx, dtype, flipped, out.imag, a))
+
+
+@complex_lowering(torch.asinh, torch.arcsinh, "method:asinh", "method:arcsinh", "aten.asinh", "aten.arcsinh")
+def lower_complex_asinh(ctx, z, *, out=None):
+    """log(z + sqrt(z² + 1)), on the right half-plane (asinh is odd)."""
+    def right(w):
+        return lower_complex_log(ctx, lower_complex_add(ctx, w, lower_complex_sqrt(
+            ctx, _add_number(ctx, lower_complex_mul(ctx, w, w), 1.0))))
+    return _odd(ctx, z, right)
+
+
+@complex_lowering(torch.acosh, torch.arccosh, "method:acosh", "method:arccosh", "aten.acosh", "aten.arccosh")
+def lower_complex_acosh(ctx, z, *, out=None):
+    """log(z + sqrt(z + 1)·sqrt(z - 1)) (Kahan's principal branch)."""
+    roots = lower_complex_mul(ctx, lower_complex_sqrt(ctx, _add_number(ctx, z, 1.0)),
+                              lower_complex_sqrt(ctx, _add_number(ctx, z, -1.0)))
+    return lower_complex_log(ctx, lower_complex_add(ctx, z, roots))
+
+
+@complex_lowering(torch.atanh, torch.arctanh, "method:atanh", "method:arctanh", "aten.atanh", "aten.arctanh")
+def lower_complex_atanh(ctx, z, *, out=None):
+    """(log1p(z) - log1p(-z)) / 2."""
+    difference = lower_complex_sub(ctx, lower_complex_log1p(ctx, z), lower_complex_log1p(ctx, lower_complex_neg(ctx, z)))
+    return lower_complex_mul(ctx, difference, 0.5)
+
+
+@complex_lowering(torch.asin, torch.arcsin, "method:asin", "method:arcsin", "aten.asin", "aten.arcsin")
+def lower_complex_asin(ctx, z, *, out=None):
+    """-i·asinh(i·z)."""
+    return _times_i(ctx, lower_complex_asinh(ctx, _times_i(ctx, z)), -1)
+
+
+@complex_lowering(torch.acos, torch.arccos, "method:acos", "method:arccos", "aten.acos", "aten.arccos")
+def lower_complex_acos(ctx, z, *, out=None):
+    """π/2 - asin(z)."""
+    return lower_complex_sub(ctx, math.pi / 2, lower_complex_asin(ctx, z))
+
+
+@complex_lowering(torch.atan, torch.arctan, "method:atan", "method:arctan", "aten.atan", "aten.arctan")
+def lower_complex_atan(ctx, z, *, out=None):
+    """-i·atanh(i·z)."""
+    return _times_i(ctx, lower_complex_atanh(ctx, _times_i(ctx, z)), -1)

@@ -20,7 +20,10 @@ FUNCTIONS = {
     "sinh": torch.sinh, "cosh": torch.cosh, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "sgn": torch.sgn,
     "pow_0": lambda z: z ** 0, "pow_3": lambda z: z ** 3, "pow_real": lambda z: z ** 1.7,
     "pow_half": lambda z: torch.pow(z, -0.5), "pow_complex": lambda z: z ** (0.5 + 1j),
-    "pow_tensor": lambda z: torch.pow(z, z * 0.1), "power_of_two": lambda z: 2 ** z,
+    "pow_tensor": lambda z: torch.pow(z, z * 0.1), "power_of_two": lambda z: 2 ** z, "exp2": torch.exp2,
+    "expm1": torch.expm1, "log1p": torch.log1p, "asin": torch.asin, "acos": torch.acos, "atan": torch.atan,
+    "asinh": torch.asinh, "acosh": torch.acosh, "atanh": torch.atanh,
+    "prod": lambda z: torch.prod(z * 0.5, -1, keepdim=True), "cumprod": lambda z: torch.cumprod(z * 0.5, -1),
 }
 AWKWARD = [0j, complex(-4, 0.0), complex(-4, -0.0), complex(3, 0), complex(0, -2), complex(30, 1), complex(-25, 2),
            complex(1, 30), complex(-0.5, -40)]
