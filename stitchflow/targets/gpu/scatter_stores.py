@@ -164,5 +164,7 @@ class ScatterStitching:
         code = f"({code} + tl.zeros({shape}, {TL_DTYPE[dtype]}))"
         mask = " & ".join(filter(None, [self.mask(off.deps, scope), *checks]))
         mask = f"({mask}) & tl.full({shape}, 1, tl.int1)" if mask else ""
-        self.src.emit(f"{ATOMICS[scatter.reduce]}({self.arg[scatter.name]} + {off.code}, {code}"
+        address = off.code if off.deps else f"({off.code} + tl.zeros({shape}, tl.int32))"  # a block, as the value:
+        # compiled Triton refuses a scalar pointer with a [1, 1] value (one element of one edge, say)
+        self.src.emit(f"{ATOMICS[scatter.reduce]}({self.arg[scatter.name]} + {address}, {code}"
                       f"{', mask=' + mask if mask else ''}, sem='relaxed')")
