@@ -16,7 +16,7 @@ from torch.fx.passes.split_module import split_module
 
 from .backend_layouts import restrided
 from .backend_vmap import unbatch_vmap_bodies
-from .frontend.registry import LOWERINGS, early_refusal, is_inplace, key_of
+from .frontend.registry import HOST_QUERIES, LOWERINGS, early_refusal, is_inplace, key_of
 
 REFUSED = "stitchflow_refused"  # node.meta key: why capture refused the node (it runs eagerly, the rest is split again)
 
@@ -124,6 +124,8 @@ def supported(node: fx.Node) -> bool:
     source = node.args[0] if node.target is operator.getitem and node.args else None
     if isinstance(source, fx.Node) and source.op in ("call_function", "call_method") and not supported(source):
         return False
+    if node.target in HOST_QUERIES:  # capture folds the device's answer
+        return True
     return key_of(node) in LOWERINGS and early_refusal(node) is None
 
 

@@ -26,8 +26,8 @@ from . import (ops_activations, ops_attention, ops_complex, ops_complex_math, op
                ops_factory, ops_fft, ops_grouped, ops_index, ops_linalg, ops_losses, ops_mha, ops_pool, ops_reduce,
                ops_resize, ops_scan, ops_scatter, ops_shape, ops_sort, ops_stats, ops_trig, ops_views)  # (lowerings)
 from .builder import GraphBuilder
-from .registry import (FACTORIES, IN_PLACE_OPERATORS, LOWERINGS, VALUES_UNCHANGED, LowerCtx, bind_arguments,
-                       describe_target, early_refusal, is_inplace, key_of)
+from .registry import (FACTORIES, HOST_QUERIES, IN_PLACE_OPERATORS, LOWERINGS, VALUES_UNCHANGED, LowerCtx,
+                       bind_arguments, describe_target, early_refusal, is_inplace, key_of)
 
 # In-place methods and aten ops lower like their functional forms; capture rebinds the mutated value.
 # (torch.export keeps aten's in-place overloads, such as T5's aten.add_, in the graphs it hands over.)
@@ -278,7 +278,8 @@ def _lower_call(gm, node: fx.Node, b: GraphBuilder, env, real, aliases, input_wr
     for name in written:
         real[name] = out
     key = key_of(node) if node.op != "call_module" else None
-    if not depends and key not in FACTORIES:  # no graph tensor flows in: fold to a constant
+    if (not depends and key not in FACTORIES) or (key in HOST_QUERIES and not isinstance(out, torch.Tensor)):
+        # no graph tensor flows in, or only its device: fold to a constant
         if isinstance(out, torch.Tensor):
             return ops_complex.constant(b, out), out
         return out, out

@@ -76,6 +76,12 @@ IN_PLACE_OPERATORS = frozenset({
 # In-place by name and schema, but they change only autograd's view of the tensor, never its values:
 # torch.export writes a torch.tensor(...) made in the forward as lift_fresh_copy, then detach_.
 VALUES_UNCHANGED = frozenset({"aten.detach_", "method:detach_", "method:requires_grad_"})
+# questions about the machine, not the data (transformers' MoE asks `get_device_capability(weight.device)` in its
+# forward, which Dynamo keeps in the graph): capture takes the traced answer as a constant, as Dynamo's guards on
+# the inputs' devices keep it true
+HOST_QUERIES = frozenset({torch.cuda.get_device_capability, torch.cuda.get_device_properties,
+                          torch.cuda.get_device_name, torch.cuda.is_available, torch.cuda.current_device,
+                          torch.cuda.device_count, torch.cuda.is_bf16_supported})
 
 
 def is_inplace(node: fx.Node) -> bool:

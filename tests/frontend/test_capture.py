@@ -330,3 +330,25 @@ def test_operator_methods_lower_as_the_methods_they_stand_for():
     out = backend.stitchflow_backend(gm, [a, b])(a, b)
     assert_close(out[0] if isinstance(out, (tuple, list)) else out, gm(a, b))
     assert backend.FALLBACKS == [], backend.fallback_report()
+
+
+def _capability(device):  # stands in for torch.cuda.get_device_capability on a machine without CUDA
+    return (9, 0)
+
+
+@pytest.fixture
+def capability_is_a_host_query(monkeypatch):
+    from stitchflow import backend_partition
+    from stitchflow.frontend import capture
+    for module in (capture, backend_partition):
+        monkeypatch.setattr(module, "HOST_QUERIES", module.HOST_QUERIES | {_capability})
+
+
+def test_a_question_about_the_device_is_a_constant(capability_is_a_host_query, fresh_dynamo):
+    """transformers' MoE asks `torch.cuda.get_device_capability(weight.device)` in its forward, and Dynamo keeps the
+    call in the graph: the backend takes the traced answer as a constant and compiles the tensor work around it."""
+    asks = torch._dynamo.allow_in_graph(_capability)
+    x = torch.randn(3, 4)
+    out = torch.compile(lambda x: (x + 1) * asks(x.device)[0], backend="stitchflow")(x)
+    assert_close(out, (x + 1) * 9)
+    assert not backend.FALLBACKS, backend.fallback_report()
