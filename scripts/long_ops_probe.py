@@ -14,7 +14,7 @@ import argparse
 import torch
 
 import stitchflow
-from stitchflow.targets.gpu.timing import graph_bench
+from stitchflow.targets.gpu.timing import against_torch, against_torch_cells
 
 
 def _cases():
@@ -53,16 +53,11 @@ def main(argv=None):
             out, ref = (out if isinstance(out, tuple) else (out,)), (ref if isinstance(ref, tuple) else (ref,))
             error = max(((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
                         for a, b in zip(out, ref))
-            compiled = torch.compile(fn)
-            compiled(*inputs)
-            times = {label: graph_bench(lambda call=call: call(*inputs))[0] * 1e6
-                     for label, call in (("eager", fn), ("compile", compiled), ("ours", ours))}
+            times = against_torch(fn, ours, inputs)
         except Exception as e:  # a probe: report and go on
             print(f"| {name} | error: {type(e).__name__}: {str(e)[:160]} |", flush=True)
             continue
-        print(f"| {name} | {times['eager']:.1f} | {times['compile']:.1f} | {times['ours']:.1f} | "
-              f"{times['eager'] / times['ours']:.2f}x | {times['compile'] / times['ours']:.2f}x | {error:.1e} |",
-              flush=True)
+        print(f"| {name} | {against_torch_cells(times, error)}", flush=True)
         torch._dynamo.reset()
 
 

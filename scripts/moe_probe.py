@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import stitchflow
-from stitchflow.targets.gpu.timing import graph_bench
+from stitchflow.targets.gpu.timing import against_torch, against_torch_cells
 
 
 def grouped_experts(rows, gate_up, down, offs):
@@ -73,13 +73,8 @@ def main(argv=None):
             with torch.no_grad():
                 ref = fn(*inputs)
                 error = _error(ours(*inputs), ref)
-                compiled = torch.compile(fn)
-                compiled(*inputs)
-                times = {name: graph_bench(lambda call=call: call(*inputs))[0] * 1e6
-                         for name, call in (("eager", fn), ("compile", compiled), ("ours", ours))}
-            print(f"| {tokens} | {part} | {times['eager']:.1f} | {times['compile']:.1f} | {times['ours']:.1f} | "
-                  f"{times['eager'] / times['ours']:.2f}x | {times['compile'] / times['ours']:.2f}x | {error:.1e} |",
-                  flush=True)
+                times = against_torch(fn, ours, inputs)
+            print(f"| {tokens} | {part} | {against_torch_cells(times, error)}", flush=True)
             torch._dynamo.reset()
 
 

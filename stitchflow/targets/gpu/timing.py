@@ -117,3 +117,18 @@ def graph_bench(fn, warmup: int = 2) -> tuple[float, str]:
         for _ in range(50):
             fn()
         return timed_median(fn, budget_s=0.2), "plain"
+
+
+def against_torch(fn, ours, inputs) -> dict[str, float]:
+    """Median µs of eager `fn`, torch.compile(fn) and `ours` on the same inputs (graph_bench each; torch.compile's
+    compilation outside the timing)."""
+    compiled = torch.compile(fn)
+    compiled(*inputs)
+    return {label: graph_bench(lambda call=call: call(*inputs))[0] * 1e6
+            for label, call in (("eager", fn), ("compile", compiled), ("ours", ours))}
+
+
+def against_torch_cells(times: dict[str, float], error: float) -> str:
+    """A markdown row's cells: the three times, ours against eager and against torch.compile, the error."""
+    return (f"{times['eager']:.1f} | {times['compile']:.1f} | {times['ours']:.1f} | "
+            f"{times['eager'] / times['ours']:.2f}x | {times['compile'] / times['ours']:.2f}x | {error:.1e} |")
