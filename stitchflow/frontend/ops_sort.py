@@ -25,6 +25,9 @@ from .values import TensorValue
 
 QUADRATIC_SORT = 1024  # dims up to this long are ranked pairwise (n² comparisons a row)
 SORT_BLOCK = 1024  # a longer dim's blocks (a power of two: the binary searches halve it)
+# the binary searches keep one position per element and block: a sort whose searches would hold more is refused
+# (a 150000-word vocabulary's sort holds 22M for one row; eight rows would hold 176M, 1.4 GB a search step)
+MAX_SEARCHED = 1 << 25
 
 
 def _comes_before(a, b, ia, ib, descending: bool):
@@ -108,11 +111,15 @@ def counted_prefix(ctx: LowerCtx, shape, length: int, holds, tag=None) -> Tensor
     return found
 
 
-def _merge_ranks(ctx: LowerCtx, x: TensorValue, dim: int, descending: bool, tag) -> TensorValue:
+def _merge_ranks(ctx: LowerCtx, x: TensorValue, dim: int, descending: bool, tag, what: str) -> TensorValue:
     """int64 rank of each element of a long dim: its rank in its own block, plus for each other block how many
     of its elements come before it (equal ones too where that block is earlier), found by binary search."""
     n, block, b = x.shape[dim], SORT_BLOCK, ctx.builder
     blocks = -(-n // block)
+    if math.prod(x.shape) * blocks > MAX_SEARCHED:
+        raise UnsupportedOpError(what, f"{math.prod(x.shape)} elements in rows of {n}: "
+                                 f"merging its blocks of {block} would search {math.prod(x.shape) * blocks} element "
+                                 f"and block pairs (at most {MAX_SEARCHED} are lowered)", ctx.hint)
 
     def value(coords, rg):
         return upcast(x.read(coords, rg), x)
@@ -155,10 +162,10 @@ def _merge_ranks(ctx: LowerCtx, x: TensorValue, dim: int, descending: bool, tag)
                   hint=f"{ctx.hint}_rank")
 
 
-def _merged(ctx: LowerCtx, x: TensorValue, dim: int, descending: bool, tag):
+def _merged(ctx: LowerCtx, x: TensorValue, dim: int, descending: bool, tag, what: str):
     """(values, int64 indices) of x sorted along a long dim: each position scattered to its rank, then gathered."""
     b = ctx.builder
-    rank = _merge_ranks(ctx, x, dim, descending, tag)
+    rank = _merge_ranks(ctx, x, dim, descending, tag, what)
     source = b.scatter(x.shape, torch.int64, list(x.shape), lambda o, r, rg: IndexValue(o[dim]),
                        lambda o, rg: _at(o, dim, _gathered(rank, o, rg)), hint=f"{ctx.hint}_index")
     values = b.emit(x.shape, x.dtype, lambda o, r, rg: x.read(_at(o, dim, _gathered(source, o, rg)), rg), tag=tag,
@@ -175,7 +182,7 @@ def sorted_along(ctx: LowerCtx, x: TensorValue, dim: int, count: int, descending
         return x, _zeros_like(ctx, x)
     tag = ctx.builder.new_tag("sort")
     if x.shape[dim] > QUADRATIC_SORT:
-        values, indices = _merged(ctx, x, dim, descending, tag)
+        values, indices = _merged(ctx, x, dim, descending, tag, what)
         return V.slice_dim(values, dim, 0, count, 1), V.slice_dim(indices, dim, 0, count, 1)
     rank = _ranks(ctx, x, dim, descending, tag)
     shape = list(x.shape)
@@ -255,7 +262,7 @@ def _long_median(ctx, x, dim, shape, row, numbers, tag):
     """The median of a long dim: the merged sort's element at (n - 1) // 2, or at the count of numbers (the
     first NaN) where the row holds NaN."""
     n, b = x.shape[dim], ctx.builder
-    values, indices = _merged(ctx, x, dim, False, tag)
+    values, indices = _merged(ctx, x, dim, False, tag, "median")
     position = b.emit(shape, torch.int64, lambda o, r, rg: call("where", call("lt", numbers.read(o, rg), Const(float(n))),
                                                                 Cast(torch.int64, numbers.read(o, rg)),
                                                                 Const((n - 1) // 2)), tag=tag, hint=f"{ctx.hint}_middle")

@@ -76,6 +76,13 @@ def test_merge_ranked_sorts_equal_eager(small_blocks, name, target, cols, dtype,
     test_sorts_equal_eager.hypothesis.inner_test(name, target, 3, cols, dtype, specials)
 
 
+def test_a_sort_too_long_to_merge_is_refused_with_the_reason(monkeypatch):
+    """The binary searches hold a position per element and block: past MAX_SEARCHED the sort runs eagerly."""
+    monkeypatch.setattr(ops_sort, "MAX_SEARCHED", 1000)
+    with pytest.raises(stitchflow.StitchflowError, match="topk.*would search 18000 element and block pairs"):
+        stitchflow.compile(lambda x: torch.topk(x, 3), (torch.randn(2, 3000),))
+
+
 def test_a_long_row_sorts_with_the_default_blocks():
     """A mixture-of-experts router's expert ids over 1500 tokens, two each (3000 > QUADRATIC_SORT): argsort
     stable, as transformers groups the tokens by expert; ties are most of the row."""
