@@ -3,10 +3,10 @@
 Dynamo traces `torch.vmap(f)(x)` as `_vmap_increment_nesting`, `_add_batch_dim(x, in_dim, level)` per input, f's
 ops on functorch's batched tensors, `_remove_batch_dim(y, level, batch_size, out_dim)` per output and
 `_vmap_decrement_nesting`. Batched tensors have no storage, so a program cannot be captured on them. Where every op
-of a body is elementwise, reduces or normalises along given dims, or multiplies matrices, the body has the same
-meaning on the physical tensors with the batch dim in front: each batched value becomes that tensor (logical shape
-S, physical (B, *S)), unbatched operands broadcast against it as they did against S once the batched operands share
-one rank, and a dim argument d of a batched operand becomes d + 1. Nested vmaps likewise, with one leading dim per
+of a body is elementwise, reduces, scans or normalises along given dims (or over trailing ones), or multiplies
+matrices, the body has the same meaning on the physical tensors with the batch dim in front: each batched value
+becomes that tensor (logical shape S, physical (B, *S)), unbatched operands broadcast against it as they did
+against S once the batched operands share one rank, and a dim argument d of a batched operand becomes d + 1. Nested vmaps likewise, with one leading dim per
 level a value is batched at (`Physical`). Bodies with other ops or random numbers stay as they are (refused, they
 run eagerly).
 """
@@ -29,8 +29,12 @@ log = logging.getLogger("stitchflow.backend")
 ELEMENTWISE_NAMES = frozenset("""add sub mul div truediv neg pow exp exp2 expm1 log log2 log1p sigmoid tanh relu sin
 cos sqrt rsqrt abs where maximum minimum clamp clamp_min clamp_max reciprocal square sign floor ceil round erf
 silu gelu softplus logical_not logical_and logical_or eq ne lt le gt ge float half bfloat16 to""".split())
-ALONG_DIMS = frozenset({"sum", "mean", "amax", "amin", "softmax", "log_softmax", "cumsum"})
-FULL_REDUCTIONS = frozenset({"sum", "mean", "amax", "amin"})  # (with no dim: over every dim)
+ALONG_DIMS = frozenset({"sum", "mean", "amax", "amin", "softmax", "log_softmax", "cumsum", "cumprod", "logcumsumexp",
+                        "logsumexp", "var", "std", "any", "all", "prod", "argmax", "argmin", "argsort"})
+FULL_REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "var", "std", "any", "all"})  # (no dim: every dim)
+# normalisations over trailing dims (normalized_shape): leading batch dims change nothing, where the weight and bias
+# are not batched
+TRAILING = frozenset({"layer_norm", "rms_norm"})
 # matrix products broadcast their leading dims as elementwise ops do, where no operand is a vector
 MATRIX_PRODUCTS = frozenset({"matmul", "linear"})
 OPERATORS = {operator.add: "add", operator.sub: "sub", operator.mul: "mul", operator.truediv: "truediv",
@@ -107,10 +111,14 @@ def _rewritable(body: list[fx.Node]) -> str | None:
 
 def _op_refusal(node: fx.Node, levels: dict) -> str | None:
     name = _op_name(node)
-    if name not in ELEMENTWISE_NAMES | ALONG_DIMS | MATRIX_PRODUCTS:
+    if name not in ELEMENTWISE_NAMES | ALONG_DIMS | MATRIX_PRODUCTS | TRAILING:
         return f"{describe_target(node)} in the body"
+    if name in ALONG_DIMS and isinstance(_dim_argument(node), bool):  # var(x, unbiased): the old signature
+        return f"{describe_target(node)} with no dim in the body"
     if name in ALONG_DIMS - FULL_REDUCTIONS and _dim_argument(node) is None:
         return f"{describe_target(node)} with no dim in the body"
+    if name in TRAILING and set(node.all_input_nodes[1:]) & set(levels):
+        return f"{describe_target(node)} with a batched weight or bias in the body"
     if name == "matmul" and min(_rank_of(a) for a in node.all_input_nodes) < 2:
         return f"{describe_target(node)} of a vector in the body"
     if name == "linear" and _rank_of(node.args[0]) < 2 and set(node.all_input_nodes[1:]) & set(levels):
@@ -223,6 +231,8 @@ def _physical_op(graph: fx.Graph, node: fx.Node, info: dict):
     made = Physical(levels, out_rank)
     if name == "linear" and set(node.all_input_nodes[1:]) & set(info):
         return _physical_linear(graph, node, info, levels), made
+    if name in TRAILING:  # the physical input, the rest as it was
+        return _call_like(graph, node, node.args, node.kwargs), made
     if name in ALONG_DIMS:
         source = node.args[0]
         dims = _physical_dims(node, info[source])

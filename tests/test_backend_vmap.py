@@ -61,6 +61,13 @@ BODIES = {
     "an inner vmap over an outer one's result": (
         lambda x, y: torch.vmap(lambda r, s: torch.vmap(lambda a: a * s.sum())(r.exp()) + r, in_dims=(1, 0))(x, y),
         [(4, 3, 5), (3, 2)]),
+    "scans, arg-reductions and variances along dims": (
+        lambda x: torch.vmap(lambda r: (r.cumprod(-1) + r.logcumsumexp(0)) * r.argmax(-1, keepdim=True)
+                             + r.var(0, keepdim=True) + r.std() + r.argsort(-1) + r.logsumexp(-1, keepdim=True))(x),
+        [(4, 3, 5)]),
+    "a layer norm over trailing dims, unbatched weights": (
+        lambda x, w: torch.vmap(lambda r: F.layer_norm(r, (5,), w, w * 0.5) + F.rms_norm(r, (3, 5)))(x),
+        [(4, 3, 5), (5,)]),
     "a matrix product of batched stacks of different ranks": (
         lambda x, y: torch.vmap(lambda a, b: torch.matmul(a, b).softmax(-1))(x, y), [(3, 5, 4), (3, 2, 4, 6)]),
 }
@@ -114,6 +121,9 @@ def test_an_ensemble_of_modules_through_functional_call():
 REFUSED = {
     "a matmul": (lambda x: torch.vmap(lambda r: r @ r)(x[0]), "matmul"),
     "a sort": (lambda x: torch.vmap(lambda r: r.sort(-1).values * 2)(x), "sort"),
+    "a layer norm with a batched weight": (lambda x: torch.vmap(lambda r, w: F.layer_norm(r, (5,), w))(x, x[:, 0]),
+                                           "batched weight"),
+    "an argmax over every dim": (lambda x: torch.vmap(lambda r: r * r.argmax())(x), "no dim"),
 }
 
 
