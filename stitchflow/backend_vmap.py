@@ -35,6 +35,11 @@ FULL_REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "var", "std", "any",
 # normalisations over trailing dims (normalized_shape): leading batch dims change nothing, where the weight and bias
 # are not batched
 TRAILING = frozenset({"layer_norm", "rms_norm"})
+# ops along a dim with several results (taken apart by getitem), and where their dim argument stands; a missing one
+# is -1, the last dim, which the batch dims in front do not move
+SEVERAL_RESULTS = {"sort": 1, "topk": 2, "kthvalue": 2, "cummax": 1, "cummin": 1, "median": 1, "mode": 1,
+                   "max": 1, "min": 1, "var_mean": 1, "std_mean": 1, "aminmax": None}
+DIM_NEEDED = frozenset({"var_mean", "std_mean", "aminmax"})  # (without one they reduce every dim)
 # matrix products broadcast their leading dims as elementwise ops do, where no operand is a vector
 MATRIX_PRODUCTS = frozenset({"matmul", "linear"})
 OPERATORS = {operator.add: "add", operator.sub: "sub", operator.mul: "mul", operator.truediv: "truediv",
@@ -111,6 +116,11 @@ def _rewritable(body: list[fx.Node]) -> str | None:
 
 def _op_refusal(node: fx.Node, levels: dict) -> str | None:
     name = _op_name(node)
+    if node.target is operator.getitem:  # a result of an op with several (that op's refusal said whether it may)
+        several = isinstance(node.args[0], fx.Node) and _op_name(node.args[0]) in SEVERAL_RESULTS
+        return None if several and isinstance(node.args[1], int) else f"{node.name} indexes a batched value in the body"
+    if name in SEVERAL_RESULTS:
+        return _several_results_refusal(node, name)
     if name not in ELEMENTWISE_NAMES | ALONG_DIMS | MATRIX_PRODUCTS | TRAILING:
         return f"{describe_target(node)} in the body"
     if name in ALONG_DIMS and isinstance(_dim_argument(node), bool):  # var(x, unbiased): the old signature
@@ -126,6 +136,24 @@ def _op_refusal(node: fx.Node, levels: dict) -> str | None:
     if _batched_value(node) is None:
         return f"{node.name} makes something other than one tensor"
     return None
+
+
+def _several_results_refusal(node: fx.Node, name: str) -> str | None:
+    value = node.meta.get("example_value")
+    if not isinstance(value, (tuple, list)) or not all(isinstance(v, torch.Tensor) for v in value):
+        return f"{node.name} makes something other than tensors"  # max(x) alone: one tensor, every dim
+    given = (SEVERAL_RESULTS[name] is not None and len(node.args) > SEVERAL_RESULTS[name]) or "dim" in node.kwargs
+    if not isinstance(_several_results_dim(node, name), int) or (name in DIM_NEEDED and not given):
+        return f"{describe_target(node)} with no dim in the body"
+    return None
+
+
+def _several_results_dim(node: fx.Node, name: str):
+    """The dim argument of an op with several results; -1 (its default) where it is not given."""
+    at = SEVERAL_RESULTS[name]
+    if at is not None and len(node.args) > at:
+        return node.args[at]
+    return node.kwargs.get("dim", -1)
 
 
 def _op_name(node: fx.Node) -> str | None:
@@ -226,9 +254,14 @@ def _emit(graph: fx.Graph, fn, *args) -> fx.Node:
 def _physical_op(graph: fx.Graph, node: fx.Node, info: dict):
     """`node` on the physical tensors: batched operands aligned to one set of levels and one logical rank, dims
     shifted past the levels."""
-    name, out_rank = _op_name(node), _batched_value(node).dim()
+    name, value = _op_name(node), node.meta.get("example_value")
+    out_rank = (value if isinstance(value, torch.Tensor) else value[0]).dim()
     levels = tuple(sorted(set().union(*(info[a].levels for a in node.all_input_nodes if a in info))))
     made = Physical(levels, out_rank)
+    if node.target is operator.getitem:
+        return _call_like(graph, node, node.args, node.kwargs), made
+    if name in SEVERAL_RESULTS:
+        return _physical_several(graph, node, name, info), made
     if name == "linear" and set(node.all_input_nodes[1:]) & set(info):
         return _physical_linear(graph, node, info, levels), made
     if name in TRAILING:  # the physical input, the rest as it was
@@ -258,6 +291,19 @@ def _physical_linear(graph: fx.Graph, node: fx.Node, info: dict, levels: tuple) 
     if bias is None:
         return out
     return _emit(graph, operator.add, out, _aligned(graph, bias, info, levels, in_rank))
+
+
+def _physical_several(graph: fx.Graph, node: fx.Node, name: str, info: dict) -> fx.Node:
+    """An op with several results on the physical tensor: a non-negative dim moves past the levels."""
+    source, dim = node.args[0], _several_results_dim(node, name)
+    shift = len(info[source].levels)
+    physical = dim if dim < 0 else dim + shift
+    at = SEVERAL_RESULTS[name]
+    if at is not None and len(node.args) > at:
+        args, kwargs = (*node.args[:at], physical, *node.args[at + 1:]), dict(node.kwargs)
+    else:
+        args, kwargs = node.args, {**node.kwargs, "dim": physical}
+    return _call_like(graph, node, args, kwargs)
 
 
 def _dim_argument(node: fx.Node):

@@ -68,6 +68,11 @@ BODIES = {
     "a layer norm over trailing dims, unbatched weights": (
         lambda x, w: torch.vmap(lambda r: F.layer_norm(r, (5,), w, w * 0.5) + F.rms_norm(r, (3, 5)))(x),
         [(4, 3, 5), (5,)]),
+    "ops with several results: sort, topk, running maxima, var_mean": (
+        lambda x: torch.vmap(lambda r: r.sort(-1, descending=True).values * torch.topk(r, 2, dim=0)[1].sum(0)
+                             + torch.cummax(r, 1).indices + torch.var_mean(r, 1, keepdim=True)[1]
+                             + torch.max(r, 0).values + torch.kthvalue(r, 2, -1, True).values)(x),
+        [(4, 3, 2)]),
     "a matrix product of batched stacks of different ranks": (
         lambda x, y: torch.vmap(lambda a, b: torch.matmul(a, b).softmax(-1))(x, y), [(3, 5, 4), (3, 2, 4, 6)]),
 }
@@ -120,7 +125,8 @@ def test_an_ensemble_of_modules_through_functional_call():
 
 REFUSED = {
     "a matmul": (lambda x: torch.vmap(lambda r: r @ r)(x[0]), "matmul"),
-    "a sort": (lambda x: torch.vmap(lambda r: r.sort(-1).values * 2)(x), "sort"),
+    "indexing a batched value": (lambda x: torch.vmap(lambda r: r[0] * 2)(x), "indexes a batched value"),
+    "a var_mean of every dim": (lambda x: torch.vmap(lambda r: r - torch.var_mean(r)[1])(x), "no dim"),
     "a layer norm with a batched weight": (lambda x: torch.vmap(lambda r, w: F.layer_norm(r, (5,), w))(x, x[:, 0]),
                                            "batched weight"),
     "an argmax over every dim": (lambda x: torch.vmap(lambda r: r * r.argmax())(x), "no dim"),
