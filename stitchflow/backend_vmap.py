@@ -3,12 +3,13 @@
 Dynamo traces `torch.vmap(f)(x)` as `_vmap_increment_nesting`, `_add_batch_dim(x, in_dim, level)` per input, f's
 ops on functorch's batched tensors, `_remove_batch_dim(y, level, batch_size, out_dim)` per output and
 `_vmap_decrement_nesting`. Batched tensors have no storage, so a program cannot be captured on them. Where every op
-of a body is elementwise, reduces, scans or normalises along given dims (or over trailing ones), or multiplies
-matrices, the body has the same meaning on the physical tensors with the batch dim in front: each batched value
-becomes that tensor (logical shape S, physical (B, *S)), unbatched operands broadcast against it as they did
-against S once the batched operands share one rank, and a dim argument d of a batched operand becomes d + 1. Nested vmaps likewise, with one leading dim per
-level a value is batched at (`Physical`). Bodies with other ops or random numbers stay as they are (refused, they
-run eagerly).
+of a body is elementwise, reduces, scans, sorts or normalises along given dims (or over trailing ones), views its
+value (basic indexing, reshapes, transposes), or multiplies matrices, the body has the same meaning on the physical
+tensors with the batch dim in front: each batched value becomes that tensor (logical shape S, physical (B, *S)),
+unbatched operands broadcast against it as they did against S once the batched operands share one rank, and a dim
+argument d of a batched operand becomes d + 1 (a view's shape gains the batch sizes in front). Nested vmaps
+likewise, with one leading dim per level a value is batched at (`Physical`). Bodies with other ops or random numbers
+stay as they are (refused, they run eagerly).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ log = logging.getLogger("stitchflow.backend")
 
 ELEMENTWISE_NAMES = frozenset("""add sub mul div truediv neg pow exp exp2 expm1 log log2 log1p sigmoid tanh relu sin
 cos sqrt rsqrt abs where maximum minimum clamp clamp_min clamp_max reciprocal square sign floor ceil round erf
-silu gelu softplus logical_not logical_and logical_or eq ne lt le gt ge float half bfloat16 to""".split())
+silu gelu softplus logical_not logical_and logical_or eq ne lt le gt ge float half bfloat16 double long int bool
+to""".split())
 ALONG_DIMS = frozenset({"sum", "mean", "amax", "amin", "softmax", "log_softmax", "cumsum", "cumprod", "logcumsumexp",
                         "logsumexp", "var", "std", "any", "all", "prod", "argmax", "argmin", "argsort"})
 FULL_REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "var", "std", "any", "all"})  # (no dim: every dim)
@@ -116,9 +118,11 @@ def _rewritable(body: list[fx.Node]) -> str | None:
 
 def _op_refusal(node: fx.Node, levels: dict) -> str | None:
     name = _op_name(node)
-    if node.target is operator.getitem:  # a result of an op with several (that op's refusal said whether it may)
-        several = isinstance(node.args[0], fx.Node) and _op_name(node.args[0]) in SEVERAL_RESULTS
-        return None if several and isinstance(node.args[1], int) else f"{node.name} indexes a batched value in the body"
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node) and \
+            _op_name(node.args[0]) in SEVERAL_RESULTS:  # a result of an op with several (refused or taken there)
+        return None if isinstance(node.args[1], int) else f"{node.name} indexes {node.args[0].name}'s results"
+    if node.target is operator.getitem or name in VIEWS:
+        return _view_refusal(node, "getitem" if node.target is operator.getitem else name, levels)
     if name in SEVERAL_RESULTS:
         return _several_results_refusal(node, name)
     if name not in ELEMENTWISE_NAMES | ALONG_DIMS | MATRIX_PRODUCTS | TRAILING:
@@ -258,8 +262,16 @@ def _physical_op(graph: fx.Graph, node: fx.Node, info: dict):
     out_rank = (value if isinstance(value, torch.Tensor) else value[0]).dim()
     levels = tuple(sorted(set().union(*(info[a].levels for a in node.all_input_nodes if a in info))))
     made = Physical(levels, out_rank)
-    if node.target is operator.getitem:
+    if node.target is operator.getitem and _op_name(node.args[0]) in SEVERAL_RESULTS:  # one of an op's results
         return _call_like(graph, node, node.args, node.kwargs), made
+    if node.target is operator.getitem or name in VIEWS:
+        view = "getitem" if node.target is operator.getitem else name
+        args = VIEWS[view](node, len(info[node.args[0]].levels))
+        if view == "view":  # the physical tensor may not be contiguous (its batch dim moved to the front)
+            return graph.call_method("reshape", args), made
+        if view == "t":  # a matrix's transpose; a vector's or a scalar's is itself
+            return (graph.call_method("transpose", (args[0], -2, -1)) if out_rank == 2 else args[0]), made
+        return _call_like(graph, node, args, node.kwargs), made
     if name in SEVERAL_RESULTS:
         return _physical_several(graph, node, name, info), made
     if name == "linear" and set(node.all_input_nodes[1:]) & set(info):
@@ -347,3 +359,63 @@ def _propagate(new: fx.Node, old: fx.Node | None = None) -> None:
     with mode:
         fn = getattr(torch.Tensor, new.target) if new.op == "call_method" else new.target
         new.meta["example_value"] = fn(*args, **kwargs)
+
+
+# ---------------------------------------------------------------- views of a batched tensor
+
+def _shifted(d: int, shift: int) -> int:
+    """A logical dim on the physical tensor: one counted from the end stays, the levels come before the others."""
+    return d if d < 0 else d + shift
+
+
+def _sizes(args: tuple) -> tuple:
+    """view(2, 3) and view((2, 3)) alike."""
+    return tuple(args[0]) if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)) else tuple(args)
+
+
+def _batch_sizes(node: fx.Node, shift: int) -> tuple:
+    return tuple(node.args[0].meta["example_value"].shape[:shift])
+
+
+def _basic_key(key) -> bool:
+    keys = key if isinstance(key, tuple) else (key,)
+    return all(k is None or k is Ellipsis or isinstance(k, (int, slice)) for k in keys)
+
+
+# each takes the node and the number of level dims in front of its (batched) first argument, and gives the args of
+# the same op on the physical tensor
+VIEWS = {
+    "getitem": lambda n, s: (n.args[0], (slice(None),) * s + (n.args[1] if isinstance(n.args[1], tuple)
+                                                              else (n.args[1],))),
+    "unsqueeze": lambda n, s: (n.args[0], _shifted(n.args[1], s)),
+    "squeeze": lambda n, s: (n.args[0], tuple(_shifted(d, s) for d in (
+        n.args[1] if isinstance(n.args[1], (tuple, list)) else (n.args[1],)))),
+    "transpose": lambda n, s: (n.args[0], _shifted(n.args[1], s), _shifted(n.args[2], s)),
+    "swapaxes": lambda n, s: (n.args[0], _shifted(n.args[1], s), _shifted(n.args[2], s)),
+    "narrow": lambda n, s: (n.args[0], _shifted(n.args[1], s), *n.args[2:]),
+    "select": lambda n, s: (n.args[0], _shifted(n.args[1], s), *n.args[2:]),
+    "flatten": lambda n, s: (n.args[0], _shifted(n.args[1] if len(n.args) > 1 else 0, s),
+                             _shifted(n.args[2] if len(n.args) > 2 else -1, s)),
+    "permute": lambda n, s: (n.args[0], (*range(s), *(d % max(_rank_of(n.args[0]) - s, 1) + s
+                                                      for d in _sizes(n.args[1:])))),
+    "reshape": lambda n, s: (n.args[0], (*_batch_sizes(n, s), *_sizes(n.args[1:]))),
+    "view": lambda n, s: (n.args[0], (*_batch_sizes(n, s), *_sizes(n.args[1:]))),
+    "expand": lambda n, s: (n.args[0], (*(-1,) * s, *_sizes(n.args[1:]))),
+    "t": lambda n, s: (n.args[0],),
+}
+
+
+def _view_refusal(node: fx.Node, name: str, levels: dict) -> str | None:
+    """Views take a batched tensor first and nothing batched after; their dims are given (squeeze's, flatten's
+    start may be its default), their keys basic."""
+    if node.args[0] not in levels or set(node.all_input_nodes[1:]) & set(levels) or node.kwargs:
+        return f"{describe_target(node)} of other than a batched tensor by plain arguments in the body"
+    if name == "getitem" and not _basic_key(node.args[1]):
+        return f"{node.name} indexes a batched value by tensors in the body"
+    if name == "squeeze" and len(node.args) < 2:
+        return f"{describe_target(node)} with no dim in the body"
+    if name in ("transpose", "swapaxes", "narrow", "select", "unsqueeze") and len(node.args) < 2:
+        return f"{describe_target(node)} with no dim in the body"
+    if name == "expand" and len(_sizes(node.args[1:])) != _rank_of(node.args[0]):  # (a batched value's logical rank)
+        return f"{describe_target(node)} to more dims in the body"
+    return None

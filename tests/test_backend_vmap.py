@@ -73,6 +73,11 @@ BODIES = {
                              + torch.cummax(r, 1).indices + torch.var_mean(r, 1, keepdim=True)[1]
                              + torch.max(r, 0).values + torch.kthvalue(r, 2, -1, True).values)(x),
         [(4, 3, 2)]),
+    "views: indexing, reshapes, transposes, squeezes, expands": (
+        lambda x: torch.vmap(lambda r: r[1:, None, ::2].squeeze(1).transpose(0, 1).reshape(-1).view(2, 2).unsqueeze(0)
+                             .expand(3, 2, 2).permute(2, 0, 1).flatten(1, 2).narrow(1, 1, 3).select(0, 1)
+                             + r[..., 0].sum() + r[0].t().flatten().sum())(x),
+        [(4, 3, 4)]),
     "a matrix product of batched stacks of different ranks": (
         lambda x, y: torch.vmap(lambda a, b: torch.matmul(a, b).softmax(-1))(x, y), [(3, 5, 4), (3, 2, 4, 6)]),
 }
@@ -125,7 +130,8 @@ def test_an_ensemble_of_modules_through_functional_call():
 
 REFUSED = {
     "a matmul": (lambda x: torch.vmap(lambda r: r @ r)(x[0]), "matmul"),
-    "indexing a batched value": (lambda x: torch.vmap(lambda r: r[0] * 2)(x), "indexes a batched value"),
+    "indexing a batched value by a tensor": (lambda x: torch.vmap(lambda r: r[torch.tensor([0, 2])] * 2)(x),
+                                             "by tensors"),
     "a var_mean of every dim": (lambda x: torch.vmap(lambda r: r - torch.var_mean(r)[1])(x), "no dim"),
     "a layer norm with a batched weight": (lambda x: torch.vmap(lambda r, w: F.layer_norm(r, (5,), w))(x, x[:, 0]),
                                            "batched weight"),
