@@ -2,11 +2,12 @@
 result, a real tensor made complex) is a ComplexValue of its two real parts while capture lowers the graph. What takes
 it back to tensors: `.real`, `.imag`, torch.real / torch.imag, view_as_real, abs; what keeps it complex: conj,
 products, sums, differences, quotients, negation and exp with complex, real or scalar operands (each part an
-elementwise node; the other elementary functions are in ops_complex_math.py), matmul and einsum (four real products, `bilinear`), and the views, reductions and scatters that
-act on each part alike (`partwise`). Any other op that meets a ComplexValue is refused by capture with that
-reason (`takes_complex` marks the lowerings that accept one, and COMPLEX_LOWERINGS holds the complex forms of
-arithmetic whose real lowering lives elsewhere). A complex graph input or parameter enters as
-view_as_real's (..., 2) real tensor, and a complex output leaves as one that the program views as complex again.
+elementwise node; the other elementary functions are in ops_complex_math.py), matmul and einsum (four real
+products, `bilinear`), and the views, reductions and scatters that act on each part alike (`partwise`). Any other op
+that meets a ComplexValue is refused by capture with that reason (`takes_complex` marks the lowerings that accept
+one, and COMPLEX_LOWERINGS holds the complex forms of arithmetic whose real lowering lives elsewhere). A complex
+graph input or parameter enters as view_as_real's (..., 2) real tensor, and a complex output leaves as one that the
+program views as complex again.
 """
 
 from __future__ import annotations

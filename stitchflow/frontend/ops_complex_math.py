@@ -119,8 +119,10 @@ def lower_complex_pow(ctx, base, exponent, *, out=None):
         def magnitude(a, b):
             return call("exp", call("mul", call("log", modulus(a, b)), _c(p)))
 
-        return _pair(ctx, base, lambda a, b: call("mul", magnitude(a, b), call("cos", call("mul", call("atan2", b, a), _c(p)))),
-                     lambda a, b: call("mul", magnitude(a, b), call("sin", call("mul", call("atan2", b, a), _c(p)))))
+        def turned(fn):
+            return lambda a, b: call("mul", magnitude(a, b), call(fn, call("mul", call("atan2", b, a), _c(p))))
+
+        return _pair(ctx, base, turned("cos"), turned("sin"))
     power = lower_complex_exp(ctx, lower_complex_mul(ctx, exponent, lower_complex_log(ctx, base)))
     a, b = parts(base)  # 0 ** w is 0 where Re w > 0, as torch (exp(w · log 0) is NaN)
     w = parts(exponent)[0]
@@ -361,7 +363,8 @@ def lower_complex_acosh(ctx, z, *, out=None):
 @complex_lowering(torch.atanh, torch.arctanh, "method:atanh", "method:arctanh", "aten.atanh", "aten.arctanh")
 def lower_complex_atanh(ctx, z, *, out=None):
     """(log1p(z) - log1p(-z)) / 2."""
-    difference = lower_complex_sub(ctx, lower_complex_log1p(ctx, z), lower_complex_log1p(ctx, lower_complex_neg(ctx, z)))
+    difference = lower_complex_sub(ctx, lower_complex_log1p(ctx, z),
+                                   lower_complex_log1p(ctx, lower_complex_neg(ctx, z)))
     return lower_complex_mul(ctx, difference, 0.5)
 
 
