@@ -384,3 +384,19 @@ def lower_complex_acos(ctx, z, *, out=None):
 def lower_complex_atan(ctx, z, *, out=None):
     """-i·atanh(i·z)."""
     return _times_i(ctx, lower_complex_atanh(ctx, _times_i(ctx, z)), -1)
+
+
+def _scaled_sum(product_op):
+    """beta·input + alpha·product(a, b) with complex values (addmm, addmv, baddbmm): the product as four real ones."""
+    def lower(ctx, x, a, b, *, beta=1, alpha=1, out=None):
+        product = bilinear(product_op, LOWERINGS[product_op])(ctx, a, b)
+        scaled = product if alpha == 1 else lower_complex_mul(ctx, product, alpha)
+        if beta == 0:  # input ignored, NaN included, as torch
+            return scaled
+        return lower_complex_add(ctx, x if beta == 1 else lower_complex_mul(ctx, x, beta), scaled)
+    return lower
+
+
+complex_lowering(torch.addmm, "aten.addmm", "method:addmm")(_scaled_sum(torch.mm))
+complex_lowering(torch.addmv, "aten.addmv", "method:addmv")(_scaled_sum(torch.mv))
+complex_lowering(torch.baddbmm, "aten.baddbmm", "method:baddbmm")(_scaled_sum(torch.bmm))

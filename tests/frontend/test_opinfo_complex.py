@@ -14,15 +14,15 @@ from test_opinfo import run_samples
 COMPLEX_OPS = [
     "add", "sub", "mul", "div", "neg", "pow", "square", "reciprocal", "exp", "exp2", "expm1", "log", "log2", "log10",
     "log1p", "sqrt", "rsqrt", "sin", "cos", "tan", "sinh", "cosh", "tanh", "asin", "acos", "atan", "asinh", "acosh",
-    "atanh", "sigmoid", "sgn", "abs", "angle", "conj",
-    "conj_physical", "resolve_conj", "real", "imag", "view_as_real", "view_as_complex", "polar", "complex", "isnan",
-    "isfinite", "nan_to_num", "sum", "mean", "prod", "cumsum", "cumprod", "linalg.vector_norm", "matmul", "mm", "bmm", "einsum", "dot",
-    "vdot", "inner", "outer", "mv", "kron", "tensordot", "transpose", "permute", "reshape", "view", "expand", "flatten",
-    "squeeze", "unsqueeze", "movedim", "t", "cat", "stack", "chunk", "split", "unbind", "tensor_split", "narrow",
-    "select", "flip", "fliplr", "flipud", "roll", "diagonal", "tril", "triu", "tile", "repeat", "unfold", "diff",
-    "where", "masked_fill", "index_select", "gather", "take_along_dim", "index_put", "index_add", "index_copy",
-    "scatter", "scatter_add", "clone", "contiguous", "zeros_like", "ones_like", "full_like", "fft.fft", "fft.ifft",
-    "fft.irfft", "fft.fft2", "fft.ifft2", "fft.fftn", "fft.ifftn", "fft.fftshift", "fft.ifftshift",
+    "atanh", "sigmoid", "sgn", "abs", "angle", "conj", "conj_physical", "resolve_conj", "real", "imag",
+    "view_as_real", "view_as_complex", "polar", "complex", "isnan", "isfinite", "nan_to_num", "sum", "mean", "prod",
+    "cumsum", "cumprod", "linalg.vector_norm", "matmul", "mm", "bmm", "addmm", "addmv", "baddbmm", "einsum", "dot",
+    "vdot", "inner", "outer", "mv", "kron", "tensordot", "transpose", "permute", "reshape", "view", "expand",
+    "flatten", "squeeze", "unsqueeze", "movedim", "t", "cat", "stack", "chunk", "split", "unbind", "tensor_split",
+    "narrow", "select", "flip", "fliplr", "flipud", "roll", "diagonal", "tril", "triu", "tile", "repeat", "unfold",
+    "diff", "where", "masked_fill", "index_select", "gather", "take_along_dim", "index_put", "index_add",
+    "index_copy", "scatter", "scatter_add", "clone", "contiguous", "zeros_like", "ones_like", "full_like", "fft.fft",
+    "fft.ifft", "fft.irfft", "fft.fft2", "fft.ifft2", "fft.fftn", "fft.ifftn", "fft.fftshift", "fft.ifftshift",
 ]
 MIN_SUPPORTED = 0.5
 REAL_INPUTS = {"polar", "complex", "view_as_complex"}  # ops that make complex values of real tensors
