@@ -17,7 +17,7 @@ import torch
 from ..ir.expr import Const, call
 from ..ir.errors import UnsupportedOpError
 from .ops_complex import ComplexValue, bilinear, complex_lowering, lower_complex_abs, lower_complex_add, \
-    lower_complex_exp, lower_complex_mul, lower_complex_neg, lower_complex_sub, lower_conj, modulus, part_node, parts, \
+    lower_complex_div, lower_complex_exp, lower_complex_mul, lower_complex_neg, lower_complex_sub, lower_conj, modulus, part_node, parts, \
     real_dtype
 from .registry import LOWERINGS, sub_ctx
 from .ops_trig import cosh_expr, is_negative, sinh_expr
@@ -197,6 +197,24 @@ def lower_complex_sigmoid(ctx, z, *, out=None):
 
     return _pair(ctx, z, lambda a, b: _inverse_parts(*denominator(a, b))[0],
                  lambda a, b: _inverse_parts(*denominator(a, b))[1])
+
+
+@complex_lowering(torch.sinc, torch.special.sinc, "method:sinc", "aten.sinc")
+def lower_complex_sinc(ctx, z, *, out=None):
+    """sin(πz) / (πz), 1 at 0."""
+    angle = lower_complex_mul(ctx, z, math.pi)
+    ratio = lower_complex_div(ctx, lower_complex_sin(ctx, angle), angle)
+    a, b = parts(z)
+
+    def at_zero(one):
+        def fn(a, b, r):
+            zero = call("and", call("eq", a, _c(0.0)), call("eq", _c(0.0) if b is None else b, _c(0.0)))
+            return call("where", zero, _c(one), r)
+        return fn
+
+    dtype = real_dtype(ctx)
+    return ComplexValue(part_node(ctx, dtype, at_zero(1.0), a, b, ratio.real),
+                        part_node(ctx, dtype, at_zero(0.0), a, b, ratio.imag))
 
 
 @complex_lowering(torch.sgn, "method:sgn", "aten.sgn")

@@ -22,7 +22,7 @@ FUNCTIONS = {
     "pow_half": lambda z: torch.pow(z, -0.5), "pow_complex": lambda z: z ** (0.5 + 1j),
     "pow_tensor": lambda z: torch.pow(z, z * 0.1), "power_of_two": lambda z: 2 ** z, "exp2": torch.exp2,
     "expm1": torch.expm1, "log1p": torch.log1p, "asin": torch.asin, "acos": torch.acos, "atan": torch.atan,
-    "asinh": torch.asinh, "acosh": torch.acosh, "atanh": torch.atanh,
+    "asinh": torch.asinh, "acosh": torch.acosh, "atanh": torch.atanh, "sinc": torch.sinc,
     "prod": lambda z: torch.prod(z * 0.5, -1, keepdim=True), "cumprod": lambda z: torch.cumprod(z * 0.5, -1),
 }
 AWKWARD = [0j, complex(-4, 0.0), complex(-4, -0.0), complex(3, 0), complex(0, -2), complex(30, 1), complex(-25, 2),
@@ -47,7 +47,8 @@ def test_complex_functions_equal_eager(name, target):
     # overflow is where eager's libm and these formulas may part (inf against a large finite value)
     finite = torch.isfinite(ref).all(-1, keepdim=True).expand_as(ref)
     torch.testing.assert_close(out[finite], ref[finite], rtol=2e-5, atol=2e-5)
-    assert torch.equal(out[~finite].isnan(), ref[~finite].isnan()) or name.startswith("pow")
+    # (past overflow, a quotient of infinities is NaN here where torch's complex division scales first)
+    assert torch.equal(out[~finite].isnan(), ref[~finite].isnan()) or name.startswith("pow") or name == "sinc"
 
 
 class S4D(torch.nn.Module):

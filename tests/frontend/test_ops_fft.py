@@ -249,8 +249,8 @@ def test_complex_inputs_parameters_and_outputs_pass_as_pairs(fresh_dynamo):
 
 def test_a_complex_value_anywhere_else_is_refused_with_the_reason(fresh_dynamo):
     x = torch.randn(4, 6)
-    out = torch.compile(lambda x: torch.fft.fft(x).sinc().real, backend="stitchflow")(x)
-    assert_close(out, torch.fft.fft(x).sinc().real)
+    out = torch.compile(lambda x: torch.fft.fft(x).logcumsumexp(-1).real, backend="stitchflow")(x)
+    assert_close(out, torch.fft.fft(x).logcumsumexp(-1).real)
     assert "takes or makes a complex value" in backend.fallback_report()
 
     with pytest.raises(UnsupportedOpError, match="transform of length 8192"):
