@@ -78,6 +78,14 @@ def eager_gives_nothing(fn, *inputs) -> bool:
     return any(t.numel() == 0 for t in (out if isinstance(out, tuple) else (out,)))
 
 
+def twins(make):
+    """Two copies of a model with the same parameters (seeded): one to compile, one to run eagerly beside it."""
+    torch.manual_seed(0)
+    ours, theirs = make(), make()
+    theirs.load_state_dict(ours.state_dict())
+    return ours, theirs
+
+
 def random_sparse(rows, cols, density, *, generator=None, dtype=torch.float32):
     """A dense matrix with about `density` of its entries non-zero (values away from zero)."""
     g = generator or torch.Generator().manual_seed(0)

@@ -8,6 +8,7 @@ import torch
 
 from stitchflow import backend
 from stitchflow.frontend import ops_scan, ops_sort
+from conftest import twins
 
 VOCAB = 3000
 assert VOCAB > max(ops_sort.QUADRATIC_SORT, ops_scan.QUADRATIC_SCAN)
@@ -53,9 +54,7 @@ class LongRows(torch.nn.Module):
 
 
 def test_long_scans_and_sorts_train_whole(fresh_dynamo):
-    torch.manual_seed(0)
-    ours, theirs = LongRows(), LongRows()
-    theirs.load_state_dict(ours.state_dict())
+    ours, theirs = twins(LongRows)
     x = torch.randn(4, 8)
     out, ref = torch.compile(ours, backend="stitchflow")(x), theirs(x)
     out.backward()

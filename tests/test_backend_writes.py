@@ -9,7 +9,7 @@ import torch
 
 import stitchflow
 import stitchflow.backend as backend
-from conftest import assert_close
+from conftest import assert_close, twins
 
 
 def cache_copy(cache, x):
@@ -59,8 +59,7 @@ class Counting(torch.nn.Module):
 
 def test_a_buffer_written_during_a_training_step(fresh_dynamo):
     """The recomputed backward starts from the buffer as it came, not as the program left it."""
-    ours, theirs = Counting(), Counting()
-    theirs.load_state_dict(ours.state_dict())
+    ours, theirs = twins(Counting)
     compiled = torch.compile(ours, backend="stitchflow", options={"training": "recompute"})
     x = torch.randn(3, 4)
     for _ in range(2):

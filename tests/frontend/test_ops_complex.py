@@ -8,7 +8,7 @@ import torch
 
 import stitchflow
 from stitchflow import backend
-from conftest import assert_close, skip_unless_kernels_run
+from conftest import assert_close, skip_unless_kernels_run, twins
 
 
 def frequencies(dim: int, end: int, theta: float = 10000.0) -> torch.Tensor:
@@ -41,9 +41,7 @@ class RotaryAttention(torch.nn.Module):
 
 @pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
 def test_rotary_embeddings_with_complex_frequencies_compile_whole(train, fresh_dynamo):
-    torch.manual_seed(0)
-    ours, theirs = RotaryAttention(), RotaryAttention()
-    theirs.load_state_dict(ours.state_dict())
+    ours, theirs = twins(RotaryAttention)
     x = torch.randn(2, 12, 32)
     with torch.set_grad_enabled(train):
         out, ref = torch.compile(ours, backend="stitchflow")(x), theirs(x)

@@ -10,7 +10,7 @@ import torch
 
 import stitchflow
 from stitchflow import backend
-from conftest import assert_close, skip_unless_kernels_run
+from conftest import assert_close, skip_unless_kernels_run, twins
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -89,9 +89,7 @@ class ComplexMLP(torch.nn.Module):
 
 @pytest.mark.parametrize("model, shape", [(S4D, (2, 4, 24)), (ComplexMLP, (3, 5, 16))], ids=["s4d", "complex_mlp"])
 def test_models_with_complex_functions_train_whole(model, shape, fresh_dynamo):
-    torch.manual_seed(0)
-    ours, theirs = model(), model()
-    theirs.load_state_dict(ours.state_dict())
+    ours, theirs = twins(model)
     x = torch.randn(shape)
     out, ref = torch.compile(ours, backend="stitchflow")(x), theirs(x)
     assert_close(out, ref)

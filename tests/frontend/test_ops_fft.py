@@ -10,7 +10,7 @@ import torch
 import stitchflow
 from stitchflow import backend
 from stitchflow.ir.errors import UnsupportedOpError
-from conftest import assert_close, skip_unless_kernels_run
+from conftest import assert_close, skip_unless_kernels_run, twins
 
 aten = torch.ops.aten
 
@@ -136,9 +136,7 @@ class FourierBlock(torch.nn.Module):
 def test_a_fourier_neural_operator_block_compiles_whole(train, fresh_dynamo):
     """Complex parameters, a complex factory, complex einsums, item assignment into a complex spectrum: no
     fallback, forward or backward."""
-    torch.manual_seed(0)
-    ours, theirs = FourierBlock(), FourierBlock()
-    theirs.load_state_dict(ours.state_dict())
+    ours, theirs = twins(FourierBlock)
     x = torch.randn(2, 4, 10, 12)
     with torch.set_grad_enabled(train):
         out = torch.compile(ours, backend="stitchflow")(x)
@@ -207,9 +205,7 @@ class SpectralMask(torch.nn.Module):
 
 
 def test_a_spectral_mask_trains_through_the_backend(fresh_dynamo):
-    torch.manual_seed(0)
-    ours, theirs = SpectralMask(), SpectralMask()
-    theirs.load_state_dict(ours.state_dict())
+    ours, theirs = twins(SpectralMask)
     audio = torch.randn(2, 100)
     out, ref = torch.compile(ours, backend="stitchflow")(audio), theirs(audio)
     assert_close(out, ref)
