@@ -406,8 +406,8 @@ VIEWS = {
 
 
 def _view_refusal(node: fx.Node, name: str, levels: dict) -> str | None:
-    """Views take a batched tensor first and nothing batched after; their dims are given (squeeze's, flatten's
-    start may be its default), their keys basic."""
+    """Views take a batched tensor first and nothing batched after; their dims are given (flatten's may default),
+    their keys basic (ints, slices, None, an ellipsis)."""
     if node.args[0] not in levels or set(node.all_input_nodes[1:]) & set(levels) or node.kwargs:
         return f"{describe_target(node)} of other than a batched tensor by plain arguments in the body"
     if name == "getitem" and not _basic_key(node.args[1]):
