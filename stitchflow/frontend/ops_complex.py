@@ -89,7 +89,7 @@ def partwise(key, fn):
         if any_complex(([a for k, a in enumerate(args) if k not in data], kwargs), numbers=True):
             raise UnsupportedOpError(_op_name(key), "a complex value where it takes indices or options", ctx.hint)
         dtype = real_dtype(ctx)
-        kwargs = {k: v.to_real() if isinstance(v, torch.dtype) and v.is_complex else v for k, v in kwargs.items()}
+        kwargs = real_kwargs(kwargs)
         real = fn(_part_ctx(ctx, dtype, "re"), *_parts_of(ctx, args, data, "real"), **kwargs)
         if not any_imaginary([args[k] for k in data if k < len(args)]):
             imag = None
@@ -285,6 +285,11 @@ def parts(x):
     if isinstance(x, complex):
         return x.real, x.imag or None
     return x, None
+
+
+def real_kwargs(kwargs: dict) -> dict:
+    """Keyword arguments for a part's real lowering: a complex dtype= asked for becomes its real counterpart."""
+    return {k: (v.to_real() if isinstance(v, torch.dtype) and v.is_complex else v) for k, v in kwargs.items()}
 
 
 def real_dtype(ctx: LowerCtx) -> torch.dtype:

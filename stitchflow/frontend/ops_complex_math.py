@@ -14,21 +14,18 @@ import operator
 
 import torch
 
-from ..ir.expr import Const, call
 from ..ir.errors import UnsupportedOpError
+from ..ir.expr import call
 from .ops_complex import ComplexValue, bilinear, complex_lowering, lower_complex_abs, lower_complex_add, \
-    lower_complex_div, lower_complex_exp, lower_complex_mul, lower_complex_neg, lower_complex_sub, lower_conj, modulus, part_node, parts, \
-    real_dtype
-from .registry import LOWERINGS, sub_ctx
+    lower_complex_div, lower_complex_exp, lower_complex_mul, lower_complex_neg, lower_complex_sub, lower_conj, modulus, \
+    part_node, parts, real_dtype, real_kwargs
+from .ops_elementwise import _c
 from .ops_trig import cosh_expr, is_negative, sinh_expr
+from .registry import LOWERINGS, sub_ctx
 
 # past |x| = 20, tanh(x + iy)'s real part is ±1 and its imaginary part under 1e-17 in float64: the limit, where the
 # formula's cosh(2x) would overflow past |x| = 44
 TANH_FAR = 20.0
-
-
-def _c(v: float) -> Const:
-    return Const(v)
 
 
 def _pair(ctx, z, real_of, imag_of) -> ComplexValue:
@@ -124,16 +121,23 @@ def lower_complex_pow(ctx, base, exponent, *, out=None):
 
         return _pair(ctx, base, turned("cos"), turned("sin"))
     power = lower_complex_exp(ctx, lower_complex_mul(ctx, exponent, lower_complex_log(ctx, base)))
-    a, b = parts(base)  # 0 ** w is 0 where Re w > 0, as torch (exp(w · log 0) is NaN)
-    w = parts(exponent)[0]
+    # 0 ** w is 0 where Re w > 0, as torch (exp(w · log 0) is NaN)
+    return _at_zero(ctx, base, power, (0.0, 0.0), parts(exponent)[0], lambda w: call("gt", w, _c(0.0)))
 
-    def at_zero(part):
-        def fn(a, b, w, r):
+
+def _at_zero(ctx, z, value: ComplexValue, fills: tuple, other=None, test=None) -> ComplexValue:
+    """value with its parts replaced by `fills` where z is 0 (and, given another operand, where test(other))."""
+    a, b = parts(z)
+
+    def part(fill):
+        def fn(a, b, other, r):
             zero = call("and", call("eq", a, _c(0.0)), call("eq", _c(0.0) if b is None else b, _c(0.0)))
-            return call("where", call("and", zero, call("gt", w, _c(0.0))), _c(0.0), r)
-        return part_node(ctx, real_dtype(ctx), fn, a, b, w, part)
+            return call("where", zero if test is None else call("and", zero, test(other)), _c(fill), r)
+        return fn
 
-    return ComplexValue(at_zero(power.real), at_zero(power.imag))
+    dtype = real_dtype(ctx)
+    return ComplexValue(*(part_node(ctx, dtype, part(fill), a, b, other, r) for fill, r in zip(fills, (value.real,
+                                                                                                      value.imag))))
 
 
 # ---------------------------------------------------------------- trigonometric and hyperbolic
@@ -203,18 +207,7 @@ def lower_complex_sigmoid(ctx, z, *, out=None):
 def lower_complex_sinc(ctx, z, *, out=None):
     """sin(πz) / (πz), 1 at 0."""
     angle = lower_complex_mul(ctx, z, math.pi)
-    ratio = lower_complex_div(ctx, lower_complex_sin(ctx, angle), angle)
-    a, b = parts(z)
-
-    def at_zero(one):
-        def fn(a, b, r):
-            zero = call("and", call("eq", a, _c(0.0)), call("eq", _c(0.0) if b is None else b, _c(0.0)))
-            return call("where", zero, _c(one), r)
-        return fn
-
-    dtype = real_dtype(ctx)
-    return ComplexValue(part_node(ctx, dtype, at_zero(1.0), a, b, ratio.real),
-                        part_node(ctx, dtype, at_zero(0.0), a, b, ratio.imag))
+    return _at_zero(ctx, z, lower_complex_div(ctx, lower_complex_sin(ctx, angle), angle), (1.0, 0.0))
 
 
 @complex_lowering(torch.sgn, "method:sgn", "aten.sgn")
@@ -307,14 +300,10 @@ def _polar_reduction(ctx, z, product, total, what: str) -> ComplexValue:
                         part_node(ctx, dtype, lambda m, t: call("mul", m, call("sin", t)), magnitude, angle))
 
 
-def _no_complex_dtype(kwargs: dict) -> dict:
-    return {k: (v.to_real() if isinstance(v, torch.dtype) and v.is_complex else v) for k, v in kwargs.items()}
-
-
 @complex_lowering(torch.prod, "method:prod", "aten.prod")
 def lower_complex_prod(ctx, z, *args, **kwargs):
     """The product over dims (all by default) in polar form (zero where a factor is zero)."""
-    kwargs = _no_complex_dtype(kwargs)
+    kwargs = real_kwargs(kwargs)
     return _polar_reduction(ctx, z, lambda c, m: LOWERINGS[torch.prod](c, m, *args, **kwargs),
                             lambda c, t: LOWERINGS[torch.sum](c, t, *args, **kwargs), "prod")
 
@@ -322,7 +311,7 @@ def lower_complex_prod(ctx, z, *args, **kwargs):
 @complex_lowering(torch.cumprod, "method:cumprod", "aten.cumprod")
 def lower_complex_cumprod(ctx, z, dim, **kwargs):
     """Running products in polar form: the running product of the moduli, the running sum of the angles."""
-    kwargs = _no_complex_dtype(kwargs)
+    kwargs = real_kwargs(kwargs)
     return _polar_reduction(ctx, z, lambda c, m: LOWERINGS[torch.cumprod](c, m, dim, **kwargs),
                             lambda c, t: LOWERINGS[torch.cumsum](c, t, dim, **kwargs), "cumprod")
 
