@@ -126,17 +126,17 @@ def hf_model(name: str):
     return cls(config)
 
 
-def hf_inputs(name: str, device):
-    g = torch.Generator().manual_seed(1)
+def hf_inputs(name: str, device, length: int = 32):
+    g = torch.Generator().manual_seed(length)
     if name.startswith(PIXELS):
         return dict(pixel_values=torch.randn(2, 3, 64, 64, generator=g).to(device))
     if name.startswith("Llava"):  # 16 image tokens per sequence, one 32x32 image each
-        ids = torch.randint(0, VOCAB - 1, (2, 32), generator=g)
+        ids = torch.randint(0, VOCAB - 1, (2, length), generator=g)
         ids[:, 3:19] = VOCAB - 1
         return dict(input_ids=ids.to(device), pixel_values=torch.randn(2, 3, 32, 32, generator=g).to(device))
-    kw = dict(input_ids=torch.randint(0, VOCAB, (2, 32), generator=g).to(device))
+    kw = dict(input_ids=torch.randint(0, VOCAB, (2, length), generator=g).to(device))
     if name.startswith(("T5", "Bart")):
-        kw["decoder_input_ids"] = torch.randint(0, VOCAB, (2, 16), generator=g).to(device)
+        kw["decoder_input_ids"] = torch.randint(0, VOCAB, (2, length // 2), generator=g).to(device)
     return kw
 
 
@@ -170,21 +170,35 @@ def step(fn, model, kwargs, train):
     return out.detach().float(), grads
 
 
-def compare(name, model, kwargs, train, tol, options, backend_name="stitchflow"):
+def compare(name, model, inputs, train, tol, options, backend_name="stitchflow"):
+    """The compiled model against eager on each set of keyword inputs in turn (inputs of new shapes make Dynamo
+    compile again, for dynamic shapes from the second on); the worst errors and the first call's time."""
     model.train(train)
-    want, want_grads = step(model, model, kwargs, train)
     compiled = torch.compile(model, backend=backend_name, options=options if backend_name == "stitchflow" else None)
-    t0 = time.perf_counter()
-    step(compiled, model, kwargs, train)
-    first_call = time.perf_counter() - t0
-    got, grads = step(compiled, model, kwargs, train)
-    err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
-    gerr = 0.0
-    if train:
-        largest = max(g.abs().max().item() for g in want_grads.values())
-        gerr = max((grads[n] - g).abs().max().item() for n, g in want_grads.items()) / max(largest, 1e-12)
+    err = gerr = first_call = 0.0
+    for k, kwargs in enumerate(inputs):
+        want, want_grads = step(model, model, kwargs, train)
+        t0 = time.perf_counter()
+        step(compiled, model, kwargs, train)
+        first_call = first_call or time.perf_counter() - t0
+        got, grads = step(compiled, model, kwargs, train)
+        err = max(err, ((got - want).abs().max() / want.abs().max().clamp_min(1e-12)).item())
+        if train:
+            largest = max(g.abs().max().item() for g in want_grads.values())
+            gerr = max(gerr, max((grads[n] - g).abs().max().item() for n, g in want_grads.items()) / max(largest, 1e-12))
     ok = err <= tol and gerr <= 10 * tol
     return ok, err, gerr, first_call
+
+
+def _inputs(name: str, source: str, device, dtype, length: int) -> dict:
+    """A model's keyword inputs at a sequence length (an image of side 3 x length for torchvision's CNNs, 96 at 32;
+    models built for one image size take it whatever the length)."""
+    if source == "hf":
+        kwargs = hf_inputs(name, device, length)
+    else:
+        side = TORCHVISION[name].get("image_size", 3 * length)
+        kwargs = dict(x=torch.randn(2, 3, side, side, generator=torch.Generator().manual_seed(1)).to(device))
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in kwargs.items()}
 
 
 def main(argv=None):
@@ -197,6 +211,9 @@ def main(argv=None):
     ap.add_argument("--backend", default="stitchflow", help="another torch.compile backend, to tell its failures "
                     "from ours (e.g. inductor)")
     ap.add_argument("--traceback", action="store_true", help="print each error's whole traceback")
+    ap.add_argument("--lengths", default="32", help="comma-separated sequence lengths (image sides: twice as many "
+                    "pixels), run in turn through one compiled model: from the second on, Dynamo compiles again "
+                    "with dynamic shapes")
     args = ap.parse_args(argv)
     # float32 is compared as float32: cuDNN's default TF32 convolutions, rounded differently in two runs of a
     # batch-normalised CNN's backward, differ by far more than the tolerance
@@ -217,14 +234,9 @@ def main(argv=None):
             label = f"{name} {dtype_name}{' train' if train else ''}"
             try:
                 model = (hf_model(name) if source == "hf" else vision_model(name)).to(args.device, dtype)
-                if source == "hf":
-                    kwargs = hf_inputs(name, args.device)
-                else:
-                    side = TORCHVISION[name].get("image_size", 96)
-                    kwargs = dict(x=torch.randn(2, 3, side, side, generator=torch.Generator().manual_seed(1)).to(args.device))
-                kwargs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in kwargs.items()}
+                inputs = [_inputs(name, source, args.device, dtype, int(n)) for n in args.lengths.split(",")]
                 tol = 1e-3 if dtype == torch.float32 else 6e-2
-                ok, err, gerr, first_call = compare(name, model, kwargs, train, tol, options, args.backend)
+                ok, err, gerr, first_call = compare(name, model, inputs, train, tol, options, args.backend)
                 status = "ok" if ok else "MISMATCH"
                 line = f"{status:8s} {label:40s} err {err:.1e} grad {gerr:.1e} first call {first_call:5.1f}s " \
                        f"fallbacks {len(backend.FALLBACKS)}"

@@ -18,8 +18,12 @@ eagerly (_RecomputedBackward).
 
 Options (torch.compile(..., options={...})): target ("reference" | "gpu"; default "gpu" for
 CUDA tensors, else "reference"), fusion (default "auto"), training ("compiled" | "recompute"),
+max_programs (per partition, one per input signature; default 16, later signatures run eagerly),
 and the programs' cuda_graphs, autotune and check_kernels (every generated kernel's call checked
 against the reference interpreter: targets/gpu/check.py).
+
+Dynamic shapes (dynamic=True, or Dynamo's automatic dynamic after a shape changes) need nothing more: a
+partition captures itself on each call's real arguments, so each new shape is a program of its own.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from .backend_layouts import (channels_last_order, convolution_inputs_like_gradi
 from .backend_partition import (REFUSED, copied_graph, fuse_by_dependence, inline_empty_constants, outputs_read_eagerly,
                                 fold_empty_values, refuse_vmap_bodies, run_flat, split_in_program_order,
                                 supported)
-from .frontend.capture import Captured, capture
+from .frontend.capture import Captured, capture, reads_number
 from .frontend.registry import LOWERINGS, describe_target, early_refusal, is_inplace, key_of
 from .ir.errors import KernelMismatch, StitchflowError
 from .planner.regions import regions_for
@@ -84,7 +88,7 @@ def _split_around(module: "StitchflowModule", refused: str, why: str) -> fx.Grap
     inline_empty_constants(split, names)
     for name in names:
         part = StitchflowModule(split.get_submodule(name), module.target, module.fusion, f"{module.name}.{name}")
-        part.program_options = module.program_options
+        part.program_options, part.max_programs = module.program_options, module.max_programs
         setattr(split, name, part)
         COMPILED.append(part)
     for node in split.graph.nodes:
@@ -130,12 +134,18 @@ class StitchflowModule(torch.nn.Module):
         # of those, the ones a convolution reads (a backward's gradients for cuDNN): stored channels last
         self.last_outputs: frozenset = frozenset()
         self.program_options: dict = {}  # the backend's options that programs take (cuda_graphs)
+        self.max_programs = MAX_PROGRAMS  # signatures compiled; later ones run eagerly (options["max_programs"])
         self.strides: dict[tuple, list] = {}  # per signature: eager's output strides, None where not dense
         # per signature: where capture refused one node, the graph split around it (that node eager, the rest
         # partitions of their own), which runs instead of the whole graph eagerly
         self.split: dict[tuple, fx.GraphModule] = {}
         self.traced_strides: list | None = None  # per input: the strides the FX graph was traced with
         self.host_outputs: frozenset | None = None  # outputs eager made on the CPU, by position (traced_on_host)
+        # inputs the graph reads as numbers (a norm's eps, an input under dynamic shapes): programs are per number
+        self.numbers = tuple(k for k, n in enumerate(self._placeholders()) if reads_number(n))
+
+    def _placeholders(self) -> list[fx.Node]:
+        return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
 
     def forward(self, *args):
         return self._forward(self._call_for(args), args)
@@ -223,15 +233,19 @@ class StitchflowModule(torch.nn.Module):
         return type(out)(restrided(o, s) if k in self.read_eagerly else o for k, (o, s) in enumerate(zip(out, strides)))
 
     def _lookup(self, args) -> "_Call":
-        key = tuple(_signature(a) for a in args)
+        key = tuple(_signature(a) for a in args) + _numbers(args, self.numbers)
         moved = [k for k, address in self.addresses.get(key, {}).items() if _address(args[k]) != address]
         if moved:
             self.moved.update(moved)
             del self.programs[key]
+        if key not in self.programs and sum(p is not None for p in self.programs.values()) >= self.max_programs:
+            _record(f"{self.name}: {self.max_programs} programs compiled, one per input signature (shapes change "
+                    f"from call to call): calls of a new one run eagerly (options['max_programs'])")
+            self.programs[key], self.bound[key], self.strides[key] = None, {}, []
         if key not in self.programs:
             self.programs[key], self.bound[key], self.strides[key] = self._compile(args)
             self.addresses[key] = {k: _address(t) for k, t in self.bound[key].items()}
-        return _Call(self.programs[key], self.bound[key], args, key)
+        return _Call(self.programs[key], self.bound[key], args, key, self.numbers)
 
     def _compile(self, args) -> tuple[Program | None, dict, list]:
         device = traced_cuda_device(self.gm)
@@ -240,7 +254,8 @@ class StitchflowModule(torch.nn.Module):
         try:
             captured = self._capture(args)
             written = {k for k, _ in captured.input_writes}  # written back into the caller's tensor: not bound
-            bound = {k: a for k, a in enumerate(args) if k not in self.moved and k not in written and _static_address(a)}
+            bound = {k: a for k, a in enumerate(args)
+                     if k not in self.moved and k not in written and k not in self.numbers and _static_address(a)}
             layouts = self._layout_options(captured, args, bound)
             examples = dict(zip(captured.graph.inputs, [a for a in args if isinstance(a, torch.Tensor)]))
             captured = bind_inputs(captured, args, bound)
@@ -257,7 +272,7 @@ class StitchflowModule(torch.nn.Module):
                 log.warning("stitchflow: %s: internal error (%s: %s)", self.name, type(err).__name__, err, exc_info=True)
             split = _split_around(self, getattr(err, "node", ""), why)
             if split is not None:
-                self.split[tuple(_signature(a) for a in args)] = split
+                self.split[tuple(_signature(a) for a in args) + _numbers(args, self.numbers)] = split
                 why += f"; {err.node} runs eagerly, the rest of the partition compiles around it"
             _record(f"{self.name}: {why}")
             return None, {}, []
@@ -340,8 +355,9 @@ class _Call:
     that costs a pointer per bound tensor and a signature per activation, where the full
     signature of every argument costs more host time than a small block's kernels."""
 
-    def __init__(self, program: Program | None, bound: dict, args, key: tuple = ()):
-        self.program, self.n, self.key = program, len(args), key
+    def __init__(self, program: Program | None, bound: dict, args, key: tuple = (), numbers: tuple = ()):
+        self.program, self.n, self.key, self.numbers = program, len(args), key, numbers
+        self.values = _numbers(args, numbers)
         self.trusted = False  # set once the program has run: later calls skip the fallback's guard
         self.free = tuple(k for k in range(len(args)) if k not in bound)
         self.pointers = tuple((k, t.data_ptr()) for k, t in bound.items())
@@ -349,7 +365,13 @@ class _Call:
 
     def matches(self, args) -> bool:
         return (len(args) == self.n and all(isinstance(args[k], torch.Tensor) and args[k].data_ptr() == p for k, p in self.pointers)
-                and all(_signature(args[k]) == s for k, s in self.signature))
+                and all(_signature(args[k]) == s for k, s in self.signature)
+                and (not self.numbers or _numbers(args, self.numbers) == self.values))
+
+
+def _numbers(args, positions: tuple) -> tuple:
+    """The numbers of the inputs at `positions` (read by item() in the graph), for a program's key."""
+    return tuple(args[k].item() if isinstance(args[k], torch.Tensor) else args[k] for k in positions)
 
 
 def traced_cuda_device(gm: fx.GraphModule) -> torch.device | None:
@@ -450,8 +472,9 @@ def bind_inputs(captured: Captured, args, bound: dict) -> Captured:
     names = tuple(n for k, n in enumerate(captured.input_names) if k not in bound)
     free = [k for k in range(len(args)) if k not in bound]  # the program's inputs: the arguments left
     writes = tuple((free.index(k), name) for k, name in captured.input_writes)
+    numbers = tuple((free.index(k), number) for k, number in captured.valued_inputs)  # (never bound)
     return dataclasses.replace(captured, graph=graph, param_values={**captured.param_values, **moved},
-                               input_names=names, input_writes=writes)
+                               input_names=names, input_writes=writes, valued_inputs=numbers)
 
 
 def _eager_write_through_an_alias(gm: fx.GraphModule) -> str | None:
@@ -505,6 +528,8 @@ def stitchflow_backend(gm: fx.GraphModule, example_inputs: list[Any], options: d
             _record(f"whole graph ({len(gm.graph.nodes)} nodes): {why}")
             return gm.forward
         return _partition_and_wrap(gm, options)
+    except torch._dynamo.exc.RestartAnalysis:  # Dynamo asks to trace again (dynamic shapes): its control flow
+        raise
     except Exception as err:  # a bug or an FX corner case must cost speed, never the user's run
         _record(f"whole graph ({len(gm.graph.nodes)} nodes): {type(err).__name__}: {err}")
         return gm.forward
@@ -566,6 +591,7 @@ def _partition_and_wrap(gm: fx.GraphModule, options: dict, label: str = ""):
             module.free_outputs = free_positions(node, set(names), saved_from) if label else frozenset()
             module.last_outputs = convolution_positions(node) & module.free_outputs
             module.program_options = {k: options[k] for k in PROGRAM_OPTIONS if k in options}
+            module.max_programs = int(options.get("max_programs", MAX_PROGRAMS))
             module.read_eagerly = outputs_read_eagerly(node, set(names), outputs_too=bool(label)) - module.free_outputs
     split.recompile()
     split.stitchflow_modules = compiled
@@ -584,6 +610,9 @@ def _convolutions_channels_last(gm: fx.GraphModule, target: str | None) -> bool:
 
 PROGRAM_OPTIONS = ("cuda_graphs", "autotune", "check_kernels", "prefetch",  # backend options every partition's Program takes
                    "chains", "sibling_gemms", "unflatten_rows", "recognise_activations")
+# programs a partition compiles, one per input signature: a model fed ever new shapes (a server's sequence lengths)
+# would compile without end, so past this many, new signatures run eagerly (Dynamo's recompile limit is 8)
+MAX_PROGRAMS = 16
 COMPILED: list[StitchflowModule] = []  # every partition compiled since the last reset()
 
 

@@ -189,13 +189,24 @@ class Physical:
         return f"levels {self.levels}, logical rank {self.rank}"
 
 
+def _loader_of(start: fx.Node) -> fx.Node | None:
+    """The `lazy_load_decompositions` that Dynamo records just before a vmap's first `_vmap_increment_nesting`,
+    past the arithmetic on sizes between them (the batch size of a graph traced for dynamic shapes)."""
+    node = start.prev
+    while node.op == "call_function" and not isinstance(node.meta.get("example_value"), torch.Tensor) and \
+            node.target is not predispatch.lazy_load_decompositions and node.target not in MARKERS:
+        node = node.prev
+    return node if node.target is predispatch.lazy_load_decompositions else None
+
+
 def _rewrite(graph: fx.Graph, body: list[fx.Node]) -> None:
     # (each node's uses are replaced as it is rewritten, so later nodes' arguments are the physical tensors)
     info: dict[fx.Node, Physical] = {}
     replaced: dict[fx.Node, fx.Node] = {}
     markers = [n for n in body if n.target in MARKERS]
-    if body[0].prev.target is predispatch.lazy_load_decompositions:
-        markers.append(body[0].prev)
+    loader = _loader_of(body[0])
+    if loader is not None:
+        markers.append(loader)
     for node in body:
         if node.target in MARKERS:
             continue

@@ -91,12 +91,22 @@ class Program:
         return self._forward(inputs)
 
     def _forward(self, inputs):
+        if self.captured.valued_inputs:
+            self._check_numbers(inputs)
         if self._replay is not None and self._replay.applies(inputs):
             env = self._replay(inputs)
         else:
             env = self._run(self._bind(inputs))
         self._write_inputs(inputs, env)
         return self.outputs_of(env)
+
+    def _check_numbers(self, inputs) -> None:
+        """The inputs whose number the program holds (item() of an input) have it still."""
+        for pos, number in self.captured.valued_inputs:
+            given = inputs[pos].item() if isinstance(inputs[pos], torch.Tensor) else inputs[pos]
+            if given != number and not (given != given and number != number):  # NaN is NaN
+                raise StitchflowError(f"input {self.captured.input_names[pos]} is read as a number, compiled as "
+                                      f"{number}; called with {given}: compile again for it")
 
     def _write_inputs(self, inputs, env: Mapping[str, torch.Tensor]) -> None:
         """The inputs the model writes in place (x += 1, cache[pos] = k) get the values they end with, as in

@@ -123,6 +123,8 @@ def _through_aot(gm: fx.GraphModule, example_inputs, options: dict, record: bool
     )
     try:
         return compile_with_aot(gm, example_inputs)
+    except torch._dynamo.exc.RestartAnalysis:  # Dynamo's signal to trace again (a float input made a tensor): not ours
+        raise
     except Exception as err:  # e.g. an op with no fake-tensor rule: training still works, recomputed
         if not record:
             log.info("AOTAutograd could not trace the graph with its attention rewritten: %s: %s",

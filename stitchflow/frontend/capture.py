@@ -9,6 +9,7 @@ folded to constants. Anything without a lowering raises UnsupportedOpError namin
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import operator
 from dataclasses import dataclass, field
@@ -57,6 +58,9 @@ class Captured:
     # (input position, graph output): inputs the model writes in place (x += 1), and the value each ends with,
     # which the program copies into the caller's tensor after a call (capture(..., input_writes=True))
     input_writes: tuple[tuple[int, str], ...] = ()
+    # (input position, number): one-element inputs whose item() the graph holds as a constant (Dynamo's tensors
+    # for a module's float attributes, traced for dynamic shapes); the program is valid for those numbers only
+    valued_inputs: tuple[tuple[int, Any], ...] = ()
 
 
 class _InPlaceProxy(fx.Proxy):
@@ -222,7 +226,17 @@ def _capture(gm, example_inputs, input_formats, param_formats, partial_depth: in
         raise StitchflowError(f"param_formats names parameters the model does not use: {sorted(unused)}")
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     written = [(pos, env[ph]) for pos, ph in enumerate(placeholders) if ph in aliases]
-    return _finish(b, out_node, env, real, tuple(names), written)
+    captured = _finish(b, out_node, env, real, tuple(names), written)
+    valued = tuple((pos, real[ph].item()) for pos, ph in enumerate(placeholders) if reads_number(ph))
+    return dataclasses.replace(captured, valued_inputs=valued) if valued else captured
+
+
+ITEM_KEYS = frozenset({"method:item", "aten.item", "aten._local_scalar_dense"})
+
+
+def reads_number(placeholder: fx.Node) -> bool:
+    """Does the graph take the input's value as a Python number (item())?"""
+    return any(key_of(u) in ITEM_KEYS for u in placeholder.users if u.op in ("call_function", "call_method"))
 
 
 def _traced_scalar(node: fx.Node, value) -> bool:
@@ -268,7 +282,9 @@ def _lower_call(gm, node: fx.Node, b: GraphBuilder, env, real, aliases, input_wr
         out = real_args[0]  # x[key] = v returns nothing: the written tensor is the result
     depends = _any_value(args)
     if isinstance(out, torch.Tensor) and out.numel() == 0:
-        if not depends and not inplace:  # a constant such as a cache's torch.tensor([]): torch.cat skips it
+        # no elements, no data: a constant, whatever it is made of (a cache's torch.tensor([]), the empty tail of a
+        # split at its length under dynamic shapes); torch.cat skips it, and what else reads it only it folds too
+        if not inplace:
             return out, out
         raise ShapeError(f"{describe_target(node)} ({node.name}) produces an empty tensor {tuple(out.shape)}; "
                          "zero-size tensors are not supported")
@@ -408,6 +424,8 @@ def _finish(b: GraphBuilder, out_node: fx.Node, env, real, names, written=()) ->
             outputs.append((ops_complex.to_pairs(b, leaf).base, leaf.shape, "complex"))
         elif leaf is None or isinstance(leaf, (int, float, bool)):
             outputs.append(leaf)
+        elif isinstance(leaf, torch.Tensor) and leaf.numel() == 0:
+            raise ShapeError(f"an output is empty {tuple(leaf.shape)}; zero-size tensors are not supported")
         else:
             raise UnsupportedOpError("output", f"an output of type {type(leaf).__name__}")
     writes = tuple((pos, b.materialize(value, hint="written").base) for pos, value in written)

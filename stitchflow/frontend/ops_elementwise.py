@@ -401,7 +401,8 @@ def cast(ctx, x, dtype: torch.dtype):
     return elementwise(ctx, lambda a: Cast(dtype, a), x)
 
 
-@lowering("method:to", "aten._to_copy", "aten.to")
+@lowering("method:to", "aten._to_copy", "aten.to",
+          "aten.convert_element_type")  # (prims': a float argument made a tensor under dynamic shapes)
 @takes_complex
 def lower_to(ctx, x, *args, **kwargs):
     if ctx.dtype.is_complex:  # a real tensor made complex (AOTAutograd's graphs, before a Fourier transform)

@@ -7,6 +7,7 @@ import math
 import operator
 
 import torch
+import torch.fx as fx
 import torch.nn.functional as F
 
 from ..ir.errors import ShapeError, UnsupportedOpError
@@ -286,7 +287,23 @@ def lower_metadata(ctx, *args, **kwargs):
 
 # torch.Size(...) of sizes read so (a GAT layer's training graph): the sizes are static, so is the Size
 lowering("method:size", "method:dim", "method:numel", "method:stride", builtins.getattr, "aten.sym_size",
-         torch.Size)(lower_metadata)
+         "aten.sym_numel", "aten.sym_stride", "aten.sym_storage_offset", torch.Size)(lower_metadata)
+# arithmetic on sizes, which Dynamo records in graphs traced for dynamic shapes: numbers at capture
+lowering(torch.sym_sum, torch.sym_max, torch.sym_min, torch.sym_int, torch.sym_float, torch.sym_not,
+         torch.sym_ite, torch.sym_sqrt)(lower_metadata)
+
+
+@lowering("method:item", "aten.item", "aten._local_scalar_dense")
+def lower_item(ctx, x):
+    """A graph input's (or constant's) one value as a Python number. Traced for dynamic shapes, Dynamo makes a
+    module's float attributes (a norm's eps, a dropout's p) and float arguments 0-d tensor inputs and reads them
+    back by item(). The number is a constant of the program: capture lists such inputs with their numbers
+    (Captured.valued_inputs), a program checks them at each call, and the backend keys its programs by them.
+    A number computed in the graph is refused: it depends on the data."""
+    source = ctx.node.args[0] if ctx.node.args else None
+    if not (isinstance(source, fx.Node) and source.op in ("placeholder", "get_attr")):
+        raise UnsupportedOpError("item", "a number computed in the graph (it depends on the data)", ctx.hint)
+    return ctx.out
 
 
 RETURN_FIELDS = {"values": 0, "indices": 1}
