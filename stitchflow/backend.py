@@ -40,7 +40,7 @@ import torch.fx as fx
 from .backend_layouts import (channels_last_order, convolution_inputs_like_gradients, convolution_positions,
                               free_positions, like_gradient, like_parameters,
                               pointwise_weight_gradient, restride_placeholders, restrided, saved_outputs_start,
-                              saved_weights_channels_last, unfolded_weight_gradient, weight_like_gradient,
+                              saved_weights_channels_last, traced_layout, unfolded_weight_gradient, weight_like_gradient,
                               weights_channels_last)
 from .backend_partition import (REFUSED, copied_graph, fuse_by_dependence, inline_empty_constants, outputs_read_eagerly,
                                 fold_empty_values, refuse_vmap_bodies, run_flat, split_in_program_order,
@@ -195,12 +195,10 @@ class StitchflowModule(torch.nn.Module):
         return [restrided(a, s) for a, s in zip(args, self.traced_layouts())]
 
     def traced_layouts(self) -> list:
-        """Per input: the strides the FX graph was traced with, or None (not a strided tensor; symbolic strides, of
-        a graph traced for dynamic shapes: as they come)."""
+        """Per input: the strides the FX graph was traced with (for symbolic ones, of a graph traced for dynamic
+        shapes, the order of a dense layout's dims: backend_layouts.DenseOrder), or None (not a strided tensor)."""
         if self.traced_strides is None:
-            self.traced_strides = [tuple(v.stride()) if isinstance(v := n.meta.get("val"), torch.Tensor) and
-                                   v.layout == torch.strided and all(type(s) is int for s in v.stride()) else None
-                                   for n in self.gm.graph.nodes if n.op == "placeholder"]
+            self.traced_strides = [traced_layout(n.meta.get("val")) for n in self.gm.graph.nodes if n.op == "placeholder"]
         return self.traced_strides
 
     def _run(self, call: "_Call", args):

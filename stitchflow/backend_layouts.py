@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import operator
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -299,10 +300,57 @@ def saved_weights_channels_last(gm: fx.GraphModule, saved_from: int | None) -> i
     return len(converted)
 
 
+@dataclass(frozen=True)
+class DenseOrder:
+    """A dense layout named by the order of its dims, outermost first: how a graph traced for dynamic shapes saw
+    a tensor (its strides are symbolic), made concrete for each call's sizes."""
+
+    dims: tuple[int, ...]
+
+    def strides(self, shape) -> tuple[int, ...]:
+        strides, step = [0] * len(shape), 1
+        for d in reversed(self.dims):
+            strides[d] = step
+            step *= max(int(shape[d]), 1)
+        return tuple(strides)
+
+    def __str__(self) -> str:
+        return f"dense, dims {self.dims} outermost first"
+
+
+def traced_layout(value) -> tuple | DenseOrder | None:
+    """The layout a graph was traced with for a value: its strides, or for symbolic strides of a dense layout the
+    order of its dims (judged on the sizes Dynamo traced with); None for anything else."""
+    if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
+        return None
+    stride = tuple(value.stride())
+    if all(type(s) is int for s in stride):
+        return stride
+    hints, sizes = [_hint(s) for s in stride], [_hint(n) for n in value.shape]
+    if None in hints or None in sizes or not _dense_layout(sizes, hints):
+        return None
+    return DenseOrder(tuple(sorted(range(len(stride)), key=lambda d: (-hints[d], d))))
+
+
+def _hint(n) -> int | None:
+    """The value a symbolic size or stride had where Dynamo traced (an int as it is), or None."""
+    if type(n) is int:
+        return n
+    from torch.fx.experimental import symbolic_shapes
+    hint = getattr(symbolic_shapes, "optimization_hint", None)
+    try:
+        return int(hint(n)) if hint is not None else int(n.node.hint)
+    except Exception:  # an unbacked size (data-dependent): no hint
+        return None
+
+
 def restrided(t, stride):
     """`t` in `stride` (a copy), unless its layout already matches where it matters (dims of size > 1), or
     `stride` is not a dense layout of t's shape: an expanded tensor's zero strides (a mask broadcast over heads)
-    hold one value for many elements, which t need not have; the graph's ops take t's layout as it is."""
+    hold one value for many elements, which t need not have; the graph's ops take t's layout as it is. A
+    DenseOrder stands for the dense strides of t's shape in its order."""
+    if isinstance(stride, DenseOrder) and isinstance(t, torch.Tensor):
+        stride = stride.strides(t.shape)
     if stride is None or not isinstance(t, torch.Tensor) or all(
             a == b for n, a, b in zip(t.shape, t.stride(), stride) if n > 1) or not _dense_layout(t.shape, stride):
         return t

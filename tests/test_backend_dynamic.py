@@ -33,6 +33,22 @@ class _Block(nn.Module):
         return x + self.down(nn.functional.silu(self.gate(x)) * self.up(x)).softmax(-1) * x.mean(1, keepdim=True)
 
 
+class _CausalAttention(nn.Module):
+    """GPT-2's attention: heads split by a view and a transpose, torch's SDPA, merged back by a reshape. In training
+    the merge is a view of the attention's output, which is dense only in the layout it was traced with: handed over
+    by another partition, the output is put in that layout first (with symbolic strides, by the order of its dims)."""
+
+    def __init__(self, d: int = 16, heads: int = 2):
+        super().__init__()
+        self.qkv, self.out, self.heads = nn.Linear(d, 3 * d), nn.Linear(d, d), heads
+
+    def forward(self, x):
+        b, length, d = x.shape
+        q, k, v = (t.view(b, length, self.heads, -1).transpose(1, 2) for t in self.qkv(x).split(d, -1))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, length, d)) + x
+
+
 def _mlp():
     return nn.Sequential(nn.Linear(12, 24), nn.GELU(), nn.LayerNorm(24), nn.Linear(24, 5))
 
@@ -46,6 +62,7 @@ CASES = {
     "mlp": (_mlp, lambda n: torch.randn(n, 12)),
     "block": (_Block, lambda n: torch.randn(2, n + 1, 16)),
     "conv": (_conv_net, lambda n: torch.randn(n, 3, n + 4, 5)),
+    "attention": (_CausalAttention, lambda n: torch.randn(2, n + 1, 16)),
 }
 
 
