@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import stitchflow
-from conftest import assert_close, twins
+from conftest import assert_close, skip_unless_kernels_run, twins
 from stitchflow import backend
 from stitchflow.ir.errors import StitchflowError
 
@@ -66,12 +66,12 @@ CASES = {
 }
 
 
-def _run_sizes(make, inputs, dynamic, train: bool) -> None:
-    ours, theirs = twins(make)
+def _run_sizes(make, inputs, dynamic, train: bool, options: dict | None = None, device: str = "cpu") -> None:
+    ours, theirs = (m.to(device) for m in twins(make))
     ours.train(train), theirs.train(train)
-    compiled = torch.compile(ours, backend="stitchflow", dynamic=dynamic)
+    compiled = torch.compile(ours, backend="stitchflow", dynamic=dynamic, options=options)
     for n in SIZES:
-        x = inputs(n)
+        x = inputs(n).to(device)
         with torch.set_grad_enabled(train):
             got, want = compiled(x), theirs(x)
             assert_close(got, want)
@@ -94,6 +94,14 @@ def _fallbacks() -> list[str]:
 def test_every_size_equals_eager_with_no_fallback(case, train, dynamic, fresh_dynamo):
     make, inputs = CASES[case]
     _run_sizes(make, inputs, dynamic, train)
+    assert _fallbacks() == [], backend.fallback_report()
+
+
+@pytest.mark.parametrize("case", ["block", "attention"])
+def test_the_gpu_targets_kernels_train_at_every_size(case, fresh_dynamo):
+    skip_unless_kernels_run("gpu")
+    make, inputs = CASES[case]
+    _run_sizes(make, inputs, True, True, {"target": "gpu"}, "cuda" if torch.cuda.is_available() else "cpu")
     assert _fallbacks() == [], backend.fallback_report()
 
 
