@@ -95,3 +95,21 @@ def test_left_padded_batches_equal_eager_on_the_gpu(name):
         want, got = model(*inputs), compiled(*inputs)
     assert backend.FALLBACKS == []
     assert ((got.double() - want.double()).norm() / want.double().norm()).item() < 2e-2
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_greedy_generation_through_a_compiled_forward_equals_eager(cache):
+    """`model.forward = torch.compile(...)` then `generate`: with the default cache every step has a longer key/value
+    length (Dynamo traces for dynamic shapes from the second; each length is a program of its own); with the static
+    cache the shapes hold, and the cache's length tensor is advanced in place (`.to(device)` then `add_`), written
+    back into the caller's tensor after each step."""
+    torch.manual_seed(0)
+    model = MODELS["llama"]().eval()
+    ids = _inputs("llama")["input_ids"][:, :6]
+    options = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, cache_implementation=cache)
+    with torch.no_grad():
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), **options)
+        model.forward = torch.compile(model.forward, backend="stitchflow")
+        got = model.generate(ids, attention_mask=torch.ones_like(ids), **options)
+    assert torch.equal(got, expected)
+    assert backend.FALLBACKS == [], backend.fallback_report()

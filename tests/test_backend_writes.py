@@ -23,8 +23,18 @@ def state_update(state, x):
     return (state * x[:, :1]).relu()
 
 
+def position_counter(count, x):
+    """transformers' static cache: its length moved to the device (`.to` returns the tensor itself), positions
+    counted from it, then the length advanced in place through the moved name."""
+    count = count.to(x.device)
+    positions = torch.arange(x.shape[0]) + count
+    count.add_(x.shape[0])
+    return x * positions[:, None]
+
+
 CASES = {
     "copy_": (cache_copy, lambda g: (torch.zeros(4), torch.randn(4, generator=g))),
+    "add_through_to": (position_counter, lambda g: (torch.tensor(0), torch.randn(3, 2, generator=g))),
     "setitem_and_iadd": (state_update, lambda g: (torch.zeros(3, 4), torch.randn(3, 5, generator=g))),
 }
 

@@ -267,8 +267,9 @@ def _lower_call(gm, node: fx.Node, b: GraphBuilder, env, real, aliases, input_wr
     inplace = is_inplace(node) and not (node.target in IN_PLACE_OPERATORS
                                         and not isinstance(real_args[0], torch.Tensor))
     if inplace and isinstance(node.args[0], fx.Node):
-        if node.args[0].op in ("placeholder", "get_attr") and isinstance(args[0][0], TensorValue) and not (
-                input_writes and node.args[0].op == "placeholder"):
+        root = _same_tensor_as(node.args[0], real, aliases)
+        if root.op in ("placeholder", "get_attr") and isinstance(args[0][0], TensorValue) and not (
+                input_writes and root.op == "placeholder"):
             raise UnsupportedOpError(describe_target(node), "it mutates an input of the graph in place", node.name)
         if _shares_memory(real, node.args[0], aliases.get(node.args[0], ()), node) and not _written_back(node):
             raise UnsupportedOpError(describe_target(node), "it writes a tensor that shares memory with another (a view, "
@@ -343,6 +344,26 @@ def _written_back(node: fx.Node) -> bool:
         return bool(after.args[1] == view.args[1])
     except RuntimeError:
         return False
+
+
+SAME_TENSOR_OPS = frozenset({"method:to", "aten.to", "method:contiguous", "aten.contiguous", "method:cpu",
+                             "method:cuda", "method:type_as"})  # return their operand itself where nothing changes
+
+
+def _same_tensor_as(node: fx.Node, real: dict, aliases: dict) -> fx.Node:
+    """The node whose tensor `node` is, the very object: `t.to(device)` returns t where t is there already
+    (transformers' static cache: `self.cumulative_length.to(self.device)`, then `.add_(n)` writes the caller's
+    tensor). The two join one alias group, so that a write through either is a write of the first."""
+    root = node
+    while (root.op in ("call_method", "call_function") and key_of(root) in SAME_TENSOR_OPS and root.args
+           and isinstance(root.args[0], fx.Node) and real.get(root) is real.get(root.args[0])):
+        root = root.args[0]
+    if root is not node:
+        group = aliases.setdefault(root, [root])
+        if node not in group:
+            group.append(node)
+        aliases[node] = group
+    return root
 
 
 def _shares_memory(real: dict, written: fx.Node, same=(), writer: fx.Node | None = None) -> bool:
