@@ -45,6 +45,7 @@ from .backend_layouts import (channels_last_order, convolution_inputs_like_gradi
 from .backend_partition import (REFUSED, copied_graph, fuse_by_dependence, inline_empty_constants, outputs_read_eagerly,
                                 fold_empty_values, refuse_vmap_bodies, run_flat, split_in_program_order,
                                 supported)
+from .backend_vmap import functorch_transforms
 from .frontend.capture import Captured, capture, reads_number
 from .frontend.registry import LOWERINGS, describe_target, early_refusal, is_inplace, key_of
 from .ir.errors import KernelMismatch, StitchflowError
@@ -519,6 +520,12 @@ def stitchflow_backend(gm: fx.GraphModule, example_inputs: list[Any], options: d
         if records_gradients(example_inputs) and training_mode(options) == "compiled":
             from .training import compile_forward_and_backward
             compiled = compile_forward_and_backward(gm, example_inputs, options)
+            if compiled is not None:
+                return compiled
+        transforms = functorch_transforms(gm)
+        if transforms is not None:
+            from .training import compile_through_functorch
+            compiled = compile_through_functorch(gm, example_inputs, options, transforms)
             if compiled is not None:
                 return compiled
         why = _eager_write_through_an_alias(gm)

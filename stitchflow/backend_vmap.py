@@ -49,6 +49,24 @@ OPERATORS = {operator.add: "add", operator.sub: "sub", operator.mul: "mul", oper
              operator.ne: "ne", operator.lt: "lt", operator.le: "le", operator.gt: "gt", operator.ge: "ge"}
 MARKERS = (predispatch.lazy_load_decompositions, predispatch._vmap_increment_nesting,
            predispatch._vmap_decrement_nesting)
+# where Dynamo enters torch.func.grad / vjp / jacrev (reverse mode) and jvp / jacfwd (forward mode)
+GRAD_TRANSFORMS = frozenset(getattr(module, name) for module in (torch._C._functorch, predispatch)
+                            for name in ("_grad_increment_nesting", "_jvp_increment_nesting") if hasattr(module, name))
+
+
+def functorch_transforms(gm: fx.GraphModule) -> str | None:
+    """Why the graph needs functorch's own tracing, or None: a transform that Dynamo inlined and the rewrite on whole
+    tensors cannot take, a gradient (torch.func.grad, vjp, jacrev: per-sample gradients), a forward-mode derivative, or
+    a vmap body with ops it does not rewrite. AOTAutograd traces such a graph into plain ATen ops (batched,
+    differentiated), which compile like any other; left to Dynamo's graph, they would run eagerly."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in GRAD_TRANSFORMS:
+            return f"a torch.func transform ({describe_target(node)})"
+    for body in _bodies(gm.graph):
+        why = _rewritable(body)
+        if why is not None:
+            return f"a torch.vmap body the rewrite on whole tensors does not take ({why})"
+    return None
 
 
 def unbatch_vmap_bodies(gm: fx.GraphModule) -> dict[fx.Node, str]:

@@ -110,6 +110,14 @@ def compile_forward_and_backward(gm: fx.GraphModule, example_inputs, options: di
     return attention_rewrite.CausalGuard(compiled, guarded, example_inputs, general)
 
 
+def compile_through_functorch(gm: fx.GraphModule, example_inputs, options: dict, why: str):
+    """A graph that holds torch.func transforms (`why`) traced by AOTAutograd into plain ATen ops, vmaps batched
+    and gradients taken, and compiled like any other (its inference graph, or its forward and backward); None
+    where AOTAutograd cannot trace it (the graph is then partitioned as Dynamo wrote it)."""
+    log.info("%s: the graph goes through AOTAutograd, which traces the transforms into ATen ops", why)
+    return _through_aot(gm, example_inputs, options, record=False)
+
+
 def _through_aot(gm: fx.GraphModule, example_inputs, options: dict, record: bool = True):
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -127,8 +135,8 @@ def _through_aot(gm: fx.GraphModule, example_inputs, options: dict, record: bool
         raise
     except Exception as err:  # e.g. an op with no fake-tensor rule: training still works, recomputed
         if not record:
-            log.info("AOTAutograd could not trace the graph with its attention rewritten: %s: %s",
-                     type(err).__name__, err)
+            log.info("AOTAutograd could not trace the graph (its attention rewritten, or torch.func transforms): "
+                     "%s: %s", type(err).__name__, err)
             return None
         backend._record(f"AOTAutograd could not trace the graph ({len(gm.graph.nodes)} nodes), so its backward "
                         f"differentiates an eager rerun: {type(err).__name__}: {err}")

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stitchflow.backend as backend
+import stitchflow.training as training
 from conftest import assert_close
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -140,7 +141,17 @@ REFUSED = {
 
 
 @pytest.mark.parametrize("name", REFUSED)
-def test_a_body_the_rewrite_cannot_take_runs_eagerly_with_the_reason(name):
+def test_a_body_the_rewrite_cannot_take_compiles_through_aotautograd(name):
+    """AOTAutograd traces the vmap into batched ATen ops, which compile like any other."""
+    fn, _ = REFUSED[name]
+    x = torch.randn(3, 4, 5)
+    assert_close(torch.compile(fn, backend="stitchflow")(x), fn(x))
+    assert backend.FALLBACKS == [], backend.fallback_report()
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_where_aotautograd_cannot_trace_it_the_body_runs_eagerly_with_the_reason(name, monkeypatch):
+    monkeypatch.setattr(training, "_through_aot", lambda *args, **kwargs: None)
     fn, why = REFUSED[name]
     x = torch.randn(3, 4, 5)
     assert_close(torch.compile(fn, backend="stitchflow")(x), fn(x))

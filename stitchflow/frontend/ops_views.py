@@ -88,6 +88,26 @@ def lower_diagonal(ctx, x, offset=0, dim1=0, dim2=1):
     return _remapped(x, shape, index_of)
 
 
+@lowering(torch.diagonal_scatter, "method:diagonal_scatter", "aten.diagonal_scatter")
+def lower_diagonal_scatter(ctx, x, src, offset=0, dim1=0, dim2=1):
+    """x with the diagonal that `diagonal` takes replaced by src: a diagonal's gradient (jacrev's identity seed)."""
+    d1, d2 = V.norm_dim(dim1, x.rank), V.norm_dim(dim2, x.rank)
+    if d1 == d2:
+        raise ShapeError("diagonal_scatter: dim1 and dim2 are the same")
+    rest = [d for d in range(x.rank) if d not in (d1, d2)]
+    length = max(0, min(x.shape[d1] - max(-offset, 0), x.shape[d2] - max(offset, 0)))
+    if not isinstance(src, TensorValue) or tuple(src.shape) != (*(x.shape[d] for d in rest), length):
+        raise ShapeError(f"diagonal_scatter: a source of shape {tuple(getattr(src, 'shape', ()))} for a diagonal of "
+                         f"{length} elements")
+
+    def body(o, r, rg):
+        on = call("eq", IndexValue(o[d2]), IndexValue(add(o[d1], offset)))
+        along = add(o[d1], -max(-offset, 0))  # read only where on the diagonal
+        return call("where", on, src.read([o[d] for d in rest] + [along], rg), x.read(o, rg))
+
+    return ctx.builder.emit(x.shape, x.dtype, body, hint=ctx.hint)
+
+
 def _triangle(ctx, x, diagonal: int, lower: bool):
     """Zeros above (tril) or below (triu) the `diagonal`-th diagonal of the last two dims."""
     zero = Const(False) if x.dtype == torch.bool else Const(0) if not x.dtype.is_floating_point else Const(0.0)

@@ -49,7 +49,7 @@ OPS = [
     "argsort", "msort", "kthvalue", "median", "prod", "cumprod", "cummax", "cummin", "logcumsumexp",
     "nansum", "nanmean", "clamp_min", "clamp_max", "aminmax", "erfc",
     "scatter", "scatter_add", "scatter_reduce", "index_put", "index_add", "index_copy", "index_fill", "index_reduce",
-    "masked_scatter", "meshgrid", "searchsorted", "bucketize",
+    "masked_scatter", "meshgrid", "searchsorted", "bucketize", "diagonal_scatter", "slice_scatter", "select_scatter",
 ]  # instance_norm's samples mostly update running statistics in place (refused by design; tests/frontend/test_ops)
 MIN_SUPPORTED = 0.5  # fraction of an op's samples that must compile
 # norms of order 1, 2 and inf are lowered; most samples ask for others (0, 3, -inf, "nuc"), refused with the reason
