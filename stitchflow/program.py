@@ -86,6 +86,10 @@ class Program:
                                   "(stitchflow.compile(..., example_kwargs=...) compiles a keyword call)")
         if self.reference is not None and torch.is_grad_enabled():
             needs = self.grad_params() + [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+            if needs and self.captured.random_seed is not None:
+                raise StitchflowError("the program draws random numbers (dropout in training), so its gradient "
+                                      "cannot come from rerunning the model eagerly, which draws others: train "
+                                      "through torch.compile(model, backend='stitchflow'), or call under no_grad")
             if needs:
                 return _with_recomputed_backward(self, inputs, needs)
         return self._forward(inputs)
@@ -93,12 +97,22 @@ class Program:
     def _forward(self, inputs):
         if self.captured.valued_inputs:
             self._check_numbers(inputs)
+        if self.captured.random_seed is not None:
+            inputs = (*inputs, self.random_seed(inputs))
         if self._replay is not None and self._replay.applies(inputs):
             env = self._replay(inputs)
         else:
             env = self._run(self._bind(inputs))
         self._write_inputs(inputs, env)
         return self.outputs_of(env)
+
+    def random_seed(self, inputs) -> torch.Tensor:
+        """A fresh seed for the program's random numbers, from torch's generator of the device the program runs on
+        (torch.manual_seed makes a run repeatable; under a CUDA graph's capture, torch advances it per replay)."""
+        device = next((x.device for x in inputs if isinstance(x, torch.Tensor) and x.is_cuda), None) or \
+            self.options.get("device") or (torch.device("cuda") if self.target_name == "gpu" and
+                                           torch.cuda.is_available() else torch.device("cpu"))
+        return torch.randint(0, 1 << 62, (), dtype=torch.int64, device=device)
 
     def _check_numbers(self, inputs) -> None:
         """The inputs whose number the program holds (item() of an input) have it still."""
@@ -149,8 +163,9 @@ class Program:
     def _bind(self, inputs) -> dict[str, Any]:
         """The environment of a call: parameters and the checked inputs, by IR name."""
         graph = self.graph
-        if len(inputs) != len(self.captured.input_names):
-            raise ShapeError(f"the program takes {len(self.captured.input_names)} inputs, got {len(inputs)}")
+        drawn = self.captured.random_seed is not None  # (the seed, appended by _forward)
+        if len(inputs) - drawn != len(self.captured.input_names):
+            raise ShapeError(f"the program takes {len(self.captured.input_names)} inputs, got {len(inputs) - drawn}")
         env: dict[str, Any] = dict(self.captured.param_values)
         tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
         layouts = self.captured.layouts

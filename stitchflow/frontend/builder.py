@@ -18,6 +18,7 @@ from .values import TensorValue, identity, reshape
 OUT_NAMES = "ijlmnopq"
 RED_NAMES = "kruvwxyz"
 
+SEED_HINT = "random_seed"
 BodyFn = Callable[[list[Var], list[Var], dict], Expr]
 
 
@@ -38,6 +39,8 @@ class GraphBuilder:
         self._tags = itertools.count(1)
         self.origin = ""
         self.group = ""
+        self.seed: TensorValue | None = None  # the random seed input, once a random op asked for it
+        self._streams = itertools.count()
 
     # names ------------------------------------------------------------------
     def fresh(self, hint: str) -> str:
@@ -68,6 +71,13 @@ class GraphBuilder:
             ttype = TensorType(ttype.shape, ttype.dtype, fmt)
         self.types[name] = ttype
         return identity(name, ttype.shape, ttype.dtype)
+
+    def random_stream(self) -> tuple[TensorValue, int]:
+        """The graph's seed (a 0-d int64 input that the program draws afresh at each call, added on first use)
+        and a stream number of its own for the asking op: its numbers are Philox's under key seed + stream."""
+        if self.seed is None:
+            self.seed = self.add_input(SEED_HINT, dense_type((), torch.int64))
+        return self.seed, next(self._streams)
 
     # equations --------------------------------------------------------------
     def emit(
@@ -152,7 +162,10 @@ class GraphBuilder:
                 needed.update(node.inputs)
         kept = {n.name for n in nodes}
         types = tuple((name, t) for name, t in self.types.items() if name in kept or name not in self.node_names)
-        return Graph(tuple(self.inputs), tuple(self.params), tuple(reversed(nodes)), tuple(outputs), types).validate()
+        # the seed last: the caller's inputs come first, in their order, and the program appends the seed
+        inputs = [n for n in self.inputs if self.seed is None or n != self.seed.base] + (
+            [self.seed.base] if self.seed is not None else [])
+        return Graph(tuple(inputs), tuple(self.params), tuple(reversed(nodes)), tuple(outputs), types).validate()
 
 
 def _real(dtype: torch.dtype, hint: str) -> None:

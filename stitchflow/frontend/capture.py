@@ -25,7 +25,8 @@ from ..ir.graph import Graph
 from ..ir.types import Format, TensorType, format_of_tensor, parse_format
 from . import (ops_activations, ops_attention, ops_complex, ops_complex_math, ops_conv, ops_elementwise,  # noqa: F401
                ops_factory, ops_fft, ops_grouped, ops_index, ops_linalg, ops_losses, ops_mha, ops_pool, ops_reduce,
-               ops_resize, ops_scan, ops_scatter, ops_shape, ops_sort, ops_stats, ops_trig, ops_views)  # (lowerings)
+               ops_random, ops_resize, ops_scan, ops_scatter, ops_shape, ops_sort, ops_stats, ops_trig,
+               ops_views)  # (lowerings)
 from .builder import GraphBuilder
 from .registry import (FACTORIES, HOST_QUERIES, IN_PLACE_OPERATORS, LOWERINGS, VALUES_UNCHANGED, LowerCtx,
                        bind_arguments, describe_target, early_refusal, is_inplace, key_of)
@@ -61,6 +62,9 @@ class Captured:
     # (input position, number): one-element inputs whose item() the graph holds as a constant (Dynamo's tensors
     # for a module's float attributes, traced for dynamic shapes); the program is valid for those numbers only
     valued_inputs: tuple[tuple[int, Any], ...] = ()
+    # the graph's last input when it draws random numbers: a seed the program draws from torch's generator at
+    # each call and appends to the caller's inputs (ir/random.py)
+    random_seed: str | None = None
 
 
 class _InPlaceProxy(fx.Proxy):
@@ -453,7 +457,8 @@ def _finish(b: GraphBuilder, out_node: fx.Node, env, real, names, written=()) ->
     writes = tuple((pos, name) for pos, name in writes if name not in b.inputs)  # x.add_(0) and kin write nothing
     names_out = [o if isinstance(o, str) else o[0] for o in outputs if isinstance(o, (str, tuple))]
     graph = b.finish(list(dict.fromkeys([*names_out, *(name for _, name in writes)])))
-    return Captured(graph, dict(b.param_values), (spec, outputs), names, example, input_writes=writes)
+    return Captured(graph, dict(b.param_values), (spec, outputs), names, example, input_writes=writes,
+                    random_seed=b.seed.base if b.seed is not None else None)
 
 
 def _aliases(t, tensors) -> bool:

@@ -376,13 +376,6 @@ def lower_masked_fill(ctx, x, mask, value):
     return elementwise(ctx, lambda a, m, v: call("where", m, v, a), x, mask, value)
 
 
-@lowering(F.dropout, torch.dropout, "aten.dropout", "method:dropout")
-def lower_dropout(ctx, x, p=0.5, training=True, inplace=False, **_):
-    if training and p > 0:
-        raise UnsupportedOpError("dropout", "dropout in training mode is random; call model.eval()", ctx.hint)
-    return x
-
-
 def _identity(ctx, x, *args, **kwargs):
     return x
 

@@ -14,6 +14,7 @@ from typing import Callable, Union
 import torch
 
 from .index import IndexExpr, Var, free_vars, gathered_tensors, substitute
+from . import random
 
 
 @dataclass(frozen=True)
@@ -191,6 +192,9 @@ OPS: dict[str, OpSpec] = {
     "shl": OpSpec(2, lambda a, b: torch.bitwise_left_shift(_t(a), b), "<<", "bits"),
     "shr": OpSpec(2, lambda a, b: torch.bitwise_right_shift(_t(a), b), ">>", "bits"),
     "where": OpSpec(3, _where, kind="select"),
+    # counter-based random numbers (ir/random.py): a float32 per (seed, offset), the same on every target
+    "rand": OpSpec(2, lambda seed, offset: random.uniform(seed, offset)),
+    "randn": OpSpec(2, lambda seed, offset: random.normal(seed, offset)),
 }
 
 

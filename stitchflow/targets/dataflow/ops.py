@@ -8,6 +8,8 @@ from __future__ import annotations
 import numpy as np
 from scipy import special
 
+from ...ir import random
+
 _NP = {
     "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": lambda a, b: _div(a, b),
     "pow": np.power, "max": np.maximum, "min": np.minimum,
@@ -29,6 +31,8 @@ _NP = {
     "bitxor": lambda a, b: _ints(np.bitwise_xor, a, b), "bitnot": lambda a: _ints(np.invert, a),
     "shl": lambda a, b: _ints(np.left_shift, a, b), "shr": lambda a, b: _ints(np.right_shift, a, b),
     "where": lambda c, a, b: np.where(np.asarray(c) != 0, a, b),
+    "rand": lambda seed, offset: random.uniform(seed, offset).numpy(),
+    "randn": lambda seed, offset: random.normal(seed, offset).numpy(),
 }
 
 SUPPORTED = frozenset(_NP) | {"cast"}

@@ -397,6 +397,10 @@ class BodyEmitter:
             return self._pow(args[0], args[1], raw[1], deps)
         if op == "atan2":
             return self._let("_atan2({0}, {1})".format(*_float_tiles(*args)), "f", deps)
+        if op in ("rand", "randn"):  # Philox, as the reference computes it (ir/random.py)
+            seed, offset = args
+            counter = f"tl.full([], {offset.code}, tl.int32)" if is_literal(offset) else offset.code  # (a block)
+            return self._let(f"tl.{op}({seed.code}, {counter})", "f", deps)
         kind = "f" if op == "div" else _promote(*args)
         a = args[0].code
         if op in ("add", "sub", "mul", "div"):

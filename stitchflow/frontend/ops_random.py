@@ -1,0 +1,114 @@
+"""Lowerings of random ops: dropout, rand, randn, bernoulli.
+
+Each op draws counter-based numbers (ir/random.py): element o of its result takes Philox's number for key
+seed + stream and counter = o's row-major offset, where the seed is the graph's input that the program draws at
+every call and the stream is the op's own. The numbers are pure functions of their arguments, so a kernel that
+recomputes a node draws the same ones, and a dropout's mask and output (AOTAutograd's native_dropout, whose mask
+the backward reads) agree. They are not eager's numbers: torch's generators are another algorithm.
+
+A random op where autograd records through the graph is refused: the partition's backward would rerun the graph
+eagerly and draw other numbers. AOTAutograd's graphs do not record (their backward is a graph of its own that
+reads the saved mask), so dropout in training compiles under torch.compile.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..ir.errors import UnsupportedOpError
+from ..ir.expr import Cast, Const, IndexValue, call
+from ..ir.index import add, scale
+from .ops_elementwise import elementwise
+from .registry import LowerCtx, factory, lowering, sub_ctx
+from .values import TensorValue
+
+
+def _refuse_where_recorded(ctx: LowerCtx, what: str) -> None:
+    if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in ctx.real_args):
+        raise UnsupportedOpError(what, "random numbers where autograd records: the backward would rerun the graph "
+                                 "eagerly and draw others (torch.compile's training graphs take dropout)", ctx.hint)
+
+
+def draw(ctx: LowerCtx, shape, kind: str = "rand", hint: str | None = None) -> TensorValue:
+    """One float32 node of `shape` holding the op's numbers: U[0, 1) (rand) or N(0, 1) (randn)."""
+    seed, stream = ctx.builder.random_stream()
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+
+    def body(o, r, rg):
+        offset = add(*(scale(v, s) for v, s in zip(o, strides))) if o else Const(0)
+        offset = IndexValue(offset) if o else offset
+        return call(kind, call("add", seed.read([], rg), Const(stream)), offset)
+
+    return ctx.builder.emit(list(shape), torch.float32, body, hint=hint or f"{ctx.hint}_{kind}")
+
+
+def _kept(ctx: LowerCtx, shape, p: float) -> TensorValue:
+    """A boolean node: each element kept with probability 1 - p (eager's bernoulli(1 - p) mask); p >= 1 keeps none."""
+    numbers = draw(ctx, shape, hint=f"{ctx.hint}_draw")
+    return elementwise(sub_ctx(ctx, shape, torch.bool, "mask"), lambda u: call("lt", u, Const(1.0 - p)), numbers)
+
+
+def _dropped(ctx: LowerCtx, x: TensorValue, kept: TensorValue, p: float) -> TensorValue:
+    zero = Const(0.0 if x.dtype.is_floating_point else 0)
+    factor = Const(1.0 / (1.0 - p)) if p < 1 else zero
+    scaled = lambda m, a: call("where", m, call("mul", a, factor), zero)  # noqa: E731
+    return elementwise(sub_ctx(ctx, x.shape, x.dtype, ""), scaled, kept, x)
+
+
+@lowering("aten.native_dropout")
+def lower_native_dropout(ctx, x, p, train):
+    """(output, mask): AOTAutograd's dropout, whose mask its backward reads."""
+    if not train or p == 0:
+        return x, elementwise(sub_ctx(ctx, x.shape, torch.bool, "mask"), lambda a: Const(True), x)
+    _refuse_where_recorded(ctx, "native_dropout")
+    kept = _kept(ctx, x.shape, p)
+    return _dropped(ctx, x, kept, p), kept
+
+
+@lowering(F.dropout, torch.dropout, "aten.dropout", "method:dropout")
+def lower_dropout(ctx, x, p=0.5, training=True, inplace=False, **_):
+    if not training or p == 0:
+        return x
+    _refuse_where_recorded(ctx, "dropout")
+    return _dropped(ctx, x, _kept(ctx, x.shape, p), p)
+
+
+def _as_output(ctx: LowerCtx, numbers: TensorValue) -> TensorValue:
+    """The numbers in the op's dtype (eager's default float32 unless asked)."""
+    if ctx.node.kwargs.get("generator") is not None:
+        raise UnsupportedOpError(str(ctx.node.target), "a generator of the caller's (its numbers are its own)", ctx.hint)
+    if ctx.dtype == torch.float32:
+        return numbers
+    return elementwise(ctx, lambda u: Cast(ctx.dtype, u), numbers, hint=ctx.hint)
+
+
+@factory(torch.rand, torch.randn, "aten.rand", "aten.randn")
+def lower_rand(ctx, *args, **kwargs):
+    if not ctx.dtype.is_floating_point:
+        raise UnsupportedOpError("rand", f"random numbers of {ctx.dtype}", ctx.hint)
+    kind = "randn" if "randn" in str(ctx.node.target) else "rand"
+    return _as_output(ctx, draw(ctx, ctx.shape, kind))
+
+
+@lowering(torch.rand_like, torch.randn_like, "aten.rand_like", "aten.randn_like")
+def lower_rand_like(ctx, x, *args, **kwargs):
+    if not ctx.dtype.is_floating_point:
+        raise UnsupportedOpError("rand_like", f"random numbers of {ctx.dtype}", ctx.hint)
+    kind = "randn" if "randn" in str(ctx.node.target) else "rand"
+    return _as_output(ctx, draw(ctx, ctx.shape, kind))
+
+
+@lowering(torch.bernoulli, "method:bernoulli", "aten.bernoulli")
+def lower_bernoulli(ctx, x, p=None, **kwargs):
+    """1 where a number drawn for the element falls below its probability (x, or the number p), else 0."""
+    _refuse_where_recorded(ctx, "bernoulli")
+    numbers = draw(ctx, ctx.shape, hint=f"{ctx.hint}_draw")
+    zero, one = Const(0.0), Const(1.0)
+    if isinstance(p, (int, float)):
+        return elementwise(ctx, lambda u: Cast(ctx.dtype, call("where", call("lt", u, Const(float(p))), one, zero)),
+                           numbers, hint=ctx.hint)
+    return elementwise(ctx, lambda u, q: Cast(ctx.dtype, call("where", call("lt", u, q), one, zero)), numbers, x,
+                       hint=ctx.hint)
