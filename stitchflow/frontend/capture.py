@@ -351,7 +351,8 @@ def _written_back(node: fx.Node) -> bool:
 
 
 SAME_TENSOR_OPS = frozenset({"method:to", "aten.to", "method:contiguous", "aten.contiguous", "method:cpu",
-                             "method:cuda", "method:type_as"})  # return their operand itself where nothing changes
+                             "method:cuda", "method:type_as", "method:float", "method:double", "method:half",
+                             "method:bfloat16", "method:type"})  # return their operand itself where nothing changes
 
 
 def _same_tensor_as(node: fx.Node, real: dict, aliases: dict) -> fx.Node:

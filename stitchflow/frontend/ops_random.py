@@ -27,7 +27,9 @@ from .values import TensorValue
 
 
 def _refuse_where_recorded(ctx: LowerCtx, what: str) -> None:
-    if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in ctx.real_args):
+    graph_inputs = [v for n, v in (ctx.real or {}).items() if n.op in ("placeholder", "get_attr")]
+    if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
+                                       for a in (*ctx.real_args, *graph_inputs)):
         raise UnsupportedOpError(what, "random numbers where autograd records: the backward would rerun the graph "
                                  "eagerly and draw others (torch.compile's training graphs take dropout)", ctx.hint)
 
@@ -87,6 +89,7 @@ def _as_output(ctx: LowerCtx, numbers: TensorValue) -> TensorValue:
 
 @factory(torch.rand, torch.randn, "aten.rand", "aten.randn")
 def lower_rand(ctx, *args, **kwargs):
+    _refuse_where_recorded(ctx, str(ctx.node.target))
     if not ctx.dtype.is_floating_point:
         raise UnsupportedOpError("rand", f"random numbers of {ctx.dtype}", ctx.hint)
     kind = "randn" if "randn" in str(ctx.node.target) else "rand"
@@ -95,6 +98,7 @@ def lower_rand(ctx, *args, **kwargs):
 
 @lowering(torch.rand_like, torch.randn_like, "aten.rand_like", "aten.randn_like")
 def lower_rand_like(ctx, x, *args, **kwargs):
+    _refuse_where_recorded(ctx, str(ctx.node.target))
     if not ctx.dtype.is_floating_point:
         raise UnsupportedOpError("rand_like", f"random numbers of {ctx.dtype}", ctx.hint)
     kind = "randn" if "randn" in str(ctx.node.target) else "rand"
