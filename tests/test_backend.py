@@ -487,11 +487,14 @@ def _vmapped_then_written(x, out):
     return (z + out).softmax(-1)
 
 
-def test_a_vmap_body_runs_eagerly_and_the_rest_compiles():
+def test_a_vmap_body_runs_eagerly_and_the_rest_compiles(monkeypatch):
     """Dynamo inlines torch.vmap's body; its values are functorch's batched tensors, which have no storage:
     the alias check read their storage and the whole graph ran eagerly (Mamba's selective scan in transformers),
-    and a partition captured on them failed on its first call. Now the body stays eager with the reason and
-    the ops around it compile."""
+    and a partition captured on them failed on its first call. Where AOTAutograd cannot trace the body away (made
+    to fail here), the body stays eager with the reason and the ops around it compile."""
+    import stitchflow.training as training
+
+    monkeypatch.setattr(training, "_through_aot", lambda *args, **kwargs: None)
     x, out = torch.randn(4, 5), torch.randn(4)
     want = _vmapped_then_written(x, out.clone())
     assert_close(torch.compile(_vmapped_then_written, backend="stitchflow")(x, out), want)
@@ -499,6 +502,13 @@ def test_a_vmap_body_runs_eagerly_and_the_rest_compiles():
     assert "batched by torch.vmap" in report and "whole graph" not in report and "failed" not in report
     assert "not rewritten on whole tensors" in report
     assert backend.regions_executed() >= 1
+
+
+def test_a_vmap_body_the_rewrite_does_not_take_compiles_through_aotautograd():
+    x, out = torch.randn(4, 5), torch.randn(4)
+    want = _vmapped_then_written(x, out.clone())
+    assert_close(torch.compile(_vmapped_then_written, backend="stitchflow")(x, out), want)
+    assert backend.FALLBACKS == [], backend.fallback_report()
 
 
 def test_a_partition_without_cuda_inputs_that_makes_cuda_tensors_runs_on_the_gpu_target():
