@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from ..ir.errors import UnsupportedOpError
 from ..ir.expr import Cast, Const, IndexValue, call
 from ..ir.index import add, scale
+from . import values as V
 from .ops_elementwise import elementwise
 from .registry import LowerCtx, factory, lowering, sub_ctx
 from .values import TensorValue
@@ -76,6 +77,23 @@ def lower_dropout(ctx, x, p=0.5, training=True, inplace=False, **_):
         return x
     _refuse_where_recorded(ctx, "dropout")
     return _dropped(ctx, x, _kept(ctx, x.shape, p), p)
+
+
+CHANNEL_DROPOUTS = {F.dropout1d: 1, F.dropout2d: 2, F.dropout3d: 3}
+
+
+@lowering(*CHANNEL_DROPOUTS)
+def lower_channel_dropout(ctx, x, p=0.5, training=True, inplace=False):
+    """Whole channels dropped: one number per (sample, channel), the same over the channel's 1, 2 or 3 spatial dims."""
+    if not training or p == 0:
+        return x
+    _refuse_where_recorded(ctx, ctx.node.target.__name__)
+    spatial = CHANNEL_DROPOUTS[ctx.node.target]
+    if x.rank not in (spatial + 1, spatial + 2):
+        raise UnsupportedOpError(ctx.node.target.__name__, f"an input of rank {x.rank}", ctx.hint)
+    channels = list(x.shape[:x.rank - spatial])
+    kept = V.reshape(_kept(ctx, channels, p), channels + [1] * spatial)
+    return _dropped(ctx, x, kept, p)
 
 
 def _as_output(ctx: LowerCtx, numbers: TensorValue) -> TensorValue:

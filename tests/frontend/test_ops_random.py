@@ -126,3 +126,16 @@ def test_a_program_with_random_numbers_refuses_a_gradient_by_eager_rerun():
     prog = stitchflow.compile(lambda x: x * torch.rand(x.shape[0]), (torch.randn(8),))
     with pytest.raises(StitchflowError, match="draws random numbers"):
         prog(torch.randn(8, requires_grad=True))
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_channel_dropout_drops_whole_channels(target):
+    skip_unless_kernels_run(target)
+    x = torch.ones(64, 32, 5, 7)
+    with torch.no_grad():
+        y = stitchflow.compile(lambda x: F.dropout2d(x, 0.4, training=True), (x,), target=target)(x)
+    per_channel = y.flatten(2)
+    assert torch.equal(per_channel.amax(-1), per_channel.amin(-1))  # one number per (sample, channel)
+    kept = per_channel[..., 0] != 0
+    assert abs(kept.float().mean().item() - 0.6) < 0.05
+    assert torch.allclose(per_channel[kept], torch.tensor(1 / 0.6))
