@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from ..ir.errors import ShapeError, UnsupportedOpError
 from ..ir.expr import Const, IndexValue, call
-from . import values as V
+from . import ops_random, values as V
 from .ops_elementwise import elementwise
 from .ops_linalg import contract
 from .ops_reduce import lower_softmax, reduce
@@ -36,9 +36,6 @@ def _grouped_heads(kv: TensorValue, heads: int) -> TensorValue:
 
 @lowering(F.scaled_dot_product_attention, "aten.scaled_dot_product_attention")
 def lower_sdpa(ctx, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    if dropout_p:
-        raise UnsupportedOpError("scaled_dot_product_attention", f"dropout_p={dropout_p} draws random numbers "
-                                 "(it applies in eval mode too)", ctx.hint)
     if not all(isinstance(t, TensorValue) for t in (q, k, v)):
         raise UnsupportedOpError("scaled_dot_product_attention", "query, key and value must be tensors", ctx.hint)
     if enable_gqa and q.rank >= 3 and k.shape[-3] != q.shape[-3]:
@@ -58,6 +55,8 @@ def lower_sdpa(ctx, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     shaped = sub_ctx(ctx, score_shape, q.dtype, "masked")
     masked = shaped.builder.emit(score_shape, q.dtype, body, hint=shaped.hint)
     probs = lower_softmax(sub_ctx(ctx, score_shape, q.dtype, "probs"), masked, -1)
+    if dropout_p:  # (applied in eval mode too, as torch's)
+        probs = ops_random.dropout(sub_ctx(ctx, score_shape, q.dtype, "dropout"), probs, dropout_p, ctx)
     out = contract(ctx, probs, v)
     if mask is None:
         return out

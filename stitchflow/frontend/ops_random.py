@@ -71,6 +71,13 @@ def lower_native_dropout(ctx, x, p, train):
     return _dropped(ctx, x, kept, p), kept
 
 
+def dropout(ctx: LowerCtx, x: TensorValue, p: float, caller: LowerCtx | None = None) -> TensorValue:
+    """x with each element kept with probability 1 - p and scaled by 1 / (1 - p): a step of a composite op (attention's
+    probabilities), `caller` the op's own context (whose arguments say whether autograd records)."""
+    _refuse_where_recorded(caller or ctx, str((caller or ctx).node.target))
+    return _dropped(ctx, x, _kept(ctx, x.shape, p), p)
+
+
 @lowering(F.dropout, torch.dropout, "aten.dropout", "method:dropout")
 def lower_dropout(ctx, x, p=0.5, training=True, inplace=False, **_):
     if not training or p == 0:

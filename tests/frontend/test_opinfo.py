@@ -74,6 +74,12 @@ def _same_where_both_kept(actual, expected):
     assert_close(actual[both], expected[both])
 
 
+def _same_shape_and_dtype(actual, expected):
+    """Attention with dropout against eager's: its probabilities are dropped at random, so only the kind of result
+    compares (tests/frontend/test_ops_attention.py checks the dropped and kept probabilities)."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype and torch.isfinite(actual).all()
+
+
 def _opinfos():
     by_name = {}
     for info in op_db:
@@ -130,8 +136,9 @@ def run_samples(info, dtype: torch.dtype, target: str, check) -> tuple[int, int]
         except stitchflow.StitchflowError:
             continue
         actual = prog(*tensors)
+        sample_check = _same_shape_and_dtype if sample.kwargs.get("dropout_p") else check  # random: not eager's
         for a, e in zip([actual] if isinstance(expected, torch.Tensor) else actual, outs):
-            check(a, e)
+            sample_check(a, e)
         supported += 1
     assert total > 0
     return supported, total

@@ -59,10 +59,19 @@ def test_the_gpu_target_runs_it_as_one_attention_kernel():
     assert "attention scaled_dot_product_attention_scores .. scaled_dot_product_attention " in prog.explain()
 
 
-def test_dropout_is_refused_with_the_reason():
-    q = torch.randn(1, 1, 4, 8)
-    with pytest.raises(stitchflow.StitchflowError, match="dropout_p=0.1 draws random numbers"):
-        stitchflow.compile(lambda q: F.scaled_dot_product_attention(q, q, q, dropout_p=0.1), (q,))
+@pytest.mark.parametrize("target", ["reference", "gpu"])
+def test_dropout_drops_probabilities_and_rescales_the_rest(target):
+    """With v the identity, each output row is its query's probabilities after dropout: every one either dropped or
+    eager's probability scaled by 1 / (1 - p)."""
+    skip_unless_kernels_run(target)
+    q, v = torch.randn(2, 3, 16, 16), torch.eye(16).expand(2, 3, 16, 16)
+    fn = lambda q, v: F.scaled_dot_product_attention(q, q, v, dropout_p=0.3)  # noqa: E731
+    with torch.no_grad():
+        got = stitchflow.compile(fn, (q, v), target=target)(q, v)
+    probs = F.scaled_dot_product_attention(q, q, v)
+    kept = got != 0
+    assert abs(kept.float().mean().item() - 0.7) < 0.05
+    assert_close(got[kept], probs[kept] / 0.7)
 
 
 def test_the_backend_captures_attention_whole():
