@@ -28,7 +28,6 @@ partition captures itself on each call's real arguments, so each new shape is a 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import operator
 import os
@@ -45,6 +44,8 @@ from .backend_layouts import (channels_last_order, convolution_inputs_like_gradi
 from .backend_partition import (REFUSED, copied_graph, fuse_by_dependence, inline_empty_constants, outputs_read_eagerly,
                                 fold_empty_values, refuse_vmap_bodies, run_flat, split_in_program_order,
                                 supported)
+from .backend_calls import (PartitionCall, address_of, bind_inputs, check_output_devices, dense_strides, numbers_of,
+                            signature_of, static_address, traced_cuda_device, traced_on_host)
 from .backend_vmap import functorch_transforms
 from .frontend.capture import Captured, capture, reads_number
 from .frontend.registry import LOWERINGS, describe_target, early_refusal, is_inplace, key_of
@@ -125,7 +126,7 @@ class StitchflowModule(torch.nn.Module):
         # swapped afterwards, the object staying: vector_to_parameters, weight loading)
         self.addresses: dict[tuple, dict[int, tuple]] = {}
         self.moved: set[int] = set()  # positions whose storage changed between calls: inputs from now on
-        self.last: _Call | None = None  # the previous call, checked first (host time matters per call)
+        self.last: PartitionCall | None = None  # the previous call, checked first (host time matters per call)
         # outputs that an eager op (or, in AOTAutograd's graphs, the other half) reads, by position
         # (None: the partition's single output); they leave in eager's strides (_eager_layouts)
         self.read_eagerly: frozenset = frozenset()
@@ -151,12 +152,12 @@ class StitchflowModule(torch.nn.Module):
     def forward(self, *args):
         return self._forward(self._call_for(args), args)
 
-    def _call_for(self, args) -> "_Call":
+    def _call_for(self, args) -> "PartitionCall":
         call = self.last if self.last is not None and self.last.matches(args) else self._lookup(args)
         self.last = call
         return call
 
-    def _forward(self, call: "_Call", args):
+    def _forward(self, call: "PartitionCall", args):
         if call.program is None:
             return self._eager(args, self.split.get(call.key))
         if call.trusted:
@@ -202,7 +203,7 @@ class StitchflowModule(torch.nn.Module):
             self.traced_strides = [traced_layout(n.meta.get("val")) for n in self.gm.graph.nodes if n.op == "placeholder"]
         return self.traced_strides
 
-    def _run(self, call: "_Call", args):
+    def _run(self, call: "PartitionCall", args):
         if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             return self._to_host(_RecomputedBackward.apply(self, call, *args))
         out = call.program(*[args[k] for k in call.free])
@@ -231,9 +232,9 @@ class StitchflowModule(torch.nn.Module):
             return restrided(out, strides[0]) if None in self.read_eagerly else out
         return type(out)(restrided(o, s) if k in self.read_eagerly else o for k, (o, s) in enumerate(zip(out, strides)))
 
-    def _lookup(self, args) -> "_Call":
-        key = tuple(_signature(a) for a in args) + _numbers(args, self.numbers)
-        moved = [k for k, address in self.addresses.get(key, {}).items() if _address(args[k]) != address]
+    def _lookup(self, args) -> "PartitionCall":
+        key = tuple(signature_of(a) for a in args) + numbers_of(args, self.numbers)
+        moved = [k for k, address in self.addresses.get(key, {}).items() if address_of(args[k]) != address]
         if moved:
             self.moved.update(moved)
             del self.programs[key]
@@ -243,8 +244,8 @@ class StitchflowModule(torch.nn.Module):
             self.programs[key], self.bound[key], self.strides[key] = None, {}, []
         if key not in self.programs:
             self.programs[key], self.bound[key], self.strides[key] = self._compile(args)
-            self.addresses[key] = {k: _address(t) for k, t in self.bound[key].items()}
-        return _Call(self.programs[key], self.bound[key], args, key, self.numbers)
+            self.addresses[key] = {k: address_of(t) for k, t in self.bound[key].items()}
+        return PartitionCall(self.programs[key], self.bound[key], args, key, self.numbers)
 
     def _compile(self, args) -> tuple[Program | None, dict, list]:
         device = traced_cuda_device(self.gm)
@@ -254,7 +255,7 @@ class StitchflowModule(torch.nn.Module):
             captured = self._capture(args)
             written = {k for k, _ in captured.input_writes}  # written back into the caller's tensor: not bound
             bound = {k: a for k, a in enumerate(args)
-                     if k not in self.moved and k not in written and k not in self.numbers and _static_address(a)}
+                     if k not in self.moved and k not in written and k not in self.numbers and static_address(a)}
             layouts = self._layout_options(captured, args, bound)
             examples = dict(zip(captured.graph.inputs, [a for a in args if isinstance(a, torch.Tensor)]))
             captured = bind_inputs(captured, args, bound)
@@ -263,7 +264,7 @@ class StitchflowModule(torch.nn.Module):
                            options, examples)
             log.info("stitchflow: %s compiled for %s: %d nodes in %d regions, %d inputs bound in place", self.name,
                      target, len(captured.graph.nodes), len(prog.regions), len(bound))
-            return prog, bound, _dense_strides(captured.example_outputs)
+            return prog, bound, dense_strides(captured.example_outputs)
         except Exception as err:  # a bug of ours must cost speed, never the user's run
             known = isinstance(err, StitchflowError)
             why = str(err) if known else f"internal error, {type(err).__name__}: {err}"
@@ -271,7 +272,7 @@ class StitchflowModule(torch.nn.Module):
                 log.warning("stitchflow: %s: internal error (%s: %s)", self.name, type(err).__name__, err, exc_info=True)
             split = _split_around(self, getattr(err, "node", ""), why)
             if split is not None:
-                self.split[tuple(_signature(a) for a in args) + _numbers(args, self.numbers)] = split
+                self.split[tuple(signature_of(a) for a in args) + numbers_of(args, self.numbers)] = split
                 why += f"; {err.node} runs eagerly, the rest of the partition compiles around it"
             _record(f"{self.name}: {why}")
             return None, {}, []
@@ -320,7 +321,7 @@ class _RecomputedBackward(torch.autograd.Function):
     Gradients are eager's; training pays one eager forward more per partition."""
 
     @staticmethod
-    def forward(ctx, module: "StitchflowModule", call: "_Call", *args):
+    def forward(ctx, module: "StitchflowModule", call: "PartitionCall", *args):
         ctx.module, ctx.n = module, len(args)
         ctx.tensor_at = [k for k, a in enumerate(args) if isinstance(a, torch.Tensor)]
         ctx.others = {k: a for k, a in enumerate(args) if not isinstance(a, torch.Tensor)}
@@ -347,133 +348,6 @@ class _RecomputedBackward(torch.autograd.Function):
         found = gradients(outs, grads, [args[k] for k in wanted])
         in_grads = dict(zip(wanted, found))
         return (None, None, *(in_grads.get(k) for k in range(ctx.n)))
-
-
-class _Call:
-    """What a call with the same signature and bound storage as an earlier one runs: checking
-    that costs a pointer per bound tensor and a signature per activation, where the full
-    signature of every argument costs more host time than a small block's kernels."""
-
-    def __init__(self, program: Program | None, bound: dict, args, key: tuple = (), numbers: tuple = ()):
-        self.program, self.n, self.key, self.numbers = program, len(args), key, numbers
-        self.values = _numbers(args, numbers)
-        self.trusted = False  # set once the program has run: later calls skip the fallback's guard
-        self.free = tuple(k for k in range(len(args)) if k not in bound)
-        self.pointers = tuple((k, t.data_ptr()) for k, t in bound.items())
-        self.signature = tuple((k, _signature(args[k])) for k in self.free)
-
-    def matches(self, args) -> bool:
-        return (len(args) == self.n and all(isinstance(args[k], torch.Tensor) and args[k].data_ptr() == p for k, p in self.pointers)
-                and all(_signature(args[k]) == s for k, s in self.signature)
-                and (not self.numbers or _numbers(args, self.numbers) == self.values))
-
-
-def _numbers(args, positions: tuple) -> tuple:
-    """The numbers of the inputs at `positions` (read by item() in the graph), for a program's key."""
-    return tuple(args[k].item() if isinstance(args[k], torch.Tensor) else args[k] for k in positions)
-
-
-def traced_cuda_device(gm: fx.GraphModule) -> torch.device | None:
-    """The CUDA device the graph's traced values live on, if any. A partition may take no CUDA input and still
-    make CUDA tensors: BART's attention mask, made of aranges on the device and nothing else. Judged by its
-    inputs alone, it ran on the reference target, on the CPU, and the next graph met the mask there."""
-    for node in gm.graph.nodes:
-        value = node.meta.get("val", node.meta.get("example_value"))
-        if isinstance(value, torch.Tensor) and value.device.type == "cuda":
-            return value.device
-    return None
-
-
-def traced_on_host(gm: fx.GraphModule) -> frozenset:
-    """Positions of the outputs traced on the CPU (None: the single output) in a graph that also makes CUDA
-    tensors; empty where it makes none."""
-    if traced_cuda_device(gm) is None:
-        return frozenset()
-    outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
-
-    def on_host(n) -> bool:
-        value = n.meta.get("val", n.meta.get("example_value")) if isinstance(n, fx.Node) else None
-        return isinstance(value, torch.Tensor) and value.device.type == "cpu"
-
-    if isinstance(outputs, (tuple, list)):
-        return frozenset(k for k, n in enumerate(outputs) if on_host(n))
-    return frozenset({None}) if on_host(outputs) else frozenset()
-
-
-def check_output_devices(gm: fx.GraphModule, out) -> None:
-    """Raise if a program's output is not on the device its traced value was on. The next graph was traced
-    with eager's devices and would fail there, far from the cause (a factory op placed on the wrong device)."""
-    outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
-    traced = [n.meta.get("val", n.meta.get("example_value")) if isinstance(n, fx.Node) else None
-              for n in (outputs if isinstance(outputs, (tuple, list)) else [outputs])]
-    got = [out] if isinstance(out, torch.Tensor) else list(out) if isinstance(out, (tuple, list)) else []
-    if len(got) != len(traced):
-        return
-    for k, (want, have) in enumerate(zip(traced, got)):
-        if isinstance(want, torch.Tensor) and isinstance(have, torch.Tensor) and want.device.type != have.device.type:
-            raise StitchflowError(f"output {k} came out on {have.device}, traced on {want.device}")
-
-
-def _signature(a):
-    if isinstance(a, torch.Tensor):
-        return tuple(a.shape), a.stride(), a.dtype, a.layout, a.device.type
-    if isinstance(a, (tuple, list)):
-        return type(a), tuple(_signature(x) for x in a)
-    return a
-
-
-def _static_address(a) -> bool:
-    """A floating-point parameter or buffer that Dynamo marks as living at a fixed address
-    (integer buffers stay inputs: the gpu target folds constant aranges, which a later
-    in-place update of a bound buffer would not see)."""
-    if not isinstance(a, torch.Tensor) or not a.is_floating_point() or a.layout != torch.strided:
-        return False
-    return isinstance(a, torch.nn.Parameter) or getattr(a, "_dynamo_static_input_type", None) is not None
-
-
-def _dense_strides(outputs) -> list:
-    """The strides of a partition's example outputs (flat), None where one is not a dense tensor."""
-    flat = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs) if isinstance(outputs, (tuple, list)) else []
-    return [o.stride() if isinstance(o, torch.Tensor) and o.layout == torch.strided and _dense(o) else None for o in flat]
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Its elements fill a block of memory once each, in some order of the dims (no expand, no gaps)."""
-    expected = 1
-    for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n > 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _address(a) -> tuple | None:
-    """Where a bound tensor's values live, and how they are laid out there."""
-    if not isinstance(a, torch.Tensor):
-        return None
-    return a.data_ptr(), tuple(a.shape), a.stride(), a.dtype
-
-
-def bind_inputs(captured: Captured, args, bound: dict) -> Captured:
-    """The captured graph with the inputs at the `bound` positions turned into parameters
-    holding those tensors (by reference: the program reads their storage when it runs)."""
-    if not bound:
-        return captured
-    tensor_names = iter(captured.graph.inputs)
-    moved = {}
-    for k, a in enumerate(args):
-        if isinstance(a, torch.Tensor):
-            name = next(tensor_names)
-            if k in bound:
-                moved[name] = bound[k].detach()
-    graph = dataclasses.replace(captured.graph, inputs=tuple(n for n in captured.graph.inputs if n not in moved),
-                                params=captured.graph.params + tuple(moved))
-    names = tuple(n for k, n in enumerate(captured.input_names) if k not in bound)
-    free = [k for k in range(len(args)) if k not in bound]  # the program's inputs: the arguments left
-    writes = tuple((free.index(k), name) for k, name in captured.input_writes)
-    numbers = tuple((free.index(k), number) for k, number in captured.valued_inputs)  # (never bound)
-    return dataclasses.replace(captured, graph=graph, param_values={**captured.param_values, **moved},
-                               input_names=names, input_writes=writes, valued_inputs=numbers)
 
 
 def _eager_write_through_an_alias(gm: fx.GraphModule) -> str | None:

@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import stitchflow.backend as backend
+from stitchflow.backend_calls import is_dense
 from stitchflow.backend_layouts import restrided
 from conftest import assert_close, dynamo_graph
 from stitchflow.apps import APPS
@@ -426,7 +427,7 @@ def test_items_of_an_eager_ops_results_stay_with_it():
 def test_outputs_read_eagerly_leave_in_eagers_strides_only_where_they_matter():
     x = torch.randn(2, 3, 4)
     permuted = x.permute(2, 0, 1)
-    assert backend._dense(permuted) and not backend._dense(x[:, :2]) and not backend._dense(x[:1].expand(5, 3, 4))
+    assert is_dense(permuted) and not is_dense(x[:, :2]) and not is_dense(x[:1].expand(5, 3, 4))
     ours = permuted.contiguous()
     fixed = restrided(ours, permuted.stride())
     assert fixed.stride() == permuted.stride() and torch.equal(fixed, permuted)
