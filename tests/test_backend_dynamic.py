@@ -145,6 +145,7 @@ def test_a_program_holding_an_inputs_number_refuses_another():
     assert_close(program(x, eps), Norm()(x, eps))
     with pytest.raises(StitchflowError, match="input eps is read as a number, compiled as 0.5; called with 0.25"):
         program(x, torch.tensor(0.25))
+    assert "eps: read as the number 0.5" in program.explain()
 
 
 def test_a_number_computed_in_the_graph_is_refused_with_the_reason():

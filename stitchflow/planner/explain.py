@@ -144,8 +144,22 @@ def explain_program(prog) -> str:
     notes = getattr(prog.captured, "notes", None)  # what capture and the target's rewrites of the graph did
     if notes:
         text = "\n".join([text, "", "graph rewrites:", *(f"  {note}" for note in notes)])
+    inputs = _program_inputs(prog.captured)
+    if inputs:
+        text = "\n".join([text, "", "inputs the program supplies or holds:", *(f"  {line}" for line in inputs)])
     target_lines = getattr(prog.target, "explain", None)  # what the target itself decides (gpu: chain plans)
     if target_lines is not None:
         params = getattr(prog.captured, "param_values", None)
         text = "\n".join([text] + target_lines(prog.graph, prog.regions, prog.options, params=params))
     return text
+
+
+def _program_inputs(captured) -> list[str]:
+    """The random ops' seed (drawn at every call) and the inputs read as numbers (constants of the program)."""
+    lines = []
+    seed = getattr(captured, "random_seed", None)
+    if seed is not None:
+        lines.append(f"{seed}: drawn from torch's generator at every call (the random ops' Philox key)")
+    for k, number in getattr(captured, "valued_inputs", ()):
+        lines.append(f"{captured.input_names[k]}: read as the number {number}; another number needs another program")
+    return lines

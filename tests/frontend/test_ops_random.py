@@ -139,3 +139,9 @@ def test_channel_dropout_drops_whole_channels(target):
     kept = per_channel[..., 0] != 0
     assert abs(kept.float().mean().item() - 0.6) < 0.05
     assert torch.allclose(per_channel[kept], torch.tensor(1 / 0.6))
+
+
+def test_explain_names_the_seed_the_program_draws():
+    with torch.no_grad():
+        prog = stitchflow.compile(_dropout, (torch.randn(4, 6),))
+    assert "random_seed: drawn from torch's generator at every call" in prog.explain()
