@@ -69,3 +69,29 @@ def test_per_sample_gradients_of_a_model():
     for name in expected:
         assert_close(got[name], expected[name])
     assert backend.FALLBACKS == [], backend.fallback_report()
+
+
+def test_a_physics_informed_loss_trains_through_second_derivatives():
+    """A PINN's residual: u'' + u' - sin(x) at collocation points, the derivatives by vmap(grad(...)) of the
+    network in x, then the loss's gradient in the parameters (AOTAutograd's training graphs hold it all)."""
+    import copy
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(1, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+    twin = copy.deepcopy(net)
+
+    def residual(model, x):
+        u = lambda t: model(t.reshape(1, 1)).sum()  # noqa: E731
+        return (vmap(grad(grad(u)))(x) + vmap(grad(u))(x) - x.sin()).square().mean()
+
+    x = torch.linspace(0, 1, 16)
+    got = torch.compile(lambda x: residual(net, x), backend="stitchflow")(x)
+    want = residual(twin, x)
+    got.backward()
+    want.backward()
+    assert_close(got, want)
+    for p, q in zip(net.parameters(), twin.parameters()):
+        assert (p.grad is None) == (q.grad is None)
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    assert backend.FALLBACKS == [], backend.fallback_report()
