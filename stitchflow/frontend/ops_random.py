@@ -41,8 +41,7 @@ def draw(ctx: LowerCtx, shape, kind: str = "rand", hint: str | None = None) -> T
     strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
 
     def body(o, r, rg):
-        offset = add(*(scale(v, s) for v, s in zip(o, strides))) if o else Const(0)
-        offset = IndexValue(offset) if o else offset
+        offset = IndexValue(add(*(scale(v, s) for v, s in zip(o, strides)))) if o else Const(0)
         return call(kind, call("add", seed.read([], rg), Const(stream)), offset)
 
     return ctx.builder.emit(list(shape), torch.float32, body, hint=hint or f"{ctx.hint}_{kind}")
