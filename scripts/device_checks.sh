@@ -5,7 +5,7 @@
 #       kernels (session 54 fixed their atomics' scalar address, unverified), grouped GEMMs, written inputs, Fourier
 #       transforms and complex values, blocked scans, merge-ranked sorts, searchsorted; then MPNet, ModernBERT,
 #       LLaVA and the four mixtures of experts in bfloat16 (session 54 folded their get_device_capability calls,
-#       unverified), FNet and Mamba in float32 with training; session 55's dynamic-shape tests
+#       unverified), FNet and Mamba in float32 with training; session 55's dynamic-shape, torch.func and random tests
 #   bash scripts/device_checks.sh gnn    -- the GNN bench, one case at a time, with its torch_geometric runners
 #   bash scripts/device_checks.sh moe    -- the grouped GEMMs timed: scripts/moe_probe.py
 #   bash scripts/device_checks.sh long   -- long sorts and scans, and the DFT GEMMs, timed: scripts/long_ops_probe.py
@@ -23,7 +23,8 @@ if [ "${1:-checks}" = "checks" ]; then
     tests/frontend/test_ops_scan.py tests/frontend/test_ops_sort.py \
     -k "stores or scatter or operator_methods or augmented or torch_geometric or masked or refus or grouped or writ or transforms or complex or rotary or fourier or fft or pairs or blocked or merge or long or insertion or question or gpu" \
     > "$OUT/pytest.log" 2>&1
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_backend_dynamic.py > "$OUT/pytest_dynamic.log" 2>&1
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_backend_dynamic.py tests/test_backend_func.py \
+    tests/frontend/test_ops_random.py > "$OUT/pytest_dynamic.log" 2>&1
   grep -E "^ok|^MIS|^ERR|fallback:|/[0-9]+ ok" "$OUT/zoo_fp32.log" "$OUT/zoo_bf16.log" | cut -c1-160 | tail -24
   grep -E "error:|^FAILED|passed|failed" "$OUT/pytest.log" "$OUT/pytest_dynamic.log" | cut -c1-200 | tail -16
 elif [ "$1" = "long" ]; then

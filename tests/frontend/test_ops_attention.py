@@ -64,7 +64,8 @@ def test_dropout_drops_probabilities_and_rescales_the_rest(target):
     """With v the identity, each output row is its query's probabilities after dropout: every one either dropped or
     eager's probability scaled by 1 / (1 - p)."""
     skip_unless_kernels_run(target)
-    q, v = torch.randn(2, 3, 16, 16), torch.eye(16).expand(2, 3, 16, 16)
+    device = "cuda" if target == "gpu" and torch.cuda.is_available() else "cpu"
+    q, v = torch.randn(2, 3, 16, 16, device=device), torch.eye(16, device=device).expand(2, 3, 16, 16)
     fn = lambda q, v: F.scaled_dot_product_attention(q, q, v, dropout_p=0.3)  # noqa: E731
     with torch.no_grad():
         got = stitchflow.compile(fn, (q, v), target=target)(q, v)

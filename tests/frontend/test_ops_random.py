@@ -19,6 +19,11 @@ from stitchflow.ir.errors import StitchflowError
 TARGETS = ["reference", "gpu"]
 
 
+def _device(target: str) -> str:
+    """Where a target's tensors live: the gpu target's on CUDA where there is a GPU (else the interpreter's CPU)."""
+    return "cuda" if target == "gpu" and torch.cuda.is_available() else "cpu"
+
+
 def test_philox_equals_tritons_own_generator():
     skip_unless_kernels_run("gpu")
     import triton
@@ -55,27 +60,30 @@ def _dropout(x):
 @pytest.mark.parametrize("target", TARGETS)
 def test_dropout_keeps_its_rate_and_scale_and_draws_anew_each_call(target):
     skip_unless_kernels_run(target)
-    x = torch.ones(300, 200)
+    x = torch.ones(300, 200, device=_device(target))
     with torch.no_grad():
         prog = stitchflow.compile(_dropout, (x,), target=target)
         first, second = prog(x), prog(x)
     kept = first != 0
     assert abs(kept.float().mean().item() - 0.7) < 0.01
-    assert torch.allclose(first[kept], torch.tensor(2 / 0.7))
+    assert torch.allclose(first[kept], torch.tensor(2 / 0.7, device=x.device))
     assert not torch.equal(first, second)
 
 
-def test_a_seeded_run_repeats_and_both_targets_draw_the_same_numbers():
+def test_a_seeded_run_repeats_and_both_targets_draw_the_same_numbers(monkeypatch):
     skip_unless_kernels_run("gpu")
-    x = torch.randn(37, 53)
     outs = []
     with torch.no_grad():
         for target in TARGETS:
+            x = torch.randn(37, 53, generator=torch.Generator().manual_seed(0)).to(_device(target))
             prog = stitchflow.compile(_dropout, (x,), target=target)
             torch.manual_seed(3)
-            outs.append(prog(x))
+            first = prog(x)
             torch.manual_seed(3)
-            assert torch.equal(prog(x), outs[-1])
+            assert torch.equal(prog(x), first)
+            # the same seed on both targets (torch's CPU and CUDA generators would draw different ones)
+            monkeypatch.setattr(prog, "random_seed", lambda inputs: torch.tensor(1234, device=x.device))
+            outs.append(prog(x).cpu())
     assert torch.equal(outs[0], outs[1])
 
 
@@ -84,9 +92,10 @@ def test_rand_randn_and_bernoulli_in_a_graph(target):
     skip_unless_kernels_run(target)
 
     def noisy(x):
-        return x + torch.randn_like(x) * 0.5, torch.rand(x.shape[0], 4) , torch.bernoulli(torch.full_like(x, 0.25))
+        return x + torch.randn_like(x) * 0.5, torch.rand(x.shape[0], 4, device=x.device), \
+            torch.bernoulli(torch.full_like(x, 0.25))
 
-    x = torch.zeros(256, 64)
+    x = torch.zeros(256, 64, device=_device(target))
     with torch.no_grad():
         normal, uniform, coins = stitchflow.compile(noisy, (x,), target=target)(x)
     assert abs(normal.std().item() - 0.5) < 0.02 and uniform.shape == (256, 4) and 0 <= uniform.min()
@@ -99,8 +108,8 @@ def test_training_through_dropout_takes_the_forwards_mask(target, fresh_dynamo):
     exactly the elements the forward kept, scaled as they were."""
     skip_unless_kernels_run(target)
     torch.manual_seed(0)
-    w = torch.rand(64, 32).add(0.1).requires_grad_()
-    x = torch.rand(64, 32).add(0.1)
+    w = torch.rand(64, 32, device=_device(target)).add(0.1).requires_grad_()
+    x = torch.rand(64, 32, device=_device(target)).add(0.1)
     compiled = torch.compile(lambda x, w: F.dropout(x * w, 0.25, training=True).tanh(), backend="stitchflow",
                              options={"target": target})
     y = compiled(x, w)
@@ -131,14 +140,14 @@ def test_a_program_with_random_numbers_refuses_a_gradient_by_eager_rerun():
 @pytest.mark.parametrize("target", TARGETS)
 def test_channel_dropout_drops_whole_channels(target):
     skip_unless_kernels_run(target)
-    x = torch.ones(64, 32, 5, 7)
+    x = torch.ones(64, 32, 5, 7, device=_device(target))
     with torch.no_grad():
         y = stitchflow.compile(lambda x: F.dropout2d(x, 0.4, training=True), (x,), target=target)(x)
     per_channel = y.flatten(2)
     assert torch.equal(per_channel.amax(-1), per_channel.amin(-1))  # one number per (sample, channel)
     kept = per_channel[..., 0] != 0
     assert abs(kept.float().mean().item() - 0.6) < 0.05
-    assert torch.allclose(per_channel[kept], torch.tensor(1 / 0.6))
+    assert torch.allclose(per_channel[kept], torch.tensor(1 / 0.6, device=x.device))
 
 
 def test_explain_names_the_seed_the_program_draws():
