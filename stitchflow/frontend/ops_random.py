@@ -1,4 +1,4 @@
-"""Lowerings of random ops: dropout, rand, randn, bernoulli.
+"""Lowerings of random ops: dropout, rand, randn, bernoulli, randint, randperm, multinomial.
 
 Each op draws counter-based numbers (ir/random.py): element o of its result takes Philox's number for key
 seed + stream and counter = o's row-major offset, where the seed is the graph's input that the program draws at
@@ -23,6 +23,8 @@ from ..ir.expr import Cast, Const, IndexValue, call
 from ..ir.index import add, scale
 from . import values as V
 from .ops_elementwise import elementwise
+from .ops_reduce import extreme_and_index
+from .ops_sort import sorted_along
 from .registry import LowerCtx, factory, lowering, sub_ctx
 from .values import TensorValue
 
@@ -104,8 +106,7 @@ def lower_channel_dropout(ctx, x, p=0.5, training=True, inplace=False):
 
 def _as_output(ctx: LowerCtx, numbers: TensorValue) -> TensorValue:
     """The numbers in the op's dtype (eager's default float32 unless asked)."""
-    if ctx.node.kwargs.get("generator") is not None:
-        raise UnsupportedOpError(str(ctx.node.target), "a generator of the caller's (its numbers are its own)", ctx.hint)
+    _no_generator(ctx, str(ctx.node.target))
     if ctx.dtype == torch.float32:
         return numbers
     return elementwise(ctx, lambda u: Cast(ctx.dtype, u), numbers, hint=ctx.hint)
@@ -140,3 +141,59 @@ def lower_bernoulli(ctx, x, p=None, **kwargs):
                            numbers, hint=ctx.hint)
     return elementwise(ctx, lambda u, q: Cast(ctx.dtype, call("where", call("lt", u, q), one, zero)), numbers, x,
                        hint=ctx.hint)
+
+
+def _no_generator(ctx: LowerCtx, what: str) -> None:
+    if ctx.node.kwargs.get("generator") is not None:
+        raise UnsupportedOpError(what, "a generator of the caller's (its numbers are its own)", ctx.hint)
+
+
+def _in_dtype(ctx: LowerCtx, values: TensorValue) -> TensorValue:
+    return values if values.dtype == ctx.dtype else elementwise(ctx, lambda v: Cast(ctx.dtype, v), values)
+
+
+EXACT_RANGE = 1 << 24  # the integers a float32 number in [0, 1) scales onto evenly
+
+
+@factory(torch.randint, "aten.randint")
+def lower_randint(ctx, *args, **kwargs):
+    """floor(u * (high - low)) + low for u in [0, 1), clamped below high (a product that rounds up)."""
+    _refuse_where_recorded(ctx, "randint")
+    _no_generator(ctx, "randint")
+    bounds = [int(a) for a in args if isinstance(a, int)]
+    low, high = (0, bounds[0]) if len(bounds) == 1 else (bounds[0], bounds[1])
+    if not 0 < high - low <= EXACT_RANGE:
+        raise UnsupportedOpError("randint", f"a range of {high - low} integers (lowered: 1 to 2^24)", ctx.hint)
+    numbers = draw(ctx, ctx.shape, hint=f"{ctx.hint}_draw")
+    return elementwise(ctx, lambda u: Cast(ctx.dtype, call("add", call("min", call("floor", call(
+        "mul", u, Const(float(high - low)))), Const(float(high - low - 1))), Const(float(low)))), numbers)
+
+
+@factory(torch.randperm, "aten.randperm")
+def lower_randperm(ctx, n, *args, **kwargs):
+    """The order that sorts n numbers drawn uniformly: every permutation equally likely (ties aside)."""
+    _refuse_where_recorded(ctx, "randperm")
+    _no_generator(ctx, "randperm")
+    n = int(n)
+    numbers = draw(ctx, [n], hint=f"{ctx.hint}_draw")
+    _, order = sorted_along(sub_ctx(ctx, [n], torch.float32, "order"), numbers, 0, n, False, "randperm")
+    return _in_dtype(ctx, order)
+
+
+@lowering(torch.multinomial, "method:multinomial", "aten.multinomial")
+def lower_multinomial(ctx, weights, num_samples, replacement=False, **kwargs):
+    """Gumbel-max: the largest log w + g, g = -log(-log u) drawn per element, falls on index i with probability
+    w_i / sum w. Without replacement the k largest (Gumbel-top-k), with replacement one such draw per sample."""
+    _refuse_where_recorded(ctx, "multinomial")
+    _no_generator(ctx, "multinomial")
+    k, n = int(num_samples), weights.shape[-1]
+    lead = list(weights.shape[:-1])
+    per_sample = replacement and k > 1
+    shape = lead + ([k, n] if per_sample else [n])
+    source = V.expand(V.unsqueeze(weights, weights.rank - 1), shape) if per_sample else weights
+    numbers = draw(ctx, shape, hint=f"{ctx.hint}_draw")
+    scores = elementwise(sub_ctx(ctx, shape, torch.float32, "scores"), lambda w, u: call("sub", call(
+        "log", Cast(torch.float32, w)), call("log", call("neg", call("log", u)))), source, numbers)
+    if per_sample:
+        return extreme_and_index(sub_ctx(ctx, lead + [k], torch.int64, "pick"), scores, -1, False, "max")[1]
+    return sorted_along(sub_ctx(ctx, lead + [k], torch.float32, "top"), scores, -1, k, True, "multinomial")[1]

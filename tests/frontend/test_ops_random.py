@@ -154,3 +154,30 @@ def test_explain_names_the_seed_the_program_draws():
     with torch.no_grad():
         prog = stitchflow.compile(_dropout, (torch.randn(4, 6),))
     assert "random_seed: drawn from torch's generator at every call" in prog.explain()
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_sampling_ops_draw_from_their_distributions(target):
+    """multinomial by Gumbel-max (with and without replacement), randint in its range, randperm a permutation."""
+    skip_unless_kernels_run(target)
+    weights = torch.tensor([[1.0, 2.0, 3.0, 0.0, 4.0]], device=_device(target)).repeat(4000, 1)
+
+    def sample(w):
+        return (torch.multinomial(w, 1), torch.multinomial(w, 3), torch.multinomial(w, 6, replacement=True),
+                torch.randint(3, 10, (w.shape[0], 7), device=w.device), torch.randperm(w.shape[0] // 4, device=w.device))
+
+    with torch.no_grad():
+        one, three, six, ints, order = (t.cpu() for t in stitchflow.compile(sample, (weights,), target=target)(weights))
+    expected = torch.tensor([0.1, 0.2, 0.3, 0.0, 0.4])
+    for drawn in (one, six):
+        frequencies = torch.bincount(drawn.flatten(), minlength=5).float() / drawn.numel()
+        assert (frequencies - expected).abs().max() < 0.025 and frequencies[3] == 0
+    assert three.shape == (4000, 3) and (three != 3).all()
+    assert all((three[:, a] != three[:, b]).all() for a, b in ((0, 1), (0, 2), (1, 2)))  # without replacement
+    assert ints.dtype == torch.int64 and ints.min() == 3 and ints.max() == 9
+    assert torch.equal(order.sort().values, torch.arange(1000))
+
+
+def test_a_randint_range_past_float32s_resolution_is_refused():
+    with pytest.raises(StitchflowError, match="range of"):
+        stitchflow.compile(lambda x: x + torch.randint(0, 1 << 30, (x.shape[0],)), (torch.randn(4),))
