@@ -104,30 +104,18 @@ def lower_channel_dropout(ctx, x, p=0.5, training=True, inplace=False):
     return _dropped(ctx, x, kept, p)
 
 
-def _as_output(ctx: LowerCtx, numbers: TensorValue) -> TensorValue:
-    """The numbers in the op's dtype (eager's default float32 unless asked)."""
-    _no_generator(ctx, str(ctx.node.target))
-    if ctx.dtype == torch.float32:
-        return numbers
-    return elementwise(ctx, lambda u: Cast(ctx.dtype, u), numbers, hint=ctx.hint)
-
-
 @factory(torch.rand, torch.randn, "aten.rand", "aten.randn")
 def lower_rand(ctx, *args, **kwargs):
-    _refuse_where_recorded(ctx, str(ctx.node.target))
+    """U[0, 1) or N(0, 1) numbers in the op's shape and dtype (float32 unless asked); the _like forms too."""
+    what = str(ctx.node.target)
+    _refuse_where_recorded(ctx, what)
+    _no_generator(ctx, what)
     if not ctx.dtype.is_floating_point:
-        raise UnsupportedOpError("rand", f"random numbers of {ctx.dtype}", ctx.hint)
-    kind = "randn" if "randn" in str(ctx.node.target) else "rand"
-    return _as_output(ctx, draw(ctx, ctx.shape, kind))
+        raise UnsupportedOpError(what, f"random numbers of {ctx.dtype}", ctx.hint)
+    return _in_dtype(ctx, draw(ctx, ctx.shape, "randn" if "randn" in what else "rand"))
 
 
-@lowering(torch.rand_like, torch.randn_like, "aten.rand_like", "aten.randn_like")
-def lower_rand_like(ctx, x, *args, **kwargs):
-    _refuse_where_recorded(ctx, str(ctx.node.target))
-    if not ctx.dtype.is_floating_point:
-        raise UnsupportedOpError("rand_like", f"random numbers of {ctx.dtype}", ctx.hint)
-    kind = "randn" if "randn" in str(ctx.node.target) else "rand"
-    return _as_output(ctx, draw(ctx, ctx.shape, kind))
+lowering(torch.rand_like, torch.randn_like, "aten.rand_like", "aten.randn_like")(lower_rand)
 
 
 @lowering(torch.bernoulli, "method:bernoulli", "aten.bernoulli")
